@@ -1,0 +1,60 @@
+"""Every choice llmsim makes is an enum; strings are mapped to them only at the CLI edge."""
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Category(str, Enum):
+    """What a block of memory holds (the vocabulary of DESIGN.md, stage 3)."""
+
+    PARAMETER = "parameter"
+    GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer_state"
+    MASTER_WEIGHTS = "master_weights"
+    ACTIVATION = "activation"  # allocated in the forward and still alive when it ends (saved for backward)
+    ALLGATHER_BUFFER = "allgather_buffer"
+    OUTPUT_GATHER_BUFFER = "output_gather_buffer"
+    REDUCE_BUCKET = "reduce_bucket"
+    TEMPORARY = "temporary"  # allocated and freed inside one phase
+    INPUT = "input"  # the batch: input_ids and labels
+    BUFFER = "buffer"  # module buffers (rotary inv_freq, position ids, ...)
+    OTHER = "other"
+
+
+class Phase(str, Enum):
+    """Where in the canonical step an event happens, in execution order."""
+
+    BUILD = "build"  # from_config, the dtype cast, the optimizer constructor and the batch
+    FORWARD = "forward"  # model(input_ids, labels) including the loss
+    BACKWARD = "backward"  # loss.backward()
+    OPTIMIZER = "optimizer"  # opt.step() and opt.zero_grad(set_to_none=True)
+
+
+class Precision(str, Enum):
+    FP32 = "fp32"  # everything fp32
+    BF16 = "bf16"  # model cast to bf16: weights, grads and AdamW states all bf16 (no master weights)
+    BF16_AUTOCAST = "bf16-autocast"  # fp32 weights and states, forward under torch.autocast(bfloat16)
+
+
+class Attention(str, Enum):
+    """transformers' `attn_implementation` values llmsim knows."""
+
+    SDPA = "sdpa"
+    EAGER = "eager"
+
+
+class Device(str, Enum):
+    """The target whose kernels the trace must select (DESIGN.md stage 1)."""
+
+    CPU = "cpu"
+
+
+def parse_enum(enum_cls: type[Enum], value: str, what: str) -> Enum:
+    """Map a user string to an enum member or raise a one-line error naming the valid choices."""
+    from llmsim.errors import InputError
+
+    for member in enum_cls:
+        if member.value == value:
+            return member
+    choices = ", ".join(m.value for m in enum_cls)
+    raise InputError(f"unknown {what} {value!r}; valid choices: {choices}")

@@ -1,0 +1,188 @@
+"""The two inputs of every prediction: which model (`ModelSpec`) and which training loop (`TrainSetup`).
+
+Both are frozen and validated on construction, so everything downstream can trust them.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from llmsim.enums import Attention, Device, Precision
+from llmsim.errors import InputError
+
+ZOO_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
+CANONICAL_STEPS = 3
+# Model types whose position embedding is a learned table: a longer sequence indexes past its end.
+LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt", "gpt_neo", "biogpt"})  # DESIGN.md: the peak is taken from just before the build to the end of step 3
+
+
+def zoo_names() -> list[str]:
+    return sorted(p.stem for p in ZOO_DIR.glob("*.json"))
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """One process's canonical training loop (DESIGN.md, "The canonical training step")."""
+
+    micro_batch: int
+    seq_len: int
+    precision: Precision = Precision.FP32
+    attention: Attention = Attention.SDPA
+    grad_ckpt: bool = False
+    ckpt_every: int = 1  # transformers' `every_n_layers`: layer i is checkpointed iff i % ckpt_every == 0
+    steps: int = CANONICAL_STEPS
+    device: Device = Device.CPU
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "seq_len", "ckpt_every", "steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InputError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.ckpt_every != 1 and not self.grad_ckpt:
+            raise InputError(f"ckpt-every({self.ckpt_every}) needs activation checkpointing (--grad-ckpt)")
+
+    @property
+    def ckpt_period(self) -> int:
+        """Layers repeat their memory behaviour with this period."""
+        return self.ckpt_every if self.grad_ckpt else 1
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A causal LM: an HF config (zoo name or config.json path, plus overrides) or a `module:factory`."""
+
+    name: str
+    config_json: str | None = None  # canonical JSON of the HF config dict, overrides applied
+    factory: str | None = None  # "package.module:function" returning an nn.Module
+    overrides: tuple[tuple[str, Any], ...] = field(default=())
+
+    @property
+    def config_dict(self) -> dict[str, Any]:
+        assert self.config_json is not None
+        return json.loads(self.config_json)
+
+    def hf_config(self, num_layers: int | None = None):
+        """The transformers config, optionally cut to `num_layers` decoder layers (for the trace)."""
+        config = copy.deepcopy(_hf_config_from_json(self.config_json))  # from_config mutates its config
+        if num_layers is not None:
+            _set_depth(config, num_layers)
+        return config
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config().num_hidden_layers)
+
+    @property
+    def layer_period(self) -> int:
+        """Smallest period of the per-layer attention types (1 for homogeneous models)."""
+        types = getattr(self.hf_config(), "layer_types", None) or []
+        return _smallest_period(list(types)) if types else 1
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config().vocab_size)
+
+    @property
+    def max_positions(self) -> int | None:
+        config = self.hf_config()
+        for key in ("max_position_embeddings", "n_positions"):
+            value = getattr(config, key, None)
+            if isinstance(value, int):
+                return value
+        return None
+
+    def factory_callable(self) -> Callable[[], Any]:
+        module_name, _, attr = self.factory.partition(":")  # type: ignore[union-attr]
+        return getattr(importlib.import_module(module_name), attr)
+
+
+def _smallest_period(items: list) -> int:
+    for period in range(1, len(items) + 1):
+        if all(items[i] == items[i % period] for i in range(len(items))):
+            return period
+    return len(items)
+
+
+def _set_depth(config, num_layers: int) -> None:
+    types = getattr(config, "layer_types", None)
+    config.num_hidden_layers = num_layers  # attribute_map turns this into n_layer for GPT-2, BLOOM, CodeGen
+    if isinstance(types, list):
+        config.layer_types = types[:num_layers]
+
+
+@functools.lru_cache(maxsize=64)
+def _hf_config_from_json(config_json: str):
+    from transformers import AutoConfig
+
+    config_dict = json.loads(config_json)
+    return AutoConfig.for_model(**config_dict)
+
+
+def load_model_spec(name: str, overrides: dict[str, Any] | None = None) -> ModelSpec:
+    """Resolve `name` (zoo name, path to an HF config.json, or module:factory) into a validated spec."""
+    overrides = dict(overrides or {})
+    if ":" in name and not Path(name).exists():
+        if overrides:
+            raise InputError(f"config overrides {sorted(overrides)} cannot apply to a module:factory model")
+        spec = ModelSpec(name=name, factory=name)
+        try:
+            spec.factory_callable()
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise InputError(f"cannot load model factory {name!r}: {exc}") from None
+        return spec
+    config_dict = _read_config(name)
+    config_dict.update(overrides)
+    _check_architecture(name, config_dict)
+    config_json = json.dumps(config_dict, sort_keys=True)
+    try:
+        config = _hf_config_from_json(config_json)
+    except Exception as exc:  # transformers raises many types for invalid configs
+        raise InputError(f"invalid config for model {name!r}: {exc}".splitlines()[0]) from None
+    spec = ModelSpec(name=name, config_json=config_json, overrides=tuple(sorted(overrides.items())))
+    if getattr(config, "num_hidden_layers", 0) < 1:
+        raise InputError(f"model {name!r} has num_hidden_layers({config.num_hidden_layers}); need >= 1")
+    return spec
+
+
+def _read_config(name: str) -> dict[str, Any]:
+    path = ZOO_DIR / f"{name}.json"
+    if not path.exists():
+        path = Path(name)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise InputError(f"unknown model {name!r}; valid zoo names: {', '.join(zoo_names())} "
+                             "(or a path to an HF config.json, or module:factory)")
+    try:
+        config_dict = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot read model config {str(path)!r}: {exc}") from None
+    if not isinstance(config_dict, dict):
+        raise InputError(f"model config {str(path)!r} is not a JSON object")
+    return config_dict
+
+
+def _check_architecture(name: str, config_dict: dict[str, Any]) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config_dict.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        valid = ", ".join(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+        raise InputError(f"model {name!r} has model_type {model_type!r}, which transformers cannot build as a "
+                         f"causal LM; valid model types: {valid}")
+
+
+def check_fits_positions(spec: ModelSpec, setup: TrainSetup) -> None:
+    """A sequence longer than a learned position table cannot run at all."""
+    if spec.config_json is None:
+        return
+    limit = spec.max_positions
+    learned = spec.config_dict.get("model_type") in LEARNED_POSITION_MODEL_TYPES
+    if limit is not None and learned and setup.seq_len > limit:
+        raise InputError(f"seq-len({setup.seq_len}) exceeds {spec.name}'s max positions({limit})")
+

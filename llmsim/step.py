@@ -1,0 +1,227 @@
+"""The canonical training step (DESIGN.md), run under a `StorageTracker`.
+
+One function serves both sides of every claim: `measure` runs it on real tensors (the oracle) and the
+trace runs it on fake tensors at reduced depth (the predictor). What happens here is what is predicted.
+
+The loop, exactly:
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=...)   # fp32
+    model.to(torch.bfloat16)                  # precision bf16 only
+    model.train()                             # fine-tuning runs in train mode: dropout masks are real memory
+    model.activation_checkpointing_enable(every_n_layers=n)   # --grad-ckpt only
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randint(0, vocab, (micro_batch, seq_len))
+    3 times: loss = model(input_ids=x, labels=x).loss   # under torch.autocast(bfloat16) for bf16-autocast
+             loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_leaves
+
+from llmsim.enums import Category, Phase, Precision
+from llmsim.spec import TrainSetup
+from llmsim.tracker import NO_BLOCK, StorageTracker
+
+ROOT_MODULE = "<root>"  # the FQN "" of the model itself, where HF computes the loss
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the traced run tells later stages about the model's structure."""
+
+    blocks_prefix: str  # FQN of the ModuleList of decoder layers, e.g. "model.layers"
+    num_blocks: int
+    first_module: str  # first leaf module of the forward (the embedding)
+    last_module: str  # last leaf module of the forward (the LM head)
+    vocab_size: int
+
+
+def find_blocks(model: nn.Module, expected: int | None) -> tuple[str, nn.ModuleList]:
+    """The repeated decoder layers: the ModuleList of one layer class with `expected` (else most) entries."""
+    best: tuple[str, nn.ModuleList] = ("", nn.ModuleList())
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len({type(m) for m in module}) != 1:
+            continue
+        if expected is not None and len(module) == expected:
+            return name, module
+        if len(module) > len(best[1]):
+            best = (name, module)
+    return best
+
+
+class LayerHooks:
+    """Keeps the tracker's (block, module) context in step with the model while it runs."""
+
+    def __init__(self, tracker: StorageTracker, model: nn.Module, expected_blocks: int | None) -> None:
+        self.tracker = tracker
+        self.model = model
+        self.prefix, blocks = find_blocks(model, expected_blocks)
+        self.num_blocks = len(blocks)
+        self.leaf_order: list[str] = []
+        self._stack: list[str] = []
+        self.label_model()
+        for name, module in model.named_modules():
+            module.register_forward_pre_hook(self._pre(name), with_kwargs=True)
+            module.register_forward_hook(self._post(name))
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(self._block_pre(index), with_kwargs=True)
+            block.register_forward_hook(self._block_post(index))
+
+    def block_of(self, fqn: str) -> int:
+        head = self.prefix + "."
+        if self.prefix and fqn.startswith(head):
+            return int(fqn[len(head):].split(".", 1)[0])
+        return NO_BLOCK
+
+    def label_model(self) -> None:
+        for category, named in ((Category.PARAMETER, self.model.named_parameters()),
+                                (Category.BUFFER, self.model.named_buffers())):
+            named = list(named)
+            names, tensors = zip(*named) if named else ((), ())
+            self.tracker.label(tensors, category, names, [self.block_of(n) for n in names], retag=True)
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+
+        def grads(opt, args, kwargs):
+            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            self.tracker.label([p.grad for p in params], Category.GRADIENT, [names[id(p)] for p in params],
+                               [self.block_of(names[id(p)]) for p in params])
+
+        def states(opt, args, kwargs):
+            tensors = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            self.tracker.label(tensors, Category.OPTIMIZER_STATE)
+
+        optimizer.register_step_pre_hook(grads)
+        optimizer.register_step_post_hook(states)
+
+    def enter_backward(self) -> None:
+        self.tracker.block, self.tracker.module = NO_BLOCK, self.leaf_order[-1] if self.leaf_order else ""
+
+    # ---- forward: a module stack; backward: tensor hooks at layer boundaries ----------------------------
+    def _forward(self) -> bool:
+        return self.tracker.phase is Phase.FORWARD
+
+    def _pre(self, name: str):
+        def hook(module, args, kwargs):
+            if self._forward():
+                self._stack.append(name or ROOT_MODULE)
+                self.tracker.module = self._stack[-1]
+                if not list(module.children()) and name not in self.leaf_order:
+                    self.leaf_order.append(name)
+        return hook
+
+    def _post(self, name: str):
+        def hook(module, args, output):
+            if self._forward() and self._stack:
+                self._stack.pop()
+                self.tracker.module = self._stack[-1] if self._stack else ""
+            if self._forward() and not name:
+                # Past the model's forward no layer runs: what is freed now (autocast dropping its
+                # weight-cast cache on exit) belongs to the layer that allocated it.
+                self.tracker.frees_by_owner = True
+        return hook
+
+    def _block_pre(self, index: int):
+        def hook(module, args, kwargs):
+            if not self._forward():
+                return
+            self.tracker.block = index
+            self.tracker.frees_by_owner = False
+            if index == 0:  # the gradient of layer 0's input is where the backward leaves the layers
+                _on_grad(_first_grad_tensor((args, kwargs)), self._enter(NO_BLOCK, self.leaf_order[0]))
+        return hook
+
+    def _block_post(self, index: int):
+        def hook(module, args, output):
+            if not self._forward():
+                return
+            # The block stays current until the next one starts: what runs between two layers (the
+            # decoder loop rebinding `hidden_states`) happens once per layer, so it belongs to a layer.
+            _on_grad(_first_grad_tensor(output), self._enter(index, f"{self.prefix}.{index}"))
+        return hook
+
+    def _enter(self, block: int, module: str):
+        def hook(grad):
+            self.tracker.block, self.tracker.module = block, module
+        return hook
+
+    def info(self, vocab_size: int) -> StepInfo:
+        return StepInfo(self.prefix, self.num_blocks, self.leaf_order[0], self.leaf_order[-1], vocab_size)
+
+
+def _first_grad_tensor(tree) -> torch.Tensor | None:
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            return leaf
+    return None
+
+
+def _on_grad(tensor: torch.Tensor | None, hook) -> None:
+    """Run `hook` just before the autograd node that produced `tensor` runs in the backward."""
+    if tensor is not None and tensor.grad_fn is not None:
+        tensor.register_hook(hook)
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype) -> None:
+    """`model.to(dtype)`. Fake parameters cannot take `Module._apply`'s swap_tensors path (FakeTensorMode
+    holds weakrefs to them), so for them this replays the path real CPU tensors take, in the same order:
+    children first, then each floating parameter via `param.data = param.to(dtype)` (the old storage is
+    freed at once), then each floating buffer (torch/nn/modules/module.py, `Module._apply`)."""
+    if not any(isinstance(p, FakeTensor) for p in model.parameters()):
+        model.to(dtype)
+        return
+    _cast_fake(model, dtype)
+
+
+def _cast_fake(module: nn.Module, dtype: torch.dtype) -> None:
+    for child in module.children():
+        _cast_fake(child, dtype)
+    with torch.no_grad():
+        for param in module._parameters.values():
+            if param is not None and param.is_floating_point():
+                param.data = param.to(dtype)
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[key] = buffer.to(dtype)
+
+
+def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
+                       expected_blocks: int | None = None) -> StepInfo:
+    """Run the canonical loop under `tracker` (add a FakeTensorMode around it to run without memory)."""
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if setup.precision is Precision.BF16_AUTOCAST
+                else contextlib.nullcontext())
+    torch.manual_seed(0)
+    with tracker:
+        model = build()
+        hooks = LayerHooks(tracker, model, expected_blocks)
+        if setup.precision is Precision.BF16:
+            cast_model(model, torch.bfloat16)
+            hooks.label_model()
+        model.train()
+        if setup.grad_ckpt:
+            model.activation_checkpointing_enable(every_n_layers=setup.ckpt_every)
+        optimizer = torch.optim.AdamW(model.parameters())
+        hooks.watch(optimizer)
+        vocab_size = model.get_input_embeddings().num_embeddings
+        batch = torch.randint(0, vocab_size, (setup.micro_batch, setup.seq_len))
+        tracker.label([batch], Category.INPUT)
+        for step in range(setup.steps):
+            tracker.set_phase(step, Phase.FORWARD)
+            with autocast:
+                loss = model(input_ids=batch, labels=batch).loss
+            tracker.set_phase(step, Phase.BACKWARD)
+            hooks.enter_backward()
+            loss.backward()
+            tracker.set_phase(step, Phase.OPTIMIZER)
+            optimizer.step()
+            tracker.frees_by_owner = True  # zero_grad drops every gradient in parameter order
+            optimizer.zero_grad(set_to_none=True)
+        tracker.finish()
+    return hooks.info(vocab_size)

@@ -1,0 +1,224 @@
+"""Exact per-process tensor memory: every storage allocation, free and resize, tagged with where it happened.
+
+The same tracker measures real runs (tier 1/2 oracles) and traces fake-tensor runs (the predictor), so the
+two count the same bytes by construction. It mirrors `torch.distributed._tools.mem_tracker.MemTracker`:
+a `TorchDispatchMode` that keeps a weakref on every `UntypedStorage` it sees (the weakref callback is the
+free), patches `UntypedStorage.resize_` (used by FSDP and DeepSpeed to release storage in place) and
+flattens traceable wrapper subclasses such as DTensor into their local tensors.
+
+Every event carries (step, phase, block, module): `block` is the index of the repeated decoder layer the
+event belongs to, which is what lets the timeline stage replicate one traced layer to any depth.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import pandas as pd
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+from llmsim.enums import Category, Phase
+
+NO_BLOCK = -1  # events outside the repeated decoder layers (embeddings, final norm, LM head, loss)
+TIMELINE_COLUMNS = ["step", "phase", "block", "module", "serial", "delta_bytes", "category"]
+
+
+@dataclass
+class _Live:
+    serial: int
+    nbytes: int
+    block: int
+    module: str
+
+
+def _storages(tensor: torch.Tensor) -> Iterable[torch.UntypedStorage]:
+    if is_traceable_wrapper_subclass(tensor):
+        inner_names, _ = tensor.__tensor_flatten__()
+        for name in inner_names:
+            yield from _storages(getattr(tensor, name))
+    else:
+        yield tensor.untyped_storage()
+
+
+class StorageTracker(TorchDispatchMode):
+    """Records the allocation timeline of everything run under it.
+
+    The caller moves the context forward with `set_phase`, and `attach` installs the module hooks that
+    set `block` and `module` in the forward and the backward. In the build and optimizer phases, where no
+    module runs, an op belongs to the block of the parameter (or its gradient or state) it works on.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._rows: list[tuple] = []
+        self._live: dict[int, _Live] = {}
+        self._alloc_row: dict[int, int] = {}  # serial -> row of its allocation
+        self._alloc_phase: dict[int, tuple[int, Phase]] = {}
+        self._serial_block: dict[int, int] = {}
+        self._serial_name: dict[int, str] = {}
+        self._labels: dict[int, Category] = {}
+        self._phase_end: dict[tuple[int, Phase], int] = {}
+        self._next_serial = 0
+        self.step = 0
+        self.phase = Phase.BUILD
+        self.block = NO_BLOCK
+        self.module = ""
+        self.frees_by_owner = True
+        self._saved_resize = None
+
+    # ---- the context ---------------------------------------------------------------------------------
+    def set_phase(self, step: int, phase: Phase) -> None:
+        self._phase_end[(self.step, self.phase)] = len(self._rows)
+        self.step, self.phase, self.block, self.module = step, phase, NO_BLOCK, ""
+        self.frees_by_owner = phase is Phase.BUILD
+
+    def finish(self) -> None:
+        self._phase_end[(self.step, self.phase)] = len(self._rows)
+
+    def label(self, tensors: Iterable[torch.Tensor], category: Category, names: Iterable[str] | None = None,
+              blocks: Iterable[int] | None = None, retag: bool = False) -> None:
+        """Name what live storages hold and which layer owns them. With `retag`, their allocations move
+        to that layer too (parameters built by `from_config` are only known to belong to a layer once
+        the model exists)."""
+        tensors = list(tensors)
+        names = list(names) if names is not None else [None] * len(tensors)
+        blocks = list(blocks) if blocks is not None else [None] * len(tensors)
+        for tensor, name, block in zip(tensors, names, blocks):
+            for storage in _storages(tensor):
+                live = self._live.get(storage._cdata)
+                if live is None:
+                    continue
+                self._labels[live.serial] = category
+                if name is not None:
+                    self._serial_name[live.serial] = name
+                if block is not None:
+                    self._serial_block[live.serial] = block
+                if block is not None and retag:
+                    live.block = block
+                    row = self._rows[self._alloc_row[live.serial]]
+                    self._rows[self._alloc_row[live.serial]] = (row[0], row[1], block, name, *row[4:])
+
+    # ---- the dispatch mode -----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        op_blocks = self._op_blocks(args) if self.phase in (Phase.BUILD, Phase.OPTIMIZER) else None
+        if isinstance(op_blocks, list) and isinstance(out, (list, tuple)) and len(out) == len(op_blocks):
+            for tensor, (block, name) in zip(out, op_blocks):  # a foreach op: output i follows input i
+                self._see(tensor, block, name)
+        else:
+            block, name = op_blocks if isinstance(op_blocks, tuple) else (self.block, self.module)
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self._see(leaf, block, name)
+        return out
+
+    def _op_blocks(self, args) -> list[tuple[int, str]] | tuple[int, str] | None:
+        first = args[0] if args else None
+        if isinstance(first, (list, tuple)) and first and isinstance(first[0], torch.Tensor):
+            found = [self._block_of(t) for t in first]
+            if all(f is not None for f in found):
+                self.block, self.module = found[-1]
+                return found  # type: ignore[return-value]
+        for leaf in tree_leaves(args):
+            if isinstance(leaf, torch.Tensor):
+                found = self._block_of(leaf)
+                if found is not None:
+                    self.block, self.module = found
+                    return found
+        return None
+
+    def _block_of(self, tensor: torch.Tensor) -> tuple[int, str] | None:
+        for storage in _storages(tensor):
+            live = self._live.get(storage._cdata)
+            if live is not None and live.serial in self._serial_block:
+                return self._serial_block[live.serial], self._serial_name.get(live.serial, "")
+        return None
+
+    def _see(self, tensor: torch.Tensor, block: int, name: str) -> None:
+        for storage in _storages(tensor):
+            key = storage._cdata
+            nbytes = storage.nbytes()
+            live = self._live.get(key)
+            if live is None:
+                self._allocate(storage, key, nbytes, block, name)
+            elif live.nbytes != nbytes:
+                self._resize(live, nbytes)
+
+    def _allocate(self, storage, key: int, nbytes: int, block: int, name: str) -> None:
+        serial = self._next_serial
+        self._next_serial += 1
+        live = _Live(serial, nbytes, block, name)
+        self._live[key] = live
+        self._alloc_row[serial] = len(self._rows)
+        self._alloc_phase[serial] = (self.step, self.phase)
+        if self.phase in (Phase.BUILD, Phase.OPTIMIZER) and block != NO_BLOCK:
+            self._serial_block[serial] = block
+            self._serial_name[serial] = name
+        self._rows.append((self.step, self.phase, block, name, serial, nbytes))
+        weakref.finalize(storage, self._free, key, serial)
+
+    def _free(self, key: int, serial: int) -> None:
+        live = self._live.get(key)
+        if live is None or live.serial != serial:
+            return
+        del self._live[key]
+        # A free belongs to the running layer: layer i's backward frees what layer i-1 saved, and the
+        # optimizer's update of layer i's first parameter frees the temporary of layer i-1's last one.
+        # Where frees come in bulk with no layer running -- the build, autocast dropping its weight-cast
+        # cache when the forward returns, zero_grad -- the caller sets `frees_by_owner`: a free then
+        # belongs to the layer that allocated it.
+        block, name = (live.block, live.module) if self.frees_by_owner else (self.block, self.module)
+        self._rows.append((self.step, self.phase, block, name, serial, -live.nbytes))
+
+    def _resize(self, live: _Live, nbytes: int) -> None:
+        self._rows.append((self.step, self.phase, self.block, self.module, live.serial, nbytes - live.nbytes))
+        live.nbytes = nbytes
+
+    def __enter__(self):
+        tracker = self
+        original = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            live = tracker._live.get(storage._cdata)
+            if live is not None and live.nbytes != storage.nbytes():
+                tracker._resize(live, storage.nbytes())
+            return result
+
+        self._saved_resize = original
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._saved_resize
+        return super().__exit__(*exc)
+
+    # ---- the result ------------------------------------------------------------------------------------
+    def timeline(self) -> pd.DataFrame:
+        """One row per event, in execution order; `category` resolved now that every label is known."""
+        frame = pd.DataFrame(self._rows, columns=TIMELINE_COLUMNS[:-1])
+        free_rows = {row[4]: i for i, row in enumerate(self._rows) if row[5] < 0}
+        frame["category"] = [self._category(s, free_rows) for s in frame["serial"]]
+        frame["phase"] = [p.value for p in frame["phase"]]
+        return frame
+
+    def _category(self, serial: int, free_rows: dict[int, int]) -> str:
+        label = self._labels.get(serial)
+        if label is not None:
+            return label.value
+        step, phase = self._alloc_phase[serial]
+        if phase is Phase.FORWARD and self._outlives(serial, step, phase, free_rows):
+            return Category.ACTIVATION.value
+        return Category.TEMPORARY.value
+
+    def _outlives(self, serial: int, step: int, phase: Phase, free_rows: dict[int, int]) -> bool:
+        end = self._phase_end.get((step, phase), len(self._rows))
+        return free_rows.get(serial, len(self._rows)) >= end
+
+
+def live_bytes(frame: pd.DataFrame) -> Any:
+    """The allocated-bytes curve of a timeline."""
+    return frame["delta_bytes"].cumsum()
