@@ -8,7 +8,7 @@ import copy
 import functools
 import importlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,7 +32,7 @@ class TrainSetup:
     micro_batch: int
     seq_len: int
     precision: Precision = Precision.FP32
-    attention: Attention = Attention.SDPA
+    attention: Attention | None = None  # None: transformers' own choice (sdpa where supported, else eager)
     grad_ckpt: bool = False
     ckpt_every: int = 1  # transformers' `every_n_layers`: layer i is checkpointed iff i % ckpt_every == 0
     steps: int = CANONICAL_STEPS
@@ -186,3 +186,19 @@ def check_fits_positions(spec: ModelSpec, setup: TrainSetup) -> None:
     if limit is not None and learned and setup.seq_len > limit:
         raise InputError(f"seq-len({setup.seq_len}) exceeds {spec.name}'s max positions({limit})")
 
+
+
+def resolve_attention(spec: ModelSpec, setup: TrainSetup) -> TrainSetup:
+    """Fix the attention implementation the way transformers would, and reject one the model lacks."""
+    if spec.config_json is None:
+        return setup if setup.attention is not None else replace(setup, attention=Attention.SDPA)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(spec.hf_config())]
+    supported = [Attention.EAGER] + ([Attention.SDPA] if model_class._supports_sdpa else [])
+    if setup.attention is None:
+        return replace(setup, attention=supported[-1])
+    if setup.attention not in supported:
+        raise InputError(f"{spec.name} ({model_class.__name__}) does not support attention "
+                         f"{setup.attention.value!r}; valid choices: {', '.join(a.value for a in supported)}")
+    return setup

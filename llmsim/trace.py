@@ -8,14 +8,17 @@ template group's events to reach L. The full-depth fake run is the tier-3 oracle
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from unittest import mock
 from dataclasses import dataclass
 
 import pandas as pd
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from llmsim.errors import InputError
 from llmsim.spec import ModelSpec, TrainSetup
 from llmsim.step import StepInfo, run_canonical_step
 from llmsim.tracker import StorageTracker
@@ -49,15 +52,47 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None):
     def build():
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                attn_implementation=setup.attention.value)
+        try:
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                    attn_implementation=setup.attention.value)
+        except (ValueError, TypeError, RuntimeError, AssertionError) as exc:  # what transformers raises
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InputError(f"transformers cannot build {spec.name}: {first_line}") from exc
     return build
+
+
+@contextlib.contextmanager
+def decide_like_a_real_run():
+    """transformers counts a FakeTensor as "tracing" and then skips value-dependent shortcuts, so a fake
+    run would materialise a causal mask that a real run leaves to SDPA's `is_causal=True`
+    (masking_utils.sdpa_mask). Two questions decide it; the canonical step answers both without values:
+    - `find_packed_sequence_indices(position_ids)`: its position ids are `arange(seq_len)` for every row,
+      one sequence per row, so a real run computes the packing mask and returns None;
+    - `_ignore_causal_mask_sdpa(..., q_offset)`: it has no KV cache, so the offset a real run reads is 0.
+    """
+    from transformers import masking_utils
+
+    find_packed = masking_utils.find_packed_sequence_indices
+    ignore_mask = masking_utils._ignore_causal_mask_sdpa
+
+    def find_packed_sequence_indices(position_ids):
+        result = find_packed(position_ids)  # the same intermediates a real run allocates
+        return None if isinstance(position_ids, FakeTensor) else result
+
+    def ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, *args, **kwargs):
+        if isinstance(q_offset, FakeTensor):
+            q_offset = 0
+        return ignore_mask(padding_mask, q_length, kv_length, q_offset, *args, **kwargs)
+
+    with mock.patch.object(masking_utils, "find_packed_sequence_indices", find_packed_sequence_indices), \
+            mock.patch.object(masking_utils, "_ignore_causal_mask_sdpa", ignore_causal_mask_sdpa):
+        yield
 
 
 def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tuple[pd.DataFrame, StepInfo]:
     """The canonical step under FakeTensorMode: exact bytes, no memory."""
     tracker = StorageTracker()
-    with FakeTensorMode():
+    with FakeTensorMode(), decide_like_a_real_run():
         info = run_canonical_step(model_builder(spec, setup, num_layers), setup, tracker, num_layers)
     return tracker.timeline(), info
 

@@ -1,0 +1,67 @@
+"""Measured truth: run the canonical step for real and record what the storage tracker saw (tier 1).
+
+Each run becomes one CSV row per rank in data/measurements/, holding every column needed to re-predict
+it (model, config overrides, the setup) and the environment that produced it.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import time
+from importlib import metadata
+from pathlib import Path
+
+import pandas as pd
+
+from llmsim.peaks import replay
+from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
+from llmsim.step import run_canonical_step
+from llmsim.trace import model_builder
+from llmsim.tracker import StorageTracker
+
+MEASUREMENTS_DIR = Path(__file__).resolve().parent.parent / "data" / "measurements"
+TIER1_CSV = MEASUREMENTS_DIR / "tier1_cpu.csv"
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def environment() -> dict[str, str]:
+    return {"torch": _version("torch"), "transformers": _version("transformers"),
+            "deepspeed": _version("deepspeed"), "python": platform.python_version(),
+            "machine": f"{platform.machine()} {platform.system()}".strip()}
+
+
+def setup_columns(spec: ModelSpec, setup: TrainSetup) -> dict:
+    return {"model": spec.name, "overrides": json.dumps(dict(spec.overrides), sort_keys=True),
+            "micro_batch": setup.micro_batch, "seq_len": setup.seq_len, "precision": setup.precision.value,
+            "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt, "ckpt_every": setup.ckpt_every,
+            "steps": setup.steps}
+
+
+def measure_single(spec: ModelSpec, setup: TrainSetup) -> dict:
+    """One real canonical step on this CPU; returns the row (not yet written)."""
+    setup = resolve_attention(spec, setup)
+    check_fits_positions(spec, setup)
+    tracker = StorageTracker()
+    start = time.perf_counter()
+    run_canonical_step(model_builder(spec, setup, None), setup, tracker, None)
+    wall_s = time.perf_counter() - start
+    peak = replay(tracker.timeline())
+    return {"tier": 1, **setup_columns(spec, setup), "strategy": "single", "world_size": 1, "rank": 0,
+            "peak_allocated_bytes": peak.allocated_bytes, "device": "cpu", **environment(),
+            "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "wall_s": round(wall_s, 2)}
+
+
+def append_rows(rows: list[dict], path: Path = TIER1_CSV) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame(rows)
+    if path.exists():
+        frame = pd.concat([pd.read_csv(path), frame], ignore_index=True)
+    frame.to_csv(path, index=False)

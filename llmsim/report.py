@@ -1,0 +1,50 @@
+"""Human-readable output: bytes become GiB/MiB only here (STYLE.md rule 1)."""
+from __future__ import annotations
+
+import pandas as pd
+
+from llmsim.predict import Prediction
+
+GIB = 2**30
+MIB = 2**20
+
+
+def human_bytes(n: int) -> str:
+    if abs(n) >= GIB:
+        return f"{n / GIB:,.2f} GiB"
+    if abs(n) >= MIB:
+        return f"{n / MIB:,.2f} MiB"
+    return f"{n:,} B"
+
+
+def prediction_table(prediction: Prediction) -> str:
+    s = prediction.setup
+    ckpt = f"checkpointing every {s.ckpt_every} layer(s)" if s.grad_ckpt else "no checkpointing"
+    lines = [f"{prediction.model.name}: micro-batch {s.micro_batch}, seq {s.seq_len}, {s.precision.value}, "
+             f"attention {s.attention.value}, {ckpt}, {prediction.strategy.value}, device {s.device.value}",
+             "",
+             f"{'rank':>4}  {'peak allocated':>16}  {'peak reserved':>16}  {'device total':>16}  peak at",
+             ]
+    for r in prediction.ranks:
+        lines.append(f"{r.rank:>4}  {human_bytes(r.peak_allocated_bytes):>16}  "
+                     f"{human_bytes(r.peak_reserved_bytes):>16}  {human_bytes(r.device_total_bytes):>16}  "
+                     f"step {r.peak.step + 1} {r.peak.phase}, {r.peak.layer}")
+    worst = max(prediction.ranks, key=lambda r: r.peak_allocated_bytes)
+    lines += ["", f"breakdown at the peak of rank {worst.rank}:"]
+    total = worst.peak_allocated_bytes
+    for category, nbytes in sorted(worst.peak.breakdown_bytes.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {category:<18} {human_bytes(nbytes):>14}  {100 * nbytes / total:5.1f} %")
+    return "\n".join(lines)
+
+
+def validation_table(results: pd.DataFrame) -> str:
+    shown = results.assign(
+        measured=results["measured_bytes"].map(human_bytes),
+        predicted=results["predicted_bytes"].map(human_bytes),
+        error=results["rel_error"].map(lambda e: f"{100 * e:+.3f} %"))
+    columns = ["tier", "model", "micro_batch", "seq_len", "precision", "attention", "grad_ckpt", "ckpt_every",
+               "strategy", "rank", "measured", "predicted", "error", "ok"]
+    worst = results["rel_error"].abs().max() if len(results) else 0.0
+    summary = (f"{len(results)} rows, {int((~results['ok']).sum())} outside tolerance, "
+               f"worst |error| {100 * worst:.3f} %")
+    return shown[columns].to_string(index=False) + "\n" + summary

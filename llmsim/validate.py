@@ -1,0 +1,51 @@
+"""Re-predict every measured row and compare (DESIGN.md, "Measured truth")."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+from llmsim.enums import Attention, Precision
+from llmsim.measure import MEASUREMENTS_DIR
+from llmsim.predict import predict
+from llmsim.spec import ModelSpec, TrainSetup, load_model_spec
+from llmsim.strategies import Strategy
+from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
+
+
+def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup]:
+    overrides = json.loads(row["overrides"]) if isinstance(row["overrides"], str) else {}
+    spec = load_model_spec(row["model"], overrides)
+    setup = TrainSetup(micro_batch=int(row["micro_batch"]), seq_len=int(row["seq_len"]),
+                       precision=Precision(row["precision"]), attention=Attention(row["attention"]),
+                       grad_ckpt=bool(row["grad_ckpt"]), ckpt_every=int(row["ckpt_every"]),
+                       steps=int(row["steps"]))
+    return spec, setup
+
+
+def load_measurements(paths: Iterable[Path] | None = None) -> pd.DataFrame:
+    paths = sorted(MEASUREMENTS_DIR.glob("*.csv")) if paths is None else list(paths)
+    frames = [pd.read_csv(p).assign(source=p.name) for p in paths]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def validate(measurements: pd.DataFrame) -> pd.DataFrame:
+    """One row per measured rank: measured, predicted, relative error and whether it is in tolerance."""
+    results = []
+    for _, row in measurements.iterrows():
+        spec, setup = row_inputs(row)
+        prediction = predict(spec, setup, Strategy(row["strategy"]), int(row["world_size"]))
+        predicted = prediction.ranks[int(row["rank"])].peak_allocated_bytes
+        measured = int(row["peak_allocated_bytes"])
+        error = (predicted - measured) / measured
+        tolerance = PEAK_ALLOCATED_TOLERANCE[int(row["tier"])]
+        results.append({"source": row["source"], "tier": int(row["tier"]), "model": row["model"],
+                        "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
+                        "precision": setup.precision.value, "attention": row["attention"],
+                        "grad_ckpt": setup.grad_ckpt, "ckpt_every": setup.ckpt_every,
+                        "strategy": row["strategy"], "rank": int(row["rank"]),
+                        "measured_bytes": measured, "predicted_bytes": predicted, "rel_error": error,
+                        "tolerance": tolerance, "ok": abs(error) <= tolerance})
+    return pd.DataFrame(results)
