@@ -1,0 +1,64 @@
+"""Tier-1 measurement matrix: real canonical steps of shrunken zoo models on this CPU.
+
+Writes data/measurements/tier1_cpu.csv (one row per run). Run: python experiments/measure_tier1.py
+Each row re-predicts with `llmsim validate`; tests/test_validate.py asserts every row is within 1 %.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+from llmsim.enums import Attention, Precision
+from llmsim.measure import TIER1_CSV, append_rows, measure_single
+from llmsim.spec import TrainSetup, load_model_spec
+from llmsim.zoo import shrink
+
+# (zoo model, hidden, layers, vocab, heads): architectures of every family in the zoo, small enough for 2 cores.
+MODELS = [
+    ("llama-2-7b", 128, 4, 2000, 4),
+    ("llama-3.1-8b", 96, 5, 1024, 6),
+    ("mistral-7b", 128, 4, 1536, 8),
+    ("qwen2.5-0.5b", 112, 3, 3000, 7),
+    ("gpt2", 128, 3, 1024, 4),
+    ("pythia-160m", 128, 4, 2048, 4),
+    ("opt-125m", 96, 4, 1280, 4),
+    ("bloom-560m", 64, 3, 2048, 4),
+    ("codegen-350m-mono", 128, 3, 1024, 4),
+]
+# (micro_batch, seq_len, precision, attention, grad_ckpt, ckpt_every), each run on every model.
+SETUPS = [
+    (1, 32, "fp32", "sdpa", False, 1),
+    (4, 256, "bf16", "sdpa", True, 1),
+    (2, 512, "bf16-autocast", "eager", True, 2),
+    (8, 128, "fp32", "eager", True, 1),
+    (2, 1024, "bf16", "sdpa", False, 1),
+    (3, 200, "fp32", "sdpa", True, 2),
+]
+
+
+def matrix():
+    for (model, *shape), setup in itertools.product(MODELS, SETUPS):
+        yield model, shape, setup
+    for model, *shape in MODELS[:6]:  # a second pass with other setups per model
+        yield model, shape, (6, 64, "bf16-autocast", "sdpa", False, 1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=TIER1_CSV)
+    args = parser.parse_args()
+    for model, (hidden, layers, vocab, heads), (mb, seq, precision, attn, ckpt, every) in matrix():
+        spec = load_model_spec(model, shrink(model, hidden, layers, vocab, heads))
+        if attn == "sdpa" and spec.config_dict["model_type"] == "bloom":
+            attn = "eager"  # BLOOM has no SDPA path in transformers
+        setup = TrainSetup(mb, seq, Precision(precision), Attention(attn), ckpt, every)
+        row = measure_single(spec, setup)
+        append_rows([row], args.out)
+        print(model, mb, seq, precision, attn, ckpt, every, row["peak_allocated_bytes"], row["wall_s"], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

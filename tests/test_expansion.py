@@ -1,0 +1,36 @@
+"""The predictor traces 3 layers (or 3 groups) and replicates; the result must be the full-depth run."""
+import pytest
+
+from llmsim.enums import Attention, Precision
+from llmsim.peaks import replay
+from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
+from llmsim.timeline import expand
+from llmsim.trace import run_fake, trace
+from llmsim.zoo import shrink
+
+CASES = [
+    ("llama-2-7b", TrainSetup(2, 64)),
+    ("qwen2.5-0.5b", TrainSetup(1, 48, Precision.BF16, grad_ckpt=True)),
+    ("gpt2", TrainSetup(2, 32, Precision.BF16_AUTOCAST, Attention.EAGER, grad_ckpt=True, ckpt_every=2)),
+    ("opt-125m", TrainSetup(3, 40, Precision.FP32, Attention.SDPA, grad_ckpt=True)),
+    ("bloom-560m", TrainSetup(2, 32, Precision.BF16)),
+    ("pythia-160m", TrainSetup(2, 32, Precision.BF16_AUTOCAST)),
+    ("codegen-350m-mono", TrainSetup(1, 64, Precision.FP32, grad_ckpt=True, ckpt_every=3)),
+]
+
+
+@pytest.mark.parametrize("model,setup", CASES, ids=[c[0] for c in CASES])
+def test_expansion_matches_full_depth_trace(model, setup):
+    layers = 14
+    spec = load_model_spec(model, shrink(model, 64, layers, 512, 4))
+    setup = resolve_attention(spec, setup)
+    traced = trace(spec, setup)
+    assert traced.depth < layers
+    predicted = expand(traced)
+    full, _ = run_fake(spec, setup, layers)
+    assert replay(predicted).allocated_bytes == replay(full).allocated_bytes
+    assert len(predicted) == len(full)
+    # Same events per (step, phase, layer); only bulk frees (autocast's cache) may come in another order.
+    keys = ["step", "phase", "block", "category"]
+    assert predicted.groupby(keys)["delta_bytes"].agg(["count", "sum"]).equals(
+        full.groupby(keys)["delta_bytes"].agg(["count", "sum"]))
