@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from llmsim.enums import Attention, Device, Precision
-from llmsim.errors import InputError
+from llmsim.errors import InputError, one_line
 
 ZOO_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
 CANONICAL_STEPS = 3
@@ -142,7 +142,7 @@ def load_model_spec(name: str, overrides: dict[str, Any] | None = None) -> Model
     try:
         config = _hf_config_from_json(config_json)
     except Exception as exc:  # transformers raises many types for invalid configs
-        raise InputError(f"invalid config for model {name!r}: {exc}".splitlines()[0]) from None
+        raise InputError(f"invalid config for model {name!r}: {one_line(exc)}") from None
     spec = ModelSpec(name=name, config_json=config_json, overrides=tuple(sorted(overrides.items())))
     if getattr(config, "num_hidden_layers", 0) < 1:
         raise InputError(f"model {name!r} has num_hidden_layers({config.num_hidden_layers}); need >= 1")

@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from llmsim.errors import InputError
+from llmsim.errors import InputError, one_line
 from llmsim.spec import ModelSpec, TrainSetup
 from llmsim.step import StepInfo, run_canonical_step
 from llmsim.tracker import StorageTracker
@@ -56,8 +56,7 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None):
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                     attn_implementation=setup.attention.value)
         except (ValueError, TypeError, RuntimeError, AssertionError) as exc:  # what transformers raises
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise InputError(f"transformers cannot build {spec.name}: {first_line}") from exc
+            raise InputError(f"transformers cannot build {spec.name}: {one_line(exc)}") from exc
     return build
 
 

@@ -1,0 +1,58 @@
+"""The CLI contract: JSON keys of DESIGN.md "Interfaces"; bad input is one line and exit status 2."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llmsim.cli import main
+
+TINY = ["--model", "llama-2-7b", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
+        "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+        "--set", "vocab_size=256"]
+
+
+def test_predict_json_contract(capsys):
+    assert main(["predict", *TINY, "--seq-len", "16", "--micro-batch", "2", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["peak_allocated_bytes"] == max(r["peak_allocated_bytes"] for r in out["ranks"])
+    rank = out["ranks"][0]
+    for key in ("rank", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "peak_phase",
+                "peak_layer", "breakdown_bytes"):
+        assert key in rank
+    assert sum(rank["breakdown_bytes"].values()) == rank["peak_allocated_bytes"]
+
+
+BAD = [
+    (["predict", "--model", "no-such-model", "--seq-len", "8", "--micro-batch", "1"], "unknown model"),
+    (["predict", *TINY, "--seq-len", "0", "--micro-batch", "1"], "seq-len"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "-2"], "micro-batch"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--precision", "fp8"], "valid choices"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--attn", "flash"], "valid choices"),
+    (["predict", "--model", "bloom-560m", "--seq-len", "8", "--micro-batch", "1", "--attn", "sdpa"],
+     "does not support attention"),
+    (["predict", "--model", "gpt2", "--seq-len", "4096", "--micro-batch", "1"], "max positions"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--ckpt-every", "2"], "--grad-ckpt"),
+    (["predict", "--model", "gpt2", "--seq-len", "8"], "required"),
+    (["predict", *TINY, "--set", "model_type=resnet", "--seq-len", "8", "--micro-batch", "1"], "model_type"),
+    (["predict", *TINY, "--set", "hidden_size=70", "--seq-len", "8", "--micro-batch", "1"], "hidden size (70)"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", BAD, ids=[b[1] for b in BAD])
+def test_bad_input_is_one_line_and_status_2(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert needle in err
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"model_type": "llama", "hidden_size": "big"}'])
+def test_unreadable_or_invalid_config_file(tmp_path, content):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    proc = subprocess.run([sys.executable, "-m", "llmsim.cli", "predict", "--model", str(path), "--seq-len", "8",
+                           "--micro-batch", "1"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert len([l for l in proc.stderr.splitlines() if l.startswith("error:")]) == 1

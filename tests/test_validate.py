@@ -1,0 +1,49 @@
+"""Tier (b): every committed measured row is re-predicted within its tier's tolerance."""
+import pandas as pd
+import pytest
+
+from llmsim.measure import TIER1_CSV, measure_single
+from llmsim.predict import predict
+from llmsim.enums import Attention, Precision
+from llmsim.spec import TrainSetup, load_model_spec
+from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
+from llmsim.validate import load_measurements, validate
+from llmsim.zoo import shrink
+
+
+def test_committed_tier1_rows_cover_the_matrix():
+    rows = pd.read_csv(TIER1_CSV)
+    families = {load_model_spec(m).config_dict["model_type"] for m in rows["model"].unique()}
+    assert len(rows) >= 40
+    assert len(families) >= 6
+    assert set(rows["precision"]) == {"fp32", "bf16", "bf16-autocast"}
+    assert set(rows["attention"]) == {"sdpa", "eager"}
+    assert {(c, e) for c, e in zip(rows["grad_ckpt"], rows["ckpt_every"])} >= {(False, 1), (True, 1), (True, 2)}
+    assert rows["micro_batch"].min() == 1 and rows["micro_batch"].max() == 8
+    assert rows["seq_len"].min() <= 32 and rows["seq_len"].max() >= 1024
+
+
+def test_every_measured_row_is_within_tolerance():
+    results = validate(load_measurements())
+    assert len(results) >= 40
+    worst = results.loc[results["rel_error"].abs().idxmax()]
+    assert results["ok"].all(), f"worst row: {worst.to_dict()}"
+    for tier, tolerance in PEAK_ALLOCATED_TOLERANCE.items():
+        assert (results[results["tier"] == tier]["rel_error"].abs() <= tolerance).all()
+
+
+FRESH = [
+    ("llama-2-7b", (80, 5, 700, 4), TrainSetup(3, 96, Precision.BF16, Attention.SDPA, grad_ckpt=True)),
+    ("gpt2", (64, 5, 900, 2), TrainSetup(2, 160, Precision.BF16_AUTOCAST, Attention.EAGER)),
+    ("qwen2.5-0.5b", (96, 6, 800, 6), TrainSetup(1, 300, Precision.FP32, Attention.SDPA, grad_ckpt=True,
+                                                  ckpt_every=2)),
+]
+
+
+@pytest.mark.parametrize("model,shape,setup", FRESH, ids=[f[0] for f in FRESH])
+def test_fresh_real_run_matches_prediction(model, shape, setup):
+    """Sizes and setups that appear in no committed row, measured now."""
+    spec = load_model_spec(model, shrink(model, *shape))
+    measured = measure_single(spec, setup)["peak_allocated_bytes"]
+    predicted = predict(spec, setup).peak_allocated_bytes
+    assert abs(predicted - measured) / measured <= PEAK_ALLOCATED_TOLERANCE[1]
