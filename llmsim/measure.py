@@ -17,11 +17,12 @@ import pandas as pd
 from llmsim.peaks import replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
 from llmsim.step import run_canonical_step
-from llmsim.trace import model_builder
+from llmsim.trace import model_builder, run_fake
 from llmsim.tracker import StorageTracker
 
 MEASUREMENTS_DIR = Path(__file__).resolve().parent.parent / "data" / "measurements"
 TIER1_CSV = MEASUREMENTS_DIR / "tier1_cpu.csv"
+TIER3_CSV = MEASUREMENTS_DIR / "tier3_fake_fullsize.csv"
 
 
 def _version(package: str) -> str:
@@ -44,18 +45,26 @@ def setup_columns(spec: ModelSpec, setup: TrainSetup) -> dict:
             "steps": setup.steps}
 
 
-def measure_single(spec: ModelSpec, setup: TrainSetup) -> dict:
-    """One real canonical step on this CPU; returns the row (not yet written)."""
+def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> dict:
+    """One canonical step at full size on this CPU; returns the row (not yet written).
+
+    Real tensors give a tier-1 row. `fake` runs the whole model under FakeTensorMode instead (tier 3:
+    real PyTorch and transformers code at any size, no memory) -- an oracle, never the predictor.
+    """
     setup = resolve_attention(spec, setup)
     check_fits_positions(spec, setup)
-    tracker = StorageTracker()
     start = time.perf_counter()
-    run_canonical_step(model_builder(spec, setup, None), setup, tracker, None)
+    if fake:
+        timeline, _ = run_fake(spec, setup, None)
+    else:
+        tracker = StorageTracker()
+        run_canonical_step(model_builder(spec, setup, None), setup, tracker, None)
+        timeline = tracker.timeline()
     wall_s = time.perf_counter() - start
-    peak = replay(tracker.timeline())
-    return {"tier": 1, **setup_columns(spec, setup), "strategy": "single", "world_size": 1, "rank": 0,
-            "peak_allocated_bytes": peak.allocated_bytes, "device": "cpu", **environment(),
-            "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    peak = replay(timeline)
+    return {"tier": 3 if fake else 1, **setup_columns(spec, setup), "strategy": "single", "world_size": 1,
+            "rank": 0, "peak_allocated_bytes": peak.allocated_bytes, "device": "cpu-fake" if fake else "cpu",
+            **environment(), "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "wall_s": round(wall_s, 2)}
 
 
