@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402,F401
 
 imports_s = time.perf_counter() - start
 
-from llmsim.predict import predict  # noqa: E402
+from llmsim.pipeline import predict  # noqa: E402
 from llmsim.spec import TrainSetup, load_model_spec  # noqa: E402
 
 llmsim_import_s = time.perf_counter() - start - imports_s

@@ -10,7 +10,7 @@ import sys
 
 from llmsim.enums import Attention, Precision
 from llmsim.measure import TIER3_CSV, append_rows, measure_single
-from llmsim.predict import predict
+from llmsim.pipeline import predict
 from llmsim.spec import TrainSetup, load_model_spec
 
 CASES = [

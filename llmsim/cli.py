@@ -56,7 +56,7 @@ def _inputs(args):
 
 
 def cmd_predict(args) -> int:
-    from llmsim.predict import predict
+    from llmsim.pipeline import predict
     from llmsim.report import prediction_table
 
     prediction = predict(*_inputs(args))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from llmsim.predict import Prediction
+from llmsim.pipeline import Prediction
 
 GIB = 2**30
 MIB = 2**20

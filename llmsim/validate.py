@@ -9,7 +9,7 @@ import pandas as pd
 
 from llmsim.enums import Attention, Precision
 from llmsim.measure import MEASUREMENTS_DIR
-from llmsim.predict import predict
+from llmsim.pipeline import predict
 from llmsim.spec import ModelSpec, TrainSetup, load_model_spec
 from llmsim.strategies import Strategy
 from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE

@@ -3,7 +3,7 @@ import pandas as pd
 import pytest
 
 from llmsim.measure import TIER1_CSV, measure_single
-from llmsim.predict import predict
+from llmsim.pipeline import predict
 from llmsim.enums import Attention, Precision
 from llmsim.spec import TrainSetup, load_model_spec
 from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
