@@ -14,15 +14,18 @@ from pathlib import Path
 
 import pandas as pd
 
+from llmsim.launch import DEFAULT_TIMEOUT_S, run_ranks
 from llmsim.peaks import replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
 from llmsim.step import run_canonical_step
+from llmsim.strategies import Layout, Strategy
 from llmsim.trace import model_builder, run_fake
 from llmsim.tracker import StorageTracker
 
 MEASUREMENTS_DIR = Path(__file__).resolve().parent.parent / "data" / "measurements"
 TIER1_CSV = MEASUREMENTS_DIR / "tier1_cpu.csv"
 TIER3_CSV = MEASUREMENTS_DIR / "tier3_fake_fullsize.csv"
+TIER2_CSV = MEASUREMENTS_DIR / "tier2_cpu.csv"
 
 
 def _version(package: str) -> str:
@@ -74,3 +77,24 @@ def append_rows(rows: list[dict], path: Path = TIER1_CSV) -> None:
     if path.exists():
         frame = pd.concat([pd.read_csv(path), frame], ignore_index=True)
     frame.to_csv(path, index=False)
+
+
+def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
+                        timeout_s: int = DEFAULT_TIMEOUT_S) -> list[dict]:
+    """A real multi-process run (torchrun, gloo) on this CPU: one tier-2 row per rank."""
+    setup = resolve_attention(spec, setup)
+    check_fits_positions(spec, setup)
+    job = {"framework": "deepspeed" if layout.strategy is Strategy.DEEPSPEED else "ddp",
+           "config_json": spec.config_json, "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt,
+           "ckpt_every": setup.ckpt_every, "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
+           "steps": setup.steps, "precision": setup.precision.value,
+           "ds_config": layout.deepspeed.config if layout.deepspeed else None}
+    start = time.perf_counter()
+    results = run_ranks(job, layout.world_size, timeout_s)
+    wall_s = round(time.perf_counter() - start, 2)
+    stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    ds_config = layout.deepspeed.config_json if layout.deepspeed else ""
+    return [{"tier": 2, **setup_columns(spec, setup), "strategy": layout.strategy.value,
+             "world_size": layout.world_size, "rank": r.rank, "ds_config": ds_config,
+             "peak_allocated_bytes": r.peak_allocated_bytes, "device": "cpu", **environment(),
+             "measured_at": stamp, "wall_s": wall_s} for r in results]

@@ -10,7 +10,7 @@ from llmsim.enums import Device
 from llmsim.graph import layer_graph
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
-from llmsim.strategies import STRATEGIES, Strategy
+from llmsim.strategies import STRATEGIES, Layout, Strategy
 from llmsim.timeline import expand
 from llmsim.trace import trace
 
@@ -38,7 +38,7 @@ class RankPrediction:
 class Prediction:
     model: ModelSpec
     setup: TrainSetup
-    strategy: Strategy
+    layout: Layout
     ranks: list[RankPrediction]
     graph: nx.DiGraph = field(repr=False)
 
@@ -51,7 +51,8 @@ class Prediction:
         return pd.DataFrame([r.peak.breakdown_bytes for r in self.ranks]).fillna(0).astype("int64")
 
     def to_dict(self) -> dict:
-        return {"model": self.model.name, "strategy": self.strategy.value,
+        return {"model": self.model.name, "strategy": self.layout.strategy.value,
+                "world_size": self.layout.world_size,
                 "micro_batch": self.setup.micro_batch, "seq_len": self.setup.seq_len,
                 "precision": self.setup.precision.value, "attention": self.setup.attention.value,
                 "grad_ckpt": self.setup.grad_ckpt, "ckpt_every": self.setup.ckpt_every,
@@ -59,18 +60,17 @@ class Prediction:
                 "ranks": [r.to_dict() for r in self.ranks]}
 
 
-def predict(model: ModelSpec, setup: TrainSetup, strategy: Strategy = Strategy.SINGLE,
-            world_size: int = 1) -> Prediction:
+def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout()) -> Prediction:
     setup = resolve_attention(model, setup)
     check_fits_positions(model, setup)
     traced = trace(model, setup)
     timeline = expand(traced)
     ranks = []
-    for rank, rank_timeline in sorted(STRATEGIES[strategy](timeline, world_size).items()):
+    for rank, rank_timeline in sorted(STRATEGIES[layout.strategy](timeline, layout).items()):
         peak = replay(rank_timeline)
         reserved = _reserved(peak, setup.device)
         ranks.append(RankPrediction(rank, peak, reserved, reserved, rank_timeline))
-    return Prediction(model, setup, strategy, ranks, layer_graph(timeline, traced.info))
+    return Prediction(model, setup, layout, ranks, layer_graph(timeline, traced.info))
 
 
 def _reserved(peak: Peak, device: Device) -> int:

@@ -21,7 +21,7 @@ def prediction_table(prediction: Prediction) -> str:
     s = prediction.setup
     ckpt = f"checkpointing every {s.ckpt_every} layer(s)" if s.grad_ckpt else "no checkpointing"
     lines = [f"{prediction.model.name}: micro-batch {s.micro_batch}, seq {s.seq_len}, {s.precision.value}, "
-             f"attention {s.attention.value}, {ckpt}, {prediction.strategy.value}, device {s.device.value}",
+             f"attention {s.attention.value}, {ckpt}, {prediction.layout.strategy.value} x {prediction.layout.world_size}, device {s.device.value}",
              "",
              f"{'rank':>4}  {'peak allocated':>16}  {'peak reserved':>16}  {'device total':>16}  peak at",
              ]

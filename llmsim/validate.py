@@ -11,18 +11,23 @@ from llmsim.enums import Attention, Precision
 from llmsim.measure import MEASUREMENTS_DIR
 from llmsim.pipeline import predict
 from llmsim.spec import ModelSpec, TrainSetup, load_model_spec
-from llmsim.strategies import Strategy
+from llmsim.dsconfig import DeepSpeedSetup
+from llmsim.strategies import Layout, Strategy
 from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
 
 
-def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup]:
+def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
     overrides = json.loads(row["overrides"]) if isinstance(row["overrides"], str) else {}
     spec = load_model_spec(row["model"], overrides)
     setup = TrainSetup(micro_batch=int(row["micro_batch"]), seq_len=int(row["seq_len"]),
                        precision=Precision(row["precision"]), attention=Attention(row["attention"]),
                        grad_ckpt=bool(row["grad_ckpt"]), ckpt_every=int(row["ckpt_every"]),
                        steps=int(row["steps"]))
-    return spec, setup
+    ds_config = row.get("ds_config")
+    deepspeed = (DeepSpeedSetup(ds_config, int(row["world_size"])) if isinstance(ds_config, str) and ds_config
+                 else None)
+    layout = Layout(Strategy(row["strategy"]), int(row["world_size"]), deepspeed)
+    return spec, setup, layout
 
 
 def load_measurements(paths: Iterable[Path] | None = None) -> pd.DataFrame:
@@ -35,8 +40,8 @@ def validate(measurements: pd.DataFrame) -> pd.DataFrame:
     """One row per measured rank: measured, predicted, relative error and whether it is in tolerance."""
     results = []
     for _, row in measurements.iterrows():
-        spec, setup = row_inputs(row)
-        prediction = predict(spec, setup, Strategy(row["strategy"]), int(row["world_size"]))
+        spec, setup, layout = row_inputs(row)
+        prediction = predict(spec, setup, layout)
         predicted = prediction.ranks[int(row["rank"])].peak_allocated_bytes
         measured = int(row["peak_allocated_bytes"])
         error = (predicted - measured) / measured

@@ -1,23 +1,52 @@
 """Stage 2: per-rank plans. One module per strategy, registered here by enum (STYLE.md rule 3).
 
-A strategy turns the single-process timeline into one timeline per rank. Adding a strategy is one new
-file plus one line in STRATEGIES.
+A strategy turns the single-process timeline (the canonical step traced as one process) into one
+timeline per rank. Adding a strategy is one new file plus one line in STRATEGIES.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import Callable
 
 import pandas as pd
 
-from llmsim.strategies import single
+from llmsim.dsconfig import DeepSpeedSetup
+from llmsim.errors import InputError
+from llmsim.strategies import ddp, single
 
 
 class Strategy(str, Enum):
     SINGLE = "single"  # one process, plain PyTorch: the canonical step as is
+    DDP = "ddp"  # torch DistributedDataParallel
+    DEEPSPEED = "deepspeed"  # DeepSpeed engine, ZeRO stage 0-3 from the JSON
 
 
-# strategy -> function(full-depth single-process timeline, world_size) -> {rank: timeline}
-STRATEGIES: dict[Strategy, Callable[[pd.DataFrame, int], dict[int, pd.DataFrame]]] = {
+@dataclass(frozen=True)
+class Layout:
+    strategy: Strategy = Strategy.SINGLE
+    world_size: int = 1
+    deepspeed: DeepSpeedSetup | None = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise InputError(f"world-size({self.world_size}) must be >= 1")
+        if self.strategy is Strategy.SINGLE and self.world_size != 1:
+            raise InputError(f"strategy single runs one process; world-size({self.world_size}) must be 1 "
+                             "(use --strategy ddp or --ds-config for several)")
+        if (self.strategy is Strategy.DEEPSPEED) != (self.deepspeed is not None):
+            raise InputError("strategy deepspeed needs a DeepSpeed config (--ds-config), and only it takes one")
+
+
+def _deepspeed(timeline: pd.DataFrame, layout: Layout) -> dict[int, pd.DataFrame]:
+    from llmsim.strategies import zero
+
+    return zero.plan(timeline, layout)
+
+
+# strategy -> function(full-depth single-process timeline, layout) -> {rank: timeline}
+STRATEGIES: dict[Strategy, Callable[[pd.DataFrame, Layout], dict[int, pd.DataFrame]]] = {
     Strategy.SINGLE: single.plan,
+    Strategy.DDP: ddp.plan,
+    Strategy.DEEPSPEED: _deepspeed,
 }

@@ -3,10 +3,6 @@ from __future__ import annotations
 
 import pandas as pd
 
-from llmsim.errors import InputError
 
-
-def plan(timeline: pd.DataFrame, world_size: int) -> dict[int, pd.DataFrame]:
-    if world_size != 1:
-        raise InputError(f"strategy single runs one process; world-size({world_size}) must be 1")
+def plan(timeline: pd.DataFrame, layout) -> dict[int, pd.DataFrame]:
     return {0: timeline}

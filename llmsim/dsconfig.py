@@ -1,0 +1,136 @@
+"""A DeepSpeed config JSON exactly as the user passes it to `deepspeed.initialize`.
+
+"auto" values are resolved the way transformers' DeepSpeed integration resolves them
+(transformers/integrations/deepspeed.py, HfTrainerDeepSpeedConfig.trainer_config_process and
+trainer_config_finalize): batch sizes from the training arguments, `reduce_bucket_size` = hidden_size²,
+`stage3_prefetch_bucket_size` = int(0.9 · hidden_size²), `stage3_param_persistence_threshold` =
+10 · hidden_size. The zero_optimization section is validated by DeepSpeed's own pydantic model, so a key
+DeepSpeed would reject is rejected here with DeepSpeed's words.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmsim.enums import Precision
+from llmsim.errors import InputError, one_line
+
+AUTO = "auto"
+HF_DEFAULT_MAX_GRAD_NORM = 1.0  # transformers.TrainingArguments.max_grad_norm
+
+
+@dataclass(frozen=True)
+class DeepSpeedSetup:
+    """The resolved config (canonical JSON, hashable) and what the training loop takes from it."""
+
+    config_json: str
+    world_size: int
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return json.loads(self.config_json)
+
+    @property
+    def stage(self) -> int:
+        return int(self.config.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def micro_batch(self) -> int:
+        return int(self.config["train_micro_batch_size_per_gpu"])
+
+    @property
+    def precision(self) -> Precision:
+        return Precision.BF16 if self.config.get("bf16", {}).get("enabled") else Precision.FP32
+
+    def zero(self):
+        """DeepSpeed's own parsed zero_optimization section, with DeepSpeed's defaults."""
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        return DeepSpeedZeroConfig(**self.config.get("zero_optimization", {}))
+
+
+def load_ds_config(path: str | Path, world_size: int, hidden_size: int, micro_batch: int | None,
+                   precision: Precision | None) -> DeepSpeedSetup:
+    """Read, resolve and validate; `micro_batch`/`precision` are the CLI's, None when not given."""
+    if world_size < 1:
+        raise InputError(f"world-size({world_size}) must be >= 1")
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot read DeepSpeed config {str(path)!r}: {one_line(exc)}") from None
+    if not isinstance(config, dict):
+        raise InputError(f"DeepSpeed config {str(path)!r} is not a JSON object")
+    _resolve_batch(config, world_size, micro_batch)
+    _resolve_precision(config, precision)
+    _resolve_hidden_size_autos(config, hidden_size)
+    _validate(config)
+    return DeepSpeedSetup(json.dumps(config, sort_keys=True), world_size)
+
+
+def _resolve_batch(config: dict, world_size: int, micro_batch: int | None) -> None:
+    accumulation = config.get("gradient_accumulation_steps", 1)
+    if accumulation == AUTO:
+        accumulation = config["gradient_accumulation_steps"] = 1
+    mb = config.get("train_micro_batch_size_per_gpu")
+    if mb == AUTO or mb is None:
+        total = config.get("train_batch_size")
+        if isinstance(total, int):
+            mb = total // (accumulation * world_size)
+        elif micro_batch is not None:
+            mb = micro_batch
+        else:
+            raise InputError("the DeepSpeed config sets no train_micro_batch_size_per_gpu (or it is \"auto\"); "
+                             "give --micro-batch")
+        config["train_micro_batch_size_per_gpu"] = mb
+    if micro_batch is not None and micro_batch != mb:
+        raise InputError(f"--micro-batch({micro_batch}) contradicts the DeepSpeed config's "
+                         f"train_micro_batch_size_per_gpu({mb})")
+    total = config.get("train_batch_size", AUTO)
+    expected = mb * accumulation * world_size
+    if total == AUTO:
+        config["train_batch_size"] = expected
+    elif total != expected:
+        raise InputError(f"train_batch_size({total}) != train_micro_batch_size_per_gpu({mb}) x "
+                         f"gradient_accumulation_steps({accumulation}) x world-size({world_size}) = {expected}")
+    if config.get("gradient_clipping") == AUTO:
+        config["gradient_clipping"] = HF_DEFAULT_MAX_GRAD_NORM
+
+
+def _resolve_precision(config: dict, precision: Precision | None) -> None:
+    for key in ("fp16", "bf16"):
+        section = config.get(key)
+        if isinstance(section, dict) and section.get("enabled") == AUTO:
+            section["enabled"] = precision is Precision.BF16 if key == "bf16" else False
+    if config.get("fp16", {}).get("enabled"):
+        raise InputError("fp16 is not available on device cpu (DeepSpeed refuses it on CPU); use bf16 or fp32")
+    ds_precision = Precision.BF16 if config.get("bf16", {}).get("enabled") else Precision.FP32
+    if precision is not None and precision is not ds_precision:
+        raise InputError(f"--precision {precision.value} contradicts the DeepSpeed config, which trains in "
+                         f"{ds_precision.value} (bf16.enabled)")
+
+
+def _resolve_hidden_size_autos(config: dict, hidden_size: int) -> None:
+    zero = config.get("zero_optimization", {})
+    autos = {"reduce_bucket_size": hidden_size * hidden_size,
+             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+             "stage3_param_persistence_threshold": 10 * hidden_size}
+    for key, value in autos.items():
+        if zero.get(key) == AUTO:
+            zero[key] = value
+
+
+def _validate(config: dict) -> None:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = config.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise InputError("DeepSpeed config: zero_optimization must be an object")
+    try:
+        DeepSpeedZeroConfig(**zero)
+    except Exception as exc:  # pydantic.ValidationError: the message names the key and the valid inputs
+        raise InputError(f"DeepSpeed config zero_optimization: {one_line(exc)}") from None
+    if "optimizer" in config:
+        raise InputError("a DeepSpeed \"optimizer\" section is not modelled yet; remove it to train with a client "
+                         "torch.optim.AdamW (transformers' default when the JSON has none)")

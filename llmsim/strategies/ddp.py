@@ -1,0 +1,43 @@
+"""torch DistributedDataParallel: every rank is the single-process step plus DDP's own buffers.
+
+Read from torch/nn/parallel/distributed.py and torch/csrc/distributed/c10d/reducer.cpp (torch 2.13):
+- construction broadcasts parameters and buffers from rank 0 with `_broadcast_coalesced`, flattening
+  them into coalesced chunks of at most `broadcast_bucket_size` = 250 MiB (each freed after its broadcast;
+  `take_tensors` closes a chunk once it reaches the limit);
+- the Reducer allocates one flat gradient buffer per bucket; the buckets cover every parameter that
+  requires grad, so together they hold one more copy of the gradients (gradient_as_bucket_view=False,
+  the default). After the first backward the buckets are rebuilt in gradient order: the old buffers are
+  freed before the new ones are allocated, so the total does not change.
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from llmsim.enums import Category, Phase
+from llmsim.strategies.events import end_of_build, live_sizes_at_end_of_build, new_events, splice
+
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DistributedDataParallel.broadcast_bucket_size
+
+
+def coalesced_chunks(sizes: list[int], limit: int) -> list[int]:
+    """Chunk sizes of `_broadcast_coalesced` (c10d `take_tensors`: a chunk closes once it reaches limit)."""
+    chunks, current = [], 0
+    for size in sizes:
+        current += size
+        if current >= limit:
+            chunks.append(current)
+            current = 0
+    return chunks + ([current] if current else [])
+
+
+def plan(timeline: pd.DataFrame, layout) -> dict[int, pd.DataFrame]:
+    params = live_sizes_at_end_of_build(timeline, Category.PARAMETER)
+    buffers = live_sizes_at_end_of_build(timeline, Category.BUFFER)
+    serial = int(timeline["serial"].max()) + 1
+    deltas = []
+    for offset, chunk in enumerate(coalesced_chunks(params + buffers, BROADCAST_BUCKET_BYTES)):
+        deltas += [(offset, chunk, Category.TEMPORARY), (offset, -chunk, Category.TEMPORARY)]
+    deltas.append((len(deltas), sum(params), Category.REDUCE_BUCKET))
+    events = new_events(deltas, "DistributedDataParallel", 0, Phase.BUILD, serial)
+    rank_timeline = splice(timeline, end_of_build(timeline), events)
+    return {rank: rank_timeline for rank in range(layout.world_size)}

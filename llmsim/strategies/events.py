@@ -1,0 +1,33 @@
+"""Helpers strategies use to read a single-process timeline and splice their own events into it."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from llmsim.enums import Category, Phase
+from llmsim.tracker import NO_BLOCK, TIMELINE_COLUMNS
+
+
+def live_sizes_at_end_of_build(timeline: pd.DataFrame, category: Category) -> list[int]:
+    """Sizes of the storages of `category` alive when the build ends, in allocation order."""
+    build = timeline[(timeline["phase"] == Phase.BUILD.value) & (timeline["category"] == category.value)]
+    net = build.groupby("serial", sort=False)["delta_bytes"].sum()
+    return [int(n) for n in net if n > 0]
+
+
+def end_of_build(timeline: pd.DataFrame) -> int:
+    """Index of the first event after the build phase."""
+    after = np.flatnonzero(timeline["phase"].to_numpy() != Phase.BUILD.value)
+    return int(after[0]) if len(after) else len(timeline)
+
+
+def new_events(deltas: list[tuple[int, int, Category]], module: str, step: int, phase: Phase,
+               first_serial: int) -> pd.DataFrame:
+    """Rows for (serial offset, delta bytes, category) triples; serials start at `first_serial`."""
+    rows = [(step, phase.value, NO_BLOCK, module, first_serial + offset, delta, category.value)
+            for offset, delta, category in deltas]
+    return pd.DataFrame(rows, columns=TIMELINE_COLUMNS)
+
+
+def splice(timeline: pd.DataFrame, at: int, events: pd.DataFrame) -> pd.DataFrame:
+    return pd.concat([timeline.iloc[:at], events, timeline.iloc[at:]], ignore_index=True)
