@@ -10,6 +10,7 @@ from llmsim.errors import InputError
 
 EXIT_BAD_INPUT = 2
 EXIT_OUT_OF_TOLERANCE = 1
+EXIT_RUN_FAILED = 3  # a measured run crashed or timed out
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,8 +34,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=str,
                    help="override a config field (JSON value), e.g. --set num_hidden_layers=4")
     p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--micro-batch", type=int, required=True)
-    p.add_argument("--precision", default="fp32", help="fp32 | bf16 | bf16-autocast")
+    p.add_argument("--micro-batch", type=int, default=None, help="required unless the DeepSpeed config sets it")
+    p.add_argument("--precision", default=None, help="fp32 | bf16 | bf16-autocast (default fp32, or the "
+                   "DeepSpeed config's)")
+    p.add_argument("--strategy", default=None, help="single | ddp (deepspeed when --ds-config is given)")
+    p.add_argument("--world-size", type=int, default=None, help="number of ranks (default 1)")
+    p.add_argument("--ds-config", default=None, help="DeepSpeed JSON, as passed to deepspeed.initialize")
     p.add_argument("--attn", default=None, help="sdpa | eager (default: transformers' choice for the model)")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--ckpt-every", type=int, default=1, help="checkpoint every N-th layer (every_n_layers)")
@@ -42,17 +47,34 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _inputs(args):
+    from llmsim.dsconfig import load_ds_config
     from llmsim.enums import Device
     from llmsim.spec import TrainSetup, load_model_spec
+    from llmsim.strategies import Layout, Strategy
 
     spec = load_model_spec(args.model, dict(_override(t) for t in args.set))
+    precision = parse_enum(Precision, args.precision, "precision") if args.precision else None
+    world_size = 1 if args.world_size is None else args.world_size
+    strategy = parse_enum(Strategy, args.strategy, "strategy") if args.strategy else None
+    deepspeed = None
+    if args.ds_config:
+        if strategy not in (None, Strategy.DEEPSPEED):
+            raise InputError(f"--strategy {strategy.value} contradicts --ds-config (a DeepSpeed run)")
+        strategy = Strategy.DEEPSPEED
+        deepspeed = load_ds_config(args.ds_config, world_size, int(spec.hf_config().hidden_size),
+                                   args.micro_batch, precision)
+        micro_batch, precision = deepspeed.micro_batch, deepspeed.precision
+    else:
+        if args.micro_batch is None:
+            raise InputError("--micro-batch is required (or a DeepSpeed config that sets it)")
+        micro_batch = args.micro_batch
+    layout = Layout(strategy or (Strategy.DDP if world_size > 1 else Strategy.SINGLE), world_size, deepspeed)
     setup = TrainSetup(
-        micro_batch=args.micro_batch, seq_len=args.seq_len,
-        precision=parse_enum(Precision, args.precision, "precision"),
+        micro_batch=micro_batch, seq_len=args.seq_len, precision=precision or Precision.FP32,
         attention=parse_enum(Attention, args.attn, "attention") if args.attn else None,
         grad_ckpt=args.grad_ckpt, ckpt_every=args.ckpt_every,
         device=parse_enum(Device, args.device, "device"))
-    return spec, setup
+    return spec, setup, layout
 
 
 def cmd_predict(args) -> int:
@@ -68,14 +90,25 @@ def cmd_predict(args) -> int:
 
 
 def cmd_measure(args) -> int:
-    from llmsim.measure import TIER1_CSV, append_rows, measure_single
+    from llmsim.launch import LaunchFailure
+    from llmsim.measure import TIER1_CSV, TIER2_CSV, append_rows, measure_distributed, measure_single
     from llmsim.report import human_bytes
+    from llmsim.strategies import Strategy
 
-    row = measure_single(*_inputs(args))
+    spec, setup, layout = _inputs(args)
+    if layout.strategy is Strategy.SINGLE:
+        rows, default_out = [measure_single(spec, setup)], TIER1_CSV
+    else:
+        try:
+            rows, default_out = measure_distributed(spec, setup, layout, args.timeout), TIER2_CSV
+        except LaunchFailure as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_RUN_FAILED
     if not args.dry_run:
-        append_rows([row], args.out or TIER1_CSV)
-    print(f"measured peak allocated {human_bytes(row['peak_allocated_bytes'])} "
-          f"({row['peak_allocated_bytes']:,} B) in {row['wall_s']} s")
+        append_rows(rows, args.out or default_out)
+    for row in rows:
+        print(f"rank {row['rank']}: measured peak allocated {human_bytes(row['peak_allocated_bytes'])} "
+              f"({row['peak_allocated_bytes']:,} B) in {row['wall_s']} s")
     return 0
 
 
@@ -119,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--out", default=None, help="CSV to append to (default data/measurements/tier1_cpu.csv)")
     p.add_argument("--dry-run", action="store_true", help="measure but write nothing")
+    p.add_argument("--timeout", type=int, default=900, help="seconds before a multi-process run is killed")
     p.set_defaults(func=cmd_measure)
     p = sub.add_parser("validate", help="re-predict every measured row; exit 1 if any is out of tolerance")
     p.add_argument("csv", nargs="*", help="measurement CSVs (default: data/measurements/*.csv)")

@@ -10,6 +10,8 @@ DeepSpeed would reject is rejected here with DeepSpeed's words.
 from __future__ import annotations
 
 import json
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from llmsim.enums import Precision
 from llmsim.errors import InputError, one_line
 
 AUTO = "auto"
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # predicting needs no accelerator; skips DeepSpeed's probe
+logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 HF_DEFAULT_MAX_GRAD_NORM = 1.0  # transformers.TrainingArguments.max_grad_norm
 
 
