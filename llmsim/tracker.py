@@ -138,6 +138,8 @@ class StorageTracker(TorchDispatchMode):
         return None
 
     def _see(self, tensor: torch.Tensor, block: int, name: str) -> None:
+        if tensor.device.type == "meta":  # shape-only tensors (DeepSpeed keeps some) hold no memory; a
+            return  # FakeTensor reports its fake device here, so fake runs are still counted
         for storage in _storages(tensor):
             key = storage._cdata
             nbytes = storage.nbytes()

@@ -50,3 +50,11 @@ def test_resize_is_recorded():
         t.untyped_storage().resize_(0)
         t.untyped_storage().resize_(300)
     assert list(tracker.timeline()["delta_bytes"]) == [1000, -1000, 300]
+
+
+def test_meta_tensors_hold_no_memory():
+    tracker = StorageTracker()
+    with tracker:
+        real = torch.empty(10)
+        torch.zeros_like(real, device="meta")
+    assert list(tracker.timeline()["delta_bytes"]) == [40]
