@@ -66,7 +66,7 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout()) -> P
     traced = trace(model, setup)
     timeline = expand(traced)
     ranks = []
-    for rank, rank_timeline in sorted(STRATEGIES[layout.strategy](timeline, layout).items()):
+    for rank, rank_timeline in sorted(STRATEGIES[layout.strategy](timeline, layout, setup).items()):
         peak = replay(rank_timeline)
         reserved = _reserved(peak, setup.device)
         ranks.append(RankPrediction(rank, peak, reserved, reserved, rank_timeline))

@@ -72,6 +72,9 @@ class LayerHooks:
         for index, block in enumerate(blocks):
             block.register_forward_pre_hook(self._block_pre(index), with_kwargs=True)
             block.register_forward_hook(self._block_post(index))
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._grad_ready(name))
 
     def block_of(self, fqn: str) -> int:
         head = self.prefix + "."
@@ -145,6 +148,11 @@ class LayerHooks:
             # The block stays current until the next one starts: what runs between two layers (the
             # decoder loop rebinding `hidden_states`) happens once per layer, so it belongs to a layer.
             _on_grad(_first_grad_tensor(output), self._enter(index, f"{self.prefix}.{index}"))
+        return hook
+
+    def _grad_ready(self, name: str):
+        def hook(param):
+            self.tracker.mark_grad_ready(name)
         return hook
 
     def _enter(self, block: int, module: str):

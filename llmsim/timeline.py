@@ -45,9 +45,11 @@ def expand(trace: Trace) -> pd.DataFrame:
     shift = np.concatenate(shifts)
     out = frame.iloc[order].reset_index(drop=True)
     out["block"] = np.where(out["block"].to_numpy() == NO_BLOCK, NO_BLOCK, out["block"].to_numpy() + shift)
-    out["module"] = _renumber(out["module"].to_numpy(), block[order], shift, trace.info.blocks_prefix)
+    for column in ("module", "tensor"):
+        out[column] = _renumber(out[column].to_numpy(), block[order], shift, trace.info.blocks_prefix)
     max_serial = int(frame["serial"].max()) + 1
-    out["serial"] = out["serial"].to_numpy() + (shift // trace.period) * max_serial
+    serial = out["serial"].to_numpy()
+    out["serial"] = np.where(serial < 0, serial, serial + (shift // trace.period) * max_serial)
     return out
 
 

@@ -23,7 +23,9 @@ from torch.utils._pytree import tree_leaves
 from llmsim.enums import Category, Phase
 
 NO_BLOCK = -1  # events outside the repeated decoder layers (embeddings, final norm, LM head, loss)
-TIMELINE_COLUMNS = ["step", "phase", "block", "module", "serial", "delta_bytes", "category"]
+GRAD_READY = -1  # serial of a zero-byte marker row: the gradient of `tensor` has just been accumulated
+# `tensor`: the labelled name of what the storage holds (a parameter's FQN, also for its gradient), or "".
+TIMELINE_COLUMNS = ["step", "phase", "block", "module", "serial", "delta_bytes", "category", "tensor"]
 
 
 @dataclass
@@ -100,6 +102,11 @@ class StorageTracker(TorchDispatchMode):
                     live.block = block
                     row = self._rows[self._alloc_row[live.serial]]
                     self._rows[self._alloc_row[live.serial]] = (row[0], row[1], block, name, *row[4:])
+
+    def mark_grad_ready(self, name: str) -> None:
+        """A zero-byte row at the moment autograd has accumulated `name`'s gradient: where DeepSpeed's
+        and DDP's gradient hooks (`register_post_accumulate_grad_hook`) run."""
+        self._rows.append((self.step, self.phase, self.block, name, GRAD_READY, 0))
 
     # ---- the dispatch mode -----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -201,13 +208,18 @@ class StorageTracker(TorchDispatchMode):
     # ---- the result ------------------------------------------------------------------------------------
     def timeline(self) -> pd.DataFrame:
         """One row per event, in execution order; `category` resolved now that every label is known."""
-        frame = pd.DataFrame(self._rows, columns=TIMELINE_COLUMNS[:-1])
+        frame = pd.DataFrame(self._rows, columns=TIMELINE_COLUMNS[:-2])
         free_rows = {row[4]: i for i, row in enumerate(self._rows) if row[5] < 0}
         frame["category"] = [self._category(s, free_rows) for s in frame["serial"]]
+        frame["tensor"] = [self._serial_name.get(s, "") if s in self._labels else "" for s in frame["serial"]]
+        markers = (frame["serial"] == GRAD_READY).to_numpy()
+        frame.loc[markers, "tensor"] = frame.loc[markers, "module"]
         frame["phase"] = [p.value for p in frame["phase"]]
         return frame
 
     def _category(self, serial: int, free_rows: dict[int, int]) -> str:
+        if serial == GRAD_READY:
+            return Category.GRADIENT.value
         label = self._labels.get(serial)
         if label is not None:
             return label.value

@@ -38,14 +38,18 @@ class Layout:
             raise InputError("strategy deepspeed needs a DeepSpeed config (--ds-config), and only it takes one")
 
 
-def _deepspeed(timeline: pd.DataFrame, layout: Layout) -> dict[int, pd.DataFrame]:
-    from llmsim.strategies import zero
+def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.DataFrame]:
+    from llmsim.strategies import zero12
 
-    return zero.plan(timeline, layout)
+    stages = {1: zero12.plan, 2: zero12.plan}
+    if layout.deepspeed.stage not in stages:
+        raise InputError(f"DeepSpeed ZeRO stage {layout.deepspeed.stage} is not modelled yet; "
+                         f"modelled stages: {', '.join(map(str, sorted(stages)))}")
+    return stages[layout.deepspeed.stage](timeline, layout, setup)
 
 
-# strategy -> function(full-depth single-process timeline, layout) -> {rank: timeline}
-STRATEGIES: dict[Strategy, Callable[[pd.DataFrame, Layout], dict[int, pd.DataFrame]]] = {
+# strategy -> function(full-depth single-process timeline, layout, setup) -> {rank: timeline}
+STRATEGIES: dict[Strategy, Callable[[pd.DataFrame, Layout, object], dict[int, pd.DataFrame]]] = {
     Strategy.SINGLE: single.plan,
     Strategy.DDP: ddp.plan,
     Strategy.DEEPSPEED: _deepspeed,

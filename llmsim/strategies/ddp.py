@@ -30,7 +30,7 @@ def coalesced_chunks(sizes: list[int], limit: int) -> list[int]:
     return chunks + ([current] if current else [])
 
 
-def plan(timeline: pd.DataFrame, layout) -> dict[int, pd.DataFrame]:
+def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     params = live_sizes_at_end_of_build(timeline, Category.PARAMETER)
     buffers = live_sizes_at_end_of_build(timeline, Category.BUFFER)
     serial = int(timeline["serial"].max()) + 1

@@ -24,7 +24,7 @@ def end_of_build(timeline: pd.DataFrame) -> int:
 def new_events(deltas: list[tuple[int, int, Category]], module: str, step: int, phase: Phase,
                first_serial: int) -> pd.DataFrame:
     """Rows for (serial offset, delta bytes, category) triples; serials start at `first_serial`."""
-    rows = [(step, phase.value, NO_BLOCK, module, first_serial + offset, delta, category.value)
+    rows = [(step, phase.value, NO_BLOCK, module, first_serial + offset, delta, category.value, "")
             for offset, delta, category in deltas]
     return pd.DataFrame(rows, columns=TIMELINE_COLUMNS)
 

@@ -4,5 +4,5 @@ from __future__ import annotations
 import pandas as pd
 
 
-def plan(timeline: pd.DataFrame, layout) -> dict[int, pd.DataFrame]:
+def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     return {0: timeline}

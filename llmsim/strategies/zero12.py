@@ -1,0 +1,229 @@
+"""DeepSpeed ZeRO stages 1 and 2 (deepspeed/runtime/zero/stage_1_and_2.py, DeepSpeed 0.19), client AdamW.
+
+Per rank, on top of the single-process forward and backward:
+- initialize: the parameters are copied into one flat buffer of F = ceil(N / (2W)) * 2W elements
+  (`nccl_start_alignment_factor` 2; padding at the end) while the originals still exist, then the
+  originals are freed (`_update_model_bit16_weights`); the rank's fp32 master partition of P = F / W
+  elements is a separate copy (`.clone().to(fp32)`; in bf16 through a bf16 clone); `initialize_optimizer_states`
+  allocates and drops a zero fp32 gradient of P elements. Adam's states come lazily at the first step.
+- backward: the first gradient hook allocates the reduction buffer of `reduce_bucket_size` elements (two with
+  `overlap_comm`), freed at the end of every backward. Stage 2 copies each gradient into it as autograd
+  produces it (the autograd storage is freed at once); stage 1 keeps the full gradients until the end of
+  backward and then does the same in parameter order. A bucket is flushed when it would overflow: its
+  all-reduce flattens a copy of it, then the slices of this rank's partition are copied into
+  `grads_in_partition` (the whole numel of every parameter overlapping the partition), allocated at the first
+  such copy. A gradient larger than the bucket bypasses it and is reduced alone.
+- step: the gradient norm upcasts each slice to float64 one at a time; the partition's gradients are flattened
+  (P elements, then converted to fp32 in bf16), `grads_in_partition` is freed, AdamW updates the flat fp32
+  partition (single-tensor path on CPU: states 2 * P fp32 at the first step, `sqrt` and `denom` temporaries of
+  P fp32 each), the fp32 gradient is freed and the parameters are all-gathered in place into the flat buffer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from llmsim.enums import Category, Phase, Precision
+from llmsim.tracker import GRAD_READY
+from llmsim.strategies.zero_common import (ADAM_STEP_BYTES, FP32_BYTES, FP64_BYTES, EventWriter, Param,
+                                           param_storages, parameters)
+
+NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: the flat buffer is padded to a multiple of 2 * world size
+
+
+@dataclass(frozen=True)
+class Partitioning:
+    params: list[Param]
+    offsets: list[int]
+    flat_numel: int
+    partition_numel: int
+
+    @classmethod
+    def of(cls, params: list[Param], world_size: int) -> "Partitioning":
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p.numel
+        alignment = NCCL_START_ALIGNMENT_FACTOR * world_size
+        flat = math.ceil(total / alignment) * alignment
+        return cls(params, offsets, flat, flat // world_size)
+
+    def slices(self, rank: int) -> dict[str, int]:
+        """Parameter name -> numel of its slice inside `rank`'s partition."""
+        lo, hi = rank * self.partition_numel, (rank + 1) * self.partition_numel
+        out = {}
+        for p, off in zip(self.params, self.offsets):
+            overlap = min(off + p.numel, hi) - max(off, lo)
+            if overlap > 0:
+                out[p.name] = overlap
+        return out
+
+
+@dataclass
+class _Backward:
+    """The reduction state of one backward pass."""
+
+    buffers: list[int] = field(default_factory=list)  # serials of the ipg buffers
+    bucket: list[str] = field(default_factory=list)
+    elements: int = 0
+    extra_large: str | None = None
+    gip: int | None = None  # serial of grads_in_partition
+    grads: dict[str, tuple[int, int]] = field(default_factory=dict)  # param -> (serial, bytes) still alive
+
+
+class _Rank:
+    def __init__(self, timeline: pd.DataFrame, layout, setup, rank: int) -> None:
+        self.zero = layout.deepspeed.zero()
+        self.stage = layout.deepspeed.stage
+        self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
+        self.part = Partitioning.of(parameters(timeline, self.elem), layout.world_size)
+        self.numel = {p.name: p.numel for p in self.part.params}
+        self.mine = self.part.slices(rank)
+        self.gip_bytes = sum(self.numel[name] for name in self.mine) * self.elem
+        self.rank = rank
+        self.timeline = timeline
+        self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
+        self.bw = _Backward()
+
+    # ---- initialize --------------------------------------------------------------------------------
+    def initialize(self) -> None:
+        flat = self.w.alloc(self.part.flat_numel * self.elem, Category.PARAMETER)
+        for serial, nbytes in param_storages(self.timeline):
+            self.w.free(serial, nbytes, Category.PARAMETER)
+        self.flat = flat
+        p32 = self.part.partition_numel * FP32_BYTES
+        if self.elem != FP32_BYTES:
+            clone = self.w.alloc(self.part.partition_numel * self.elem, Category.TEMPORARY)
+            self.master = self.w.alloc(p32, Category.MASTER_WEIGHTS)
+            self.w.free(clone, self.part.partition_numel * self.elem, Category.TEMPORARY)
+        else:
+            self.master = self.w.alloc(p32, Category.MASTER_WEIGHTS)
+        zeros = self.w.alloc(p32, Category.TEMPORARY)
+        self.w.free(zeros, p32, Category.TEMPORARY)
+
+    # ---- backward ----------------------------------------------------------------------------------
+    def on_gradient(self, name: str) -> None:
+        """`process_gradients`: the first hook of a backward sets up the buckets."""
+        if not self.bw.buffers:
+            count = 2 if self.zero.overlap_comm else 1
+            self.bw.buffers = [self.w.alloc(self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
+                               for _ in range(count)]
+        if self.stage == 2 or self.zero.overlap_comm:
+            self.reduce(name)
+
+    def reduce(self, name: str) -> None:
+        """`reduce_independent_p_g_buckets_and_remove_grads`."""
+        numel = self.numel[name]
+        if self.bw.elements + numel > self.zero.reduce_bucket_size:
+            self.flush()
+        if numel > self.zero.reduce_bucket_size:
+            self.bw.extra_large = name
+        else:  # copied into the contiguous buffer: the autograd storage is freed
+            self._free_grad(name)
+        self.bw.bucket.append(name)
+        self.bw.elements += numel
+
+    def flush(self) -> None:
+        """`reduce_ipg_grads`: all-reduce a flattened copy, keep this rank's slices."""
+        if not self.bw.bucket:
+            return
+        copy_bytes = (self.numel[self.bw.extra_large] if self.bw.extra_large else self.bw.elements) * self.elem
+        copy = self.w.alloc(copy_bytes, Category.TEMPORARY)
+        self.w.free(copy, copy_bytes, Category.TEMPORARY)
+        for name in self.bw.bucket:
+            if name in self.mine and self.bw.gip is None:
+                self.bw.gip = self.w.alloc(self.gip_bytes, Category.GRADIENT)
+            if name == self.bw.extra_large and (name in self.mine or self.stage == 2):
+                self._free_grad(name)  # copied into grads_in_partition, or cleared when not ours
+        self.bw.bucket, self.bw.elements, self.bw.extra_large = [], 0, None
+
+    def _free_grad(self, name: str) -> None:
+        serial, nbytes = self.bw.grads.pop(name)
+        self.w.free(serial, nbytes, Category.GRADIENT)
+
+    def end_backward(self) -> None:
+        if self.stage == 1:  # engine.allreduce_gradients -> reduce_gradients, in parameter order
+            for p in self.part.params:
+                if p.name in self.bw.grads:
+                    self.reduce(p.name)
+        self.flush()
+        for name in list(self.bw.grads):  # gradients of other ranks' partitions are cleared
+            self._free_grad(name)
+        for serial in self.bw.buffers:
+            self.w.free(serial, self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
+        padding = self.part.partition_numel - sum(self.mine.values())
+        self.padding = self.w.alloc(padding * self.elem, Category.GRADIENT) if padding else None
+        self.gip, self.bw = self.bw.gip, _Backward()
+
+    # ---- step ----------------------------------------------------------------------------------------
+    def step(self, first: bool) -> None:
+        for numel in self.mine.values():  # get_grad_norm_direct: g.to(float64) per slice
+            upcast = self.w.alloc(numel * FP64_BYTES, Category.TEMPORARY)
+            self.w.free(upcast, numel * FP64_BYTES, Category.TEMPORARY)
+        p = self.part.partition_numel
+        flat_grad = self.w.alloc(p * self.elem, Category.GRADIENT)
+        if self.elem != FP32_BYTES:  # .to(fp32) of the flattened bf16 gradients
+            fp32_grad = self.w.alloc(p * FP32_BYTES, Category.GRADIENT)
+            self.w.free(flat_grad, p * self.elem, Category.GRADIENT)
+            flat_grad = fp32_grad
+        if self.gip is not None:
+            self.w.free(self.gip, self.gip_bytes, Category.GRADIENT)
+        if self.padding is not None:
+            self.w.free(self.padding, (p - sum(self.mine.values())) * self.elem, Category.GRADIENT)
+        self.adamw(first)
+        self.w.free(flat_grad, p * FP32_BYTES, Category.GRADIENT)
+
+    def adamw(self, first: bool) -> None:
+        """torch.optim.AdamW on the one flat fp32 partition (torch/optim/adam.py, _single_tensor_adam)."""
+        p32 = self.part.partition_numel * FP32_BYTES
+        if first:
+            self.w.alloc(ADAM_STEP_BYTES, Category.OPTIMIZER_STATE)
+            self.w.alloc(p32, Category.OPTIMIZER_STATE)
+            self.w.alloc(p32, Category.OPTIMIZER_STATE)
+        sqrt = self.w.alloc(p32, Category.TEMPORARY)
+        denom = self.w.alloc(p32, Category.TEMPORARY)
+        self.w.free(sqrt, p32, Category.TEMPORARY)
+        self.w.free(denom, p32, Category.TEMPORARY)
+
+    # ---- the walk --------------------------------------------------------------------------------------
+    def run(self) -> pd.DataFrame:
+        previous = (0, Phase.BUILD.value)
+        for row in self.timeline.itertuples(index=False, name=None):
+            step, phase = int(row[0]), row[1]
+            if (step, phase) != previous:
+                self._leave(*previous)
+                previous = (step, phase)
+            if phase == Phase.OPTIMIZER.value:
+                continue  # DeepSpeed's step replaces the client optimizer's
+            if row[6] == Category.GRADIENT.value and phase == Phase.BACKWARD.value:
+                self._gradient_row(row)
+                continue
+            self.w.keep(row)
+        self._leave(*previous)
+        return self.w.frame()
+
+    def _gradient_row(self, row: tuple) -> None:
+        name, serial, delta = row[7], int(row[4]), int(row[5])
+        if serial == GRAD_READY:  # DeepSpeed's post-accumulate-grad hook runs here
+            self.on_gradient(name)
+        elif delta > 0:
+            self.w.keep(row)
+            self.bw.grads[name] = (serial, delta)
+        elif name in self.bw.grads and self.bw.grads[name][0] == serial:
+            self.w.keep(row)  # autograd replaced the gradient storage itself
+            del self.bw.grads[name]
+
+    def _leave(self, step: int, phase: str) -> None:
+        self.w.step, self.w.phase = step, Phase(phase)
+        if phase == Phase.BUILD.value:
+            self.initialize()
+        elif phase == Phase.BACKWARD.value:
+            self.end_backward()
+        elif phase == Phase.OPTIMIZER.value:
+            self.step(first=step == 0)
+
+
+def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
+    return {rank: _Rank(timeline, layout, setup, rank).run() for rank in range(layout.world_size)}

@@ -1,0 +1,75 @@
+"""What every ZeRO stage reads from the single-process timeline, and how it writes its own events.
+
+The single-process trace already holds the forward and backward of one rank (activations do not change
+under data parallelism); a ZeRO stage keeps them, replaces what happens to parameters, gradients and
+optimizer state, and adds its buffers. Sources: deepspeed/runtime/zero/stage_1_and_2.py, stage3.py,
+partition_parameters.py, runtime/engine.py (DeepSpeed 0.19).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from llmsim.enums import Category, Phase
+from llmsim.tracker import NO_BLOCK, TIMELINE_COLUMNS
+
+FP32_BYTES = 4
+FP64_BYTES = 8  # the gradient norm upcasts each gradient slice to float64 (stage_1_and_2.py, get_grad_norm_direct)
+ADAM_STEP_BYTES = 4  # AdamW's `step` is a 0-dim fp32 tensor on the host (torch/optim/adamw.py, _init_group)
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    numel: int
+    elem_bytes: int
+
+
+def parameters(timeline: pd.DataFrame, elem_bytes: int) -> list[Param]:
+    """Trainable parameters as `model.parameters()` orders them (the order of their final allocation)."""
+    build = timeline[(timeline["phase"] == Phase.BUILD.value) &
+                     (timeline["category"] == Category.PARAMETER.value)]
+    net = build.groupby("serial", sort=False).agg(nbytes=("delta_bytes", "sum"), name=("tensor", "last"))
+    live = net[net["nbytes"] > 0]
+    return [Param(name, int(nbytes) // elem_bytes, elem_bytes) for name, nbytes in zip(live["name"], live["nbytes"])]
+
+
+def param_storages(timeline: pd.DataFrame) -> list[tuple[int, int]]:
+    """(serial, bytes) of the parameter storages alive when the build ends."""
+    build = timeline[(timeline["phase"] == Phase.BUILD.value) &
+                     (timeline["category"] == Category.PARAMETER.value)]
+    net = build.groupby("serial", sort=False)["delta_bytes"].sum()
+    return [(int(s), int(n)) for s, n in net.items() if n > 0]
+
+
+@dataclass
+class EventWriter:
+    """Builds a rank's timeline: copies single-process rows and appends its own events in order."""
+
+    next_serial: int
+    rows: list[tuple] = field(default_factory=list)
+    step: int = 0
+    phase: Phase = Phase.BUILD
+    module: str = ""
+
+    def keep(self, row: tuple) -> None:
+        self.step, self.phase = int(row[0]), Phase(row[1])
+        self.rows.append(row)
+
+    def alloc(self, nbytes: int, category: Category, module: str | None = None) -> int:
+        serial = self.next_serial
+        self.next_serial += 1
+        self._emit(serial, nbytes, category, module)
+        return serial
+
+    def free(self, serial: int, nbytes: int, category: Category, module: str | None = None) -> None:
+        self._emit(serial, -nbytes, category, module)
+
+    def _emit(self, serial: int, delta: int, category: Category, module: str | None) -> None:
+        if delta:
+            self.rows.append((self.step, self.phase.value, NO_BLOCK, module or self.module, serial, delta,
+                              category.value, ""))
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows, columns=TIMELINE_COLUMNS)
