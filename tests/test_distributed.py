@@ -1,0 +1,91 @@
+"""Tier (c): layouts with several ranks. Committed tier-2 rows are checked in test_validate.py; here:
+the DeepSpeed config contract, and fresh real multi-process runs (torchrun, gloo) against predictions."""
+import json
+
+import pytest
+
+from llmsim.cli import main
+from llmsim.dsconfig import load_ds_config
+from llmsim.enums import Precision
+from llmsim.measure import measure_distributed
+from llmsim.pipeline import predict
+from llmsim.spec import TrainSetup, load_model_spec
+from llmsim.strategies import Layout, Strategy
+from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
+from llmsim.zoo import shrink
+
+TINY = ["--model", "llama-2-7b", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
+        "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+        "--set", "vocab_size=256", "--seq-len", "16"]
+
+
+def _write(tmp_path, config) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    return str(path)
+
+
+BAD = [
+    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 4}}, [], "stage"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "bucket": 5}}, [], "bucket"),
+    ("{not json", [], "cannot read"),
+    ({"train_micro_batch_size_per_gpu": 2}, ["--micro-batch", "3"], "contradicts"),
+    ({"train_micro_batch_size_per_gpu": 2, "train_batch_size": 5}, [], "train_batch_size(5)"),
+    ({"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True}}, [], "fp16"),
+    ({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}}, ["--precision", "fp32"], "contradicts"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}, ["--world-size", "0"], "world-size"),
+    ({"zero_optimization": {"stage": 2}}, [], "give --micro-batch"),
+]
+
+
+@pytest.mark.parametrize("config,extra,needle", BAD, ids=[b[2] for b in BAD])
+def test_bad_deepspeed_config_is_one_line_and_status_2(tmp_path, config, extra, needle, capsys):
+    argv = ["predict", *TINY, "--ds-config", _write(tmp_path, config), *extra]
+    if "--world-size" not in extra:
+        argv += ["--world-size", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err
+
+
+def test_auto_values_resolve_like_transformers(tmp_path):
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"},
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                    "stage3_prefetch_bucket_size": "auto",
+                                    "stage3_param_persistence_threshold": "auto"}}
+    ds = load_ds_config(_write(tmp_path, config), 4, 4096, 2, Precision.BF16)
+    resolved = ds.config
+    assert resolved["train_batch_size"] == 8 and ds.micro_batch == 2 and ds.precision is Precision.BF16
+    zero = resolved["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 4096 * 4096
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 4096 * 4096)
+    assert zero["stage3_param_persistence_threshold"] == 40960
+
+
+def test_single_strategy_needs_one_rank(capsys):
+    assert main(["predict", *TINY, "--micro-batch", "1", "--strategy", "single", "--world-size", "2"]) == 2
+    assert "world-size(2)" in capsys.readouterr().err
+
+
+FRESH = [
+    ("gpt2", (96, 3, 800, 4), TrainSetup(2, 48, Precision.BF16, grad_ckpt=True), Strategy.DDP, None),
+    ("qwen2.5-0.5b", (80, 3, 900, 4), TrainSetup(1, 40), Strategy.DEEPSPEED,
+     {"stage": 2, "reduce_bucket_size": 30000}),
+]
+
+
+@pytest.mark.parametrize("model,shape,setup,strategy,zero", FRESH, ids=["ddp", "zero2"])
+def test_fresh_multiprocess_run_matches_prediction(tmp_path, model, shape, setup, strategy, zero):
+    spec = load_model_spec(model, shrink(model, *shape))
+    deepspeed = None
+    if zero is not None:
+        config = {"train_micro_batch_size_per_gpu": setup.micro_batch, "zero_optimization": zero}
+        deepspeed = load_ds_config(_write(tmp_path, config), 2, shape[0], None, setup.precision)
+    layout = Layout(strategy, 2, deepspeed)
+    rows = measure_distributed(spec, setup, layout, timeout_s=600)
+    prediction = predict(spec, setup, layout)
+    for row in rows:
+        predicted = prediction.ranks[row["rank"]].peak_allocated_bytes
+        measured = row["peak_allocated_bytes"]
+        assert abs(predicted - measured) / measured <= PEAK_ALLOCATED_TOLERANCE[2]
