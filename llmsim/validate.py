@@ -31,7 +31,7 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
 
 
 def load_measurements(paths: Iterable[Path] | None = None) -> pd.DataFrame:
-    paths = sorted(MEASUREMENTS_DIR.glob("*.csv")) if paths is None else list(paths)
+    paths = sorted(MEASUREMENTS_DIR.glob("*.csv")) if paths is None else [Path(p) for p in paths]
     frames = [pd.read_csv(p).assign(source=p.name) for p in paths]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
