@@ -43,7 +43,7 @@ def validation_table(results: pd.DataFrame) -> str:
         predicted=results["predicted_bytes"].map(human_bytes),
         error=results["rel_error"].map(lambda e: f"{100 * e:+.3f} %"))
     columns = ["tier", "model", "micro_batch", "seq_len", "precision", "attention", "grad_ckpt", "ckpt_every",
-               "strategy", "rank", "measured", "predicted", "error", "ok"]
+               "strategy", "world_size", "rank", "measured", "predicted", "error", "ok"]
     worst = results["rel_error"].abs().max() if len(results) else 0.0
     summary = (f"{len(results)} rows, {int((~results['ok']).sum())} outside tolerance, "
                f"worst |error| {100 * worst:.3f} %")

@@ -50,7 +50,14 @@ def validate(measurements: pd.DataFrame) -> pd.DataFrame:
                         "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
                         "precision": setup.precision.value, "attention": row["attention"],
                         "grad_ckpt": setup.grad_ckpt, "ckpt_every": setup.ckpt_every,
-                        "strategy": row["strategy"], "rank": int(row["rank"]),
+                        "strategy": _strategy_name(layout), "world_size": layout.world_size,
+                        "rank": int(row["rank"]),
                         "measured_bytes": measured, "predicted_bytes": predicted, "rel_error": error,
                         "tolerance": tolerance, "ok": abs(error) <= tolerance})
     return pd.DataFrame(results)
+
+
+def _strategy_name(layout: Layout) -> str:
+    if layout.deepspeed is not None:
+        return f"zero{layout.deepspeed.stage}"
+    return layout.strategy.value

@@ -50,6 +50,12 @@ class Partitioning:
         flat = math.ceil(total / alignment) * alignment
         return cls(params, offsets, flat, flat // world_size)
 
+    def partition_ids(self, name: str) -> list[int]:
+        """Partitions a parameter's slices fall in, by offset (`param_to_partition_ids`)."""
+        index = [p.name for p in self.params].index(name)
+        first, last = self.offsets[index], self.offsets[index] + self.params[index].numel - 1
+        return list(range(first // self.partition_numel, last // self.partition_numel + 1))
+
     def slices(self, rank: int) -> dict[str, int]:
         """Parameter name -> numel of its slice inside `rank`'s partition."""
         lo, hi = rank * self.partition_numel, (rank + 1) * self.partition_numel
@@ -129,15 +135,28 @@ class _Rank:
         """`reduce_ipg_grads`: all-reduce a flattened copy, keep this rank's slices."""
         if not self.bw.bucket:
             return
-        copy_bytes = (self.numel[self.bw.extra_large] if self.bw.extra_large else self.bw.elements) * self.elem
-        copy = self.w.alloc(copy_bytes, Category.TEMPORARY)
-        self.w.free(copy, copy_bytes, Category.TEMPORARY)
+        if self._slice_runs(self.bw.bucket) > 1:  # one slice is all-reduced in place, no copy
+            copy_bytes = self.bw.elements * self.elem
+            copy = self.w.alloc(copy_bytes, Category.TEMPORARY)
+            self.w.free(copy, copy_bytes, Category.TEMPORARY)
         for name in self.bw.bucket:
             if name in self.mine and self.bw.gip is None:
                 self.bw.gip = self.w.alloc(self.gip_bytes, Category.GRADIENT)
             if name == self.bw.extra_large and (name in self.mine or self.stage == 2):
                 self._free_grad(name)  # copied into grads_in_partition, or cleared when not ours
         self.bw.bucket, self.bw.elements, self.bw.extra_large = [], 0, None
+
+    def _slice_runs(self, bucket: list[str]) -> int:
+        """`average_tensor` sends a bucket as one slice per run of consecutive same-partition pieces;
+        `allreduce_bucket` flattens them into a copy only when there is more than one
+        (torch's `_flatten_dense_tensors` returns a view of a single tensor)."""
+        runs, previous = 0, None
+        for name in bucket:
+            for partition in self.part.partition_ids(name):
+                if partition != previous:
+                    runs += 1
+                previous = partition
+        return runs
 
     def _free_grad(self, name: str) -> None:
         serial, nbytes = self.bw.grads.pop(name)
