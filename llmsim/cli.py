@@ -43,7 +43,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn", default=None, help="sdpa | eager (default: transformers' choice for the model)")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--ckpt-every", type=int, default=1, help="checkpoint every N-th layer (every_n_layers)")
-    p.add_argument("--device", default="cpu", help="cpu")
+    p.add_argument("--device", default="cpu", help="cpu: the kernels traced")
+    p.add_argument("--gpu", default=None, help="GPU profile (data/gpus): reserved via the caching-allocator "
+                   "model, device total, headroom; AdamW takes its CUDA (foreach) path")
 
 
 def _inputs(args):
@@ -73,7 +75,7 @@ def _inputs(args):
         micro_batch=micro_batch, seq_len=args.seq_len, precision=precision or Precision.FP32,
         attention=parse_enum(Attention, args.attn, "attention") if args.attn else None,
         grad_ckpt=args.grad_ckpt, ckpt_every=args.ckpt_every,
-        device=parse_enum(Device, args.device, "device"))
+        device=parse_enum(Device, args.device, "device"), foreach=args.gpu is not None)
     return spec, setup, layout
 
 
@@ -81,7 +83,10 @@ def cmd_predict(args) -> int:
     from llmsim.pipeline import predict
     from llmsim.report import prediction_table
 
-    prediction = predict(*_inputs(args))
+    from llmsim.gpus import load_gpu
+
+    gpu = load_gpu(args.gpu) if args.gpu else None
+    prediction = predict(*_inputs(args), gpu=gpu)
     if args.format == "json":
         print(json.dumps(prediction.to_dict(), indent=2))
     else:

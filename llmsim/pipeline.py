@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 import networkx as nx
 import pandas as pd
 
-from llmsim.enums import Device
+from llmsim.allocator import OutOfMemory, replay_reserved
+from llmsim.gpus import GpuProfile
 from llmsim.graph import layer_graph
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
@@ -19,9 +20,11 @@ from llmsim.trace import trace
 class RankPrediction:
     rank: int
     peak: Peak
-    peak_reserved_bytes: int  # the CPU has no caching allocator: reserved == allocated
-    device_total_bytes: int  # the CPU has no context or communicator buffers: total == reserved
+    peak_reserved_bytes: int  # the caching allocator's segments (on the CPU, no allocator: == allocated)
+    device_total_bytes: int  # reserved + CUDA context (on the CPU: == reserved)
     timeline: pd.DataFrame = field(repr=False)
+    capacity_bytes: int | None = None  # the GPU's, when one is given
+    fits: bool | None = None
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -31,7 +34,10 @@ class RankPrediction:
         return {"rank": self.rank, "peak_allocated_bytes": self.peak.allocated_bytes,
                 "peak_reserved_bytes": self.peak_reserved_bytes, "device_total_bytes": self.device_total_bytes,
                 "peak_step": self.peak.step, "peak_phase": self.peak.phase, "peak_layer": self.peak.layer,
-                "breakdown_bytes": dict(self.peak.breakdown_bytes)}
+                "breakdown_bytes": dict(self.peak.breakdown_bytes), "capacity_bytes": self.capacity_bytes,
+                "headroom_bytes": (self.capacity_bytes - self.device_total_bytes
+                                   if self.capacity_bytes is not None else None),
+                "fits": self.fits}
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class Prediction:
     layout: Layout
     ranks: list[RankPrediction]
     graph: nx.DiGraph = field(repr=False)
+    gpu: GpuProfile | None = None
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -56,11 +63,13 @@ class Prediction:
                 "micro_batch": self.setup.micro_batch, "seq_len": self.setup.seq_len,
                 "precision": self.setup.precision.value, "attention": self.setup.attention.value,
                 "grad_ckpt": self.setup.grad_ckpt, "ckpt_every": self.setup.ckpt_every,
-                "device": self.setup.device.value, "peak_allocated_bytes": self.peak_allocated_bytes,
+                "device": self.setup.device.value, "gpu": self.gpu.name if self.gpu else None,
+                "peak_allocated_bytes": self.peak_allocated_bytes,
                 "ranks": [r.to_dict() for r in self.ranks]}
 
 
-def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout()) -> Prediction:
+def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
+            gpu: GpuProfile | None = None) -> Prediction:
     setup = resolve_attention(model, setup)
     check_fits_positions(model, setup)
     traced = trace(model, setup)
@@ -68,11 +77,23 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout()) -> P
     ranks = []
     for rank, rank_timeline in sorted(STRATEGIES[layout.strategy](timeline, layout, setup).items()):
         peak = replay(rank_timeline)
-        reserved = _reserved(peak, setup.device)
-        ranks.append(RankPrediction(rank, peak, reserved, reserved, rank_timeline))
-    return Prediction(model, setup, layout, ranks, layer_graph(timeline, traced.info))
+        ranks.append(_on_device(rank, peak, rank_timeline, gpu))
+    return Prediction(model, setup, layout, ranks, layer_graph(timeline, traced.info), gpu)
 
 
-def _reserved(peak: Peak, device: Device) -> int:
-    assert device is Device.CPU  # the GPU allocator model comes with the GPU profiles
-    return peak.allocated_bytes
+def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame, gpu: GpuProfile | None) -> RankPrediction:
+    """Reserved and device total: the caching allocator model on a GPU; the live bytes themselves on the CPU."""
+    if gpu is None:
+        return RankPrediction(rank, peak, peak.allocated_bytes, peak.allocated_bytes, timeline)
+    usable = gpu.capacity_bytes - gpu.cuda_context_bytes
+    fits = True
+    try:
+        allocator = replay_reserved(timeline["serial"].to_numpy(), timeline["delta_bytes"].to_numpy(),
+                                    capacity_bytes=usable, extra_allocations=(gpu.cublas_workspace_bytes,))
+        reserved = allocator.peak_reserved_bytes
+    except OutOfMemory:
+        fits = False
+        reserved = replay_reserved(timeline["serial"].to_numpy(), timeline["delta_bytes"].to_numpy(),
+                                   extra_allocations=(gpu.cublas_workspace_bytes,)).peak_reserved_bytes
+    total = reserved + gpu.cuda_context_bytes
+    return RankPrediction(rank, peak, reserved, total, timeline, gpu.capacity_bytes, fits and total <= gpu.capacity_bytes)

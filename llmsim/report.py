@@ -29,6 +29,12 @@ def prediction_table(prediction: Prediction) -> str:
         lines.append(f"{r.rank:>4}  {human_bytes(r.peak_allocated_bytes):>16}  "
                      f"{human_bytes(r.peak_reserved_bytes):>16}  {human_bytes(r.device_total_bytes):>16}  "
                      f"step {r.peak.step + 1} {r.peak.phase}, {r.peak.layer}")
+    if prediction.gpu is not None:
+        tightest = max(prediction.ranks, key=lambda r: r.device_total_bytes)
+        verdict = "fits" if all(r.fits for r in prediction.ranks) else "does NOT fit"
+        lines += ["", f"{prediction.gpu.name} ({human_bytes(prediction.gpu.capacity_bytes)}): {verdict}; "
+                      f"headroom on the fullest rank {human_bytes(tightest.capacity_bytes - tightest.device_total_bytes)} "
+                      f"(device total = reserved + CUDA context; kernels traced: {prediction.setup.device.value})"]
     worst = max(prediction.ranks, key=lambda r: r.peak_allocated_bytes)
     lines += ["", f"breakdown at the peak of rank {worst.rank}:"]
     total = worst.peak_allocated_bytes

@@ -37,6 +37,7 @@ class TrainSetup:
     ckpt_every: int = 1  # transformers' `every_n_layers`: layer i is checkpointed iff i % ckpt_every == 0
     steps: int = CANONICAL_STEPS
     device: Device = Device.CPU
+    foreach: bool = False  # AdamW's foreach path: torch's default for CUDA parameters, not for CPU ones
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps"):

@@ -215,7 +215,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
         model.train()
         if setup.grad_ckpt:
             model.activation_checkpointing_enable(every_n_layers=setup.ckpt_every)
-        optimizer = torch.optim.AdamW(model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), foreach=setup.foreach or None)
         hooks.watch(optimizer)
         vocab_size = model.get_input_embeddings().num_embeddings
         batch = torch.randint(0, vocab_size, (setup.micro_batch, setup.seq_len))

@@ -89,6 +89,7 @@ class _Rank:
         self.mine = self.part.slices(rank)
         self.gip_bytes = sum(self.numel[name] for name in self.mine) * self.elem
         self.rank = rank
+        self.foreach = setup.foreach
         self.timeline = timeline
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
         self.bw = _Backward()
@@ -195,12 +196,17 @@ class _Rank:
         self.w.free(flat_grad, p * FP32_BYTES, Category.GRADIENT)
 
     def adamw(self, first: bool) -> None:
-        """torch.optim.AdamW on the one flat fp32 partition (torch/optim/adam.py, _single_tensor_adam)."""
+        """torch.optim.AdamW on the one flat fp32 partition (torch/optim/adam.py: _single_tensor_adam on
+        CPU, _multi_tensor_adam -- foreach -- on CUDA)."""
         p32 = self.part.partition_numel * FP32_BYTES
         if first:
             self.w.alloc(ADAM_STEP_BYTES, Category.OPTIMIZER_STATE)
             self.w.alloc(p32, Category.OPTIMIZER_STATE)
             self.w.alloc(p32, Category.OPTIMIZER_STATE)
+        if self.foreach:  # _multi_tensor_adam: one `_foreach_sqrt` list, updated in place
+            sqrt = self.w.alloc(p32, Category.TEMPORARY)
+            self.w.free(sqrt, p32, Category.TEMPORARY)
+            return
         sqrt = self.w.alloc(p32, Category.TEMPORARY)
         denom = self.w.alloc(p32, Category.TEMPORARY)
         self.w.free(sqrt, p32, Category.TEMPORARY)

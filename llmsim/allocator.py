@@ -1,0 +1,186 @@
+"""A model of PyTorch's CUDA caching allocator, replayed over a predicted timeline (DESIGN.md stage 4).
+
+Rules from c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.x), one stream, default settings:
+- every request is rounded up to a multiple of 512 bytes (`round_size`);
+- requests <= 1 MiB use the small pool, larger ones the large pool (`get_pool`);
+- a request no cached block can serve makes a new segment (`cudaMalloc`) of `get_allocation_size`:
+  2 MiB for the small pool, 20 MiB for requests under 10 MiB, else the request rounded up to 2 MiB;
+- a request takes the smallest free block that fits, lowest address first (`BlockComparatorSize`);
+  blocks of `max_split_size` or more serve only requests of at least that size, and then only when the
+  block is less than 20 MiB larger (`get_free_block`);
+- the block is split when the remainder is >= 512 B (small pool) or > 1 MiB (large pool, and the request
+  is under `max_split_size`) (`should_split`);
+- a freed block merges with free neighbours of its segment (`try_merge_blocks`);
+- segments go back to the driver only when a new segment would not fit: first one cached unsplit block big
+  enough, then every cached unsplit block (`release_available_cached_blocks`, `release_cached_blocks`);
+  if the segment still does not fit, the run is out of memory.
+Not modelled: expandable_segments, garbage_collection_threshold, roundup_power2_divisions, other streams.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+MIN_BLOCK_BYTES = 512  # kMinBlockSize
+SMALL_SIZE_BYTES = 1 << 20  # kSmallSize: largest "small" request
+SMALL_BUFFER_BYTES = 2 << 20  # kSmallBuffer: small-pool segment
+LARGE_BUFFER_BYTES = 20 << 20  # kLargeBuffer: segment for 1-10 MiB requests
+MIN_LARGE_ALLOC_BYTES = 10 << 20  # kMinLargeAlloc
+ROUND_LARGE_BYTES = 2 << 20  # kRoundLarge
+NO_LIMIT = 1 << 62  # max_split_size default: SIZE_MAX
+
+
+def round_size(size: int) -> int:
+    return max(MIN_BLOCK_BYTES, -(-size // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES)
+
+
+def allocation_size(size: int) -> int:
+    if size <= SMALL_SIZE_BYTES:
+        return SMALL_BUFFER_BYTES
+    if size < MIN_LARGE_ALLOC_BYTES:
+        return LARGE_BUFFER_BYTES
+    return -(-size // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
+
+
+@dataclass(eq=False)
+class _Block:
+    address: int
+    size: int
+    small: bool
+    segment: int
+    allocated: bool = False
+    prev: "_Block | None" = None
+    next: "_Block | None" = None
+
+    @property
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+
+class OutOfMemory(Exception):
+    """A segment that does not fit in the device's capacity even after releasing the cache."""
+
+
+@dataclass
+class CachingAllocator:
+    capacity_bytes: int = NO_LIMIT  # what cudaMalloc may hand out in all
+    max_split_size: int = NO_LIMIT
+    reserved_bytes: int = 0
+    allocated_bytes: int = 0  # rounded block bytes in use
+    peak_reserved_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    _pools: dict[bool, list[tuple[int, int, _Block]]] = field(default_factory=lambda: {True: [], False: []})
+    _live: dict[int, _Block] = field(default_factory=dict)
+    _next_address: int = 0
+    _segments: int = 0
+
+    def malloc(self, key: int, size: int) -> None:
+        size = round_size(size)
+        small = size <= SMALL_SIZE_BYTES
+        block = self._take_free_block(size, small) or self._new_segment(size, small)
+        if self._should_split(block, size):
+            rest = _Block(block.address + size, block.size - size, small, block.segment, False, block, block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, size
+            self._insert(rest)
+        block.allocated = True
+        self._live[key] = block
+        self.allocated_bytes += block.size
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+
+    def free(self, key: int) -> None:
+        block = self._live.pop(key)
+        block.allocated = False
+        self.allocated_bytes -= block.size
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and not neighbour.allocated:
+                self._remove(neighbour)
+                block = self._merge(block, neighbour)
+        self._insert(block)
+
+    # ---- the pool ------------------------------------------------------------------------------------
+    def _take_free_block(self, size: int, small: bool) -> _Block | None:
+        pool = self._pools[small]
+        i = bisect.bisect_left(pool, (size, -1))
+        if i == len(pool):
+            return None
+        block = pool[i][2]
+        if size < self.max_split_size <= block.size:
+            return None  # an oversize block is kept for oversize requests
+        if size >= self.max_split_size and block.size >= size + LARGE_BUFFER_BYTES:
+            return None
+        pool.pop(i)
+        return block
+
+    def _should_split(self, block: _Block, size: int) -> bool:
+        remaining = block.size - size
+        if block.small:
+            return remaining >= MIN_BLOCK_BYTES
+        return size < self.max_split_size and remaining > SMALL_SIZE_BYTES
+
+    def _new_segment(self, size: int, small: bool) -> _Block:
+        segment_bytes = allocation_size(size)
+        if self.reserved_bytes + segment_bytes > self.capacity_bytes:
+            self._release_cached(segment_bytes)
+        if self.reserved_bytes + segment_bytes > self.capacity_bytes:
+            raise OutOfMemory(f"a {segment_bytes:,}-byte segment does not fit: {self.reserved_bytes:,} B "
+                              f"reserved of {self.capacity_bytes:,} B")
+        block = _Block(self._next_address, segment_bytes, small, self._segments)
+        self._next_address += segment_bytes
+        self._segments += 1
+        self.reserved_bytes += segment_bytes
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        return block
+
+    def _release_cached(self, needed: int) -> None:
+        """`release_available_cached_blocks`, then `release_cached_blocks`: free unsplit cached segments."""
+        unsplit = [entry for entry in self._pools[False] if not entry[2].is_split]
+        fitting = [entry for entry in unsplit if entry[0] >= needed]
+        for entry in (fitting[:1] or unsplit) + [e for e in self._pools[True] if not e[2].is_split]:
+            if entry in self._pools[entry[2].small]:
+                self._pools[entry[2].small].remove(entry)
+                self.reserved_bytes -= entry[0]
+            if self.reserved_bytes + needed <= self.capacity_bytes:
+                return
+
+    def _merge(self, block: _Block, neighbour: _Block) -> _Block:
+        first, second = (block, neighbour) if block.address < neighbour.address else (neighbour, block)
+        first.size += second.size
+        first.next = second.next
+        if second.next is not None:
+            second.next.prev = first
+        return first
+
+    def _insert(self, block: _Block) -> None:
+        bisect.insort(self._pools[block.small], (block.size, block.address, block))
+
+    def _remove(self, block: _Block) -> None:
+        pool = self._pools[block.small]
+        pool.pop(bisect.bisect_left(pool, (block.size, block.address)))
+
+
+def replay_reserved(serials, deltas, capacity_bytes: int = NO_LIMIT, max_split_size: int = NO_LIMIT,
+                    extra_allocations: tuple[int, ...] = ()) -> CachingAllocator:
+    """Run a timeline's allocations and frees (by storage serial) through the allocator model.
+    `extra_allocations` are made first and kept (the cuBLAS workspace)."""
+    allocator = CachingAllocator(capacity_bytes=capacity_bytes, max_split_size=max_split_size)
+    for i, size in enumerate(extra_allocations):
+        allocator.malloc(-2 - i, size)
+    sizes: dict[int, int] = {}
+    for serial, delta in zip(serials, deltas):
+        if delta > 0 and serial not in sizes:
+            sizes[serial] = delta
+            allocator.malloc(serial, delta)
+        elif delta > 0:  # a resize: the storage is reallocated at its new size
+            allocator.free(serial)
+            sizes[serial] += delta
+            allocator.malloc(serial, sizes[serial])
+        elif delta < 0 and serial in sizes:
+            sizes[serial] += delta
+            allocator.free(serial)
+            if sizes[serial] > 0:
+                allocator.malloc(serial, sizes[serial])
+            else:
+                del sizes[serial]
+    return allocator

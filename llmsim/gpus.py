@@ -1,0 +1,32 @@
+"""GPU profiles (data/gpus/*.json): what decides OOM beyond live tensors (DESIGN.md stage 4)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmsim.errors import InputError
+
+GPU_DIR = Path(__file__).resolve().parent.parent / "data" / "gpus"
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    name: str
+    device_name: str
+    compute_capability: str
+    capacity_bytes: int  # torch.cuda.get_device_properties(0).total_memory
+    cuda_context_bytes: int  # driver/runtime context: outside PyTorch's allocator
+    cublas_workspace_bytes: int  # allocated through the caching allocator at the first matmul
+    source: str
+
+
+def gpu_names() -> list[str]:
+    return sorted(p.stem for p in GPU_DIR.glob("*.json"))
+
+
+def load_gpu(name: str) -> GpuProfile:
+    path = GPU_DIR / f"{name}.json"
+    if not path.exists():
+        raise InputError(f"unknown GPU {name!r}; valid choices: {', '.join(gpu_names())}")
+    return GpuProfile(**json.loads(path.read_text()))

@@ -1,0 +1,79 @@
+"""The caching-allocator model against the rules of c10/cuda/CUDACachingAllocator.cpp, by hand."""
+import pytest
+
+from llmsim.allocator import (CachingAllocator, OutOfMemory, allocation_size, replay_reserved, round_size)
+from llmsim.cli import main
+
+MiB = 1 << 20
+
+
+def test_round_size_and_segment_sizes():
+    assert round_size(1) == 512 and round_size(512) == 512 and round_size(513) == 1024
+    assert allocation_size(MiB) == 2 * MiB  # small pool: 2 MiB segments
+    assert allocation_size(MiB + 512) == 20 * MiB  # 1-10 MiB: a 20 MiB segment
+    assert allocation_size(10 * MiB) == 10 * MiB  # >= 10 MiB: rounded up to 2 MiB
+    assert allocation_size(11 * MiB + 512) == 12 * MiB
+
+
+def test_small_requests_pack_into_one_segment():
+    a = CachingAllocator()
+    a.malloc(1, 100)
+    a.malloc(2, 600)
+    assert a.reserved_bytes == 2 * MiB and a.allocated_bytes == 512 + 1024
+
+
+def test_medium_request_splits_a_20_mib_segment_and_reuses_it_after_free():
+    a = CachingAllocator()
+    a.malloc(1, 3 * MiB // 2)
+    a.malloc(2, 4 * MiB)  # served from the 18.5 MiB remainder: no new segment
+    assert a.reserved_bytes == 20 * MiB
+    a.free(1)
+    a.free(2)  # both blocks merge back into one free 20 MiB block
+    a.malloc(3, 19 * MiB)
+    assert a.reserved_bytes == 20 * MiB
+
+
+def test_large_block_is_not_split_when_remainder_is_at_most_1_mib():
+    a = CachingAllocator()
+    a.malloc(1, 11 * MiB + 512)  # 12 MiB segment, 1 MiB - 512 left: the block is handed out whole
+    assert a.reserved_bytes == 12 * MiB and a.allocated_bytes == 12 * MiB
+    a.free(1)
+    a.malloc(2, 3 * MiB)  # the cached 12 MiB block is split: 9 MiB > 1 MiB remains
+    assert a.reserved_bytes == 12 * MiB and a.allocated_bytes == 3 * MiB
+
+
+def test_cache_is_released_before_out_of_memory():
+    a = CachingAllocator(capacity_bytes=30 * MiB)
+    a.malloc(1, 12 * MiB)
+    a.free(1)
+    a.malloc(2, 20 * MiB)  # 12 + 20 > 30: the cached 12 MiB segment goes back first
+    assert a.reserved_bytes == 20 * MiB and a.peak_reserved_bytes == 20 * MiB
+    with pytest.raises(OutOfMemory):
+        a.malloc(3, 12 * MiB)
+
+
+def test_oversize_blocks_serve_only_oversize_requests():
+    a = CachingAllocator(max_split_size=50 * MiB)
+    a.malloc(1, 60 * MiB)
+    a.free(1)
+    a.malloc(2, 12 * MiB)  # must not take the 60 MiB oversize block
+    assert a.reserved_bytes == 72 * MiB
+
+
+def test_replay_follows_storage_serials():
+    allocator = replay_reserved([1, 2, 1, 3], [3 * MiB // 2, 600, -(3 * MiB // 2), 4 * MiB])
+    assert allocator.peak_reserved_bytes == 22 * MiB  # one 20 MiB and one 2 MiB segment
+    assert allocator.allocated_bytes == 1024 + 4 * MiB
+
+
+def test_gpu_profile_reports_reserved_and_headroom(capsys):
+    import json
+    argv = ["predict", "--model", "gpt2", "--set", "n_layer=2", "--set", "n_embd=64", "--set", "n_head=4",
+            "--set", "vocab_size=512", "--seq-len", "32", "--micro-batch", "2", "--format", "json"]
+    assert main(argv + ["--gpu", "a100-40gb"]) == 0
+    rank = json.loads(capsys.readouterr().out)["ranks"][0]
+    assert rank["peak_reserved_bytes"] >= rank["peak_allocated_bytes"]
+    assert rank["peak_reserved_bytes"] % (2 * MiB) == 0  # whole segments
+    assert rank["headroom_bytes"] == rank["capacity_bytes"] - rank["device_total_bytes"] and rank["fits"]
+    assert main(argv + ["--gpu", "b200"]) == 2
+    assert "valid choices" in capsys.readouterr().err
