@@ -203,11 +203,12 @@ def _cast_fake(module: nn.Module, dtype: torch.dtype) -> None:
 def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
                        expected_blocks: int | None = None) -> StepInfo:
     """Run the canonical loop under `tracker` (add a FakeTensorMode around it to run without memory)."""
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if setup.precision is Precision.BF16_AUTOCAST
-                else contextlib.nullcontext())
     torch.manual_seed(0)
     with tracker:
         model = build()
+        device_type = next(model.parameters()).device.type  # a fake tensor reports its fake device
+        autocast = (torch.autocast(device_type, dtype=torch.bfloat16)
+                    if setup.precision is Precision.BF16_AUTOCAST else contextlib.nullcontext())
         hooks = LayerHooks(tracker, model, expected_blocks)
         if setup.precision is Precision.BF16:
             cast_model(model, torch.bfloat16)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
 
@@ -13,7 +14,8 @@ from llmsim.pipeline import predict
 from llmsim.spec import ModelSpec, TrainSetup, load_model_spec
 from llmsim.dsconfig import DeepSpeedSetup
 from llmsim.strategies import Layout, Strategy
-from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
+from llmsim.gpus import load_gpu
+from llmsim.tolerances import DEVICE_TOTAL_TOLERANCE, PEAK_ALLOCATED_TOLERANCE, RESERVED_TOLERANCE
 
 
 def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
@@ -41,11 +43,21 @@ def validate(measurements: pd.DataFrame) -> pd.DataFrame:
     results = []
     for _, row in measurements.iterrows():
         spec, setup, layout = row_inputs(row)
-        prediction = predict(spec, setup, layout)
-        predicted = prediction.ranks[int(row["rank"])].peak_allocated_bytes
+        gpu = load_gpu(row["gpu"]) if isinstance(row.get("gpu"), str) and row["gpu"] else None
+        if gpu is not None:
+            setup = replace(setup, foreach=True)
+        predicted_rank = predict(spec, setup, layout, gpu).ranks[int(row["rank"])]
+        predicted = predicted_rank.peak_allocated_bytes
         measured = int(row["peak_allocated_bytes"])
         error = (predicted - measured) / measured
         tolerance = PEAK_ALLOCATED_TOLERANCE[int(row["tier"])]
+        device_ok = True
+        if gpu is not None:  # tier 4: the allocator model and the device total too
+            for column, value, limit in (("peak_reserved_bytes", predicted_rank.peak_reserved_bytes,
+                                          RESERVED_TOLERANCE),
+                                         ("device_total_bytes", predicted_rank.device_total_bytes,
+                                          DEVICE_TOTAL_TOLERANCE)):
+                device_ok &= abs(value - int(row[column])) / int(row[column]) <= limit
         results.append({"source": row["source"], "tier": int(row["tier"]), "model": row["model"],
                         "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
                         "precision": setup.precision.value, "attention": row["attention"],
@@ -53,7 +65,7 @@ def validate(measurements: pd.DataFrame) -> pd.DataFrame:
                         "strategy": _strategy_name(layout), "world_size": layout.world_size,
                         "rank": int(row["rank"]),
                         "measured_bytes": measured, "predicted_bytes": predicted, "rel_error": error,
-                        "tolerance": tolerance, "ok": abs(error) <= tolerance})
+                        "tolerance": tolerance, "ok": abs(error) <= tolerance and device_ok})
     return pd.DataFrame(results)
 
 
