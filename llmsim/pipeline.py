@@ -11,7 +11,7 @@ from llmsim.gpus import GpuProfile
 from llmsim.graph import layer_graph
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
-from llmsim.strategies import STRATEGIES, Layout, Strategy
+from llmsim.strategies import STRATEGIES, Layout
 from llmsim.timeline import expand
 from llmsim.trace import trace
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 import pandas as pd
 import torch
@@ -231,8 +231,3 @@ class StorageTracker(TorchDispatchMode):
     def _outlives(self, serial: int, step: int, phase: Phase, free_rows: dict[int, int]) -> bool:
         end = self._phase_end.get((step, phase), len(self._rows))
         return free_rows.get(serial, len(self._rows)) >= end
-
-
-def live_bytes(frame: pd.DataFrame) -> Any:
-    """The allocated-bytes curve of a timeline."""
-    return frame["delta_bytes"].cumsum()

@@ -8,11 +8,16 @@ from llmsim.enums import Category, Phase
 from llmsim.tracker import NO_BLOCK, TIMELINE_COLUMNS
 
 
-def live_sizes_at_end_of_build(timeline: pd.DataFrame, category: Category) -> list[int]:
-    """Sizes of the storages of `category` alive when the build ends, in allocation order."""
+def live_at_end_of_build(timeline: pd.DataFrame, category: Category) -> pd.DataFrame:
+    """The storages of `category` alive when the build ends, in allocation order: serial (index),
+    `nbytes` and `name` (a parameter's FQN)."""
     build = timeline[(timeline["phase"] == Phase.BUILD.value) & (timeline["category"] == category.value)]
-    net = build.groupby("serial", sort=False)["delta_bytes"].sum()
-    return [int(n) for n in net if n > 0]
+    net = build.groupby("serial", sort=False).agg(nbytes=("delta_bytes", "sum"), name=("tensor", "last"))
+    return net[net["nbytes"] > 0]
+
+
+def live_sizes_at_end_of_build(timeline: pd.DataFrame, category: Category) -> list[int]:
+    return [int(n) for n in live_at_end_of_build(timeline, category)["nbytes"]]
 
 
 def end_of_build(timeline: pd.DataFrame) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from llmsim.enums import Category, Phase
+from llmsim.strategies.events import live_at_end_of_build
 from llmsim.tracker import NO_BLOCK, TIMELINE_COLUMNS
 
 FP32_BYTES = 4
@@ -28,19 +29,14 @@ class Param:
 
 def parameters(timeline: pd.DataFrame, elem_bytes: int) -> list[Param]:
     """Trainable parameters as `model.parameters()` orders them (the order of their final allocation)."""
-    build = timeline[(timeline["phase"] == Phase.BUILD.value) &
-                     (timeline["category"] == Category.PARAMETER.value)]
-    net = build.groupby("serial", sort=False).agg(nbytes=("delta_bytes", "sum"), name=("tensor", "last"))
-    live = net[net["nbytes"] > 0]
+    live = live_at_end_of_build(timeline, Category.PARAMETER)
     return [Param(name, int(nbytes) // elem_bytes, elem_bytes) for name, nbytes in zip(live["name"], live["nbytes"])]
 
 
 def param_storages(timeline: pd.DataFrame) -> list[tuple[int, int]]:
     """(serial, bytes) of the parameter storages alive when the build ends."""
-    build = timeline[(timeline["phase"] == Phase.BUILD.value) &
-                     (timeline["category"] == Category.PARAMETER.value)]
-    net = build.groupby("serial", sort=False)["delta_bytes"].sum()
-    return [(int(s), int(n)) for s, n in net.items() if n > 0]
+    live = live_at_end_of_build(timeline, Category.PARAMETER)
+    return [(int(serial), int(nbytes)) for serial, nbytes in live["nbytes"].items()]
 
 
 @dataclass
