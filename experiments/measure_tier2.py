@@ -34,6 +34,8 @@ RUNS = [
     ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 0}),
     ("pythia-160m", 3, "fp32", True, 1, 2, 80, "deepspeed", {"stage": 0}),
     ("gpt2", 4, "fp32", False, 1, 1, 64, "deepspeed", {"stage": 0}),
+    ("llama-2-7b", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 0}),
+    ("gpt2", 3, "bf16", False, 1, 2, 96, "deepspeed", {"stage": 0}),
     ("gpt2", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 1}),
     ("llama-2-7b", 3, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 1, "reduce_bucket_size": 50000}),
     ("qwen2.5-0.5b", 4, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 1}),
@@ -56,9 +58,12 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=TIER2_CSV)
     parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--only", type=int, nargs="*", help="indices into RUNS (default: all)")
     args = parser.parse_args()
     failures = 0
-    for model, world, precision, ckpt, every, mb, seq, strategy, zero in RUNS:
+    for index, (model, world, precision, ckpt, every, mb, seq, strategy, zero) in enumerate(RUNS):
+        if args.only is not None and index not in args.only:
+            continue
         spec = load_model_spec(model, shrink(model, *SHAPES[model]))
         attention = Attention.EAGER if model == "bloom-560m" else None
         setup = TrainSetup(mb, seq, Precision(precision), attention, ckpt, every)

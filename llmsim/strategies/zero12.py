@@ -27,8 +27,8 @@ import pandas as pd
 
 from llmsim.enums import Category, Phase, Precision
 from llmsim.tracker import GRAD_READY
-from llmsim.strategies.zero_common import (ADAM_STEP_BYTES, FP32_BYTES, FP64_BYTES, EventWriter, Param,
-                                           param_storages, parameters)
+from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, adamw, param_storages,
+                                           parameters)
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: the flat buffer is padded to a multiple of 2 * world size
 
@@ -192,25 +192,8 @@ class _Rank:
             self.w.free(self.gip, self.gip_bytes, Category.GRADIENT)
         if self.padding is not None:
             self.w.free(self.padding, (p - sum(self.mine.values())) * self.elem, Category.GRADIENT)
-        self.adamw(first)
+        adamw(self.w, [self.part.partition_numel], first, self.foreach)
         self.w.free(flat_grad, p * FP32_BYTES, Category.GRADIENT)
-
-    def adamw(self, first: bool) -> None:
-        """torch.optim.AdamW on the one flat fp32 partition (torch/optim/adam.py: _single_tensor_adam on
-        CPU, _multi_tensor_adam -- foreach -- on CUDA)."""
-        p32 = self.part.partition_numel * FP32_BYTES
-        if first:
-            self.w.alloc(ADAM_STEP_BYTES, Category.OPTIMIZER_STATE)
-            self.w.alloc(p32, Category.OPTIMIZER_STATE)
-            self.w.alloc(p32, Category.OPTIMIZER_STATE)
-        if self.foreach:  # _multi_tensor_adam: one `_foreach_sqrt` list, updated in place
-            sqrt = self.w.alloc(p32, Category.TEMPORARY)
-            self.w.free(sqrt, p32, Category.TEMPORARY)
-            return
-        sqrt = self.w.alloc(p32, Category.TEMPORARY)
-        denom = self.w.alloc(p32, Category.TEMPORARY)
-        self.w.free(sqrt, p32, Category.TEMPORARY)
-        self.w.free(denom, p32, Category.TEMPORARY)
 
     # ---- the walk --------------------------------------------------------------------------------------
     def run(self) -> pd.DataFrame:

@@ -69,3 +69,31 @@ class EventWriter:
 
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.rows, columns=TIMELINE_COLUMNS)
+
+
+def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool) -> None:
+    """torch.optim.AdamW's step over fp32 parameters of `numels` elements (torch/optim/adam.py):
+    `_init_group` creates `step`, `exp_avg` and `exp_avg_sq` for every parameter at the first step; then
+    `_single_tensor_adam` (CPU default) makes `sqrt` and `denom` per parameter, the previous `denom` freed when
+    the next replaces it, while `_multi_tensor_adam` (foreach, CUDA default) makes one `_foreach_sqrt` list
+    that lives until the step ends. Scalar temporaries are left out."""
+    if first:
+        for numel in numels:
+            w.alloc(ADAM_STEP_BYTES, Category.OPTIMIZER_STATE)
+            w.alloc(numel * FP32_BYTES, Category.OPTIMIZER_STATE)
+            w.alloc(numel * FP32_BYTES, Category.OPTIMIZER_STATE)
+    if foreach:
+        sqrts = [(w.alloc(n * FP32_BYTES, Category.TEMPORARY), n) for n in numels]
+        for serial, numel in reversed(sqrts):  # a Python list drops its items from the end
+            w.free(serial, numel * FP32_BYTES, Category.TEMPORARY)
+        return
+    previous = None
+    for numel in numels:
+        sqrt = w.alloc(numel * FP32_BYTES, Category.TEMPORARY)
+        denom = w.alloc(numel * FP32_BYTES, Category.TEMPORARY)
+        w.free(sqrt, numel * FP32_BYTES, Category.TEMPORARY)
+        if previous is not None:
+            w.free(*previous, Category.TEMPORARY)
+        previous = (denom, numel * FP32_BYTES)
+    if previous is not None:
+        w.free(*previous, Category.TEMPORARY)
