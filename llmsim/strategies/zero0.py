@@ -22,7 +22,7 @@ from __future__ import annotations
 import pandas as pd
 
 from llmsim.enums import Category, Phase, Precision
-from llmsim.strategies.zero_common import FP32_BYTES, EventWriter, adamw, parameters
+from llmsim.strategies.zero_common import FP32_BYTES, EventWriter, adamw, parameters, rows_of
 
 ALLREDUCE_ELEMENTS_PER_BUFFER = 500_000_000  # engine.py: buffered_allreduce_fallback default
 BF16_BYTES = 2
@@ -52,8 +52,8 @@ class _Rank:
 
     def run(self) -> pd.DataFrame:
         previous = None
-        for row in self.timeline.itertuples(index=False, name=None):
-            key = (int(row[0]), row[1])
+        for row in rows_of(self.timeline):
+            key = (row[0], row[1])
             if previous is not None and key != previous:
                 self._leave(*previous)
             previous = key
@@ -66,7 +66,7 @@ class _Rank:
         return self.w.frame()
 
     def _leave(self, step: int, phase: str) -> None:
-        self.w.step, self.w.phase = step, Phase(phase)
+        self.w.step, self.w.phase = step, phase
         if phase == Phase.BUILD.value and self.bf16:
             self.unfused_init()
         elif phase == Phase.BACKWARD.value:

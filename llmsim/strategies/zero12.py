@@ -28,7 +28,7 @@ import pandas as pd
 from llmsim.enums import Category, Phase, Precision
 from llmsim.tracker import GRAD_READY
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, adamw, param_storages,
-                                           parameters)
+                                           parameters, rows_of)
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: the flat buffer is padded to a multiple of 2 * world size
 
@@ -39,6 +39,13 @@ class Partitioning:
     offsets: list[int]
     flat_numel: int
     partition_numel: int
+
+    @property
+    def index(self) -> dict[str, int]:
+        return self._index
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {p.name: i for i, p in enumerate(self.params)})
 
     @classmethod
     def of(cls, params: list[Param], world_size: int) -> "Partitioning":
@@ -52,7 +59,7 @@ class Partitioning:
 
     def partition_ids(self, name: str) -> list[int]:
         """Partitions a parameter's slices fall in, by offset (`param_to_partition_ids`)."""
-        index = [p.name for p in self.params].index(name)
+        index = self.index[name]
         first, last = self.offsets[index], self.offsets[index] + self.params[index].numel - 1
         return list(range(first // self.partition_numel, last // self.partition_numel + 1))
 
@@ -80,7 +87,7 @@ class _Backward:
 
 
 class _Rank:
-    def __init__(self, timeline: pd.DataFrame, layout, setup, rank: int) -> None:
+    def __init__(self, timeline: pd.DataFrame, rows: list[tuple], layout, setup, rank: int) -> None:
         self.zero = layout.deepspeed.zero()
         self.stage = layout.deepspeed.stage
         self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
@@ -91,6 +98,7 @@ class _Rank:
         self.rank = rank
         self.foreach = setup.foreach
         self.timeline = timeline
+        self.rows = rows
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
         self.bw = _Backward()
 
@@ -198,8 +206,8 @@ class _Rank:
     # ---- the walk --------------------------------------------------------------------------------------
     def run(self) -> pd.DataFrame:
         previous = (0, Phase.BUILD.value)
-        for row in self.timeline.itertuples(index=False, name=None):
-            step, phase = int(row[0]), row[1]
+        for row in self.rows:
+            step, phase = row[0], row[1]
             if (step, phase) != previous:
                 self._leave(*previous)
                 previous = (step, phase)
@@ -224,7 +232,7 @@ class _Rank:
             del self.bw.grads[name]
 
     def _leave(self, step: int, phase: str) -> None:
-        self.w.step, self.w.phase = step, Phase(phase)
+        self.w.step, self.w.phase = step, phase
         if phase == Phase.BUILD.value:
             self.initialize()
         elif phase == Phase.BACKWARD.value:
@@ -234,4 +242,5 @@ class _Rank:
 
 
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
-    return {rank: _Rank(timeline, layout, setup, rank).run() for rank in range(layout.world_size)}
+    rows = rows_of(timeline)
+    return {rank: _Rank(timeline, rows, layout, setup, rank).run() for rank in range(layout.world_size)}

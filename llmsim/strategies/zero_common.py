@@ -46,11 +46,11 @@ class EventWriter:
     next_serial: int
     rows: list[tuple] = field(default_factory=list)
     step: int = 0
-    phase: Phase = Phase.BUILD
+    phase: str = Phase.BUILD.value
     module: str = ""
 
     def keep(self, row: tuple) -> None:
-        self.step, self.phase = int(row[0]), Phase(row[1])
+        self.step, self.phase = row[0], row[1]
         self.rows.append(row)
 
     def alloc(self, nbytes: int, category: Category, module: str | None = None) -> int:
@@ -64,7 +64,7 @@ class EventWriter:
 
     def _emit(self, serial: int, delta: int, category: Category, module: str | None) -> None:
         if delta:
-            self.rows.append((self.step, self.phase.value, NO_BLOCK, module or self.module, serial, delta,
+            self.rows.append((self.step, self.phase, NO_BLOCK, module or self.module, serial, delta,
                               category.value, ""))
 
     def frame(self) -> pd.DataFrame:
@@ -97,3 +97,8 @@ def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool) -> None
         previous = (denom, numel * FP32_BYTES)
     if previous is not None:
         w.free(*previous, Category.TEMPORARY)
+
+
+def rows_of(timeline: pd.DataFrame) -> list[tuple]:
+    """The timeline as plain tuples (in TIMELINE_COLUMNS order), read once for all ranks."""
+    return list(zip(*(timeline[column].tolist() for column in TIMELINE_COLUMNS)))
