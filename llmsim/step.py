@@ -21,7 +21,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves
 
 from llmsim.enums import Category, Phase, Precision
@@ -177,29 +176,6 @@ def _on_grad(tensor: torch.Tensor | None, hook) -> None:
         tensor.register_hook(hook)
 
 
-def cast_model(model: nn.Module, dtype: torch.dtype) -> None:
-    """`model.to(dtype)`. Fake parameters cannot take `Module._apply`'s swap_tensors path (FakeTensorMode
-    holds weakrefs to them), so for them this replays the path real CPU tensors take, in the same order:
-    children first, then each floating parameter via `param.data = param.to(dtype)` (the old storage is
-    freed at once), then each floating buffer (torch/nn/modules/module.py, `Module._apply`)."""
-    if not any(isinstance(p, FakeTensor) for p in model.parameters()):
-        model.to(dtype)
-        return
-    _cast_fake(model, dtype)
-
-
-def _cast_fake(module: nn.Module, dtype: torch.dtype) -> None:
-    for child in module.children():
-        _cast_fake(child, dtype)
-    with torch.no_grad():
-        for param in module._parameters.values():
-            if param is not None and param.is_floating_point():
-                param.data = param.to(dtype)
-        for key, buffer in module._buffers.items():
-            if buffer is not None and buffer.is_floating_point():
-                module._buffers[key] = buffer.to(dtype)
-
-
 def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
                        expected_blocks: int | None = None) -> StepInfo:
     """Run the canonical loop under `tracker` (add a FakeTensorMode around it to run without memory)."""
@@ -211,7 +187,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
                     if setup.precision is Precision.BF16_AUTOCAST else contextlib.nullcontext())
         hooks = LayerHooks(tracker, model, expected_blocks)
         if setup.precision is Precision.BF16:
-            cast_model(model, torch.bfloat16)
+            model.to(torch.bfloat16)
             hooks.label_model()
         model.train()
         if setup.grad_ckpt:

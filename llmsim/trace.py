@@ -88,10 +88,28 @@ def decide_like_a_real_run():
         yield
 
 
+def _apply_as_on_cpu(self, fn, recurse=True):
+    """`Module._apply` as it runs for real CPU parameters: `param.data = fn(param)` (the old storage is freed
+    at once), buffers replaced. For fake parameters torch forces `swap_tensors` instead, which fails because
+    FakeTensorMode holds weakrefs to them (torch/nn/modules/module.py, `Module._apply`); `model.to(bf16)` and
+    peft's adapter placement go through here."""
+    if recurse:
+        for module in self.children():
+            module._apply(fn)
+    with torch.no_grad():
+        for param in self._parameters.values():
+            if param is not None:
+                param.data = fn(param)
+        for key, buffer in self._buffers.items():
+            if buffer is not None:
+                self._buffers[key] = fn(buffer)
+    return self
+
+
 def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tuple[pd.DataFrame, StepInfo]:
     """The canonical step under FakeTensorMode: exact bytes, no memory."""
     tracker = StorageTracker()
-    with FakeTensorMode(), decide_like_a_real_run():
+    with FakeTensorMode(), decide_like_a_real_run(), mock.patch.object(torch.nn.Module, "_apply", _apply_as_on_cpu):
         info = run_canonical_step(model_builder(spec, setup, num_layers), setup, tracker, num_layers)
     return tracker.timeline(), info
 
