@@ -38,6 +38,29 @@ SETUPS = [
 ]
 
 
+# LoRA (peft) on a frozen base, with and without checkpointing, fp32 and bf16 (also built directly in bf16):
+# (zoo model, micro_batch, seq_len, precision, attention, grad_ckpt, ckpt_every, lora_rank, targets, build_bf16)
+LORA_RUNS = [
+    ("llama-2-7b", 2, 128, "fp32", "sdpa", False, 1, 8, None, False),
+    ("llama-3.1-8b", 4, 96, "bf16", "sdpa", True, 1, 16, None, True),
+    ("mistral-7b", 1, 256, "bf16", "eager", True, 2, 4, ("q_proj", "k_proj", "v_proj", "o_proj"), False),
+    ("qwen2.5-0.5b", 2, 200, "bf16-autocast", "sdpa", False, 1, 8, None, False),
+    ("gpt2", 3, 64, "fp32", "eager", True, 1, 8, None, False),
+    ("pythia-160m", 2, 128, "bf16", "sdpa", False, 1, 32, None, True),
+    ("opt-125m", 8, 64, "fp32", "sdpa", False, 1, 8, ("q_proj", "v_proj", "fc1"), False),
+    ("bloom-560m", 2, 96, "bf16", "eager", True, 1, 8, None, False),
+    ("codegen-350m-mono", 2, 64, "fp32", "sdpa", True, 1, 4, None, False),
+]
+
+
+def lora_matrix():
+    shapes = {name: shape for name, *shape in MODELS}
+    for model, mb, seq, precision, attn, ckpt, every, rank, targets, build_bf16 in LORA_RUNS:
+        setup = TrainSetup(mb, seq, Precision(precision), Attention(attn), ckpt, every, build_bf16=build_bf16,
+                           lora_rank=rank, lora_targets=targets)
+        yield model, shapes[model], setup
+
+
 def matrix():
     for (model, *shape), setup in itertools.product(MODELS, SETUPS):
         yield model, shape, setup
@@ -48,7 +71,14 @@ def matrix():
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=TIER1_CSV)
+    parser.add_argument("--lora", action="store_true", help="only the LoRA runs")
     args = parser.parse_args()
+    if args.lora:
+        for model, shape, setup in lora_matrix():
+            row = measure_single(load_model_spec(model, shrink(model, *shape)), setup)
+            append_rows([row], args.out)
+            print(model, setup, row["peak_allocated_bytes"], flush=True)
+        return 0
     for model, (hidden, layers, vocab, heads), (mb, seq, precision, attn, ckpt, every) in matrix():
         spec = load_model_spec(model, shrink(model, hidden, layers, vocab, heads))
         if attn == "sdpa" and spec.config_dict["model_type"] == "bloom":

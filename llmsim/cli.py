@@ -43,6 +43,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn", default=None, help="sdpa | eager (default: transformers' choice for the model)")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--ckpt-every", type=int, default=1, help="checkpoint every N-th layer (every_n_layers)")
+    p.add_argument("--build-dtype", default="fp32", help="fp32 (build, then cast: the canonical step) | bf16 "
+                   "(build in bf16, as from_pretrained(dtype=bfloat16) loads; needs --precision bf16)")
+    p.add_argument("--lora-rank", type=int, default=0, help="peft LoRA adapters of this rank on a frozen base")
+    p.add_argument("--lora-alpha", type=int, default=16)
+    p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: peft's for the "
+                   "model type)")
     p.add_argument("--device", default="cpu", help="cpu: the kernels traced")
     p.add_argument("--gpu", default=None, help="GPU profile (data/gpus): reserved via the caching-allocator "
                    "model, device total, headroom; AdamW takes its CUDA (foreach) path")
@@ -75,8 +81,16 @@ def _inputs(args):
         micro_batch=micro_batch, seq_len=args.seq_len, precision=precision or Precision.FP32,
         attention=parse_enum(Attention, args.attn, "attention") if args.attn else None,
         grad_ckpt=args.grad_ckpt, ckpt_every=args.ckpt_every,
-        device=parse_enum(Device, args.device, "device"), foreach=args.gpu is not None)
+        device=parse_enum(Device, args.device, "device"), foreach=args.gpu is not None,
+        build_bf16=_build_bf16(args.build_dtype), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        lora_targets=tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets else None)
     return spec, setup, layout
+
+
+def _build_bf16(value: str) -> bool:
+    if value not in ("fp32", "bf16"):
+        raise InputError(f"unknown build-dtype {value!r}; valid choices: fp32, bf16")
+    return value == "bf16"
 
 
 def cmd_predict(args) -> int:

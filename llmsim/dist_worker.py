@@ -22,11 +22,12 @@ from llmsim.step import LayerHooks
 from llmsim.tracker import StorageTracker
 
 
-def _build(config_json: str, attention: str):
+def _build(job: dict):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(**json.loads(config_json))
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
+    config = AutoConfig.for_model(**json.loads(job["config_json"]))
+    dtype = torch.bfloat16 if job.get("build_bf16") else torch.float32
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=job["attention"])
 
 
 def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
@@ -37,7 +38,7 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     with tracker:
         keep_alive = HfDeepSpeedConfig(ds_config) if stage == 3 else None  # zero.Init inside from_config
-        model = _build(job["config_json"], job["attention"])
+        model = _build(job)
         hooks = LayerHooks(tracker, model, None)
         model.train()
         if job["grad_ckpt"]:
@@ -66,7 +67,7 @@ def run_ddp(job: dict, tracker: StorageTracker) -> None:
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if job["precision"] == Precision.BF16_AUTOCAST.value
                 else contextlib.nullcontext())
     with tracker:
-        model = _build(job["config_json"], job["attention"])
+        model = _build(job)
         hooks = LayerHooks(tracker, model, None)
         if job["precision"] == Precision.BF16.value:
             model.to(torch.bfloat16)

@@ -45,7 +45,8 @@ def setup_columns(spec: ModelSpec, setup: TrainSetup) -> dict:
     return {"model": spec.name, "overrides": json.dumps(dict(spec.overrides), sort_keys=True),
             "micro_batch": setup.micro_batch, "seq_len": setup.seq_len, "precision": setup.precision.value,
             "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt, "ckpt_every": setup.ckpt_every,
-            "steps": setup.steps}
+            "steps": setup.steps, "build_bf16": setup.build_bf16, "lora_rank": setup.lora_rank, "lora_alpha": setup.lora_alpha,
+            "lora_targets": ",".join(setup.lora_targets) if setup.lora_targets else ""}
 
 
 def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> dict:
@@ -87,7 +88,7 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     job = {"framework": "deepspeed" if layout.strategy is Strategy.DEEPSPEED else "ddp",
            "config_json": spec.config_json, "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt,
            "ckpt_every": setup.ckpt_every, "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
-           "steps": setup.steps, "precision": setup.precision.value,
+           "steps": setup.steps, "precision": setup.precision.value, "build_bf16": setup.build_bf16,
            "ds_config": layout.deepspeed.config if layout.deepspeed else None}
     start = time.perf_counter()
     results = run_ranks(job, layout.world_size, timeout_s)

@@ -20,6 +20,8 @@ def human_bytes(n: int) -> str:
 def prediction_table(prediction: Prediction) -> str:
     s = prediction.setup
     ckpt = f"checkpointing every {s.ckpt_every} layer(s)" if s.grad_ckpt else "no checkpointing"
+    if s.lora_rank:
+        ckpt += f", LoRA r={s.lora_rank}"
     lines = [f"{prediction.model.name}: micro-batch {s.micro_batch}, seq {s.seq_len}, {s.precision.value}, "
              f"attention {s.attention.value}, {ckpt}, {prediction.layout.strategy.value} x {prediction.layout.world_size}, device {s.device.value}",
              "",
@@ -36,6 +38,9 @@ def prediction_table(prediction: Prediction) -> str:
                       f"headroom on the fullest rank {human_bytes(tightest.capacity_bytes - tightest.device_total_bytes)} "
                       f"(device total = reserved + CUDA context; kernels traced: {prediction.setup.device.value})"]
     worst = max(prediction.ranks, key=lambda r: r.peak_allocated_bytes)
+    if worst.peak.phase == "build" and not s.build_bf16 and s.precision.value == "bf16":
+        lines += ["", "note: the peak is the fp32 build of the canonical step; --build-dtype bf16 builds the way "
+                      "from_pretrained(dtype=torch.bfloat16) loads"]
     lines += ["", f"breakdown at the peak of rank {worst.rank}:"]
     total = worst.peak_allocated_bytes
     for category, nbytes in sorted(worst.peak.breakdown_bytes.items(), key=lambda kv: -kv[1]):
@@ -49,7 +54,7 @@ def validation_table(results: pd.DataFrame) -> str:
         predicted=results["predicted_bytes"].map(human_bytes),
         error=results["rel_error"].map(lambda e: f"{100 * e:+.3f} %"))
     columns = ["tier", "model", "micro_batch", "seq_len", "precision", "attention", "grad_ckpt", "ckpt_every",
-               "strategy", "world_size", "rank", "measured", "predicted", "error", "ok"]
+               "lora", "strategy", "world_size", "rank", "measured", "predicted", "error", "ok"]
     worst = results["rel_error"].abs().max() if len(results) else 0.0
     summary = (f"{len(results)} rows, {int((~results['ok']).sum())} outside tolerance, "
                f"worst |error| {100 * worst:.3f} %")

@@ -38,12 +38,23 @@ class TrainSetup:
     steps: int = CANONICAL_STEPS
     device: Device = Device.CPU
     foreach: bool = False  # AdamW's foreach path: torch's default for CUDA parameters, not for CPU ones
+    build_bf16: bool = False  # build directly in bf16, as from_pretrained(dtype=torch.bfloat16) loads (else the
+    # canonical fp32 build and cast, whose 4 bytes/parameter can be the whole step's peak)
+    lora_rank: int = 0  # 0: full fine-tuning; else peft LoRA adapters of this rank on a frozen base
+    lora_alpha: int = 16
+    lora_targets: tuple[str, ...] | None = None  # None: peft's default target modules for the model type
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise InputError(f"lora-rank must be a positive integer (or 0 for full fine-tuning), got {self.lora_rank!r}")
+        if self.lora_targets is not None and not self.lora_rank:
+            raise InputError("lora-targets needs a LoRA rank (--lora-rank)")
+        if self.build_bf16 and self.precision is not Precision.BF16:
+            raise InputError(f"build-dtype bf16 needs precision bf16, got {self.precision.value}")
         if self.ckpt_every != 1 and not self.grad_ckpt:
             raise InputError(f"ckpt-every({self.ckpt_every}) needs activation checkpointing (--grad-ckpt)")
 

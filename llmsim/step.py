@@ -71,9 +71,11 @@ class LayerHooks:
         for index, block in enumerate(blocks):
             block.register_forward_pre_hook(self._block_pre(index), with_kwargs=True)
             block.register_forward_hook(self._block_post(index))
+        self._hooked: set[str] = set()
         for name, param in model.named_parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._grad_ready(name))
+                self._hooked.add(name)
 
     def block_of(self, fqn: str) -> int:
         head = self.prefix + "."
@@ -88,11 +90,19 @@ class LayerHooks:
             names, tensors = zip(*named) if named else ((), ())
             self.tracker.label(tensors, category, names, [self.block_of(n) for n in names], retag=True)
 
+    def adopt_new_parameters(self) -> None:
+        """Label the parameters peft added (by their FQN in the base model) and hook their gradients."""
+        self.label_model()
+        for name, param in self.model.named_parameters():
+            if param.requires_grad and name not in self._hooked:
+                param.register_post_accumulate_grad_hook(self._grad_ready(name))
+                self._hooked.add(name)
+
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         names = {id(p): n for n, p in self.model.named_parameters()}
 
         def grads(opt, args, kwargs):
-            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None and id(p) in names]
             self.tracker.label([p.grad for p in params], Category.GRADIENT, [names[id(p)] for p in params],
                                [self.block_of(names[id(p)]) for p in params])
 
@@ -176,6 +186,20 @@ def _on_grad(tensor: torch.Tensor | None, hook) -> None:
         tensor.register_hook(hook)
 
 
+def add_lora(model: nn.Module, setup: TrainSetup) -> nn.Module:
+    """peft's LoRA on the built model: `get_peft_model(model, LoraConfig(r, lora_alpha, target_modules))`."""
+    from peft import LoraConfig, get_peft_model
+
+    from llmsim.errors import InputError, one_line
+
+    targets = list(setup.lora_targets) if setup.lora_targets else None
+    try:
+        return get_peft_model(model, LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha,
+                                                target_modules=targets))
+    except ValueError as exc:  # peft names the target modules it could not find
+        raise InputError(f"LoRA: {one_line(exc)}") from exc
+
+
 def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
                        expected_blocks: int | None = None) -> StepInfo:
     """Run the canonical loop under `tracker` (add a FakeTensorMode around it to run without memory)."""
@@ -190,11 +214,15 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
             model.to(torch.bfloat16)
             hooks.label_model()
         model.train()
+        base = model
+        if setup.lora_rank:
+            model = add_lora(model, setup)
+            hooks.adopt_new_parameters()
         if setup.grad_ckpt:
-            model.activation_checkpointing_enable(every_n_layers=setup.ckpt_every)
+            base.activation_checkpointing_enable(every_n_layers=setup.ckpt_every)
         optimizer = torch.optim.AdamW(model.parameters(), foreach=setup.foreach or None)
         hooks.watch(optimizer)
-        vocab_size = model.get_input_embeddings().num_embeddings
+        vocab_size = base.get_input_embeddings().num_embeddings
         batch = torch.randint(0, vocab_size, (setup.micro_batch, setup.seq_len))
         tracker.label([batch], Category.INPUT)
         for step in range(setup.steps):

@@ -44,7 +44,7 @@ def trace_depth(num_layers: int, period: int) -> int:
 
 
 def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None):
-    """How the canonical step builds the model (fp32 always; the cast to bf16 is part of the step)."""
+    """How the canonical step builds the model: fp32 (the cast to bf16 is part of the step), or directly in bf16."""
     if spec.factory is not None:
         return spec.factory_callable()
     config = spec.hf_config(num_layers)
@@ -53,8 +53,9 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None):
         from transformers import AutoModelForCausalLM
 
         try:
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                    attn_implementation=setup.attention.value)
+            return AutoModelForCausalLM.from_config(
+                config, dtype=torch.bfloat16 if setup.build_bf16 else torch.float32,
+                attn_implementation=setup.attention.value)
         except (ValueError, TypeError, RuntimeError, AssertionError) as exc:  # what transformers raises
             raise InputError(f"transformers cannot build {spec.name}: {one_line(exc)}") from exc
     return build

@@ -24,7 +24,7 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
     setup = TrainSetup(micro_batch=int(row["micro_batch"]), seq_len=int(row["seq_len"]),
                        precision=Precision(row["precision"]), attention=Attention(row["attention"]),
                        grad_ckpt=bool(row["grad_ckpt"]), ckpt_every=int(row["ckpt_every"]),
-                       steps=int(row["steps"]))
+                       steps=int(row["steps"]), build_bf16=_flag(row, "build_bf16"), **_lora(row))
     ds_config = row.get("ds_config")
     deepspeed = (DeepSpeedSetup(ds_config, int(row["world_size"])) if isinstance(ds_config, str) and ds_config
                  else None)
@@ -61,7 +61,7 @@ def validate(measurements: pd.DataFrame) -> pd.DataFrame:
         results.append({"source": row["source"], "tier": int(row["tier"]), "model": row["model"],
                         "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
                         "precision": setup.precision.value, "attention": row["attention"],
-                        "grad_ckpt": setup.grad_ckpt, "ckpt_every": setup.ckpt_every,
+                        "grad_ckpt": setup.grad_ckpt, "ckpt_every": setup.ckpt_every, "lora": setup.lora_rank,
                         "strategy": _strategy_name(layout), "world_size": layout.world_size,
                         "rank": int(row["rank"]),
                         "measured_bytes": measured, "predicted_bytes": predicted, "rel_error": error,
@@ -73,3 +73,17 @@ def _strategy_name(layout: Layout) -> str:
     if layout.deepspeed is not None:
         return f"zero{layout.deepspeed.stage}"
     return layout.strategy.value
+
+
+def _lora(row: pd.Series) -> dict:
+    rank = row.get("lora_rank")
+    if rank is None or pd.isna(rank) or not int(rank):
+        return {}
+    targets = row.get("lora_targets")
+    return {"lora_rank": int(rank), "lora_alpha": int(row["lora_alpha"]),
+            "lora_targets": tuple(targets.split(",")) if isinstance(targets, str) and targets else None}
+
+
+def _flag(row: pd.Series, column: str) -> bool:
+    value = row.get(column)
+    return bool(value) and not pd.isna(value) and str(value) != "False"

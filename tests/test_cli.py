@@ -36,6 +36,12 @@ BAD = [
     (["predict", "--model", "gpt2", "--seq-len", "8"], "required"),
     (["predict", *TINY, "--set", "model_type=resnet", "--seq-len", "8", "--micro-batch", "1"], "model_type"),
     (["predict", *TINY, "--set", "hidden_size=70", "--seq-len", "8", "--micro-batch", "1"], "hidden size (70)"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--lora-rank", "4", "--lora-targets", "w_x"],
+     "not found"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--lora-rank", "-3"], "lora-rank"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--lora-rank", "4", "--strategy", "ddp",
+      "--world-size", "2"], "not modelled yet"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--build-dtype", "bf16"], "needs precision bf16"),
 ]
 
 

@@ -37,6 +37,8 @@ FRESH = [
     ("gpt2", (64, 5, 900, 2), TrainSetup(2, 160, Precision.BF16_AUTOCAST, Attention.EAGER)),
     ("qwen2.5-0.5b", (96, 6, 800, 6), TrainSetup(1, 300, Precision.FP32, Attention.SDPA, grad_ckpt=True,
                                                   ckpt_every=2)),
+    ("pythia-160m", (64, 5, 700, 4), TrainSetup(2, 80, Precision.BF16, grad_ckpt=True, build_bf16=True,
+                                                lora_rank=8)),
 ]
 
 

@@ -48,9 +48,19 @@ def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.Da
     return stages[layout.deepspeed.stage](timeline, layout, setup)
 
 
+def _refuse_frozen_parameters(plan):
+    """DDP buckets and ZeRO partitions hold trainable parameters only; the strategies here assume all are."""
+    def checked(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.DataFrame]:
+        if setup.lora_rank:
+            raise InputError(f"LoRA with strategy {layout.strategy.value} is not modelled yet; "
+                             "modelled with LoRA: single")
+        return plan(timeline, layout, setup)
+    return checked
+
+
 # strategy -> function(full-depth single-process timeline, layout, setup) -> {rank: timeline}
 STRATEGIES: dict[Strategy, Callable[[pd.DataFrame, Layout, object], dict[int, pd.DataFrame]]] = {
     Strategy.SINGLE: single.plan,
-    Strategy.DDP: ddp.plan,
-    Strategy.DEEPSPEED: _deepspeed,
+    Strategy.DDP: _refuse_frozen_parameters(ddp.plan),
+    Strategy.DEEPSPEED: _refuse_frozen_parameters(_deepspeed),
 }
