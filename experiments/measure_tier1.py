@@ -10,7 +10,7 @@ import itertools
 import sys
 from pathlib import Path
 
-from llmsim.enums import Attention, Precision
+from llmsim.enums import Attention, Optimizer, Precision
 from llmsim.measure import TIER1_CSV, append_rows, measure_single
 from llmsim.spec import TrainSetup, load_model_spec
 from llmsim.zoo import shrink
@@ -53,6 +53,21 @@ LORA_RUNS = [
 ]
 
 
+# Other client optimizers (torch.optim, defaults; SGD at lr 1e-3): (zoo model, optimizer, precision, grad_ckpt)
+OPTIMIZER_RUNS = [
+    ("llama-2-7b", "sgd", "fp32", False), ("gpt2", "sgd-momentum", "bf16", True),
+    ("qwen2.5-0.5b", "adam", "bf16-autocast", False), ("pythia-160m", "sgd-momentum", "fp32", True),
+    ("opt-125m", "sgd", "bf16", False), ("mistral-7b", "adam", "fp32", True),
+]
+
+
+def optimizer_matrix():
+    shapes = {name: shape for name, *shape in MODELS}
+    for model, optimizer, precision, ckpt in OPTIMIZER_RUNS:
+        yield model, shapes[model], TrainSetup(2, 128, Precision(precision), None, ckpt,
+                                               optimizer=Optimizer(optimizer))
+
+
 def lora_matrix():
     shapes = {name: shape for name, *shape in MODELS}
     for model, mb, seq, precision, attn, ckpt, every, rank, targets, build_bf16 in LORA_RUNS:
@@ -72,9 +87,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=TIER1_CSV)
     parser.add_argument("--lora", action="store_true", help="only the LoRA runs")
+    parser.add_argument("--optimizers", action="store_true", help="only the runs with other optimizers")
     args = parser.parse_args()
-    if args.lora:
-        for model, shape, setup in lora_matrix():
+    if args.lora or args.optimizers:
+        for model, shape, setup in (lora_matrix() if args.lora else optimizer_matrix()):
             row = measure_single(load_model_spec(model, shrink(model, *shape)), setup)
             append_rows([row], args.out)
             print(model, setup, row["peak_allocated_bytes"], flush=True)

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from llmsim.enums import Attention, Precision, parse_enum
+from llmsim.enums import Attention, Optimizer, Precision, parse_enum
 from llmsim.errors import InputError
 
 EXIT_BAD_INPUT = 2
@@ -43,6 +43,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn", default=None, help="sdpa | eager (default: transformers' choice for the model)")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--ckpt-every", type=int, default=1, help="checkpoint every N-th layer (every_n_layers)")
+    p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd-momentum (torch.optim)")
     p.add_argument("--build-dtype", default="fp32", help="fp32 (build, then cast: the canonical step) | bf16 "
                    "(build in bf16, as from_pretrained(dtype=bfloat16) loads; needs --precision bf16)")
     p.add_argument("--lora-rank", type=int, default=0, help="peft LoRA adapters of this rank on a frozen base")
@@ -82,6 +83,7 @@ def _inputs(args):
         attention=parse_enum(Attention, args.attn, "attention") if args.attn else None,
         grad_ckpt=args.grad_ckpt, ckpt_every=args.ckpt_every,
         device=parse_enum(Device, args.device, "device"), foreach=args.gpu is not None,
+        optimizer=parse_enum(Optimizer, args.optimizer, "optimizer"),
         build_bf16=_build_bf16(args.build_dtype), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets else None)
     return spec, setup, layout

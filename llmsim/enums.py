@@ -43,6 +43,17 @@ class Attention(str, Enum):
     EAGER = "eager"
 
 
+class Optimizer(str, Enum):
+    """The client optimizer of the canonical step, with torch's defaults."""
+
+    ADAMW = "adamw"  # torch.optim.AdamW
+    ADAM = "adam"  # torch.optim.Adam
+    SGD = "sgd"  # torch.optim.SGD(lr=1e-3): no state
+    SGD_MOMENTUM = "sgd-momentum"  # torch.optim.SGD(lr=1e-3, momentum=0.9): one buffer per parameter
+    # torch.optim.Adafactor reads tensor values in its step (`.item()`), which fake tensors cannot answer:
+    # not offered until the trace can feed it a value.
+
+
 class Device(str, Enum):
     """The target whose kernels the trace must select (DESIGN.md stage 1)."""
 

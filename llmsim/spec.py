@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from llmsim.enums import Attention, Device, Precision
+from llmsim.enums import Attention, Device, Optimizer, Precision
 from llmsim.errors import InputError, one_line
 
 ZOO_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
@@ -37,7 +37,8 @@ class TrainSetup:
     ckpt_every: int = 1  # transformers' `every_n_layers`: layer i is checkpointed iff i % ckpt_every == 0
     steps: int = CANONICAL_STEPS
     device: Device = Device.CPU
-    foreach: bool = False  # AdamW's foreach path: torch's default for CUDA parameters, not for CPU ones
+    foreach: bool = False  # the optimizer's foreach path: torch's default for CUDA parameters, not for CPU ones
+    optimizer: Optimizer = Optimizer.ADAMW
     build_bf16: bool = False  # build directly in bf16, as from_pretrained(dtype=torch.bfloat16) loads (else the
     # canonical fp32 build and cast, whose 4 bytes/parameter can be the whole step's peak)
     lora_rank: int = 0  # 0: full fine-tuning; else peft LoRA adapters of this rank on a frozen base

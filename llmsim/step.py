@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from llmsim.enums import Category, Phase, Precision
+from llmsim.enums import Category, Optimizer, Phase, Precision
 from llmsim.spec import TrainSetup
 from llmsim.tracker import NO_BLOCK, StorageTracker
 
@@ -186,6 +186,19 @@ def _on_grad(tensor: torch.Tensor | None, hook) -> None:
         tensor.register_hook(hook)
 
 
+SGD_LR = 1e-3  # torch.optim.SGD has no default learning rate
+
+
+def make_optimizer(params, setup: TrainSetup) -> torch.optim.Optimizer:
+    foreach = setup.foreach or None
+    if setup.optimizer is Optimizer.ADAMW:
+        return torch.optim.AdamW(params, foreach=foreach)
+    if setup.optimizer is Optimizer.ADAM:
+        return torch.optim.Adam(params, foreach=foreach)
+    momentum = 0.9 if setup.optimizer is Optimizer.SGD_MOMENTUM else 0.0
+    return torch.optim.SGD(params, lr=SGD_LR, momentum=momentum, foreach=foreach)
+
+
 def add_lora(model: nn.Module, setup: TrainSetup) -> nn.Module:
     """peft's LoRA on the built model: `get_peft_model(model, LoraConfig(r, lora_alpha, target_modules))`."""
     from peft import LoraConfig, get_peft_model
@@ -220,7 +233,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
             hooks.adopt_new_parameters()
         if setup.grad_ckpt:
             base.activation_checkpointing_enable(every_n_layers=setup.ckpt_every)
-        optimizer = torch.optim.AdamW(model.parameters(), foreach=setup.foreach or None)
+        optimizer = make_optimizer(model.parameters(), setup)
         hooks.watch(optimizer)
         vocab_size = base.get_input_embeddings().num_embeddings
         batch = torch.randint(0, vocab_size, (setup.micro_batch, setup.seq_len))

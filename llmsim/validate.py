@@ -8,7 +8,7 @@ from typing import Iterable
 
 import pandas as pd
 
-from llmsim.enums import Attention, Precision
+from llmsim.enums import Attention, Optimizer, Precision
 from llmsim.measure import MEASUREMENTS_DIR
 from llmsim.pipeline import predict
 from llmsim.spec import ModelSpec, TrainSetup, load_model_spec
@@ -24,7 +24,9 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
     setup = TrainSetup(micro_batch=int(row["micro_batch"]), seq_len=int(row["seq_len"]),
                        precision=Precision(row["precision"]), attention=Attention(row["attention"]),
                        grad_ckpt=bool(row["grad_ckpt"]), ckpt_every=int(row["ckpt_every"]),
-                       steps=int(row["steps"]), build_bf16=_flag(row, "build_bf16"), **_lora(row))
+                       steps=int(row["steps"]), build_bf16=_flag(row, "build_bf16"),
+                       optimizer=Optimizer(row["optimizer"]) if isinstance(row.get("optimizer"), str) else Optimizer.ADAMW,
+                       **_lora(row))
     ds_config = row.get("ds_config")
     deepspeed = (DeepSpeedSetup(ds_config, int(row["world_size"])) if isinstance(ds_config, str) and ds_config
                  else None)

@@ -42,6 +42,7 @@ BAD = [
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--lora-rank", "4", "--strategy", "ddp",
       "--world-size", "2"], "not modelled yet"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--build-dtype", "bf16"], "needs precision bf16"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--optimizer", "lion"], "valid choices"),
 ]
 
 

@@ -54,6 +54,9 @@ def _refuse_frozen_parameters(plan):
         if setup.lora_rank:
             raise InputError(f"LoRA with strategy {layout.strategy.value} is not modelled yet; "
                              "modelled with LoRA: single")
+        if layout.strategy is Strategy.DEEPSPEED and setup.optimizer.value != "adamw":
+            raise InputError(f"DeepSpeed with optimizer {setup.optimizer.value} is not modelled yet; "
+                             "modelled: adamw")
         return plan(timeline, layout, setup)
     return checked
 
