@@ -110,6 +110,28 @@ def cmd_predict(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from pathlib import Path
+
+    from llmsim.compare import compare_levers
+    from llmsim.gpus import load_gpu
+    from llmsim.plots import levers_bar_chart
+    from llmsim.report import human_bytes
+
+    spec, setup, layout = _inputs(args)
+    gpu = load_gpu(args.gpu) if args.gpu else None
+    frame = compare_levers(spec, setup, layout, gpu)
+    shown = frame.assign(peak=frame["device_total_bytes"].map(human_bytes),
+                         saving=frame["saving_vs_baseline"].map(lambda v: f"{100 * v:+.1f} %"))
+    columns = ["lever", "peak", "saving", "peak_phase"] + (["fits"] if gpu else [])
+    print(shown[columns].to_string(index=False))
+    title = (f"{spec.name}, micro-batch {setup.micro_batch}, seq {setup.seq_len}, {layout.strategy.value} x "
+             f"{layout.world_size}" + (f", {gpu.name}" if gpu else ""))
+    path = levers_bar_chart(frame, title, Path(args.out), gpu.capacity_bytes if gpu else None)
+    print(f"chart: {path}")
+    return 0
+
+
 def cmd_measure(args) -> int:
     from llmsim.launch import LaunchFailure
     from llmsim.measure import TIER1_CSV, TIER2_CSV, append_rows, measure_distributed, measure_single
@@ -169,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.set_defaults(func=cmd_predict)
+    p = sub.add_parser("compare", help="the peak under each memory lever and common combinations (+ PNG chart)")
+    _add_model_args(p)
+    p.add_argument("--out", default="llmsim-levers.png", help="where to write the bar chart")
+    p.set_defaults(func=cmd_compare)
     p = sub.add_parser("measure", help="run the canonical step for real on this CPU and append a row")
     _add_model_args(p)
     p.add_argument("--out", default=None, help="CSV to append to (default data/measurements/tier1_cpu.csv)")

@@ -1,0 +1,26 @@
+"""`llmsim compare`: every lever is a real prediction; the chart is written."""
+from llmsim.cli import main
+from llmsim.compare import LEVERS, compare_levers
+from llmsim.pipeline import predict
+from llmsim.spec import TrainSetup, load_model_spec
+from llmsim.zoo import shrink
+
+
+def test_each_lever_is_the_prediction_of_its_setup():
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 512, 4))
+    frame = compare_levers(spec, TrainSetup(2, 64))
+    assert list(frame["lever"]) == [label for label, _ in LEVERS]
+    baseline = predict(spec, TrainSetup(2, 64)).peak_allocated_bytes
+    lora = predict(spec, TrainSetup(2, 64, lora_rank=16)).peak_allocated_bytes
+    assert frame["device_total_bytes"].iloc[0] == baseline
+    assert frame.set_index("lever").loc["LoRA r=16", "device_total_bytes"] == lora
+    assert frame["saving_vs_baseline"].iloc[0] == 0
+
+
+def test_compare_command_writes_the_chart(tmp_path, capsys):
+    out = tmp_path / "levers.png"
+    argv = ["compare", "--model", "gpt2", "--set", "n_layer=2", "--set", "n_embd=64", "--set", "n_head=4",
+            "--set", "vocab_size=512", "--seq-len", "32", "--micro-batch", "2", "--gpu", "l4", "--out", str(out)]
+    assert main(argv) == 0
+    assert out.read_bytes()[:8] == b"\\x89PNG\\r\\n\\x1a\\n"
+    assert "LoRA r=16" in capsys.readouterr().out
