@@ -22,5 +22,5 @@ def test_compare_command_writes_the_chart(tmp_path, capsys):
     argv = ["compare", "--model", "gpt2", "--set", "n_layer=2", "--set", "n_embd=64", "--set", "n_head=4",
             "--set", "vocab_size=512", "--seq-len", "32", "--micro-batch", "2", "--gpu", "l4", "--out", str(out)]
     assert main(argv) == 0
-    assert out.read_bytes()[:8] == b"\\x89PNG\\r\\n\\x1a\\n"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "LoRA r=16" in capsys.readouterr().out
