@@ -132,6 +132,28 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_size(args) -> int:
+    from llmsim.gpus import load_gpu
+    from llmsim.report import human_bytes
+    from llmsim.size import size
+
+    if args.max_gpus < 1 or args.max_micro_batch < 1:
+        raise InputError(f"max-gpus({args.max_gpus}) and max-micro-batch({args.max_micro_batch}) must be >= 1")
+    args.micro_batch = 1
+    spec, setup, _ = _inputs(args)
+    gpu = load_gpu(args.gpu)
+    frame = size(spec, setup, gpu, args.max_gpus, args.max_micro_batch)
+    if args.format == "json":
+        print(frame.to_json(orient="records", indent=2))
+        return 0
+    shown = frame.assign(total=frame["device_total_bytes"].map(lambda b: human_bytes(int(b)) if b == b and b else "-"),
+                         headroom=frame["headroom_bytes"].map(lambda b: human_bytes(int(b)) if b == b and b else "-"))
+    print(f"{spec.name} on {gpu.name} ({human_bytes(gpu.capacity_bytes)}), seq {setup.seq_len}, "
+          f"{setup.precision.value}{', checkpointing' if setup.grad_ckpt else ''}")
+    print(shown[["layout", "gpus", "largest_micro_batch", "total", "headroom", "fits"]].to_string(index=False))
+    return 0
+
+
 def cmd_measure(args) -> int:
     from llmsim.launch import LaunchFailure
     from llmsim.measure import TIER1_CSV, TIER2_CSV, append_rows, measure_distributed, measure_single
@@ -195,6 +217,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--out", default="llmsim-levers.png", help="where to write the bar chart")
     p.set_defaults(func=cmd_compare)
+    p = sub.add_parser("size", help="layouts that fit a GPU, each with its largest micro-batch")
+    p.add_argument("--model", required=True)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--gpu", required=True, help="GPU profile (data/gpus)")
+    p.add_argument("--precision", default=None)
+    p.add_argument("--attn", default=None)
+    p.add_argument("--grad-ckpt", action="store_true")
+    p.add_argument("--ckpt-every", type=int, default=1)
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--build-dtype", default="fp32")
+    p.add_argument("--lora-rank", type=int, default=0)
+    p.add_argument("--lora-alpha", type=int, default=16)
+    p.add_argument("--lora-targets", default=None)
+    p.add_argument("--max-gpus", type=int, default=8)
+    p.add_argument("--max-micro-batch", type=int, default=64)
+    p.add_argument("--format", choices=["table", "json"], default="table")
+    p.set_defaults(func=cmd_size, strategy=None, world_size=None, ds_config=None, device="cpu")
     p = sub.add_parser("measure", help="run the canonical step for real on this CPU and append a row")
     _add_model_args(p)
     p.add_argument("--out", default=None, help="CSV to append to (default data/measurements/tier1_cpu.csv)")
