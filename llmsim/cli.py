@@ -29,17 +29,14 @@ def _override(text: str) -> tuple[str, object]:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """What defines the model and its training step (every command that predicts)."""
     p.add_argument("--model", required=True, help="zoo name (llmsim models), path to an HF config.json, "
                    "or module:factory")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=str,
                    help="override a config field (JSON value), e.g. --set num_hidden_layers=4")
     p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--micro-batch", type=int, default=None, help="required unless the DeepSpeed config sets it")
     p.add_argument("--precision", default=None, help="fp32 | bf16 | bf16-autocast (default fp32, or the "
                    "DeepSpeed config's)")
-    p.add_argument("--strategy", default=None, help="single | ddp (deepspeed when --ds-config is given)")
-    p.add_argument("--world-size", type=int, default=None, help="number of ranks (default 1)")
-    p.add_argument("--ds-config", default=None, help="DeepSpeed JSON, as passed to deepspeed.initialize")
     p.add_argument("--attn", default=None, help="sdpa | eager (default: transformers' choice for the model)")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--ckpt-every", type=int, default=1, help="checkpoint every N-th layer (every_n_layers)")
@@ -51,8 +48,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: peft's for the "
                    "model type)")
     p.add_argument("--device", default="cpu", help="cpu: the kernels traced")
+
+
+def _add_layout_args(p: argparse.ArgumentParser) -> None:
+    """One layout: micro-batch, ranks, strategy, and optionally the GPU."""
+    p.add_argument("--micro-batch", type=int, default=None, help="required unless the DeepSpeed config sets it")
+    p.add_argument("--strategy", default=None, help="single | ddp (deepspeed when --ds-config is given)")
+    p.add_argument("--world-size", type=int, default=None, help="number of ranks (default 1)")
+    p.add_argument("--ds-config", default=None, help="DeepSpeed JSON, as passed to deepspeed.initialize")
     p.add_argument("--gpu", default=None, help="GPU profile (data/gpus): reserved via the caching-allocator "
-                   "model, device total, headroom; AdamW takes its CUDA (foreach) path")
+                   "model, device total, headroom; the optimizer takes its CUDA (foreach) path")
 
 
 def _inputs(args):
@@ -211,32 +216,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("predict", help="predict one layout: per-rank peak and breakdown")
     _add_model_args(p)
+    _add_layout_args(p)
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.set_defaults(func=cmd_predict)
     p = sub.add_parser("compare", help="the peak under each memory lever and common combinations (+ PNG chart)")
     _add_model_args(p)
+    _add_layout_args(p)
     p.add_argument("--out", default="llmsim-levers.png", help="where to write the bar chart")
     p.set_defaults(func=cmd_compare)
     p = sub.add_parser("size", help="layouts that fit a GPU, each with its largest micro-batch")
-    p.add_argument("--model", required=True)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--seq-len", type=int, required=True)
+    _add_model_args(p)
     p.add_argument("--gpu", required=True, help="GPU profile (data/gpus)")
-    p.add_argument("--precision", default=None)
-    p.add_argument("--attn", default=None)
-    p.add_argument("--grad-ckpt", action="store_true")
-    p.add_argument("--ckpt-every", type=int, default=1)
-    p.add_argument("--optimizer", default="adamw")
-    p.add_argument("--build-dtype", default="fp32")
-    p.add_argument("--lora-rank", type=int, default=0)
-    p.add_argument("--lora-alpha", type=int, default=16)
-    p.add_argument("--lora-targets", default=None)
     p.add_argument("--max-gpus", type=int, default=8)
     p.add_argument("--max-micro-batch", type=int, default=64)
     p.add_argument("--format", choices=["table", "json"], default="table")
-    p.set_defaults(func=cmd_size, strategy=None, world_size=None, ds_config=None, device="cpu")
+    p.set_defaults(func=cmd_size, strategy=None, world_size=None, ds_config=None)
     p = sub.add_parser("measure", help="run the canonical step for real on this CPU and append a row")
     _add_model_args(p)
+    _add_layout_args(p)
     p.add_argument("--out", default=None, help="CSV to append to (default data/measurements/tier1_cpu.csv)")
     p.add_argument("--dry-run", action="store_true", help="measure but write nothing")
     p.add_argument("--timeout", type=int, default=900, help="seconds before a multi-process run is killed")

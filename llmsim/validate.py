@@ -24,7 +24,7 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
     setup = TrainSetup(micro_batch=int(row["micro_batch"]), seq_len=int(row["seq_len"]),
                        precision=Precision(row["precision"]), attention=Attention(row["attention"]),
                        grad_ckpt=bool(row["grad_ckpt"]), ckpt_every=int(row["ckpt_every"]),
-                       steps=int(row["steps"]), build_bf16=_flag(row, "build_bf16"),
+                       steps=int(row["steps"]), build_bf16=_flag(row, "build_bf16"), foreach=_flag(row, "foreach"),
                        optimizer=Optimizer(row["optimizer"]) if isinstance(row.get("optimizer"), str) else Optimizer.ADAMW,
                        **_lora(row))
     ds_config = row.get("ds_config")
