@@ -72,7 +72,7 @@ def worker(entry) -> dict:
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "device_total_bytes": total - free,
             "tracker_peak_bytes": replay(tracker.timeline()).allocated_bytes,
             "gpu": _profile_name(torch.cuda.get_device_name(0)), "device": torch.cuda.get_device_name(0),
-            "foreach": True, **environment(),
+            **environment(),
             "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "wall_s": round(time.perf_counter() - start, 2)}
 

@@ -27,7 +27,8 @@ def parameter_count(name: str) -> int:
 
 
 def main() -> None:
-    print(f"seed: 1B params in fp16 = {SEED_1B_FP16_GIB:.3f} GiB; gradients + Adam states (3x) = {SEED_STATES_GIB:.2f} GiB")
+    print(f"seed: 1B params in fp16 = {SEED_1B_FP16_GIB:.3f} GiB; "
+          f"gradients + Adam states (3x) = {SEED_STATES_GIB:.2f} GiB")
     print(f"{'model':<13} {'params':>6} {'seq':>5} {'ckpt':>5} {'peak GB':>8} {'at':>16} {'param GiB':>9} "
           f"{'grad GiB':>8} {'Adam GiB':>8} {'act+tmp GiB':>11} {'rule 8X GB':>10} {'rule err':>8}")
     for name in ("pythia-1b", "llama-2-7b", "mistral-7b", "llama-3.1-8b"):

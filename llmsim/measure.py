@@ -45,7 +45,8 @@ def setup_columns(spec: ModelSpec, setup: TrainSetup) -> dict:
     return {"model": spec.name, "overrides": json.dumps(dict(spec.overrides), sort_keys=True),
             "micro_batch": setup.micro_batch, "seq_len": setup.seq_len, "precision": setup.precision.value,
             "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt, "ckpt_every": setup.ckpt_every,
-            "steps": setup.steps, "optimizer": setup.optimizer.value, "foreach": setup.foreach, "build_bf16": setup.build_bf16, "lora_rank": setup.lora_rank, "lora_alpha": setup.lora_alpha,
+            "steps": setup.steps, "optimizer": setup.optimizer.value, "foreach": setup.foreach,
+            "build_bf16": setup.build_bf16, "lora_rank": setup.lora_rank, "lora_alpha": setup.lora_alpha,
             "lora_targets": ",".join(setup.lora_targets) if setup.lora_targets else ""}
 
 

@@ -96,4 +96,5 @@ def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame, gpu: GpuProfile | 
         reserved = replay_reserved(timeline["serial"].to_numpy(), timeline["delta_bytes"].to_numpy(),
                                    extra_allocations=(gpu.cublas_workspace_bytes,)).peak_reserved_bytes
     total = reserved + gpu.cuda_context_bytes
-    return RankPrediction(rank, peak, reserved, total, timeline, gpu.capacity_bytes, fits and total <= gpu.capacity_bytes)
+    return RankPrediction(rank, peak, reserved, total, timeline, gpu.capacity_bytes,
+                          fits and total <= gpu.capacity_bytes)

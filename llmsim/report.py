@@ -23,7 +23,8 @@ def prediction_table(prediction: Prediction) -> str:
     if s.lora_rank:
         ckpt += f", LoRA r={s.lora_rank}"
     lines = [f"{prediction.model.name}: micro-batch {s.micro_batch}, seq {s.seq_len}, {s.precision.value}, "
-             f"attention {s.attention.value}, {ckpt}, {prediction.layout.strategy.value} x {prediction.layout.world_size}, device {s.device.value}",
+             f"attention {s.attention.value}, {ckpt}, {prediction.layout.strategy.value} x "
+             f"{prediction.layout.world_size}, device {s.device.value}",
              "",
              f"{'rank':>4}  {'peak allocated':>16}  {'peak reserved':>16}  {'device total':>16}  peak at",
              ]
@@ -34,8 +35,9 @@ def prediction_table(prediction: Prediction) -> str:
     if prediction.gpu is not None:
         tightest = max(prediction.ranks, key=lambda r: r.device_total_bytes)
         verdict = "fits" if all(r.fits for r in prediction.ranks) else "does NOT fit"
+        headroom = tightest.capacity_bytes - tightest.device_total_bytes
         lines += ["", f"{prediction.gpu.name} ({human_bytes(prediction.gpu.capacity_bytes)}): {verdict}; "
-                      f"headroom on the fullest rank {human_bytes(tightest.capacity_bytes - tightest.device_total_bytes)} "
+                      f"headroom on the fullest rank {human_bytes(headroom)} "
                       f"(device total = reserved + CUDA context; kernels traced: {prediction.setup.device.value})"]
     worst = max(prediction.ranks, key=lambda r: r.peak_allocated_bytes)
     if worst.peak.phase == "build" and not s.build_bf16 and s.precision.value == "bf16":

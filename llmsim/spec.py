@@ -16,9 +16,9 @@ from llmsim.enums import Attention, Device, Optimizer, Precision
 from llmsim.errors import InputError, one_line
 
 ZOO_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
-CANONICAL_STEPS = 3
+CANONICAL_STEPS = 3  # DESIGN.md: the peak is taken from just before the build to the end of step 3
 # Model types whose position embedding is a learned table: a longer sequence indexes past its end.
-LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt", "gpt_neo", "biogpt"})  # DESIGN.md: the peak is taken from just before the build to the end of step 3
+LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt", "gpt_neo", "biogpt"})
 
 
 def zoo_names() -> list[str]:
@@ -51,7 +51,8 @@ class TrainSetup:
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
-            raise InputError(f"lora-rank must be a positive integer (or 0 for full fine-tuning), got {self.lora_rank!r}")
+            raise InputError(f"lora-rank must be a positive integer (or 0 for full fine-tuning), "
+                             f"got {self.lora_rank!r}")
         if self.lora_targets is not None and not self.lora_rank:
             raise InputError("lora-targets needs a LoRA rank (--lora-rank)")
         if self.build_bf16 and self.precision is not Precision.BF16:
