@@ -9,17 +9,20 @@ writes its peak and its timeline to the output folder.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 from pathlib import Path
 
 import torch
 
-from llmsim.enums import Category, Phase, Precision
+from llmsim.enums import Attention, Category, Phase, Precision
 from llmsim.peaks import replay
-from llmsim.step import LayerHooks
+from llmsim.spec import TrainSetup
+from llmsim.step import LayerHooks, run_canonical_step
 from llmsim.tracker import StorageTracker
+
+
+DDP_BUCKET_CAP_MB = 25  # torch DistributedDataParallel's default
 
 
 def _build(job: dict):
@@ -62,37 +65,14 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
 
 
 def run_ddp(job: dict, tracker: StorageTracker) -> None:
+    """The canonical step with the model wrapped in DistributedDataParallel before the optimizer is built."""
     from torch.nn.parallel import DistributedDataParallel
 
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if job["precision"] == Precision.BF16_AUTOCAST.value
-                else contextlib.nullcontext())
-    with tracker:
-        model = _build(job)
-        hooks = LayerHooks(tracker, model, None)
-        if job["precision"] == Precision.BF16.value:
-            model.to(torch.bfloat16)
-            hooks.label_model()
-        model.train()
-        if job["grad_ckpt"]:
-            model.activation_checkpointing_enable(every_n_layers=job["ckpt_every"])
-        ddp = DistributedDataParallel(model, bucket_cap_mb=job.get("bucket_cap_mb", 25))
-        optimizer = torch.optim.AdamW(model.parameters())
-        hooks.watch(optimizer)
-        vocab_size = model.get_input_embeddings().num_embeddings
-        batch = torch.randint(0, vocab_size, (job["micro_batch"], job["seq_len"]))
-        tracker.label([batch], Category.INPUT)
-        for step in range(job["steps"]):
-            tracker.set_phase(step, Phase.FORWARD)
-            with autocast:
-                loss = ddp(input_ids=batch, labels=batch).loss
-            tracker.set_phase(step, Phase.BACKWARD)
-            hooks.enter_backward()
-            loss.backward()
-            tracker.set_phase(step, Phase.OPTIMIZER)
-            optimizer.step()
-            tracker.frees_by_owner = True
-            optimizer.zero_grad(set_to_none=True)
-        tracker.finish()
+    setup = TrainSetup(job["micro_batch"], job["seq_len"], Precision(job["precision"]), Attention(job["attention"]),
+                       job["grad_ckpt"], job["ckpt_every"], job["steps"], build_bf16=bool(job.get("build_bf16")))
+    bucket_cap_mb = job.get("bucket_cap_mb", DDP_BUCKET_CAP_MB)
+    run_canonical_step(lambda: _build(job), setup, tracker,
+                       wrap=lambda model: DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb))
 
 
 def main() -> int:

@@ -214,8 +214,10 @@ def add_lora(model: nn.Module, setup: TrainSetup) -> nn.Module:
 
 
 def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
-                       expected_blocks: int | None = None) -> StepInfo:
-    """Run the canonical loop under `tracker` (add a FakeTensorMode around it to run without memory)."""
+                       expected_blocks: int | None = None,
+                       wrap: Callable[[nn.Module], nn.Module] | None = None) -> StepInfo:
+    """Run the canonical loop under `tracker` (add a FakeTensorMode around it to run without memory).
+    `wrap` puts a data-parallel wrapper (DistributedDataParallel) around the model before the optimizer."""
     torch.manual_seed(0)
     with tracker:
         model = build()
@@ -233,6 +235,8 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
             hooks.adopt_new_parameters()
         if setup.grad_ckpt:
             base.activation_checkpointing_enable(every_n_layers=setup.ckpt_every)
+        if wrap is not None:
+            model = wrap(model)
         optimizer = make_optimizer(model.parameters(), setup)
         hooks.watch(optimizer)
         vocab_size = base.get_input_embeddings().num_embeddings
