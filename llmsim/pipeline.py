@@ -1,7 +1,7 @@
 """The whole pipeline in one place: model -> trace -> per-rank plan -> timeline -> peaks (DESIGN.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import networkx as nx
 import pandas as pd
@@ -75,9 +75,11 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     traced = trace(model, setup)
     timeline = expand(traced)
     ranks = []
+    replayed: dict[int, RankPrediction] = {}  # ranks that share one timeline (DDP, ZeRO-0) are replayed once
     for rank, rank_timeline in sorted(STRATEGIES[layout.strategy](timeline, layout, setup).items()):
-        peak = replay(rank_timeline)
-        ranks.append(_on_device(rank, peak, rank_timeline, gpu))
+        if id(rank_timeline) not in replayed:
+            replayed[id(rank_timeline)] = _on_device(rank, replay(rank_timeline), rank_timeline, gpu)
+        ranks.append(replace(replayed[id(rank_timeline)], rank=rank))
     return Prediction(model, setup, layout, ranks, layer_graph(timeline, traced.info), gpu)
 
 

@@ -201,7 +201,6 @@ def check_fits_positions(spec: ModelSpec, setup: TrainSetup) -> None:
         raise InputError(f"seq-len({setup.seq_len}) exceeds {spec.name}'s max positions({limit})")
 
 
-
 def resolve_attention(spec: ModelSpec, setup: TrainSetup) -> TrainSetup:
     """Fix the attention implementation the way transformers would, and reject one the model lacks."""
     if spec.config_json is None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pandas as pd
 
 from llmsim.enums import Category, Phase, Precision
-from llmsim.strategies.zero_common import FP32_BYTES, EventWriter, adamw, parameters, rows_of
+from llmsim.strategies.zero_common import FP32_BYTES, EventWriter, adamw, parameters, rows_of, walk_phases
 
 ALLREDUCE_ELEMENTS_PER_BUFFER = 500_000_000  # engine.py: buffered_allreduce_fallback default
 BF16_BYTES = 2
@@ -51,19 +51,15 @@ class _Rank:
         self.grads: dict[str, tuple[int, int]] = {}
 
     def run(self) -> pd.DataFrame:
-        previous = None
-        for row in rows_of(self.timeline):
-            key = (row[0], row[1])
-            if previous is not None and key != previous:
-                self._leave(*previous)
-            previous = key
-            if self.bf16 and row[1] == Phase.OPTIMIZER.value:
-                continue  # FP16_UnfusedOptimizer's step replaces the client optimizer's
-            if row[1] == Phase.BACKWARD.value and row[6] == Category.GRADIENT.value and row[5] > 0:
-                self.grads[row[7]] = (int(row[4]), int(row[5]))
-            self.w.keep(row)
-        self._leave(*previous)
+        walk_phases(rows_of(self.timeline), self._row, self._leave)
         return self.w.frame()
+
+    def _row(self, row: tuple) -> None:
+        if self.bf16 and row[1] == Phase.OPTIMIZER.value:
+            return  # FP16_UnfusedOptimizer's step replaces the client optimizer's
+        if row[1] == Phase.BACKWARD.value and row[6] == Category.GRADIENT.value and row[5] > 0:
+            self.grads[row[7]] = (int(row[4]), int(row[5]))
+        self.w.keep(row)
 
     def _leave(self, step: int, phase: str) -> None:
         self.w.step, self.w.phase = step, phase

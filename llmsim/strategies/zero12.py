@@ -28,7 +28,7 @@ import pandas as pd
 from llmsim.enums import Category, Phase, Precision
 from llmsim.tracker import GRAD_READY
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, adamw, param_storages,
-                                           parameters, rows_of)
+                                           parameters, rows_of, walk_phases)
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: the flat buffer is padded to a multiple of 2 * world size
 
@@ -205,20 +205,16 @@ class _Rank:
 
     # ---- the walk --------------------------------------------------------------------------------------
     def run(self) -> pd.DataFrame:
-        previous = (0, Phase.BUILD.value)
-        for row in self.rows:
-            step, phase = row[0], row[1]
-            if (step, phase) != previous:
-                self._leave(*previous)
-                previous = (step, phase)
-            if phase == Phase.OPTIMIZER.value:
-                continue  # DeepSpeed's step replaces the client optimizer's
-            if row[6] == Category.GRADIENT.value and phase == Phase.BACKWARD.value:
-                self._gradient_row(row)
-                continue
-            self.w.keep(row)
-        self._leave(*previous)
+        walk_phases(self.rows, self._row, self._leave)
         return self.w.frame()
+
+    def _row(self, row: tuple) -> None:
+        if row[1] == Phase.OPTIMIZER.value:
+            return  # DeepSpeed's step replaces the client optimizer's
+        if row[6] == Category.GRADIENT.value and row[1] == Phase.BACKWARD.value:
+            self._gradient_row(row)
+        else:
+            self.w.keep(row)
 
     def _gradient_row(self, row: tuple) -> None:
         name, serial, delta = row[7], int(row[4]), int(row[5])

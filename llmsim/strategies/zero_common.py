@@ -99,6 +99,20 @@ def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool) -> None
         w.free(*previous, Category.TEMPORARY)
 
 
+def walk_phases(rows: list[tuple], handle, leave) -> None:
+    """Call `handle(row)` for every row and `leave(step, phase)` when a (step, phase) ends: where a strategy
+    adds what happens at the end of the build, of each backward and of each optimizer step."""
+    previous = None
+    for row in rows:
+        key = (row[0], row[1])
+        if previous is not None and key != previous:
+            leave(*previous)
+        previous = key
+        handle(row)
+    if previous is not None:
+        leave(*previous)
+
+
 def rows_of(timeline: pd.DataFrame) -> list[tuple]:
     """The timeline as plain tuples (in TIMELINE_COLUMNS order), read once for all ranks."""
     return list(zip(*(timeline[column].tolist() for column in TIMELINE_COLUMNS)))
