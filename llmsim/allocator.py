@@ -75,7 +75,7 @@ class CachingAllocator:
     _segments: int = 0
 
     def malloc(self, key: int, size: int) -> None:
-        size = round_size(size)
+        size = round_size(int(size))  # timelines hand numpy integers; sizes stay Python ints (JSON, bytes)
         small = size <= SMALL_SIZE_BYTES
         block = self._take_free_block(size, small) or self._new_segment(size, small)
         if self._should_split(block, size):

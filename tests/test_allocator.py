@@ -60,6 +60,13 @@ def test_oversize_blocks_serve_only_oversize_requests():
     assert a.reserved_bytes == 72 * MiB
 
 
+def test_sizes_from_numpy_timelines_stay_python_ints():
+    import numpy as np
+
+    allocator = replay_reserved(np.array([1]), np.array([12 * MiB + 1], dtype=np.int64))
+    assert type(allocator.peak_reserved_bytes) is int and allocator.peak_reserved_bytes == 14 * MiB
+
+
 def test_replay_follows_storage_serials():
     allocator = replay_reserved([1, 2, 1, 3], [3 * MiB // 2, 600, -(3 * MiB // 2), 4 * MiB])
     assert allocator.peak_reserved_bytes == 22 * MiB  # one 20 MiB and one 2 MiB segment
