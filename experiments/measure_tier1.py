@@ -61,6 +61,23 @@ OPTIMIZER_RUNS = [
 ]
 
 
+# float16, cast (`model.half()`) and torch AMP (autocast + GradScaler), the precision of GPUs without bf16 (V100):
+# (zoo model, micro_batch, seq_len, precision, attention, grad_ckpt)
+FP16_RUNS = [
+    ("llama-2-7b", 2, 128, "fp16", "sdpa", False), ("llama-2-7b", 2, 128, "fp16-autocast", "sdpa", True),
+    ("opt-125m", 4, 256, "fp16-autocast", "eager", True), ("opt-125m", 2, 64, "fp16", "sdpa", True),
+    ("bloom-560m", 2, 128, "fp16-autocast", "eager", False), ("codegen-350m-mono", 3, 96, "fp16", "eager", True),
+    ("codegen-350m-mono", 2, 128, "fp16-autocast", "sdpa", False), ("qwen2.5-0.5b", 1, 200, "fp16", "sdpa", False),
+    ("gpt2", 2, 64, "fp16-autocast", "sdpa", True), ("mistral-7b", 2, 96, "fp16-autocast", "eager", False),
+]
+
+
+def fp16_matrix():
+    shapes = {name: shape for name, *shape in MODELS}
+    for model, mb, seq, precision, attn, ckpt in FP16_RUNS:
+        yield model, shapes[model], TrainSetup(mb, seq, Precision(precision), Attention(attn), ckpt)
+
+
 def optimizer_matrix():
     shapes = {name: shape for name, *shape in MODELS}
     for model, optimizer, precision, ckpt in OPTIMIZER_RUNS:
@@ -88,9 +105,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=TIER1_CSV)
     parser.add_argument("--lora", action="store_true", help="only the LoRA runs")
     parser.add_argument("--optimizers", action="store_true", help="only the runs with other optimizers")
+    parser.add_argument("--fp16", action="store_true", help="only the float16 runs")
     args = parser.parse_args()
-    if args.lora or args.optimizers:
-        for model, shape, setup in (lora_matrix() if args.lora else optimizer_matrix()):
+    extra = (lora_matrix() if args.lora else optimizer_matrix() if args.optimizers
+             else fp16_matrix() if args.fp16 else None)
+    if extra is not None:
+        for model, shape, setup in extra:
             row = measure_single(load_model_spec(model, shrink(model, *shape)), setup)
             append_rows([row], args.out)
             print(model, setup, row["peak_allocated_bytes"], flush=True)

@@ -35,8 +35,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=str,
                    help="override a config field (JSON value), e.g. --set num_hidden_layers=4")
     p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--precision", default=None, help="fp32 | bf16 | bf16-autocast (default fp32, or the "
-                   "DeepSpeed config's)")
+    p.add_argument("--precision", default=None, help="fp32 | bf16 | bf16-autocast | fp16 | fp16-autocast "
+                   "(default fp32, or the DeepSpeed config's)")
     p.add_argument("--attn", default=None, help="sdpa | eager (default: transformers' choice for the model)")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--ckpt-every", type=int, default=1, help="checkpoint every N-th layer (every_n_layers)")

@@ -34,6 +34,21 @@ class Precision(str, Enum):
     FP32 = "fp32"  # everything fp32
     BF16 = "bf16"  # model cast to bf16: weights, grads and AdamW states all bf16 (no master weights)
     BF16_AUTOCAST = "bf16-autocast"  # fp32 weights and states, forward under torch.autocast(bfloat16)
+    FP16 = "fp16"  # model cast to fp16 (`model.half()`): weights, grads and AdamW states all fp16
+    FP16_AUTOCAST = "fp16-autocast"  # torch's AMP recipe: fp32 weights, autocast(float16), torch.amp.GradScaler
+
+    @property
+    def cast_dtype(self):
+        """The dtype the model is cast to after its build (None: it stays fp32)."""
+        import torch
+
+        return {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(self)
+
+    @property
+    def autocast_dtype(self):
+        import torch
+
+        return {Precision.BF16_AUTOCAST: torch.bfloat16, Precision.FP16_AUTOCAST: torch.float16}.get(self)
 
 
 class Attention(str, Enum):

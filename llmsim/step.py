@@ -222,11 +222,14 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
     with tracker:
         model = build()
         device_type = next(model.parameters()).device.type  # a fake tensor reports its fake device
-        autocast = (torch.autocast(device_type, dtype=torch.bfloat16)
-                    if setup.precision is Precision.BF16_AUTOCAST else contextlib.nullcontext())
+        autocast_dtype = setup.precision.autocast_dtype
+        autocast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
+                    else contextlib.nullcontext())
+        # torch's AMP recipe for float16: the loss is scaled, gradients unscaled in place before the step
+        scaler = torch.amp.GradScaler(device_type) if setup.precision is Precision.FP16_AUTOCAST else None
         hooks = LayerHooks(tracker, model, expected_blocks)
-        if setup.precision is Precision.BF16:
-            model.to(torch.bfloat16)
+        if setup.precision.cast_dtype is not None:
+            model.to(setup.precision.cast_dtype)
             hooks.label_model()
         model.train()
         base = model
@@ -248,9 +251,17 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
                 loss = model(input_ids=batch, labels=batch).loss
             tracker.set_phase(step, Phase.BACKWARD)
             hooks.enter_backward()
-            loss.backward()
+            if scaler is None:
+                loss.backward()
+            else:
+                scaler.scale(loss).backward()
+                tracker.label([scaler._scale, scaler._growth_tracker], Category.OPTIMIZER_STATE)
             tracker.set_phase(step, Phase.OPTIMIZER)
-            optimizer.step()
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
             tracker.frees_by_owner = True  # zero_grad drops every gradient in parameter order
             optimizer.zero_grad(set_to_none=True)
         tracker.finish()

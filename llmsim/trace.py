@@ -107,10 +107,18 @@ def _apply_as_on_cpu(self, fn, recurse=True):
     return self
 
 
+def _step_without_overflow(self, optimizer, optimizer_state, *args, **kwargs):
+    """`GradScaler._maybe_opt_step` as a real run without overflow takes it: it reads the found-inf flags
+    (`.item()`, which a fake tensor cannot answer) and steps when they are all zero (torch/amp/grad_scaler.py)."""
+    return optimizer.step(*args, **kwargs)
+
+
 def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tuple[pd.DataFrame, StepInfo]:
     """The canonical step under FakeTensorMode: exact bytes, no memory."""
     tracker = StorageTracker()
-    with FakeTensorMode(), decide_like_a_real_run(), mock.patch.object(torch.nn.Module, "_apply", _apply_as_on_cpu):
+    with FakeTensorMode(), decide_like_a_real_run(), \
+            mock.patch.object(torch.nn.Module, "_apply", _apply_as_on_cpu), \
+            mock.patch.object(torch.amp.GradScaler, "_maybe_opt_step", _step_without_overflow):
         info = run_canonical_step(model_builder(spec, setup, num_layers), setup, tracker, num_layers)
     return tracker.timeline(), info
 
