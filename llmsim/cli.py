@@ -47,7 +47,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-alpha", type=int, default=16)
     p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: peft's for the "
                    "model type)")
-    p.add_argument("--device", default="cpu", help="cpu: the kernels traced")
+    p.add_argument("--device", default="cpu", help="cpu: the CPU's kernels are traced (--gpu switches to the "
+                   "GPU's CUDA kernels)")
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -56,8 +57,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default=None, help="single | ddp (deepspeed when --ds-config is given)")
     p.add_argument("--world-size", type=int, default=None, help="number of ranks (default 1)")
     p.add_argument("--ds-config", default=None, help="DeepSpeed JSON, as passed to deepspeed.initialize")
-    p.add_argument("--gpu", default=None, help="GPU profile (data/gpus): reserved via the caching-allocator "
-                   "model, device total, headroom; the optimizer takes its CUDA (foreach) path")
+    p.add_argument("--gpu", default=None, help="GPU profile (data/gpus): the kernels CUDA picks on it (SDPA backend, "
+                   "autocast policy, foreach AdamW), reserved via the caching-allocator model, device total, headroom")
 
 
 def _inputs(args):
@@ -87,7 +88,7 @@ def _inputs(args):
         micro_batch=micro_batch, seq_len=args.seq_len, precision=precision or Precision.FP32,
         attention=parse_enum(Attention, args.attn, "attention") if args.attn else None,
         grad_ckpt=args.grad_ckpt, ckpt_every=args.ckpt_every,
-        device=parse_enum(Device, args.device, "device"), foreach=args.gpu is not None,
+        device=parse_enum(Device, args.device, "device"),
         optimizer=parse_enum(Optimizer, args.optimizer, "optimizer"),
         build_bf16=_build_bf16(args.build_dtype), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets else None)

@@ -73,6 +73,7 @@ class Device(str, Enum):
     """The target whose kernels the trace must select (DESIGN.md stage 1)."""
 
     CPU = "cpu"
+    CUDA = "cuda"  # an NVIDIA GPU of a given compute capability (TrainSetup.cuda_capability, from --gpu)
 
 
 def parse_enum(enum_cls: type[Enum], value: str, what: str) -> Enum:

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from llmsim.enums import Device
 from llmsim.errors import InputError
 
 GPU_DIR = Path(__file__).resolve().parent.parent / "data" / "gpus"
@@ -30,3 +31,9 @@ def load_gpu(name: str) -> GpuProfile:
     if not path.exists():
         raise InputError(f"unknown GPU {name!r}; valid choices: {', '.join(gpu_names())}")
     return GpuProfile(**json.loads(path.read_text()))
+
+
+def on_gpu(setup, gpu: GpuProfile):
+    """The canonical step as it runs on this GPU: the kernels CUDA picks for its compute capability
+    (llmsim.kernels) and torch's CUDA defaults (AdamW takes its foreach path for CUDA parameters)."""
+    return replace(setup, device=Device.CUDA, cuda_capability=gpu.compute_capability, foreach=True)

@@ -7,7 +7,7 @@ import networkx as nx
 import pandas as pd
 
 from llmsim.allocator import OutOfMemory, replay_reserved
-from llmsim.gpus import GpuProfile
+from llmsim.gpus import GpuProfile, on_gpu
 from llmsim.graph import layer_graph
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
@@ -70,6 +70,8 @@ class Prediction:
 
 def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             gpu: GpuProfile | None = None) -> Prediction:
+    if gpu is not None:
+        setup = on_gpu(setup, gpu)
     setup = resolve_attention(model, setup)
     check_fits_positions(model, setup)
     traced = trace(model, setup)

@@ -37,6 +37,7 @@ class TrainSetup:
     ckpt_every: int = 1  # transformers' `every_n_layers`: layer i is checkpointed iff i % ckpt_every == 0
     steps: int = CANONICAL_STEPS
     device: Device = Device.CPU
+    cuda_capability: str | None = None  # with device cuda: "8.0", "9.0", ... (the kernels CUDA picks depend on it)
     foreach: bool = False  # the optimizer's foreach path: torch's default for CUDA parameters, not for CPU ones
     optimizer: Optimizer = Optimizer.ADAMW
     build_bf16: bool = False  # build directly in bf16, as from_pretrained(dtype=torch.bfloat16) loads (else the
@@ -57,6 +58,8 @@ class TrainSetup:
             raise InputError("lora-targets needs a LoRA rank (--lora-rank)")
         if self.build_bf16 and self.precision is not Precision.BF16:
             raise InputError(f"build-dtype bf16 needs precision bf16, got {self.precision.value}")
+        if (self.device is Device.CUDA) != (self.cuda_capability is not None):
+            raise InputError("device cuda needs a GPU (--gpu NAME), whose compute capability picks the kernels")
         if self.ckpt_every != 1 and not self.grad_ckpt:
             raise InputError(f"ckpt-every({self.ckpt_every}) needs activation checkpointing (--grad-ckpt)")
 

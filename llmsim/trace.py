@@ -19,6 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from llmsim.errors import InputError, one_line
+from llmsim.kernels import cuda_kernels
 from llmsim.spec import ModelSpec, TrainSetup
 from llmsim.step import StepInfo, run_canonical_step
 from llmsim.tracker import StorageTracker
@@ -118,7 +119,8 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
     tracker = StorageTracker()
     with FakeTensorMode(), decide_like_a_real_run(), \
             mock.patch.object(torch.nn.Module, "_apply", _apply_as_on_cpu), \
-            mock.patch.object(torch.amp.GradScaler, "_maybe_opt_step", _step_without_overflow):
+            mock.patch.object(torch.amp.GradScaler, "_maybe_opt_step", _step_without_overflow), \
+            cuda_kernels(setup):
         info = run_canonical_step(model_builder(spec, setup, num_layers), setup, tracker, num_layers)
     return tracker.timeline(), info
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
 
@@ -47,8 +46,6 @@ def validate(measurements: pd.DataFrame) -> pd.DataFrame:
     for _, row in measurements.iterrows():
         spec, setup, layout = row_inputs(row)
         gpu = load_gpu(row["gpu"]) if isinstance(row.get("gpu"), str) and row["gpu"] else None
-        if gpu is not None:
-            setup = replace(setup, foreach=True)
         predicted_rank = predict(spec, setup, layout, gpu).ranks[int(row["rank"])]
         predicted = predicted_rank.peak_allocated_bytes
         measured = int(row["peak_allocated_bytes"])

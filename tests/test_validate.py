@@ -16,7 +16,7 @@ def test_committed_tier1_rows_cover_the_matrix():
     families = {load_model_spec(m).config_dict["model_type"] for m in rows["model"].unique()}
     assert len(rows) >= 40
     assert len(families) >= 6
-    assert set(rows["precision"]) == {"fp32", "bf16", "bf16-autocast"}
+    assert set(rows["precision"]) == {p.value for p in Precision}
     assert set(rows["attention"]) == {"sdpa", "eager"}
     assert {(c, e) for c, e in zip(rows["grad_ckpt"], rows["ckpt_every"])} >= {(False, 1), (True, 1), (True, 2)}
     assert rows["micro_batch"].min() == 1 and rows["micro_batch"].max() == 8
