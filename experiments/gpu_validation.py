@@ -23,7 +23,8 @@ from pathlib import Path
 
 TIER4_CSV = Path(__file__).resolve().parent.parent / "data" / "measurements" / "tier4_gpu.csv"
 PER_RUN_TIMEOUT_S = 120
-# (zoo model, micro_batch, seq_len, precision, grad_ckpt, ckpt_every): single GPU, plain PyTorch, AdamW.
+# (zoo model, micro_batch, seq_len, precision, grad_ckpt, ckpt_every[, lora_rank]): single GPU, plain PyTorch,
+# AdamW (foreach, CUDA's default); LoRA through peft on a frozen base.
 MATRIX = [
     ("gpt2", 8, 1024, "bf16", False, 1),
     ("opt-1.3b", 4, 1024, "bf16", True, 1),
@@ -35,6 +36,8 @@ MATRIX = [
     ("llama-2-7b", 1, 2048, "bf16", True, 1),
     ("llama-3.1-8b", 1, 4096, "bf16", True, 1),
     ("mistral-7b", 1, 2048, "bf16", True, 2),
+    ("llama-3.1-8b", 2, 2048, "bf16", True, 1, 16),
+    ("qwen2.5-1.5b", 4, 1024, "fp16-autocast", True, 1),
 ]
 
 
@@ -42,9 +45,10 @@ def _setup(entry):
     from llmsim.enums import Precision
     from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
 
-    model, mb, seq, precision, ckpt, every = entry
+    model, mb, seq, precision, ckpt, every, *lora = entry
     spec = load_model_spec(model)
-    setup = TrainSetup(mb, seq, Precision(precision), None, ckpt, every, foreach=True)
+    setup = TrainSetup(mb, seq, Precision(precision), None, ckpt, every, foreach=True,
+                       lora_rank=lora[0] if lora else 0)
     return spec, resolve_attention(spec, setup)
 
 
