@@ -3,6 +3,11 @@ every rank: torch DDP and DeepSpeed ZeRO stages 0/1/2 with a client AdamW, varie
 
 Writes data/measurements/tier2_cpu.csv (one row per rank). Run: python experiments/measure_tier2.py
 (about 20 minutes on 2 cores; each run is killed after --timeout seconds and reported, never hangs).
+
+`--zero3` runs ZERO3_RUNS instead (DeepSpeed ZeRO stage 3, zero.Init through HfDeepSpeedConfig), then
+ZERO3_REPEATS a second time with the same config (run-to-run spread), and appends to
+data/measurements/pending/tier2_zero3_cpu.csv, which `llmsim validate` does not read (stage 3 is not
+modelled yet). About 10 minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from pathlib import Path
 from llmsim.dsconfig import load_ds_config
 from llmsim.enums import Attention, Precision
 from llmsim.launch import LaunchFailure
-from llmsim.measure import TIER2_CSV, append_rows, measure_distributed
+from llmsim.measure import MEASUREMENTS_DIR, TIER2_CSV, append_rows, measure_distributed
 from llmsim.spec import TrainSetup, load_model_spec
 from llmsim.strategies import Layout, Strategy
 from llmsim.zoo import shrink
@@ -52,18 +57,61 @@ RUNS = [
     ("bloom-560m", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 2}),
     ("qwen2.5-0.5b", 3, "bf16", False, 1, 1, 96, "deepspeed", {"stage": 2, "overlap_comm": True}),
 ]
+ZERO3_CSV = MEASUREMENTS_DIR / "pending" / "tier2_zero3_cpu.csv"
+# Same tuple as RUNS. DeepSpeed's stage-3 defaults: reduce_bucket_size 5e8 (an empty(5e8) kept all run),
+# stage3_prefetch_bucket_size 5e7, stage3_max_live_parameters 1e9, stage3_param_persistence_threshold 1e5,
+# stage3_max_reuse_distance 1e9, sub_group_size 1e9, overlap_comm True, contiguous_gradients True.
+ZERO3_RUNS = [
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 50000, "stage3_prefetch_bucket_size": 20000,
+      "stage3_param_persistence_threshold": 1000}),
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 3}),
+    ("gpt2", 3, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 3}),
+    ("qwen2.5-0.5b", 4, "fp32", False, 1, 1, 128, "deepspeed", {"stage": 3, "reduce_bucket_size": 50000}),
+    ("opt-125m", 2, "bf16", True, 2, 3, 64, "deepspeed",
+     {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}),
+    ("pythia-160m", 3, "fp32", True, 1, 2, 80, "deepspeed",
+     {"stage": 3, "stage3_max_live_parameters": 30000, "stage3_prefetch_bucket_size": 20000}),
+    ("llama-2-7b", 3, "bf16", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 50000, "stage3_max_reuse_distance": 0}),
+    ("gpt2", 4, "fp32", False, 1, 1, 64, "deepspeed",
+     {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": False}),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 2, 96, "deepspeed",
+     {"stage": 3, "sub_group_size": 50000, "reduce_bucket_size": 50000}),
+    ("llama-2-7b", 4, "bf16", True, 1, 2, 64, "deepspeed",
+     {"stage": 3, "sub_group_size": 50000, "stage3_param_persistence_threshold": 1000}),
+    ("opt-125m", 3, "fp32", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "contiguous_gradients": False, "reduce_bucket_size": 50000}),
+    ("pythia-160m", 2, "bf16", False, 1, 4, 64, "deepspeed",
+     {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 100000, "stage3_prefetch_bucket_size": 0}),
+    ("codegen-350m-mono", 3, "fp32", False, 1, 1, 96, "deepspeed",
+     {"stage": 3, "stage3_max_live_parameters": 30000, "stage3_max_reuse_distance": 0,
+      "stage3_prefetch_bucket_size": 50000}),
+    ("bloom-560m", 2, "fp32", True, 1, 2, 64, "deepspeed",
+     {"stage": 3, "stage3_param_persistence_threshold": 1000, "reduce_bucket_size": 50000}),
+    ("gpt2", 2, "fp32", True, 2, 2, 128, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+      "stage3_param_persistence_threshold": "auto"}),
+    ("llama-2-7b", 2, "bf16", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 20000, "stage3_prefetch_bucket_size": 20000,
+      "stage3_max_live_parameters": 30000, "stage3_param_persistence_threshold": 0}),
+    ("qwen2.5-0.5b", 3, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 3}),
+    ("opt-125m", 4, "fp32", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 50000, "overlap_comm": False, "stage3_param_persistence_threshold": 0}),
+    ("pythia-160m", 4, "bf16", True, 2, 1, 64, "deepspeed",
+     {"stage": 3, "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 1000,
+      "reduce_bucket_size": 50000}),
+    ("llama-2-7b", 3, "fp32", True, 1, 2, 64, "deepspeed",
+     {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
+      "stage3_max_live_parameters": 30000, "stage3_max_reuse_distance": 0}),
+]
+ZERO3_REPEATS = [0, 5, 16]  # indices into ZERO3_RUNS measured a second time with the same config
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=TIER2_CSV)
-    parser.add_argument("--timeout", type=int, default=600)
-    parser.add_argument("--only", type=int, nargs="*", help="indices into RUNS (default: all)")
-    args = parser.parse_args()
+def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
+    """Measure each run (failures are reported and skipped); append the rank rows to `out`; the failures."""
     failures = 0
-    for index, (model, world, precision, ckpt, every, mb, seq, strategy, zero) in enumerate(RUNS):
-        if args.only is not None and index not in args.only:
-            continue
+    for model, world, precision, ckpt, every, mb, seq, strategy, zero in runs:
         spec = load_model_spec(model, shrink(model, *SHAPES[model]))
         attention = Attention.EAGER if model == "bloom-560m" else None
         setup = TrainSetup(mb, seq, Precision(precision), attention, ckpt, every)
@@ -76,14 +124,32 @@ def main() -> int:
             deepspeed = load_ds_config(f.name, world, SHAPES[model][0], mb, Precision(precision))
         layout = Layout(Strategy(strategy), world, deepspeed)
         try:
-            rows = measure_distributed(spec, setup, layout, args.timeout)
+            rows = measure_distributed(spec, setup, layout, timeout)
         except LaunchFailure as exc:
             failures += 1
-            print(f"FAILED {model} {strategy} {zero} x{world}: {exc}", flush=True)
+            print(f"FAILED{label} {model} {strategy} {zero} x{world}: {exc}", flush=True)
             continue
-        append_rows(rows, args.out)
-        print(model, strategy, zero, world, precision, [r["peak_allocated_bytes"] for r in rows],
+        append_rows(rows, out)
+        print(f"{label}{model}", strategy, zero, world, precision, [r["peak_allocated_bytes"] for r in rows],
               rows[0]["wall_s"], flush=True)
+    return failures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"CSV to append to (default {TIER2_CSV}, with --zero3 {ZERO3_CSV})")
+    parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--only", type=int, nargs="*", help="indices into RUNS, or ZERO3_RUNS (default: all)")
+    parser.add_argument("--zero3", action="store_true",
+                        help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")
+    args = parser.parse_args()
+    runs = ZERO3_RUNS if args.zero3 else RUNS
+    out = args.out or (ZERO3_CSV if args.zero3 else TIER2_CSV)
+    chosen = [i for i in range(len(runs)) if args.only is None or i in args.only]
+    failures = measure([runs[i] for i in chosen], out, args.timeout)
+    if args.zero3:
+        failures += measure([runs[i] for i in ZERO3_REPEATS if i in chosen], out, args.timeout, "repeat ")
     return 1 if failures else 0
 
 
