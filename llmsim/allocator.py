@@ -14,7 +14,14 @@ Rules from c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.x), one stream, default 
 - segments go back to the driver only when a new segment would not fit: first one cached unsplit block big
   enough, then every cached unsplit block (`release_available_cached_blocks`, `release_cached_blocks`);
   if the segment still does not fit, the run is out of memory.
-Not modelled: expandable_segments, garbage_collection_threshold, roundup_power2_divisions, other streams.
+With `expandable_segments:True` each pool is one segment whose address space grows (`ExpandableSegment`,
+`try_allocate_expandable_block`, `map_block`): a request no free block serves maps pages at the segment's
+end -- 2 MiB pages for the small pool, 20 MiB for the large one -- merged with a free block already at the
+end; a freed block at the end is unmapped (page by page) only when the device runs out (`release_cached_blocks`,
+simplified: free blocks inside the segment stay mapped).
+Settings come as PYTORCH_CUDA_ALLOC_CONF reads them (`parse_alloc_conf`): max_split_size_mb,
+expandable_segments. Not modelled: garbage_collection_threshold (it acts only under
+`set_per_process_memory_fraction`), roundup_power2_divisions, pinned-memory settings, other streams.
 """
 from __future__ import annotations
 
@@ -28,6 +35,37 @@ LARGE_BUFFER_BYTES = 20 << 20  # kLargeBuffer: segment for 1-10 MiB requests
 MIN_LARGE_ALLOC_BYTES = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE_BYTES = 2 << 20  # kRoundLarge
 NO_LIMIT = 1 << 62  # max_split_size default: SIZE_MAX
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The PYTORCH_CUDA_ALLOC_CONF settings the model follows (c10/cuda/CUDAAllocatorConfig.cpp)."""
+
+    max_split_size: int = NO_LIMIT
+    expandable_segments: bool = False
+
+
+ALLOC_CONF_KEYS = ("max_split_size_mb", "expandable_segments")
+
+
+def parse_alloc_conf(text: str | None) -> AllocatorConfig:
+    """"max_split_size_mb:256,expandable_segments:True" -> AllocatorConfig; one clear line when unknown."""
+    from llmsim.errors import InputError
+
+    config = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, _, value = item.partition(":")
+        if key == "max_split_size_mb":
+            if not value.isdigit() or int(value) <= LARGE_BUFFER_BYTES >> 20:  # CUDAAllocatorConfig: > 20 MB
+                raise InputError(f"alloc-conf max_split_size_mb must be an integer above 20, got {value!r}")
+            config["max_split_size"] = int(value) << 20
+        elif key == "expandable_segments":
+            if value not in ("True", "False"):
+                raise InputError(f"alloc-conf expandable_segments must be True or False, got {value!r}")
+            config["expandable_segments"] = value == "True"
+        else:
+            raise InputError(f"alloc-conf key {key!r} is not modelled; modelled keys: {', '.join(ALLOC_CONF_KEYS)}")
+    return AllocatorConfig(**config)
 
 
 def round_size(size: int) -> int:
@@ -65,6 +103,7 @@ class OutOfMemory(Exception):
 class CachingAllocator:
     capacity_bytes: int = NO_LIMIT  # what cudaMalloc may hand out in all
     max_split_size: int = NO_LIMIT
+    expandable: bool = False  # expandable_segments: one growing segment per pool
     reserved_bytes: int = 0
     allocated_bytes: int = 0  # rounded block bytes in use
     peak_reserved_bytes: int = 0
@@ -73,6 +112,7 @@ class CachingAllocator:
     _live: dict[int, _Block] = field(default_factory=dict)
     _next_address: int = 0
     _segments: int = 0
+    _tail: dict[bool, "_Block | None"] = field(default_factory=lambda: {True: None, False: None})
 
     def malloc(self, key: int, size: int) -> None:
         size = round_size(int(size))  # timelines hand numpy integers; sizes stay Python ints (JSON, bytes)
@@ -83,6 +123,8 @@ class CachingAllocator:
             if block.next is not None:
                 block.next.prev = rest
             block.next, block.size = rest, size
+            if self._tail[small] is block:
+                self._tail[small] = rest
             self._insert(rest)
         block.allocated = True
         self._live[key] = block
@@ -119,7 +161,58 @@ class CachingAllocator:
             return remaining >= MIN_BLOCK_BYTES
         return size < self.max_split_size and remaining > SMALL_SIZE_BYTES
 
+    def _map_at_end(self, size: int, small: bool) -> _Block:
+        """`try_allocate_expandable_block`: grow the free block at the segment's end, or map a new one there."""
+        page = SMALL_BUFFER_BYTES if small else LARGE_BUFFER_BYTES
+        tail = self._tail[small]
+        grow_free_tail = tail is not None and not tail.allocated
+        needed = size - tail.size if grow_free_tail else size
+        mapped = -(-needed // page) * page
+        if self.reserved_bytes + mapped > self.capacity_bytes:
+            raise OutOfMemory(f"mapping {mapped:,} B more does not fit: {self.reserved_bytes:,} B reserved of "
+                              f"{self.capacity_bytes:,} B")
+        self.reserved_bytes += mapped
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        if grow_free_tail:
+            self._remove(tail)
+            tail.size += mapped
+            return tail
+        address = (tail.address + tail.size) if tail is not None else (0 if small else LARGE_BUFFER_BYTES << 32)
+        block = _Block(address, mapped, small, 0 if small else 1, False, tail, None)
+        if tail is not None:
+            tail.next = block
+        self._tail[small] = block
+        return block
+
+    def _unmap_free_tails(self) -> None:
+        """On a failed mapping, `release_cached_blocks` unmaps the whole pages of free blocks
+        (`release_expandable_segment_pages`); here: those of the free block at each segment's end."""
+        for small in (True, False):
+            tail = self._tail[small]
+            if tail is None or tail.allocated:
+                continue
+            page = SMALL_BUFFER_BYTES if small else LARGE_BUFFER_BYTES
+            end = tail.address + tail.size  # mappings end on page boundaries
+            unmapped = end - -(-tail.address // page) * page
+            if unmapped <= 0:
+                continue
+            self._remove(tail)
+            self.reserved_bytes -= unmapped
+            tail.size -= unmapped
+            if tail.size:
+                self._insert(tail)
+            else:
+                self._tail[small] = tail.prev
+                if tail.prev is not None:
+                    tail.prev.next = None
+
     def _new_segment(self, size: int, small: bool) -> _Block:
+        if self.expandable:
+            try:
+                return self._map_at_end(size, small)
+            except OutOfMemory:
+                self._unmap_free_tails()
+                return self._map_at_end(size, small)
         segment_bytes = allocation_size(size)
         if self.reserved_bytes + segment_bytes > self.capacity_bytes:
             self._release_cached(segment_bytes)
@@ -148,6 +241,8 @@ class CachingAllocator:
         first, second = (block, neighbour) if block.address < neighbour.address else (neighbour, block)
         first.size += second.size
         first.next = second.next
+        if self._tail[first.small] is second:
+            self._tail[first.small] = first
         if second.next is not None:
             second.next.prev = first
         return first
@@ -160,11 +255,12 @@ class CachingAllocator:
         pool.pop(bisect.bisect_left(pool, (block.size, block.address)))
 
 
-def replay_reserved(serials, deltas, capacity_bytes: int = NO_LIMIT, max_split_size: int = NO_LIMIT,
+def replay_reserved(serials, deltas, capacity_bytes: int = NO_LIMIT, config: AllocatorConfig = AllocatorConfig(),
                     extra_allocations: tuple[int, ...] = ()) -> CachingAllocator:
     """Run a timeline's allocations and frees (by storage serial) through the allocator model.
     `extra_allocations` are made first and kept (the cuBLAS workspace)."""
-    allocator = CachingAllocator(capacity_bytes=capacity_bytes, max_split_size=max_split_size)
+    allocator = CachingAllocator(capacity_bytes=capacity_bytes, max_split_size=config.max_split_size,
+                                 expandable=config.expandable_segments)
     for i, size in enumerate(extra_allocations):
         allocator.malloc(-2 - i, size)
     sizes: dict[int, int] = {}

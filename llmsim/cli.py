@@ -59,6 +59,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ds-config", default=None, help="DeepSpeed JSON, as passed to deepspeed.initialize")
     p.add_argument("--gpu", default=None, help="GPU profile (data/gpus): the kernels CUDA picks on it (SDPA backend, "
                    "autocast policy, foreach AdamW), reserved via the caching-allocator model, device total, headroom")
+    p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF as the run will set it, e.g. "
+                   "expandable_segments:True,max_split_size_mb:256 (with --gpu)")
 
 
 def _inputs(args):
@@ -101,6 +103,14 @@ def _build_bf16(value: str) -> bool:
     return value == "bf16"
 
 
+def _alloc_conf(args):
+    from llmsim.allocator import parse_alloc_conf
+
+    if getattr(args, "alloc_conf", None) and not args.gpu:
+        raise InputError("--alloc-conf configures the CUDA caching allocator: it needs --gpu NAME")
+    return parse_alloc_conf(getattr(args, "alloc_conf", None))
+
+
 def cmd_predict(args) -> int:
     from llmsim.pipeline import predict
     from llmsim.report import prediction_table
@@ -108,7 +118,7 @@ def cmd_predict(args) -> int:
     from llmsim.gpus import load_gpu
 
     gpu = load_gpu(args.gpu) if args.gpu else None
-    prediction = predict(*_inputs(args), gpu=gpu)
+    prediction = predict(*_inputs(args), gpu=gpu, alloc_conf=_alloc_conf(args))
     if args.format == "json":
         print(json.dumps(prediction.to_dict(), indent=2))
     else:
@@ -126,7 +136,7 @@ def cmd_compare(args) -> int:
 
     spec, setup, layout = _inputs(args)
     gpu = load_gpu(args.gpu) if args.gpu else None
-    frame = compare_levers(spec, setup, layout, gpu)
+    frame = compare_levers(spec, setup, layout, gpu, _alloc_conf(args))
     shown = frame.assign(peak=frame["device_total_bytes"].map(human_bytes),
                          saving=frame["saving_vs_baseline"].map(lambda v: f"{100 * v:+.1f} %"))
     columns = ["lever", "peak", "saving", "peak_phase"] + (["fits"] if gpu else [])
@@ -148,7 +158,7 @@ def cmd_size(args) -> int:
     args.micro_batch = 1
     spec, setup, _ = _inputs(args)
     gpu = load_gpu(args.gpu)
-    frame = size(spec, setup, gpu, args.max_gpus, args.max_micro_batch)
+    frame = size(spec, setup, gpu, args.max_gpus, args.max_micro_batch, _alloc_conf(args))
     if args.format == "json":
         print(frame.to_json(orient="records", indent=2))
         return 0
@@ -228,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("size", help="layouts that fit a GPU, each with its largest micro-batch")
     _add_model_args(p)
     p.add_argument("--gpu", required=True, help="GPU profile (data/gpus)")
+    p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True")
     p.add_argument("--max-gpus", type=int, default=8)
     p.add_argument("--max-micro-batch", type=int, default=64)
     p.add_argument("--format", choices=["table", "json"], default="table")

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pandas as pd
 
 from llmsim.enums import Optimizer, Precision
+from llmsim.allocator import AllocatorConfig
 from llmsim.gpus import GpuProfile
 from llmsim.pipeline import predict
 from llmsim.spec import ModelSpec, TrainSetup
@@ -32,7 +33,7 @@ LEVERS: list[tuple[str, dict]] = [
 
 
 def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout(),
-                   gpu: GpuProfile | None = None) -> pd.DataFrame:
+                   gpu: GpuProfile | None = None, alloc_conf: AllocatorConfig = AllocatorConfig()) -> pd.DataFrame:
     """Peak per lever set (device total with a GPU, else allocated) and its saving against the baseline."""
     rows = []
     base = replace(base, precision=Precision.FP32, grad_ckpt=False, ckpt_every=1, build_bf16=False, lora_rank=0,
@@ -41,7 +42,7 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
         setup = replace(base, **overrides)
         if overrides.get("lora_rank") and layout.world_size > 1:
             continue  # LoRA is modelled for one process only
-        prediction = predict(model, setup, layout, gpu)
+        prediction = predict(model, setup, layout, gpu, alloc_conf)
         worst = max(prediction.ranks, key=lambda r: r.device_total_bytes)
         rows.append({"lever": label, "peak_allocated_bytes": prediction.peak_allocated_bytes,
                      "device_total_bytes": worst.device_total_bytes, "peak_phase": worst.peak.phase,

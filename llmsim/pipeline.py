@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 import pandas as pd
 
-from llmsim.allocator import OutOfMemory, replay_reserved
+from llmsim.allocator import AllocatorConfig, OutOfMemory, replay_reserved
 from llmsim.gpus import GpuProfile, on_gpu
 from llmsim.graph import layer_graph
 from llmsim.peaks import Peak, replay
@@ -48,6 +48,7 @@ class Prediction:
     ranks: list[RankPrediction]
     graph: nx.DiGraph = field(repr=False)
     gpu: GpuProfile | None = None
+    alloc_conf: AllocatorConfig = AllocatorConfig()
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -64,12 +65,13 @@ class Prediction:
                 "precision": self.setup.precision.value, "attention": self.setup.attention.value,
                 "grad_ckpt": self.setup.grad_ckpt, "ckpt_every": self.setup.ckpt_every,
                 "device": self.setup.device.value, "gpu": self.gpu.name if self.gpu else None,
+                "expandable_segments": self.alloc_conf.expandable_segments,
                 "peak_allocated_bytes": self.peak_allocated_bytes,
                 "ranks": [r.to_dict() for r in self.ranks]}
 
 
 def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
-            gpu: GpuProfile | None = None) -> Prediction:
+            gpu: GpuProfile | None = None, alloc_conf: AllocatorConfig = AllocatorConfig()) -> Prediction:
     if gpu is not None:
         setup = on_gpu(setup, gpu)
     setup = resolve_attention(model, setup)
@@ -80,12 +82,13 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     replayed: dict[int, RankPrediction] = {}  # ranks that share one timeline (DDP, ZeRO-0) are replayed once
     for rank, rank_timeline in sorted(STRATEGIES[layout.strategy](timeline, layout, setup).items()):
         if id(rank_timeline) not in replayed:
-            replayed[id(rank_timeline)] = _on_device(rank, replay(rank_timeline), rank_timeline, gpu)
+            replayed[id(rank_timeline)] = _on_device(rank, replay(rank_timeline), rank_timeline, gpu, alloc_conf)
         ranks.append(replace(replayed[id(rank_timeline)], rank=rank))
-    return Prediction(model, setup, layout, ranks, layer_graph(timeline, traced.info), gpu)
+    return Prediction(model, setup, layout, ranks, layer_graph(timeline, traced.info), gpu, alloc_conf)
 
 
-def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame, gpu: GpuProfile | None) -> RankPrediction:
+def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame, gpu: GpuProfile | None,
+               alloc_conf: AllocatorConfig) -> RankPrediction:
     """Reserved and device total: the caching allocator model on a GPU; the live bytes themselves on the CPU."""
     if gpu is None:
         return RankPrediction(rank, peak, peak.allocated_bytes, peak.allocated_bytes, timeline)
@@ -93,12 +96,14 @@ def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame, gpu: GpuProfile | 
     fits = True
     try:
         allocator = replay_reserved(timeline["serial"].to_numpy(), timeline["delta_bytes"].to_numpy(),
-                                    capacity_bytes=usable, extra_allocations=(gpu.cublas_workspace_bytes,))
+                                    capacity_bytes=usable, config=alloc_conf,
+                                    extra_allocations=(gpu.cublas_workspace_bytes,))
         reserved = allocator.peak_reserved_bytes
     except OutOfMemory:
         fits = False
         reserved = replay_reserved(timeline["serial"].to_numpy(), timeline["delta_bytes"].to_numpy(),
-                                   extra_allocations=(gpu.cublas_workspace_bytes,)).peak_reserved_bytes
+                                   config=alloc_conf, extra_allocations=(gpu.cublas_workspace_bytes,)
+                                   ).peak_reserved_bytes
     total = reserved + gpu.cuda_context_bytes
     return RankPrediction(rank, peak, reserved, total, timeline, gpu.capacity_bytes,
                           fits and total <= gpu.capacity_bytes)

@@ -20,6 +20,7 @@ import pandas as pd
 
 from llmsim.dsconfig import load_ds_config
 from llmsim.enums import Precision
+from llmsim.allocator import AllocatorConfig
 from llmsim.gpus import GpuProfile
 from llmsim.pipeline import predict
 from llmsim.spec import ModelSpec, TrainSetup
@@ -55,29 +56,31 @@ def _zero(spec: ModelSpec, setup: TrainSetup, world: int, stage: int, micro_batc
     return Layout(Strategy.DEEPSPEED, world, deepspeed)
 
 
-def fits(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, micro_batch: int, gpu: GpuProfile) -> tuple:
-    prediction = predict(spec, replace(setup, micro_batch=micro_batch, foreach=True),
-                         candidate.layout_for(micro_batch), gpu)
+def fits(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, micro_batch: int, gpu: GpuProfile,
+         alloc_conf: AllocatorConfig = AllocatorConfig()) -> tuple:
+    prediction = predict(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
+                         alloc_conf)
     worst = max(prediction.ranks, key=lambda r: r.device_total_bytes)
     return all(r.fits for r in prediction.ranks), worst.device_total_bytes
 
 
-def largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch: int) -> tuple[int, int | None]:
+def largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch: int,
+                        alloc_conf: AllocatorConfig = AllocatorConfig()) -> tuple[int, int | None]:
     """(largest micro-batch that fits or 0, its device total)."""
-    ok, total = fits(spec, setup, candidate, 1, gpu)
+    ok, total = fits(spec, setup, candidate, 1, gpu, alloc_conf)
     if not ok:
         return 0, None
     good, good_total, bad = 1, total, None
     while bad is None and good < max_micro_batch:  # double until it stops fitting
         trial = min(2 * good, max_micro_batch)
-        ok, total = fits(spec, setup, candidate, trial, gpu)
+        ok, total = fits(spec, setup, candidate, trial, gpu, alloc_conf)
         if ok:
             good, good_total = trial, total
         else:
             bad = trial
     while bad is not None and bad - good > 1:  # bisect between the last fit and the first miss
         trial = (good + bad) // 2
-        ok, total = fits(spec, setup, candidate, trial, gpu)
+        ok, total = fits(spec, setup, candidate, trial, gpu, alloc_conf)
         if ok:
             good, good_total = trial, total
         else:
@@ -86,10 +89,10 @@ def largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch: int) -> tu
 
 
 def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
-         max_micro_batch: int = 64) -> pd.DataFrame:
+         max_micro_batch: int = 64, alloc_conf: AllocatorConfig = AllocatorConfig()) -> pd.DataFrame:
     rows = []
     for candidate in candidates(spec, setup, max_gpus):
-        micro_batch, total = largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch)
+        micro_batch, total = largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch, alloc_conf)
         rows.append({"layout": candidate.name, "gpus": candidate.gpus, "largest_micro_batch": micro_batch,
                      "device_total_bytes": total,
                      "headroom_bytes": gpu.capacity_bytes - total if total is not None else None,

@@ -47,10 +47,66 @@ def expand(trace: Trace) -> pd.DataFrame:
     out["block"] = np.where(out["block"].to_numpy() == NO_BLOCK, NO_BLOCK, out["block"].to_numpy() + shift)
     for column in ("module", "tensor"):
         out[column] = _renumber(out[column].to_numpy(), block[order], shift, trace.info.blocks_prefix)
-    max_serial = int(frame["serial"].max()) + 1
-    serial = out["serial"].to_numpy()
-    out["serial"] = np.where(serial < 0, serial, serial + (shift // trace.period) * max_serial)
+    out["serial"] = _pair_serials(frame, order, out["phase"].to_numpy() == Phase.BACKWARD.value)
     return out
+
+
+def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray) -> np.ndarray:
+    """A serial per storage of the full-depth run. Every copy of a replicated allocation is a new storage; a
+    later event of the traced storage (resize, free) acts on one of its live copies: the oldest when it runs
+    in the same direction as the allocation (forward after forward), the newest when the direction turned (an
+    activation of the forward freed by the backward, which walks the layers in reverse).
+    A storage can also change layer between its allocation and its free (layer i's output, saved as layer
+    i+1's checkpointed input, is freed by layer i+1's backward): the traced run then allocates it once per
+    traced layer under different serials, and the expanded stream holds more frees of one serial than
+    copies of it, and more copies of the next than frees. Such a free takes a live copy of the same size
+    from a serial with copies to spare, by the same direction rule. The byte stream is unchanged; the
+    pairing matters to the caching-allocator model and to the strategies, which follow storages by serial."""
+    serials = frame["serial"].to_numpy()
+    sizes = frame["delta_bytes"].to_numpy()
+    first_event = np.zeros(len(frame), dtype=bool)
+    first_event[np.unique(serials, return_index=True)[1]] = True
+    emitted = serials[order]
+    allocs = pd.Series(emitted[first_event[order]]).value_counts()
+    frees = pd.Series(emitted[~first_event[order] & (sizes[order] < 0)]).value_counts()
+    spare = {int(s) for s, n in allocs.items() if 0 < frees.get(s, 0) < n}
+    result = np.empty(len(order), dtype=np.int64)
+    live: dict[int, list[list]] = {}  # traced serial -> live copies [new serial, bytes, allocated backward]
+    next_serial = int(serials.max()) + 1 if len(serials) else 0
+    for i, row in enumerate(order):
+        serial, delta, turned = int(serials[row]), int(sizes[row]), bool(backward[i])
+        if serial < 0:
+            result[i] = serial
+            continue
+        if first_event[row]:
+            live.setdefault(serial, []).append([next_serial, delta, turned])
+            result[i] = next_serial
+            next_serial += 1
+            continue
+        owner, copies = serial, live.get(serial)
+        if not copies:
+            owner = _spare_copy_owner(live, spare, -delta, turned)
+            copies = live.get(owner)
+        if not copies:  # nothing to pair with: a storage of its own
+            result[i] = next_serial
+            next_serial += 1
+            continue
+        position = 0 if copies[0][2] == turned else -1
+        copy = copies[position]
+        copy[1] += delta
+        result[i] = copy[0]
+        if copy[1] <= 0:
+            copies.pop(position)
+    return result
+
+
+def _spare_copy_owner(live: dict, spare: set[int], nbytes: int, backward: bool) -> int | None:
+    """The serial whose spare live copy of `nbytes` a free takes: the newest copy in the backward, else the
+    oldest."""
+    candidates = [(copy[0], serial) for serial in spare for copy in live.get(serial, ()) if copy[1] == nbytes]
+    if not candidates:
+        return None
+    return (max(candidates) if backward else min(candidates))[1]
 
 
 def _renumber(modules: np.ndarray, blocks: np.ndarray, shift: np.ndarray, prefix: str) -> list[str]:

@@ -84,3 +84,47 @@ def test_gpu_profile_reports_reserved_and_headroom(capsys):
     assert rank["headroom_bytes"] == rank["capacity_bytes"] - rank["device_total_bytes"] and rank["fits"]
     assert main(argv + ["--gpu", "b200"]) == 2
     assert "valid choices" in capsys.readouterr().err
+
+
+def test_alloc_conf_parsing_and_bad_keys(capsys):
+    from llmsim.allocator import AllocatorConfig, parse_alloc_conf
+
+    assert parse_alloc_conf(None) == AllocatorConfig()
+    assert parse_alloc_conf("expandable_segments:True,max_split_size_mb:256") == AllocatorConfig(256 * MiB, True)
+    for bad in ("garbage_collection_threshold:0.6", "max_split_size_mb:10", "expandable_segments:yes"):
+        rc = main(["predict", "--model", "gpt2", "--seq-len", "64", "--micro-batch", "1", "--gpu", "a100-80gb",
+                   "--alloc-conf", bad])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and bad.split(":")[0] in err
+
+
+def test_expandable_segment_grows_at_its_end_in_pages():
+    """expandable_segments: no 20 MiB segment per 1-10 MiB request; pages of 20 MiB (large) / 2 MiB (small)
+    mapped at the end, a free block at the end grown instead of mapping a whole request again."""
+    a = CachingAllocator(expandable=True)
+    a.malloc(1, 3 * MiB)
+    assert a.reserved_bytes == 20 * MiB  # one large page
+    a.malloc(2, 30 * MiB)  # 17 MiB free at the end: grown by 20 MiB (pages), no new segment
+    assert a.reserved_bytes == 40 * MiB
+    a.malloc(3, 1000)
+    assert a.reserved_bytes == 42 * MiB  # the small pool has its own segment, 2 MiB pages
+    a.free(2)
+    a.malloc(4, 35 * MiB)  # the free 37 MiB block at the end takes it
+    assert a.reserved_bytes == 42 * MiB
+    plain = CachingAllocator()
+    for key, size in ((1, 3 * MiB), (2, 30 * MiB), (3, 1000)):
+        plain.malloc(key, size)
+    assert plain.reserved_bytes == (20 + 30 + 2) * MiB
+
+
+def test_expandable_segment_unmaps_its_free_end_before_running_out():
+    a = CachingAllocator(capacity_bytes=62 * MiB, expandable=True)
+    a.malloc(1, 20 * MiB)
+    a.malloc(2, 40 * MiB)
+    a.free(2)  # 60 MiB mapped, a free 40 MiB at the end of the large pool's segment
+    a.malloc(3, MiB)
+    a.malloc(4, MiB)  # the small pool's first 2 MiB page: 62 MiB, the capacity
+    a.malloc(5, MiB)  # a second small page only fits once the large segment's free end is unmapped
+    assert a.reserved_bytes == (20 + 2 + 2) * MiB
+    with pytest.raises(OutOfMemory):
+        a.malloc(6, 40 * MiB)
