@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 
@@ -243,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-micro-batch", type=int, default=64)
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.set_defaults(func=cmd_size, strategy=None, world_size=None, ds_config=None)
+    p = sub.add_parser("sweep", help="predict every combination of a YAML/JSON grid of predict's options")
+    p.add_argument("file", help="YAML or JSON: option -> value or list of values (llmsim/sweep.py)")
+    p.add_argument("--out", default="llmsim-sweep.csv", help=".csv or .parquet")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="local processes")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("measure", help="run the canonical step for real on this CPU and append a row")
     _add_model_args(p)
     _add_layout_args(p)
@@ -269,6 +276,17 @@ def _quiet_libraries() -> None:
 
     hf_logging.set_verbosity_error()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+def cmd_sweep(args) -> int:
+    from llmsim.sweep import load_grid, sweep, write
+
+    configs = load_grid(args.file)
+    frame = sweep(configs, args.jobs, progress=not args.quiet)
+    path = write(frame, args.out)
+    failed = int((frame["error"] != "").sum())
+    print(f"{len(frame)} configurations ({failed} rejected, see the error column) -> {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
