@@ -232,6 +232,10 @@ CUDA_FP32_APPEND_DTYPE = {"aten::norm.Scalar": "aten::norm.ScalarOpt_dtype",
 CUDA_PROMOTE = tuple(f"aten::{n}" for n in """
     addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add""".split())
 CUDA_BANNED = ("aten::binary_cross_entropy",)  # raises on CUDA ("unsafe to autocast")
+CUDA_POLICY = {**dict.fromkeys(CUDA_LOWER_PRECISION_FP, "lower_precision_fp"), **dict.fromkeys(CUDA_FP32, "fp32"),
+               **dict.fromkeys(CUDA_FP32_SET_OPT_DTYPE, "fp32_set_opt_dtype"),
+               **dict.fromkeys(CUDA_FP32_APPEND_DTYPE, "fp32_append_dtype"),
+               **dict.fromkeys(CUDA_PROMOTE, "promote")}  # op -> its CastPolicy
 # Ops the CPU's autocast casts and CUDA's does not (AutocastCPU kernels of torch 2.13 minus the lists above):
 # they fall through while tracing for a GPU.
 CPU_ONLY = tuple(f"aten::{n}" for n in """
@@ -301,65 +305,72 @@ def _cast_tree(value, dtype: torch.dtype):
     return value
 
 
+def _cast_args(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    return _cast_tree(args, dtype), {k: _cast_tree(v, dtype) for k, v in kwargs.items()}
+
+
 def _autocast_args(qualified: str, args: tuple) -> tuple:
     """Cast `args` as CUDA's autocast would for `qualified` (only its lower-precision and fp32 policies)."""
     if not torch.is_autocast_enabled("cpu"):
         return args
-    if qualified in CUDA_LOWER_PRECISION_FP:
+    policy = CUDA_POLICY.get(qualified)
+    if policy == "lower_precision_fp":
         return _cast_tree(args, torch.get_autocast_dtype("cpu"))
-    if qualified in CUDA_FP32:
+    if policy == "fp32":
         return _cast_tree(args, torch.float32)
     return args
 
 
 def _kernel(qualified: str):
-    """A Python AutocastCPU kernel with CUDA's policy for `qualified` (autocast_mode.h WrapFunction_)."""
+    """A Python AutocastCPU kernel with CUDA's policy for `qualified` (autocast_mode.h WrapFunction_); the
+    policy is chosen here, once, not on every call."""
     op = _op(qualified)
     exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
-    names = [a.name for a in op._schema.arguments]
-    optional_dtypes = [a.name for a in op._schema.arguments  # ScalarType? reads "Optional[int]" here
-                       if a.name == "dtype" and str(a.type).startswith("Optional")]
+    policy = CUDA_POLICY[qualified]
 
-    def kernel(*args, **kwargs):
-        low = torch.get_autocast_dtype("cpu")
-        target = op
-        if qualified in CUDA_LOWER_PRECISION_FP:
-            args, kwargs = _cast_tree(args, low), {k: _cast_tree(v, low) for k, v in kwargs.items()}
-        elif qualified in CUDA_FP32:
-            args, kwargs = _cast_tree(args, torch.float32), {k: _cast_tree(v, torch.float32)
-                                                             for k, v in kwargs.items()}
-        elif qualified in CUDA_FP32_SET_OPT_DTYPE:
-            if args and _eligible(args[0]):  # set_opt_dtype: an explicit dtype is kept, else float32
-                kwargs = dict(kwargs)
-                for name in optional_dtypes:
-                    position = names.index(name)
-                    if position < len(args):
-                        args = (*args[:position], args[position] or torch.float32, *args[position + 1:])
-                    elif kwargs.get(name) is None:
-                        kwargs[name] = torch.float32
-        elif qualified in CUDA_FP32_APPEND_DTYPE:
-            target = _op(CUDA_FP32_APPEND_DTYPE[qualified])
-            kwargs = {**kwargs, "dtype": torch.float32 if args and _eligible(args[0]) else args[0].dtype}
-        elif qualified in CUDA_PROMOTE:
-            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if _eligible(t)]
-            to = torch.float32 if any(t.dtype == torch.float32 for t in tensors) else low
-            args, kwargs = _cast_tree(args, to), {k: _cast_tree(v, to) for k, v in kwargs.items()}
+    def redispatch(target, args, kwargs):
         with torch._C._ExcludeDispatchKeyGuard(exclude):
             return target(*args, **kwargs)
-    return kernel
+
+    if policy == "lower_precision_fp":
+        return lambda *args, **kwargs: redispatch(op, *_cast_args(args, kwargs, torch.get_autocast_dtype("cpu")))
+    if policy == "fp32":
+        return lambda *args, **kwargs: redispatch(op, *_cast_args(args, kwargs, torch.float32))
+    if policy == "fp32_append_dtype":
+        target = _op(CUDA_FP32_APPEND_DTYPE[qualified])
+
+        def append_dtype(*args, **kwargs):
+            dtype = torch.float32 if args and _eligible(args[0]) else args[0].dtype
+            return redispatch(target, args, {**kwargs, "dtype": dtype})
+        return append_dtype
+    if policy == "promote":
+        def promote(*args, **kwargs):
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if _eligible(t)]
+            to = torch.float32 if any(t.dtype == torch.float32 for t in tensors) else torch.get_autocast_dtype("cpu")
+            return redispatch(op, *_cast_args(args, kwargs, to))
+        return promote
+    # fp32_set_opt_dtype: tensors are not cast; if the first argument is eligible, an unset dtype becomes float32
+    position = [a.name for a in op._schema.arguments].index("dtype")  # ScalarType? reads "Optional[int]" here
+
+    def set_opt_dtype(*args, **kwargs):
+        if args and _eligible(args[0]):
+            if position < len(args):
+                args = (*args[:position], args[position] or torch.float32, *args[position + 1:])
+            elif kwargs.get("dtype") is None:
+                kwargs = {**kwargs, "dtype": torch.float32}
+        return redispatch(op, args, kwargs)
+    return set_opt_dtype
 
 
 @contextlib.contextmanager
 def cuda_autocast_policy():
     """Replace the CPU's autocast kernels by CUDA's policy: ops CUDA casts get a Python kernel, ops only the
     CPU casts fall through (no cast)."""
-    cuda_ops = set(CUDA_LOWER_PRECISION_FP) | set(CUDA_FP32) | set(CUDA_FP32_SET_OPT_DTYPE) \
-        | set(CUDA_FP32_APPEND_DTYPE) | set(CUDA_PROMOTE)
     library = torch.library.Library("aten", "IMPL")
     with _quiet_override_warnings():
-        for qualified in sorted(cuda_ops | set(CPU_ONLY)):
+        for qualified in sorted(CUDA_POLICY.keys() | set(CPU_ONLY)):
             name = qualified.removeprefix("aten::")
-            if qualified in cuda_ops:
+            if qualified in CUDA_POLICY:
                 library.impl(name, _kernel(qualified), "AutocastCPU")
             else:
                 library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")

@@ -17,8 +17,7 @@ A100, H100, V100, RTX4090 = (8, 0), (9, 0), (7, 0), (8, 9)
 
 
 def test_autocast_lists_are_the_installed_torch_kernels():
-    cuda = (set(kernels.CUDA_LOWER_PRECISION_FP) | set(kernels.CUDA_FP32) | set(kernels.CUDA_FP32_SET_OPT_DTYPE)
-            | set(kernels.CUDA_FP32_APPEND_DTYPE) | set(kernels.CUDA_PROMOTE))
+    cuda = set(kernels.CUDA_POLICY)
     assert kernels.autocast_ops("AutocastCUDA") == cuda | set(kernels.CUDA_BANNED)
     assert kernels.autocast_ops("AutocastCPU") - cuda == set(kernels.CPU_ONLY)
 
