@@ -18,38 +18,29 @@ Run: python experiments/llmem_v100.py (about three minutes); output saved in llm
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
+from llmsim import size
 from llmsim.enums import Attention, Precision
 from llmsim.gpus import load_gpu
 from llmsim.pipeline import predict
 from llmsim.report import human_bytes
 from llmsim.spec import TrainSetup, load_model_spec
+from llmsim.strategies import Layout
 
 MODELS = ("opt-125m", "opt-350m", "bloom-560m", "codegen-350m-mono")
 SEQ_LEN, MAX_MICRO_BATCH = 512, 512
 
 
 def largest_micro_batch(spec, precision: Precision, gpu) -> tuple[int, object]:
-    """Double while it fits, then bisect: (largest micro-batch that fits, its rank prediction)."""
-    def run(micro_batch):
-        setup = TrainSetup(micro_batch, SEQ_LEN, precision, Attention.EAGER, grad_ckpt=True)
-        return predict(spec, setup, gpu=gpu).ranks[0]
-
-    good, good_rank, bad = 0, None, None
-    trial = 1
-    while bad is None and trial <= MAX_MICRO_BATCH:
-        rank = run(trial)
-        if rank.fits:
-            good, good_rank, trial = trial, rank, trial * 2
-        else:
-            bad = trial
-    while bad is not None and bad - good > 1:
-        trial = (good + bad) // 2
-        rank = run(trial)
-        if rank.fits:
-            good, good_rank = trial, rank
-        else:
-            bad = trial
-    return good, good_rank
+    """`llmsim size`'s search (double while it fits, then bisect) on one GPU: (largest micro-batch that fits,
+    its rank prediction, or None when micro-batch 1 does not fit)."""
+    setup = TrainSetup(1, SEQ_LEN, precision, Attention.EAGER, grad_ckpt=True)
+    micro_batch, _ = size.largest_micro_batch(spec, setup, size.Candidate("single", 1, lambda mb: Layout()), gpu,
+                                              MAX_MICRO_BATCH)
+    if not micro_batch:
+        return 0, None
+    return micro_batch, predict(spec, replace(setup, micro_batch=micro_batch), gpu=gpu).ranks[0]
 
 
 def main() -> None:
