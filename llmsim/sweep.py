@@ -13,6 +13,7 @@ row with its one-line `error`; an unknown key rejects the whole file.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 from concurrent.futures import ProcessPoolExecutor
@@ -95,18 +96,14 @@ def sweep(configs: list[dict], jobs: int = 1, progress: bool = True) -> pd.DataF
 
     if jobs < 1:
         raise InputError(f"jobs({jobs}) must be >= 1")
-    bar = tqdm(total=len(configs), disable=not progress, unit="config")
-    rows = []
-    if jobs == 1:
-        for config in configs:
-            rows.append(predict_row(config))
+    pool = ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else contextlib.nullcontext()
+    with pool, tqdm(total=len(configs), disable=not progress, unit="config") as bar:
+        results = (pool.map(predict_row, configs, chunksize=max(1, len(configs) // (4 * jobs))) if jobs > 1
+                   else map(predict_row, configs))
+        rows = []
+        for row in results:
+            rows.append(row)
             bar.update()
-    else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            for row in pool.map(predict_row, configs, chunksize=max(1, len(configs) // (4 * jobs))):
-                rows.append(row)
-                bar.update()
-    bar.close()
     frame = pd.DataFrame(rows)
     for column in ("ranks", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "peak_rank"):
         if column in frame:  # rejected combinations leave them empty: keep the others integers
