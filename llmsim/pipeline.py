@@ -75,6 +75,8 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     if gpu is not None:
         setup = on_gpu(setup, gpu)
     setup = resolve_attention(model, setup)
+    if layout.deepspeed is not None and layout.deepspeed.stage == 3:
+        setup = replace(setup, zero3_hooks=True)
     check_fits_positions(model, setup)
     traced = trace(model, setup)
     timeline = expand(traced)

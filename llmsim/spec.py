@@ -45,6 +45,7 @@ class TrainSetup:
     lora_rank: int = 0  # 0: full fine-tuning; else peft LoRA adapters of this rank on a frozen base
     lora_alpha: int = 16
     lora_targets: tuple[str, ...] | None = None  # None: peft's default target modules for the model type
+    zero3_hooks: bool = False  # trace with DeepSpeed ZeRO-3's module hooks mirrored (llmsim/zero3_hooks.py)
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps"):

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from llmsim import zero3_hooks
 from llmsim.enums import Category, Optimizer, Phase, Precision
 from llmsim.spec import TrainSetup
 from llmsim.tracker import NO_BLOCK, StorageTracker
@@ -219,7 +220,8 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
     """Run the canonical loop under `tracker` (add a FakeTensorMode around it to run without memory).
     `wrap` puts a data-parallel wrapper (DistributedDataParallel) around the model before the optimizer."""
     torch.manual_seed(0)
-    with tracker:
+    linear = zero3_hooks.linear_as_zero3() if setup.zero3_hooks else contextlib.nullcontext()
+    with tracker, linear:
         model = build()
         device_type = next(model.parameters()).device.type  # a fake tensor reports its fake device
         autocast_dtype = setup.precision.autocast_dtype
@@ -238,6 +240,8 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
             hooks.adopt_new_parameters()
         if setup.grad_ckpt:
             base.activation_checkpointing_enable(every_n_layers=setup.ckpt_every)
+        if setup.zero3_hooks:  # deepspeed.initialize registers them last
+            zero3_hooks.install(model, tracker, lambda fqn: fqn or ROOT_MODULE, hooks.block_of)
         if wrap is not None:
             model = wrap(model)
         optimizer = make_optimizer(model.parameters(), setup)

@@ -24,6 +24,12 @@ from llmsim.enums import Category, Phase
 
 NO_BLOCK = -1  # events outside the repeated decoder layers (embeddings, final norm, LM head, loss)
 GRAD_READY = -1  # serial of a zero-byte marker row: the gradient of `tensor` has just been accumulated
+# Serials of zero-byte marker rows where DeepSpeed ZeRO-3's hooks on module `tensor` run (traced only when the
+# layout needs them; deepspeed/runtime/zero/parameter_offload.py, `_register_deepspeed_module`): before and
+# after its forward (also in a checkpointed recompute), before its backward and after it.
+FORWARD_PRE, FORWARD_POST, BACKWARD_PRE, BACKWARD_POST = -2, -3, -4, -5
+MODULE_MARKERS = (FORWARD_PRE, FORWARD_POST, BACKWARD_PRE, BACKWARD_POST)
+TIED = -6  # serial of a zero-byte build row: parameter `module` is the same Parameter as `tensor` (tied weights)
 # `tensor`: the labelled name of what the storage holds (a parameter's FQN, also for its gradient), or "".
 TIMELINE_COLUMNS = ["step", "phase", "block", "module", "serial", "delta_bytes", "category", "tensor"]
 
@@ -70,6 +76,7 @@ class StorageTracker(TorchDispatchMode):
         self.module = ""
         self.frees_by_owner = True
         self._saved_resize = None
+        self._tied_rows: dict[int, str] = {}  # row -> the parameter a TIED row's alias is
 
     # ---- the context ---------------------------------------------------------------------------------
     def set_phase(self, step: int, phase: Phase) -> None:
@@ -107,6 +114,15 @@ class StorageTracker(TorchDispatchMode):
         """A zero-byte row at the moment autograd has accumulated `name`'s gradient: where DeepSpeed's
         and DDP's gradient hooks (`register_post_accumulate_grad_hook`) run."""
         self._rows.append((self.step, self.phase, self.block, name, GRAD_READY, 0))
+
+    def mark_module(self, marker: int, module: str, block: int) -> None:
+        """A zero-byte row where a ZeRO-3 module hook runs (`marker`: one of MODULE_MARKERS)."""
+        self._rows.append((self.step, self.phase, block, module, marker, 0))
+
+    def mark_tied(self, alias: str, name: str, block: int) -> None:
+        """A zero-byte row saying that parameter FQN `alias` is the parameter labelled `name`."""
+        self._tied_rows[len(self._rows)] = name
+        self._rows.append((self.step, self.phase, block, alias, TIED, 0))
 
     # ---- the dispatch mode -----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -212,14 +228,18 @@ class StorageTracker(TorchDispatchMode):
         free_rows = {row[4]: i for i, row in enumerate(self._rows) if row[5] < 0}
         frame["category"] = [self._category(s, free_rows) for s in frame["serial"]]
         frame["tensor"] = [self._serial_name.get(s, "") if s in self._labels else "" for s in frame["serial"]]
-        markers = (frame["serial"] == GRAD_READY).to_numpy()
+        markers = (frame["serial"] < 0).to_numpy()
         frame.loc[markers, "tensor"] = frame.loc[markers, "module"]
+        for row, name in self._tied_rows.items():
+            frame.loc[row, "tensor"] = name
         frame["phase"] = [p.value for p in frame["phase"]]
         return frame
 
     def _category(self, serial: int, free_rows: dict[int, int]) -> str:
         if serial == GRAD_READY:
             return Category.GRADIENT.value
+        if serial < 0:  # a module marker: no bytes
+            return Category.PARAMETER.value
         label = self._labels.get(serial)
         if label is not None:
             return label.value

@@ -39,9 +39,9 @@ class Layout:
 
 
 def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.DataFrame]:
-    from llmsim.strategies import zero0, zero12
+    from llmsim.strategies import zero0, zero12, zero3
 
-    stages = {0: zero0.plan, 1: zero12.plan, 2: zero12.plan}
+    stages = {0: zero0.plan, 1: zero12.plan, 2: zero12.plan, 3: zero3.plan}
     if layout.deepspeed.stage not in stages:
         raise InputError(f"DeepSpeed ZeRO stage {layout.deepspeed.stage} is not modelled yet; "
                          f"modelled stages: {', '.join(map(str, sorted(stages)))}")

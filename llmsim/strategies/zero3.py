@@ -1,0 +1,432 @@
+"""DeepSpeed ZeRO stage 3 (deepspeed/runtime/zero/stage3.py, partitioned_param_coordinator.py,
+partition_parameters.py, DeepSpeed 0.19), client AdamW.
+
+The single-process trace, run with ZeRO-3's module hooks mirrored (llmsim/zero3_hooks.py), holds the forward and
+backward with a marker wherever DeepSpeed fetches or releases a module's parameters. Per rank this replays:
+- `zero.Init`: each parameter is built whole, its partition of ceil(n / W) elements kept, the whole freed;
+- initialize: the partitions are copied into one flat buffer (`defragment`); an fp32 master copy per sub-group
+  (`sub_group_size`); a dropped zero fp32 gradient of the largest sub-group; the reduction bucket of
+  `reduce_bucket_size` elements, kept for the whole run when `contiguous_gradients`; the flat gradient-partition
+  buffer, kept; each parameter gathered and released once while the gradient hooks are registered;
+- the parameter coordinator: iteration 1 records the module trace, fetching a module's own parameters before
+  it runs and releasing all of them after; from iteration 2 it prefetches along the trace
+  (`stage3_prefetch_bucket_size`, bounded by `stage3_max_live_parameters`), and keeps a parameter gathered when
+  it is used again within `stage3_max_reuse_distance` elements or already prefetched for a later use;
+  parameters of at most `stage3_param_persistence_threshold` elements stay gathered from the end of a step to
+  the start of the next. One parameter is gathered into a buffer of ceil(n / W) * W elements; several into one
+  flat buffer of W * sum(ceil(n_i / W)) elements, from which each is copied out (`torch.cat`) when first waited
+  for, the flat buffer living until the last of them is waited for;
+- backward: each gradient is copied into the bucket (its own storage freed) unless it does not fit; a full
+  bucket is reduce-scattered through a padded `torch.cat` copy (none for a single tensor divisible by W), the
+  rank's slices copied into the gradient partitions and the gradients dropped;
+- step: every gathered parameter released; the norm upcasts each gradient partition to float64 one at a time;
+  per sub-group the partitions are flattened (then converted to fp32 in bf16), AdamW updates the fp32 master
+  (states at the first step), the fp32 gradient is freed; the persistent parameters are gathered again.
+"""
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from llmsim.enums import Category, Phase, Precision
+from llmsim.step import ROOT_MODULE
+from llmsim.strategies.zero_common import FP32_BYTES, FP64_BYTES, EventWriter, adamw, parameters, rows_of
+from llmsim.tracker import BACKWARD_POST, BACKWARD_PRE, FORWARD_POST, FORWARD_PRE, GRAD_READY, TIED
+
+NOT_AVAILABLE, INFLIGHT, AVAILABLE = "not_available", "inflight", "available"  # ZeroParamStatus
+GATHERED = Category.ALLGATHER_BUFFER
+
+
+@dataclass(eq=False)
+class _Param:
+    ds_id: int
+    name: str
+    numel: int
+    partition: int  # ceil(numel / W)
+    persist: bool
+    status: str = NOT_AVAILABLE
+    storage: tuple[int, int] | None = None  # (serial, bytes) of the gathered data
+    active: set = field(default_factory=set)  # ds_active_sub_modules
+
+
+@dataclass(eq=False)
+class _Handle:
+    """A pending all-gather: one parameter (its buffer is its storage) or several (one flat buffer)."""
+
+    params: list[_Param]
+    flat: tuple[int, int] | None = None
+    complete: bool = False
+
+
+class _Rank:
+    def __init__(self, timeline: pd.DataFrame, rows: list[tuple], layout, setup, rank: int) -> None:
+        self.zero = layout.deepspeed.zero()
+        self.world = layout.world_size
+        self.rank = rank
+        self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
+        self.foreach = setup.foreach
+        self.rows = rows
+        self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
+        self.params = [_Param(i, p.name, p.numel, math.ceil(p.numel / self.world), False)
+                       for i, p in enumerate(parameters(timeline, self.elem))]
+        self.by_name = {p.name: p for p in self.params}
+        self._mark_persistent()
+        self.module_params: dict[str, list[_Param]] = collections.defaultdict(list)
+        for p in self.params:
+            self.module_params[_module_of(p.name)].append(p)
+        self.sub_groups = self._sub_groups()
+        # coordinator state
+        self.mode = "invalid"  # `_register_deepspeed_module` invalidates the trace; the first forward records
+        self.module_order: list[str] = []
+        self.param_order: list[tuple[_Param, int]] = []
+        self.queue: collections.deque = collections.deque()
+        self.most_recent: dict[_Param, int] = {}
+        self.step_id = 0
+        self.n_available = 0
+        self.inflight: dict[_Param, _Handle] = {}
+        self.release_cache: dict[tuple[str, int], set] = {}
+        self.active_backward: dict[str, None] = {}
+        # gradient state
+        self.bucket: list[_Param] = []
+        self.bucket_elements = 0
+        self.in_bucket: set[str] = set()
+        self.grads: dict[str, tuple[int, int]] = {}  # param -> autograd gradient storage still alive
+        self.fp32_states_built = False
+
+    # ---- setup ---------------------------------------------------------------------------------------
+    def _mark_persistent(self) -> None:
+        """parameter_offload.py, `mark_persistent_parameters`."""
+        total = 0
+        for p in self.params:
+            if p.numel + total > self.zero.model_persistence_threshold:
+                continue
+            if p.numel <= self.zero.param_persistence_threshold:
+                p.persist = True
+                total += p.numel
+
+    def _sub_groups(self) -> list[list[_Param]]:
+        """stage3.py, `_create_fp16_sub_groups`."""
+        size = self.zero.sub_group_size
+        if size is None or size >= sum(p.partition for p in self.params):
+            return [self.params]
+        groups, group, numel = [], [], 0
+        for p in self.params:
+            group.append(p)
+            numel += p.partition
+            if numel >= size or p is self.params[-1]:
+                groups.append(group)
+                group, numel = [], 0
+        return groups
+
+    def build(self) -> None:
+        """`zero.Init`: each parameter allocated whole, partitioned, the whole freed."""
+        self.ds_tensors = []
+        for p in self.params:
+            whole = self.w.alloc(p.numel * self.elem, Category.TEMPORARY)
+            self.ds_tensors.append((self.w.alloc(p.partition * self.elem, Category.PARAMETER), p.partition))
+            self.w.free(whole, p.numel * self.elem, Category.TEMPORARY)
+
+    def initialize(self) -> None:
+        """DeepSpeedZeroOptimizer_Stage3.__init__."""
+        total = sum(p.partition for p in self.params)
+        self.w.alloc(total * self.elem, Category.PARAMETER)  # lp_param_buffer (defragment)
+        for serial, numel in self.ds_tensors:
+            self.w.free(serial, numel * self.elem, Category.PARAMETER)
+        for group in self.sub_groups:  # fp32 master: flat.to(fp32).clone()
+            numel = sum(p.partition for p in group)
+            if self.elem != FP32_BYTES:
+                upcast = self.w.alloc(numel * FP32_BYTES, Category.TEMPORARY)
+                self.w.alloc(numel * FP32_BYTES, Category.MASTER_WEIGHTS)
+                self.w.free(upcast, numel * FP32_BYTES, Category.TEMPORARY)
+            else:
+                self.w.alloc(numel * FP32_BYTES, Category.MASTER_WEIGHTS)
+        largest = max(sum(p.partition for p in group) for group in self.sub_groups) * FP32_BYTES
+        zeros = self.w.alloc(largest, Category.TEMPORARY)  # initialize_optimizer_states
+        self.w.free(zeros, largest, Category.TEMPORARY)
+        if self.zero.contiguous_gradients:
+            self.w.alloc(self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
+        self.w.alloc(total * self.elem, Category.GRADIENT)  # grad_partitions_flat_buffer
+        for p in self.params:  # create_reduce_and_remove_grad_hooks: gather, register, partition
+            nbytes = p.partition * self.world * self.elem
+            buffer = self.w.alloc(nbytes, GATHERED)
+            self.w.free(buffer, nbytes, GATHERED)
+
+    # ---- gathering ---------------------------------------------------------------------------------------
+    def _all_gather(self, params: list[_Param]) -> None:
+        """partitioned_param_coordinator.py `__all_gather_params` -> partition_parameters.py `all_gather_coalesced`."""
+        params = [p for p in params if p.status == NOT_AVAILABLE]
+        if not params:
+            return
+        self.n_available += sum(p.numel for p in params)
+        if len(params) == 1:  # _all_gather_sequential: the buffer is the parameter's data
+            p = params[0]
+            nbytes = p.partition * self.world * self.elem
+            p.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
+            handle = _Handle(params, complete=True)
+        else:
+            nbytes = sum(p.partition for p in params) * self.world * self.elem
+            handle = _Handle(params, flat=(self.w.alloc(nbytes, GATHERED), nbytes))
+        for p in params:
+            p.status = INFLIGHT
+            self.inflight[p] = handle
+
+    def _wait(self, p: _Param) -> None:
+        """Pop `p`'s handle and wait on it: a coalesced handle copies every parameter out of its flat buffer,
+        which is freed once no parameter waits on it any more."""
+        handle = self.inflight.pop(p)
+        if not handle.complete:
+            for q in handle.params:
+                nbytes = q.numel * self.elem
+                q.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
+                q.status = AVAILABLE
+            handle.complete = True
+        for q in handle.params:
+            q.status = AVAILABLE if q.storage is not None else q.status
+        if handle.flat is not None and not any(h is handle for h in self.inflight.values()):
+            self.w.free(*handle.flat, GATHERED)
+            handle.flat = None
+
+    def _release_param(self, p: _Param) -> None:
+        if p.status == AVAILABLE and not p.active:
+            self.w.free(*p.storage, GATHERED)
+            p.storage = None
+            p.status = NOT_AVAILABLE
+            self.n_available -= p.numel
+
+    def _clean_inflight(self) -> None:
+        for p in list(self.inflight):
+            if p in self.inflight:
+                self._wait(p)
+            self._release_param(p)
+
+    def reset_step(self) -> None:
+        """`reset_step`, run by the root module's first forward pre-hook."""
+        self._clean_inflight()
+        if self.mode != "complete":
+            if self.mode == "record":
+                self.param_order = [(p, step) for step, module in enumerate(self.module_order)
+                                    for p in sorted(set(self._params_of(module)), key=lambda q: q.ds_id)]
+                self.mode = "complete"
+            else:
+                self.mode = "record"
+        self.queue = collections.deque(self.param_order)
+        self.most_recent = collections.defaultdict(lambda: int(-1e10))
+        self.step_id = 0
+        self.n_available = 0
+
+    def _params_of(self, module: str) -> list[_Param]:
+        return self.module_params.get(module, [])
+
+    def fetch(self, module: str, forward: bool) -> None:
+        """`fetch_sub_module`."""
+        if self.mode == "record":
+            self.module_order.append(module)
+        if not forward:
+            self.active_backward[module] = None
+        to_fetch = list(dict.fromkeys(self._params_of(module)))
+        self._all_gather(to_fetch)
+        for p in to_fetch:
+            p.active.add(module)
+            if p in self.inflight:
+                self._wait(p)
+        if self.mode == "complete":
+            not_fetched = {p for p in to_fetch if self.most_recent[p] < self.step_id}
+            discarded = set()
+            while self.queue and len(discarded) < len(not_fetched):
+                p, step = self.queue.popleft()
+                self.most_recent[p] = step
+                discarded.add(p)
+            if self.zero.prefetch_bucket_size > 0:
+                budget = min(self.zero.max_live_parameters - self.n_available, self.zero.prefetch_bucket_size)
+                prefetch, numel = [], 0
+                while self.queue and numel < budget:
+                    p, step = self.queue.popleft()
+                    do = p.status == NOT_AVAILABLE and p not in prefetch
+                    self.most_recent[p] = max(self.most_recent[p], step)
+                    if do:
+                        prefetch.append(p)
+                        numel += p.numel
+                if numel > 0:
+                    self._all_gather(prefetch)
+        self.step_id += 1
+
+    def _to_release(self, module: str) -> set:
+        """`__params_to_release` (cached per module and step, as DeepSpeed's lru_cache does)."""
+        key = (module, self.step_id)
+        if key not in self.release_cache:
+            candidates = {p for p in self._params_of(module) if not p.persist}
+            candidates -= {p for p in self._params_of(module) if self.most_recent[p] > self.step_id}
+            traversed = 0
+            for later in self.module_order[self.step_id:]:
+                if traversed >= self.zero.max_reuse_distance:
+                    break
+                for p in self._params_of(later):
+                    candidates.discard(p)
+                    traversed += p.numel
+            self.release_cache[key] = candidates
+        return self.release_cache[key]
+
+    def release(self, module: str, forward: bool) -> None:
+        """`release_sub_module`."""
+        to_release = self._to_release(module) if self.mode == "complete" else set(self._params_of(module))
+        if not forward:
+            self.active_backward.pop(module, None)
+        for p in dict.fromkeys(self._params_of(module)):
+            p.active.discard(module)
+            if p in to_release:
+                self._release_param(p)
+
+    def release_backward_leftovers(self) -> None:
+        while self.active_backward:
+            module, _ = self.active_backward.popitem()
+            for p in dict.fromkeys(self._params_of(module)):
+                p.active.discard(module)
+                if not p.persist:
+                    self._release_param(p)
+
+    def release_all(self) -> None:
+        """`release_and_reset_all` (`_partition_all_parameters`, at the start of the step)."""
+        for p in self.params:
+            if p in self.inflight:
+                self._wait(p)
+            p.active.clear()
+            self._release_param(p)
+
+    # ---- gradients ---------------------------------------------------------------------------------------
+    def on_gradient(self, name: str) -> None:
+        """`reduce_independent_p_g_buckets_and_remove_grads`."""
+        p = self.by_name[name]
+        if self.bucket_elements + p.numel > self.zero.reduce_bucket_size and self.bucket_elements > 0:
+            self.flush()
+        if self.zero.contiguous_gradients and self.bucket_elements + p.numel <= self.zero.reduce_bucket_size:
+            self._free_grad(name)  # copied into the bucket; param.grad.data now views it
+            self.in_bucket.add(name)
+        self.bucket.append(p)
+        self.bucket_elements += p.numel
+
+    def flush(self) -> None:
+        """`__reduce_and_partition_ipg_grads` -> `__avg_scatter_grads` -> `reduce_scatter_coalesced`."""
+        if not self.bucket:
+            return
+        params = sorted(self.bucket, key=lambda q: q.ds_id)
+        cat = None
+        if not (len(params) == 1 and params[0].numel % self.world == 0):
+            paddings = []
+            for rank in range(self.world):
+                for p in params:
+                    chunk = max(0, min(p.partition, p.numel - rank * p.partition))
+                    if p.partition - chunk > 0:
+                        nbytes = (p.partition - chunk) * self.elem
+                        paddings.append((self.w.alloc(nbytes, Category.TEMPORARY), nbytes))
+            nbytes = sum(p.partition for p in params) * self.world * self.elem
+            cat = (self.w.alloc(nbytes, Category.TEMPORARY), nbytes)
+            for padding in paddings:
+                self.w.free(*padding, Category.TEMPORARY)
+        for p in params:  # partition_grads: param.grad = None
+            if p.name in self.in_bucket:
+                self.in_bucket.discard(p.name)
+            elif p.name in self.grads:
+                self._free_grad(p.name)
+        if cat is not None:
+            self.w.free(*cat, Category.TEMPORARY)
+        self.bucket, self.bucket_elements = [], 0
+
+    def _free_grad(self, name: str) -> None:
+        serial, nbytes = self.grads.pop(name)
+        self.w.free(serial, nbytes, Category.GRADIENT)
+
+    # ---- step ------------------------------------------------------------------------------------------
+    def step(self, first: bool) -> None:
+        self.release_all()
+        for p in self.params:  # get_grad_norm_direct: g.to(float64) per partition
+            upcast = self.w.alloc(p.partition * FP64_BYTES, Category.TEMPORARY)
+            self.w.free(upcast, p.partition * FP64_BYTES, Category.TEMPORARY)
+        for group in self.sub_groups:
+            numel = sum(p.partition for p in group)
+            flat = self.w.alloc(numel * self.elem, Category.GRADIENT)
+            if self.elem != FP32_BYTES:
+                fp32 = self.w.alloc(numel * FP32_BYTES, Category.GRADIENT)
+                self.w.free(flat, numel * self.elem, Category.GRADIENT)
+                flat = fp32
+            adamw(self.w, [numel], first, self.foreach)
+            self.w.free(flat, numel * FP32_BYTES, Category.GRADIENT)
+        persistent = [p for p in self.params if p.persist]  # _post_step: one buffer each
+        for p in persistent:
+            nbytes = p.partition * self.world * self.elem
+            p.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
+            p.status = AVAILABLE
+
+    # ---- the walk --------------------------------------------------------------------------------------
+    def run(self) -> pd.DataFrame:
+        phase_key = None
+        for row in self.rows:
+            key = (row[0], row[1])
+            if key != phase_key:
+                if phase_key is not None:
+                    self._leave(*phase_key)
+                phase_key = key
+                self.w.step, self.w.phase = key
+            self._row(row)
+        if phase_key is not None:
+            self._leave(*phase_key)
+        return self.w.frame()
+
+    def _row(self, row: tuple) -> None:
+        phase, serial, category, name = row[1], int(row[4]), row[6], row[7]
+        if phase == Phase.OPTIMIZER.value:
+            return  # DeepSpeed's step replaces the client optimizer's
+        if serial == TIED:
+            self.module_params[_module_of(row[3])].append(self.by_name[name])
+        elif serial == FORWARD_PRE:
+            if name == ROOT_MODULE:
+                self.reset_step()
+            self.fetch(name, forward=True)
+        elif serial == FORWARD_POST:
+            self.release(name, forward=True)
+        elif serial == BACKWARD_PRE:
+            self.fetch(name, forward=False)
+        elif serial == BACKWARD_POST:
+            self.release(name, forward=False)
+        elif serial == GRAD_READY:
+            self.on_gradient(name)
+        elif category == Category.PARAMETER.value and phase == Phase.BUILD.value:
+            return  # the single process's whole parameters: zero.Init partitions them instead
+        elif category == Category.GRADIENT.value and phase == Phase.BACKWARD.value:
+            self._gradient_row(row)
+        else:
+            self.w.keep(row)
+
+    def _gradient_row(self, row: tuple) -> None:
+        name, serial, delta = row[7], int(row[4]), int(row[5])
+        if delta > 0:
+            self.w.keep(row)
+            self.grads[name] = (serial, delta)
+        elif name in self.grads and self.grads[name][0] == serial:
+            self.w.keep(row)  # autograd replaced the gradient storage itself
+            del self.grads[name]
+
+    def _leave(self, step: int, phase: str) -> None:
+        self.w.step, self.w.phase = step, phase
+        if phase == Phase.BUILD.value:
+            self.build()
+            self.initialize()
+        elif phase == Phase.BACKWARD.value:
+            self.flush()  # independent_gradient_partition_epilogue
+            self.release_backward_leftovers()
+        elif phase == Phase.OPTIMIZER.value:
+            self.step(first=step == 0)
+
+
+def _module_of(param: str) -> str:
+    return param.rsplit(".", 1)[0] if "." in param else ROOT_MODULE
+
+
+def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
+    """Every rank runs the same events: partitions are ceil(n / W) elements everywhere (the last rank's
+    padding included), so one timeline serves all ranks."""
+    rows = rows_of(timeline)
+    shared = _Rank(timeline, rows, layout, setup, 0).run()
+    return {rank: shared for rank in range(layout.world_size)}
