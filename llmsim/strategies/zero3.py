@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from llmsim.enums import Category, Phase, Precision
+from llmsim.enums import Category, Device, Phase, Precision
 from llmsim.step import ROOT_MODULE
 from llmsim.strategies.zero_common import FP32_BYTES, FP64_BYTES, EventWriter, adamw, parameters, rows_of
 from llmsim.tracker import BACKWARD_POST, BACKWARD_PRE, FORWARD_POST, FORWARD_PRE, GRAD_READY, TIED
@@ -68,6 +68,7 @@ class _Rank:
         self.rank = rank
         self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
         self.foreach = setup.foreach
+        self.gloo = setup.device is Device.CPU  # the process group's backend: gloo on the CPU, NCCL on GPUs
         self.rows = rows
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
         self.params = [_Param(i, p.name, p.numel, math.ceil(p.numel / self.world), False)
@@ -313,6 +314,7 @@ class _Rank:
             return
         params = sorted(self.bucket, key=lambda q: q.ds_id)
         cat = None
+        flat_bytes = sum(p.partition for p in params) * self.world * self.elem
         if not (len(params) == 1 and params[0].numel % self.world == 0):
             paddings = []
             for rank in range(self.world):
@@ -321,10 +323,12 @@ class _Rank:
                     if p.partition - chunk > 0:
                         nbytes = (p.partition - chunk) * self.elem
                         paddings.append((self.w.alloc(nbytes, Category.TEMPORARY), nbytes))
-            nbytes = sum(p.partition for p in params) * self.world * self.elem
-            cat = (self.w.alloc(nbytes, Category.TEMPORARY), nbytes)
+            cat = (self.w.alloc(flat_bytes, Category.TEMPORARY), flat_bytes)
             for padding in paddings:
                 self.w.free(*padding, Category.TEMPORARY)
+        if self.gloo:  # ProcessGroupGloo's reduce_scatter_tensor reduces a clone of its input (NCCL does not)
+            clone = self.w.alloc(flat_bytes, Category.TEMPORARY)
+            self.w.free(clone, flat_bytes, Category.TEMPORARY)
         for p in params:  # partition_grads: param.grad = None
             if p.name in self.in_bucket:
                 self.in_bucket.discard(p.name)
