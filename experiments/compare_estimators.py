@@ -3,8 +3,9 @@
 Setup: bf16 mixed precision (DeepSpeed `"bf16": {"enabled": true}`, fp32 master weights), client AdamW,
 micro-batch 1, sequence 4096, full activation checkpointing, DeepSpeed's default knobs.
 Columns (bytes, per GPU):
-- llmsim: the most loaded rank's peak allocated (ZeRO-2; ZeRO-3 is not modelled yet, so no llmsim column),
-  over the whole canonical step and after the build (on a GPU the fp32 model is built and cast on the host);
+- llmsim: the most loaded rank's peak allocated. ZeRO-2: over the whole canonical step and after the build (on
+  a GPU the fp32 model is built and cast on the host). ZeRO-3: the whole step, whose build is `zero.Init`'s
+  (each parameter built on the device and partitioned at once, as transformers does under HfDeepSpeedConfig);
 - deepspeed_estimate: DeepSpeed's own `estimate_zero2_model_states_mem_needs` /
   `estimate_zero3_model_states_mem_needs` (no offload): model states only, 2 + 18/N bytes per parameter
   (+ 4 x largest layer for ZeRO-3);
@@ -49,9 +50,9 @@ def model_numbers(name: str) -> dict:
             "hidden": config.hidden_size, "layers": config.num_hidden_layers, "vocab": config.vocab_size}
 
 
-def llmsim_zero2(name: str, world: int) -> tuple[int, int, float]:
+def llmsim_zero(name: str, world: int, stage: int) -> tuple[int, int, float]:
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "bf16": {"enabled": True},
-              "zero_optimization": {"stage": 2}}
+              "zero_optimization": {"stage": stage}}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(config, f)
     spec = load_model_spec(name)
@@ -81,12 +82,14 @@ def main() -> int:
         p, s, b, h, layers, vocab = m["params"], SEQ_LEN, MICRO_BATCH, m["hidden"], m["layers"], m["vocab"]
         recompute_activations = 2 * s * b * h * layers
         for world in WORLD_SIZES:
-            peak, training, seconds = llmsim_zero2(name, world)
+            peak, training, seconds = llmsim_zero(name, world, 2)
+            peak3, _, seconds3 = llmsim_zero(name, world, 3)
             _, ds2 = estimate_zero2_model_states_mem_needs(p, world, 1, cpu_offload=False)
             _, ds3, _ = estimate_zero3_model_states_mem_needs(p, m["largest_layer"], world, 1, cpu_offload=False)
             rows.append({"model": name, "world_size": world, "params": p,
                          "llmsim_zero2": peak, "llmsim_zero2_after_build": training,
-                         "llmsim_seconds": round(seconds, 2),
+                         "llmsim_zero3": peak3, "llmsim_seconds": round(seconds, 2),
+                         "llmsim_zero3_seconds": round(seconds3, 2),
                          "deepspeed_estimate_zero2": ds2, "deepspeed_estimate_zero3": ds3,
                          "eleuther_zero2": int(2 * p + 14 * p / world) + recompute_activations,
                          "eleuther_zero3": int(16 * p / world) + recompute_activations,
@@ -95,7 +98,7 @@ def main() -> int:
             print(rows[-1], flush=True)
     frame = pd.DataFrame(rows)
     frame.to_csv(OUT, index=False)
-    gib = frame.set_index(["model", "world_size"]).drop(columns=["params", "llmsim_seconds"]) / 2**30
+    gib = frame.set_index(["model", "world_size"]).drop(columns=["params", "llmsim_seconds", "llmsim_zero3_seconds"]) / 2**30
     print(gib.round(2).to_string())
     return 0
 

@@ -6,8 +6,12 @@ Writes data/measurements/tier2_cpu.csv (one row per rank). Run: python experimen
 
 `--zero3` runs ZERO3_RUNS instead (DeepSpeed ZeRO stage 3, zero.Init through HfDeepSpeedConfig), then
 ZERO3_REPEATS a second time with the same config (run-to-run spread), and appends to
-data/measurements/pending/tier2_zero3_cpu.csv, which `llmsim validate` does not read (stage 3 is not
-modelled yet). About 10 minutes on 2 cores.
+data/measurements/tier2_zero3_cpu.csv. About 10 minutes on 2 cores. These rows were measured before
+`strategies/zero3.py` was written and used to develop it.
+
+`--zero3-heldout` runs ZERO3_HELDOUT (architectures, world sizes and knobs the development rows do not have:
+GQA Mistral and Llama-3.1, OPT-350m's embedding projections, tied GPT-2 medium, BLOOM-1b1) into
+data/measurements/tier2_zero3_heldout_cpu.csv: measured once the model was written, never tuned against.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ SHAPES = {  # zoo model -> (hidden, layers, vocab, heads)
     "llama-2-7b": (128, 4, 2000, 4), "gpt2": (128, 3, 1024, 4), "qwen2.5-0.5b": (112, 3, 3000, 7),
     "pythia-160m": (128, 4, 2048, 4), "opt-125m": (96, 4, 1280, 4), "bloom-560m": (64, 3, 2048, 4),
     "codegen-350m-mono": (128, 3, 1024, 4),
+    "mistral-7b": (128, 3, 1500, 4), "llama-3.1-8b": (128, 3, 2500, 4), "opt-350m": (96, 3, 1280, 4),
+    "gpt2-medium": (96, 4, 1536, 4), "bloom-1b1": (96, 3, 1536, 4),
 }
 # (model, world size, precision, grad_ckpt, ckpt_every, micro_batch, seq_len, strategy, zero section or None)
 RUNS = [
@@ -57,7 +63,27 @@ RUNS = [
     ("bloom-560m", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 2}),
     ("qwen2.5-0.5b", 3, "bf16", False, 1, 1, 96, "deepspeed", {"stage": 2, "overlap_comm": True}),
 ]
-ZERO3_CSV = MEASUREMENTS_DIR / "pending" / "tier2_zero3_cpu.csv"
+ZERO3_CSV = MEASUREMENTS_DIR / "tier2_zero3_cpu.csv"
+ZERO3_HELDOUT_CSV = MEASUREMENTS_DIR / "tier2_zero3_heldout_cpu.csv"
+ZERO3_HELDOUT = [
+    ("mistral-7b", 2, "fp32", True, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 30000, "stage3_prefetch_bucket_size": 10000,
+      "stage3_param_persistence_threshold": 500}),
+    ("llama-3.1-8b", 4, "bf16", False, 1, 2, 48, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 40000, "stage3_max_live_parameters": 20000,
+      "stage3_max_reuse_distance": 5000}),
+    ("opt-350m", 3, "fp32", True, 2, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 60000, "sub_group_size": 30000}),
+    ("gpt2-medium", 2, "bf16", False, 1, 3, 40, "deepspeed",
+     {"stage": 3, "contiguous_gradients": False, "reduce_bucket_size": 25000,
+      "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}),
+    ("bloom-1b1", 3, "bf16", True, 1, 1, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+      "stage3_param_persistence_threshold": "auto"}),
+    ("llama-2-7b", 4, "fp32", False, 1, 1, 96, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 70000, "stage3_max_reuse_distance": 100000,
+      "stage3_prefetch_bucket_size": 60000, "stage3_max_live_parameters": 200000}),
+]
 # Same tuple as RUNS. DeepSpeed's stage-3 defaults: reduce_bucket_size 5e8 (an empty(5e8) kept all run),
 # stage3_prefetch_bucket_size 5e7, stage3_max_live_parameters 1e9, stage3_param_persistence_threshold 1e5,
 # stage3_max_reuse_distance 1e9, sub_group_size 1e9, overlap_comm True, contiguous_gradients True.
@@ -113,7 +139,7 @@ def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
     failures = 0
     for model, world, precision, ckpt, every, mb, seq, strategy, zero in runs:
         spec = load_model_spec(model, shrink(model, *SHAPES[model]))
-        attention = Attention.EAGER if model == "bloom-560m" else None
+        attention = Attention.EAGER if model.startswith("bloom") else None
         setup = TrainSetup(mb, seq, Precision(precision), attention, ckpt, every)
         deepspeed = None
         if zero is not None:
@@ -141,11 +167,12 @@ def main() -> int:
                         help=f"CSV to append to (default {TIER2_CSV}, with --zero3 {ZERO3_CSV})")
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--only", type=int, nargs="*", help="indices into RUNS, or ZERO3_RUNS (default: all)")
+    parser.add_argument("--zero3-heldout", action="store_true", help=f"run ZERO3_HELDOUT into {ZERO3_HELDOUT_CSV}")
     parser.add_argument("--zero3", action="store_true",
                         help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")
     args = parser.parse_args()
-    runs = ZERO3_RUNS if args.zero3 else RUNS
-    out = args.out or (ZERO3_CSV if args.zero3 else TIER2_CSV)
+    runs = ZERO3_HELDOUT if args.zero3_heldout else ZERO3_RUNS if args.zero3 else RUNS
+    out = args.out or (ZERO3_HELDOUT_CSV if args.zero3_heldout else ZERO3_CSV if args.zero3 else TIER2_CSV)
     chosen = [i for i in range(len(runs)) if args.only is None or i in args.only]
     failures = measure([runs[i] for i in chosen], out, args.timeout)
     if args.zero3:

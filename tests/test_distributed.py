@@ -72,10 +72,32 @@ FRESH = [
     ("gpt2", (96, 3, 800, 4), TrainSetup(2, 48, Precision.BF16, grad_ckpt=True), Strategy.DDP, None),
     ("qwen2.5-0.5b", (80, 3, 900, 4), TrainSetup(1, 40), Strategy.DEEPSPEED,
      {"stage": 2, "reduce_bucket_size": 30000}),
+    ("llama-2-7b", (64, 3, 700, 4), TrainSetup(2, 32, Precision.BF16, grad_ckpt=True), Strategy.DEEPSPEED,
+     {"stage": 3, "reduce_bucket_size": 20000, "stage3_prefetch_bucket_size": 8000,
+      "stage3_max_live_parameters": 30000, "stage3_param_persistence_threshold": 100}),
 ]
 
 
-@pytest.mark.parametrize("model,shape,setup,strategy,zero", FRESH, ids=["ddp", "zero2"])
+def test_committed_deepspeed_rows_cover_the_matrix():
+    """Issue 3's matrix: >= 60 rank rows over stages 0-3, 2-4 ranks, fp32 and bf16, >= 4 architectures,
+    checkpointing on and off, default and small buckets, the stage-3 knobs varied."""
+    from llmsim.validate import load_measurements
+
+    rows = load_measurements()
+    rows = rows[rows["strategy"] == "deepspeed"]
+    zero = [json.loads(c)["zero_optimization"] for c in rows["ds_config"]]
+    assert len(rows) >= 60
+    assert {z.get("stage", 0) for z in zero} == {0, 1, 2, 3}
+    assert set(rows["world_size"]) == {2, 3, 4} and set(rows["precision"]) == {"fp32", "bf16"}
+    assert rows["model"].nunique() >= 4 and set(rows["grad_ckpt"]) == {True, False}
+    assert {"reduce_bucket_size" in z for z in zero} == {True, False}
+    stage3 = [z for z in zero if z.get("stage") == 3]
+    for knob in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_param_persistence_threshold",
+                 "stage3_max_reuse_distance", "sub_group_size", "contiguous_gradients", "overlap_comm"):
+        assert any(knob in z for z in stage3), knob
+
+
+@pytest.mark.parametrize("model,shape,setup,strategy,zero", FRESH, ids=["ddp", "zero2", "zero3"])
 def test_fresh_multiprocess_run_matches_prediction(tmp_path, model, shape, setup, strategy, zero):
     spec = load_model_spec(model, shrink(model, *shape))
     deepspeed = None
