@@ -98,7 +98,8 @@ def main() -> int:
             print(rows[-1], flush=True)
     frame = pd.DataFrame(rows)
     frame.to_csv(OUT, index=False)
-    gib = frame.set_index(["model", "world_size"]).drop(columns=["params", "llmsim_seconds", "llmsim_zero3_seconds"]) / 2**30
+    timings = ["params", "llmsim_seconds", "llmsim_zero3_seconds"]
+    gib = frame.set_index(["model", "world_size"]).drop(columns=timings) / 2**30
     print(gib.round(2).to_string())
     return 0
 

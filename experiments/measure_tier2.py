@@ -9,6 +9,9 @@ ZERO3_REPEATS a second time with the same config (run-to-run spread), and append
 data/measurements/tier2_zero3_cpu.csv. About 10 minutes on 2 cores. These rows were measured before
 `strategies/zero3.py` was written and used to develop it.
 
+`--ds-optimizer` runs DS_OPTIMIZER_RUNS (stages 1-3 with a DeepSpeed "optimizer" section: FusedAdam, which
+DeepSpeed JIT-compiles for the CPU on first use, and `torch_adam`) into data/measurements/tier2_ds_optimizer_cpu.csv.
+
 `--zero3-heldout` runs ZERO3_HELDOUT (architectures, world sizes and knobs the development rows do not have:
 GQA Mistral and Llama-3.1, OPT-350m's embedding projections, tied GPT-2 medium, BLOOM-1b1) into
 data/measurements/tier2_zero3_heldout_cpu.csv: measured once the model was written, never tuned against.
@@ -65,6 +68,22 @@ RUNS = [
 ]
 ZERO3_CSV = MEASUREMENTS_DIR / "tier2_zero3_cpu.csv"
 ZERO3_HELDOUT_CSV = MEASUREMENTS_DIR / "tier2_zero3_heldout_cpu.csv"
+DS_OPTIMIZER_CSV = MEASUREMENTS_DIR / "tier2_ds_optimizer_cpu.csv"
+FUSED_ADAMW = {"type": "AdamW", "params": {"lr": 1e-4}}
+TORCH_ADAMW = {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}
+# (model, world, precision, ckpt, every, micro_batch, seq, strategy, zero section, optimizer section)
+DS_OPTIMIZER_RUNS = [
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 50000}, FUSED_ADAMW),
+    ("gpt2", 3, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 1}, FUSED_ADAMW),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 50000, "stage3_prefetch_bucket_size": 20000}, FUSED_ADAMW),
+    # Its rows are in data/measurements/pending/: which ranks hold gloo's reduce-scatter clone at the peak
+    # changes from run to run (see pending/README.md).
+    ("opt-125m", 4, "fp32", True, 1, 1, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 40000, "sub_group_size": 40000}, FUSED_ADAMW),
+    ("pythia-160m", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 3, "reduce_bucket_size": 50000},
+     TORCH_ADAMW),
+]
 ZERO3_HELDOUT = [
     ("mistral-7b", 2, "fp32", True, 1, 2, 64, "deepspeed",
      {"stage": 3, "reduce_bucket_size": 30000, "stage3_prefetch_bucket_size": 10000,
@@ -137,7 +156,9 @@ ZERO3_REPEATS = [0, 5, 16]  # indices into ZERO3_RUNS measured a second time wit
 def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
     """Measure each run (failures are reported and skipped); append the rank rows to `out`; the failures."""
     failures = 0
-    for model, world, precision, ckpt, every, mb, seq, strategy, zero in runs:
+    for run in runs:
+        model, world, precision, ckpt, every, mb, seq, strategy, zero = run[:9]
+        optimizer = run[9] if len(run) > 9 else None
         spec = load_model_spec(model, shrink(model, *SHAPES[model]))
         attention = Attention.EAGER if model.startswith("bloom") else None
         setup = TrainSetup(mb, seq, Precision(precision), attention, ckpt, every)
@@ -145,6 +166,8 @@ def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
         if zero is not None:
             config = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": 1,
                       "zero_optimization": zero, "bf16": {"enabled": precision == "bf16"}}
+            if optimizer is not None:
+                config["optimizer"] = optimizer
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(config, f)
             deepspeed = load_ds_config(f.name, world, SHAPES[model][0], mb, Precision(precision))
@@ -167,12 +190,16 @@ def main() -> int:
                         help=f"CSV to append to (default {TIER2_CSV}, with --zero3 {ZERO3_CSV})")
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--only", type=int, nargs="*", help="indices into RUNS, or ZERO3_RUNS (default: all)")
+    parser.add_argument("--ds-optimizer", action="store_true",
+                        help=f"run DS_OPTIMIZER_RUNS (a DeepSpeed \"optimizer\" section) into {DS_OPTIMIZER_CSV}")
     parser.add_argument("--zero3-heldout", action="store_true", help=f"run ZERO3_HELDOUT into {ZERO3_HELDOUT_CSV}")
     parser.add_argument("--zero3", action="store_true",
                         help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")
     args = parser.parse_args()
-    runs = ZERO3_HELDOUT if args.zero3_heldout else ZERO3_RUNS if args.zero3 else RUNS
-    out = args.out or (ZERO3_HELDOUT_CSV if args.zero3_heldout else ZERO3_CSV if args.zero3 else TIER2_CSV)
+    runs, default_out = ((DS_OPTIMIZER_RUNS, DS_OPTIMIZER_CSV) if args.ds_optimizer
+                         else (ZERO3_HELDOUT, ZERO3_HELDOUT_CSV) if args.zero3_heldout
+                         else (ZERO3_RUNS, ZERO3_CSV) if args.zero3 else (RUNS, TIER2_CSV))
+    out = args.out or default_out
     chosen = [i for i in range(len(runs)) if args.only is None or i in args.only]
     failures = measure([runs[i] for i in chosen], out, args.timeout)
     if args.zero3:

@@ -23,6 +23,7 @@ AUTO = "auto"
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # predicting needs no accelerator; skips DeepSpeed's probe
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 HF_DEFAULT_MAX_GRAD_NORM = 1.0  # transformers.TrainingArguments.max_grad_norm
+DEEPSPEED_ADAM_TYPES = ("adam", "adamw")  # deepspeed/runtime/config.py ADAM_OPTIMIZER, ADAMW_OPTIMIZER
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,16 @@ class DeepSpeedSetup:
     @property
     def precision(self) -> Precision:
         return Precision.BF16 if self.config.get("bf16", {}).get("enabled") else Precision.FP32
+
+    @property
+    def optimizer_kind(self) -> str:
+        """Which optimizer steps: "client" (no "optimizer" section: the client torch.optim.AdamW), "torch"
+        (`torch_adam: true`: torch.optim.Adam/AdamW) or "fused" (DeepSpeed's FusedAdam, what
+        engine.get_optimizer_configuration builds without offload)."""
+        optimizer = self.config.get("optimizer")
+        if optimizer is None:
+            return "client"
+        return "torch" if optimizer.get("params", {}).get("torch_adam") else "fused"
 
     def zero(self):
         """DeepSpeed's own parsed zero_optimization section, with DeepSpeed's defaults."""
@@ -135,6 +146,14 @@ def _validate(config: dict) -> None:
         DeepSpeedZeroConfig(**zero)
     except Exception as exc:  # pydantic.ValidationError: the message names the key and the valid inputs
         raise InputError(f"DeepSpeed config zero_optimization: {one_line(exc)}") from None
-    if "optimizer" in config:
-        raise InputError("a DeepSpeed \"optimizer\" section is not modelled yet; remove it to train with a client "
-                         "torch.optim.AdamW (transformers' default when the JSON has none)")
+    optimizer = config.get("optimizer")
+    if optimizer is not None:
+        kind = optimizer.get("type") if isinstance(optimizer, dict) else None
+        if not isinstance(kind, str) or kind.lower() not in DEEPSPEED_ADAM_TYPES:
+            raise InputError(f"DeepSpeed config optimizer type {kind!r} is not modelled; modelled: Adam, AdamW "
+                             "(or no \"optimizer\" section: a client torch.optim.AdamW)")
+    offloaded = [key for key in ("offload_optimizer", "offload_param")
+                 if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none"]
+    if offloaded:
+        raise InputError(f"DeepSpeed config zero_optimization.{offloaded[0]} (CPU/NVMe offload) is not modelled yet; "
+                         "modelled: no offload")

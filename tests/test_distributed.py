@@ -35,6 +35,12 @@ BAD = [
     ({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}}, ["--precision", "fp32"], "contradicts"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}, ["--world-size", "0"], "world-size"),
     ({"zero_optimization": {"stage": 2}}, [], "give --micro-batch"),
+    ({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 2}}, [],
+     "'Lamb' is not modelled"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+     [], "offload_optimizer"),
+    ({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 0}}, [],
+     "stage 0 is not modelled"),
 ]
 
 

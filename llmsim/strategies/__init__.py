@@ -45,6 +45,9 @@ def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.Da
     if layout.deepspeed.stage not in stages:
         raise InputError(f"DeepSpeed ZeRO stage {layout.deepspeed.stage} is not modelled yet; "
                          f"modelled stages: {', '.join(map(str, sorted(stages)))}")
+    if layout.deepspeed.stage == 0 and layout.deepspeed.optimizer_kind != "client":
+        raise InputError("a DeepSpeed \"optimizer\" section with ZeRO stage 0 is not modelled yet; modelled with "
+                         "it: stages 1, 2 and 3")
     return stages[layout.deepspeed.stage](timeline, layout, setup)
 
 

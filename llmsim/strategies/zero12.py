@@ -27,8 +27,9 @@ import pandas as pd
 
 from llmsim.enums import Category, Phase, Precision
 from llmsim.tracker import GRAD_READY
-from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, adamw, param_storages,
-                                           parameters, rows_of, walk_phases)
+from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, construct_optimizer,
+                                           optimizer_of, param_storages, parameters, rows_of, step_optimizer,
+                                           walk_phases)
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: the flat buffer is padded to a multiple of 2 * world size
 
@@ -96,7 +97,7 @@ class _Rank:
         self.mine = self.part.slices(rank)
         self.gip_bytes = sum(self.numel[name] for name in self.mine) * self.elem
         self.rank = rank
-        self.foreach = setup.foreach
+        self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
         self.timeline = timeline
         self.rows = rows
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
@@ -104,6 +105,7 @@ class _Rank:
 
     # ---- initialize --------------------------------------------------------------------------------
     def initialize(self) -> None:
+        construct_optimizer(self.w, self.optimizer)
         flat = self.w.alloc(self.part.flat_numel * self.elem, Category.PARAMETER)
         for serial, nbytes in param_storages(self.timeline):
             self.w.free(serial, nbytes, Category.PARAMETER)
@@ -200,7 +202,7 @@ class _Rank:
             self.w.free(self.gip, self.gip_bytes, Category.GRADIENT)
         if self.padding is not None:
             self.w.free(self.padding, (p - sum(self.mine.values())) * self.elem, Category.GRADIENT)
-        adamw(self.w, [self.part.partition_numel], first, self.foreach)
+        step_optimizer(self.w, [self.part.partition_numel], first, self.foreach, self.optimizer)
         self.w.free(flat_grad, p * FP32_BYTES, Category.GRADIENT)
 
     # ---- the walk --------------------------------------------------------------------------------------

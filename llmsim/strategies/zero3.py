@@ -33,7 +33,8 @@ import pandas as pd
 
 from llmsim.enums import Category, Device, Phase, Precision
 from llmsim.step import ROOT_MODULE
-from llmsim.strategies.zero_common import FP32_BYTES, FP64_BYTES, EventWriter, adamw, parameters, rows_of
+from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, construct_optimizer, optimizer_of,
+                                           parameters, rows_of, step_optimizer)
 from llmsim.tracker import BACKWARD_POST, BACKWARD_PRE, FORWARD_POST, FORWARD_PRE, GRAD_READY, TIED
 
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = "not_available", "inflight", "available"  # ZeroParamStatus
@@ -67,7 +68,7 @@ class _Rank:
         self.world = layout.world_size
         self.rank = rank
         self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
-        self.foreach = setup.foreach
+        self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
         self.gloo = setup.device is Device.CPU  # the process group's backend: gloo on the CPU, NCCL on GPUs
         self.rows = rows
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
@@ -131,7 +132,8 @@ class _Rank:
             self.w.free(whole, p.numel * self.elem, Category.TEMPORARY)
 
     def initialize(self) -> None:
-        """DeepSpeedZeroOptimizer_Stage3.__init__."""
+        """DeepSpeedZeroOptimizer_Stage3.__init__ (after the basic optimizer is built)."""
+        construct_optimizer(self.w, self.optimizer)
         total = sum(p.partition for p in self.params)
         self.w.alloc(total * self.elem, Category.PARAMETER)  # lp_param_buffer (defragment)
         for serial, numel in self.ds_tensors:
@@ -355,7 +357,7 @@ class _Rank:
                 fp32 = self.w.alloc(numel * FP32_BYTES, Category.GRADIENT)
                 self.w.free(flat, numel * self.elem, Category.GRADIENT)
                 flat = fp32
-            adamw(self.w, [numel], first, self.foreach)
+            step_optimizer(self.w, [numel], first, self.foreach, self.optimizer)
             self.w.free(flat, numel * FP32_BYTES, Category.GRADIENT)
         persistent = [p for p in self.params if p.persist]  # _post_step: one buffer each
         for p in persistent:

@@ -99,6 +99,39 @@ def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool) -> None
         w.free(*previous, Category.TEMPORARY)
 
 
+FUSED_ADAM_OVERFLOW_BUF_BYTES = 4  # FusedAdam.__init__: `_dummy_overflow_buf = IntTensor([0])`
+
+
+def step_optimizer(w: EventWriter, numels: list[int], first: bool, foreach: bool, kind: str) -> None:
+    """The optimizer step a ZeRO stage runs on its fp32 partitions: a torch AdamW (the client's, or `torch_adam`)
+    or DeepSpeed's FusedAdam (deepspeed/ops/adam/fused_adam.py), which creates `exp_avg` and `exp_avg_sq` with
+    `zeros_like` at the first step (`step` is a Python int) and updates them in place in one compiled
+    multi-tensor kernel: no temporaries."""
+    if kind != "fused":
+        adamw(w, numels, first, foreach)
+        return
+    if first:
+        for numel in numels:
+            w.alloc(numel * FP32_BYTES, Category.OPTIMIZER_STATE)
+            w.alloc(numel * FP32_BYTES, Category.OPTIMIZER_STATE)
+
+
+def optimizer_of(deepspeed, setup) -> tuple[str, bool]:
+    """(kind, foreach) of the optimizer DeepSpeed steps with (`DeepSpeedSetup.optimizer_kind`)."""
+    kind = deepspeed.optimizer_kind
+    foreach = setup.foreach
+    if kind == "torch":
+        requested = deepspeed.config["optimizer"].get("params", {}).get("foreach")
+        foreach = setup.foreach if requested is None else bool(requested)
+    return kind, foreach
+
+
+def construct_optimizer(w: EventWriter, kind: str) -> None:
+    """What building the optimizer allocates before the ZeRO optimizer wraps it."""
+    if kind == "fused":
+        w.alloc(FUSED_ADAM_OVERFLOW_BUF_BYTES, Category.OPTIMIZER_STATE)
+
+
 def walk_phases(rows: list[tuple], handle, leave) -> None:
     """Call `handle(row)` for every row and `leave(step, phase)` when a (step, phase) ends: where a strategy
     adds what happens at the end of the build, of each backward and of each optimizer step."""
