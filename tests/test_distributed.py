@@ -108,7 +108,8 @@ def test_fresh_multiprocess_run_matches_prediction(tmp_path, model, shape, setup
     spec = load_model_spec(model, shrink(model, *shape))
     deepspeed = None
     if zero is not None:
-        config = {"train_micro_batch_size_per_gpu": setup.micro_batch, "zero_optimization": zero}
+        config = {"train_micro_batch_size_per_gpu": setup.micro_batch, "zero_optimization": zero,
+                  "bf16": {"enabled": setup.precision is Precision.BF16}}
         deepspeed = load_ds_config(_write(tmp_path, config), 2, shape[0], None, setup.precision)
     layout = Layout(strategy, 2, deepspeed)
     rows = measure_distributed(spec, setup, layout, timeout_s=600)
