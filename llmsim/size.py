@@ -1,7 +1,7 @@
 """Issue 7's question, for the layouts modelled so far: on this GPU, which layouts fit, and with what largest
 micro-batch? Pure compute; the CLI prints the table.
 
-A layout is a strategy and a number of GPUs: one GPU, DDP, and DeepSpeed ZeRO-1/2 (defaults, bf16 when the setup
+A layout is a strategy and a number of GPUs: one GPU, DDP, and DeepSpeed ZeRO-1/2/3 (defaults, bf16 when the setup
 is bf16) on 2, 4, 8, ... up to `max_gpus`. For each, the largest micro-batch up to `max_micro_batch` whose every
 rank fits is found by doubling then bisecting, which assumes that memory grows with the micro-batch. Live bytes
 do; the caching allocator can make "fits" non-monotonic within about one segment of the capacity (a larger
@@ -40,7 +40,7 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int) -> list[Candid
     while world <= max_gpus:
         out.append(Candidate("ddp", world, lambda mb, w=world: Layout(Strategy.DDP, w)))
         if not setup.lora_rank and setup.precision in (Precision.FP32, Precision.BF16):
-            for stage in (1, 2):
+            for stage in (1, 2, 3):
                 out.append(Candidate(f"zero{stage}", world,
                                      lambda mb, w=world, s=stage: _zero(spec, setup, w, s, mb)))
         world *= 2
