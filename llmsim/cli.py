@@ -124,6 +124,11 @@ def cmd_predict(args) -> int:
         print(json.dumps(prediction.to_dict(), indent=2))
     else:
         print(prediction_table(prediction))
+    if args.plot:
+        from llmsim.plots import prediction_figure
+
+        prediction_figure(prediction, args.plot)
+        print(f"figure: {args.plot}", file=sys.stderr if args.format == "json" else sys.stdout)
     return 0
 
 
@@ -230,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p)
     p.add_argument("--format", choices=["table", "json"], default="table")
+    p.add_argument("--plot", metavar="PNG", help="also draw the fullest rank's memory over the step, stacked by "
+                   "category with the peak marked, and every rank's breakdown at its peak")
     p.set_defaults(func=cmd_predict)
     p = sub.add_parser("compare", help="the peak under each memory lever and common combinations (+ PNG chart)")
     _add_model_args(p)

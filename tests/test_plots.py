@@ -1,0 +1,25 @@
+"""The prediction figure: the stacked timeline adds up to the rank's live bytes, and the PNG is written."""
+from llmsim.cli import main
+from llmsim.pipeline import predict
+from llmsim.plots import _envelope, category_timeline
+from llmsim.spec import TrainSetup, load_model_spec
+from llmsim.zoo import shrink
+
+
+def test_category_timeline_adds_up_and_the_envelope_keeps_the_peak():
+    spec = load_model_spec("gpt2", shrink("gpt2", 64, 2, 512, 4))
+    rank = predict(spec, TrainSetup(1, 32)).ranks[0]
+    live = category_timeline(rank.timeline)
+    total = live.sum(axis=1)
+    assert (total.to_numpy() == rank.timeline["delta_bytes"].cumsum().to_numpy()).all()
+    assert total.max() == rank.peak_allocated_bytes
+    assert int(total.to_numpy().argmax()) in _envelope(total, 50)
+
+
+def test_predict_writes_the_figure(tmp_path):
+    out = tmp_path / "fig.png"
+    argv = ["predict", "--model", "gpt2", "--set", "n_layer=2", "--set", "n_embd=64", "--set", "n_head=4",
+            "--set", "vocab_size=512", "--seq-len", "32", "--micro-batch", "1", "--strategy", "ddp",
+            "--world-size", "2", "--plot", str(out)]
+    assert main(argv) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
