@@ -165,6 +165,11 @@ def cmd_size(args) -> int:
     spec, setup, _ = _inputs(args)
     gpu = load_gpu(args.gpu)
     frame = size(spec, setup, gpu, args.max_gpus, args.max_micro_batch, _alloc_conf(args))
+    if args.plot:
+        from llmsim.plots import sizing_heatmap
+
+        sizing_heatmap(frame, f"{spec.name} on {gpu.name}, seq {setup.seq_len}, {setup.precision.value}"
+                       f"{', checkpointing' if setup.grad_ckpt else ''}: largest micro-batch", args.plot)
     if args.format == "json":
         print(frame.to_json(orient="records", indent=2))
         return 0
@@ -250,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-gpus", type=int, default=8)
     p.add_argument("--max-micro-batch", type=int, default=64)
     p.add_argument("--format", choices=["table", "json"], default="table")
+    p.add_argument("--plot", metavar="PNG", help="also draw the answer as a heatmap: layout x GPUs -> largest "
+                   "micro-batch")
     p.set_defaults(func=cmd_size, strategy=None, world_size=None, ds_config=None)
     p = sub.add_parser("sweep", help="predict every combination of a YAML/JSON grid of predict's options")
     p.add_argument("file", help="YAML or JSON: option -> value or list of values (llmsim/sweep.py)")

@@ -107,3 +107,33 @@ def prediction_figure(prediction, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def sizing_heatmap(frame: pd.DataFrame, title: str, path: Path) -> Path:
+    """`size`'s answer as a grid: layouts down, GPU counts across, each cell the largest micro-batch that fits
+    (0: none does)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = frame.pivot_table(index="layout", columns="gpus", values="largest_micro_batch", aggfunc="max")
+    order = [name for name in ("single", "ddp", "zero1", "zero2", "zero3") if name in grid.index]
+    grid = grid.reindex(index=order + [n for n in grid.index if n not in order])
+    fig, ax = plt.subplots(figsize=(1.1 * len(grid.columns) + 2.5, 0.55 * len(grid) + 1.6))
+    image = ax.imshow(grid.fillna(-1).to_numpy(), cmap="viridis", vmin=0, aspect="auto")
+    image.cmap.set_under("#DDDDDD")  # a layout not tried at that GPU count
+    for (row, column), value in pd.DataFrame(grid.to_numpy()).stack().items():
+        if value != value:  # not tried
+            continue
+        ax.text(column, row, "no fit" if value == 0 else f"{int(value)}", ha="center", va="center", fontsize=8,
+                color="white" if value < grid.max().max() / 2 else "black")
+    ax.set_xticks(range(len(grid.columns)), [str(c) for c in grid.columns])
+    ax.set_yticks(range(len(grid.index)), list(grid.index))
+    ax.set_xlabel("GPUs")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(image, ax=ax, label="largest micro-batch")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

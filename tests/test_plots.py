@@ -23,3 +23,14 @@ def test_predict_writes_the_figure(tmp_path):
             "--world-size", "2", "--plot", str(out)]
     assert main(argv) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sizing_heatmap_is_written(tmp_path):
+    import pandas as pd
+
+    from llmsim.plots import sizing_heatmap
+
+    frame = pd.DataFrame({"layout": ["single", "ddp", "zero3", "ddp", "zero3"], "gpus": [1, 2, 2, 4, 4],
+                          "largest_micro_batch": [0, 0, 3, 0, 7]})
+    out = sizing_heatmap(frame, "test", tmp_path / "size.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
