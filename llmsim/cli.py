@@ -165,18 +165,18 @@ def cmd_size(args) -> int:
     spec, setup, _ = _inputs(args)
     gpu = load_gpu(args.gpu)
     frame = size(spec, setup, gpu, args.max_gpus, args.max_micro_batch, _alloc_conf(args))
+    title = (f"{spec.name} on {gpu.name} ({human_bytes(gpu.capacity_bytes)}), seq {setup.seq_len}, "
+             f"{setup.precision.value}{', checkpointing' if setup.grad_ckpt else ''}")
     if args.plot:
         from llmsim.plots import sizing_heatmap
 
-        sizing_heatmap(frame, f"{spec.name} on {gpu.name}, seq {setup.seq_len}, {setup.precision.value}"
-                       f"{', checkpointing' if setup.grad_ckpt else ''}: largest micro-batch", args.plot)
+        sizing_heatmap(frame, f"{title}: largest micro-batch", args.plot)
     if args.format == "json":
         print(frame.to_json(orient="records", indent=2))
         return 0
     shown = frame.assign(total=frame["device_total_bytes"].map(lambda b: human_bytes(int(b)) if b == b and b else "-"),
                          headroom=frame["headroom_bytes"].map(lambda b: human_bytes(int(b)) if b == b and b else "-"))
-    print(f"{spec.name} on {gpu.name} ({human_bytes(gpu.capacity_bytes)}), seq {setup.seq_len}, "
-          f"{setup.precision.value}{', checkpointing' if setup.grad_ckpt else ''}")
+    print(title)
     print(shown[["layout", "gpus", "largest_micro_batch", "total", "headroom", "fits"]].to_string(index=False))
     return 0
 

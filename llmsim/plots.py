@@ -3,17 +3,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 GIB = 2**30
 
 
-def levers_bar_chart(frame: pd.DataFrame, title: str, path: Path, capacity_bytes: int | None = None) -> Path:
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
+def levers_bar_chart(frame: pd.DataFrame, title: str, path: Path, capacity_bytes: int | None = None) -> Path:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(frame) + 1.5))
     values = frame["device_total_bytes"] / GIB
     bars = ax.barh(frame["lever"], values, color="#4C72B0")
@@ -26,10 +40,7 @@ def levers_bar_chart(frame: pd.DataFrame, title: str, path: Path, capacity_bytes
         ax.legend(loc="lower right")
     ax.set_xlabel("peak memory per GPU (GiB)")
     ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 MAX_TIMELINE_POINTS = 4000  # events drawn per rank: the fullest event of each window, so no spike is lost
@@ -64,11 +75,7 @@ def _envelope(total, points: int) -> list[int]:
 def prediction_figure(prediction, path: Path) -> Path:
     """The fullest rank's live memory over the step, stacked by category, with its peak marked; and every
     rank's breakdown at its own peak."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     worst = max(prediction.ranks, key=lambda r: r.peak_allocated_bytes)
     live = category_timeline(worst.timeline)
     total = live.sum(axis=1)
@@ -82,9 +89,8 @@ def prediction_figure(prediction, path: Path) -> Path:
     ax.plot([peak_at], [total.iloc[peak_at] / GIB], marker="v", color="black")  # a spike can be one event wide
     ax.annotate(f"peak {total.iloc[peak_at] / GIB:.2f} GiB\nstep {worst.peak.step + 1} {worst.peak.phase}",
                 (peak_at, total.iloc[peak_at] / GIB), textcoords="offset points", xytext=(6, -24), fontsize=8)
-    phases = worst.timeline["step"].astype(str) + " " + worst.timeline["phase"]
-    starts = [i for i in range(len(phases)) if i == 0 or phases.iloc[i] != phases.iloc[i - 1]]
-    for i in starts[1:]:
+    phases = (worst.timeline["step"].astype(str) + " " + worst.timeline["phase"]).to_numpy()
+    for i in np.flatnonzero(phases[1:] != phases[:-1]) + 1:  # where a phase starts
         ax.axvline(i, color="grey", linewidth=0.3)
     ax.set_xlabel("event (allocation or free), phases separated by grey lines")
     ax.set_ylabel("live bytes (GiB)")
@@ -103,20 +109,13 @@ def prediction_figure(prediction, path: Path) -> Path:
     bars.set_title("each rank at its peak (colours as left)", fontsize=10)
     fig.suptitle(f"{prediction.model.name}, {prediction.layout.strategy.value} x {prediction.layout.world_size}, "
                  f"micro-batch {prediction.setup.micro_batch}, seq {prediction.setup.seq_len}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def sizing_heatmap(frame: pd.DataFrame, title: str, path: Path) -> Path:
     """`size`'s answer as a grid: layouts down, GPU counts across, each cell the largest micro-batch that fits
     (0: none does)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     grid = frame.pivot_table(index="layout", columns="gpus", values="largest_micro_batch", aggfunc="max")
     order = [name for name in ("single", "ddp", "zero1", "zero2", "zero3") if name in grid.index]
     grid = grid.reindex(index=order + [n for n in grid.index if n not in order])
@@ -133,7 +132,4 @@ def sizing_heatmap(frame: pd.DataFrame, title: str, path: Path) -> Path:
     ax.set_xlabel("GPUs")
     ax.set_title(title, fontsize=9)
     fig.colorbar(image, ax=ax, label="largest micro-batch")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

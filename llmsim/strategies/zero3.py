@@ -34,7 +34,7 @@ import pandas as pd
 from llmsim.enums import Category, Device, Phase, Precision
 from llmsim.step import ROOT_MODULE
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, construct_optimizer, optimizer_of,
-                                           parameters, rows_of, step_optimizer)
+                                           parameters, rows_of, step_optimizer, walk_phases)
 from llmsim.tracker import BACKWARD_POST, BACKWARD_PRE, FORWARD_POST, FORWARD_PRE, GRAD_READY, TIED
 
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = "not_available", "inflight", "available"  # ZeroParamStatus
@@ -55,7 +55,7 @@ class _Param:
 
 @dataclass(eq=False)
 class _Handle:
-    """A pending all-gather: one parameter (its buffer is its storage) or several (one flat buffer)."""
+    """A pending all-gather: one parameter (its buffer is its storage) or several (`flat`: one flat buffer)."""
 
     params: list[_Param]
     flat: tuple[int, int] | None = None
@@ -63,10 +63,9 @@ class _Handle:
 
 
 class _Rank:
-    def __init__(self, timeline: pd.DataFrame, rows: list[tuple], layout, setup, rank: int) -> None:
+    def __init__(self, timeline: pd.DataFrame, rows: list[tuple], layout, setup) -> None:
         self.zero = layout.deepspeed.zero()
         self.world = layout.world_size
-        self.rank = rank
         self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
         self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
         self.gloo = setup.device is Device.CPU  # the process group's backend: gloo on the CPU, NCCL on GPUs
@@ -96,7 +95,6 @@ class _Rank:
         self.bucket_elements = 0
         self.in_bucket: set[str] = set()
         self.grads: dict[str, tuple[int, int]] = {}  # param -> autograd gradient storage still alive
-        self.fp32_states_built = False
 
     # ---- setup ---------------------------------------------------------------------------------------
     def _mark_persistent(self) -> None:
@@ -168,7 +166,7 @@ class _Rank:
             p = params[0]
             nbytes = p.partition * self.world * self.elem
             p.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
-            handle = _Handle(params, complete=True)
+            handle = _Handle(params)
         else:
             nbytes = sum(p.partition for p in params) * self.world * self.elem
             handle = _Handle(params, flat=(self.w.alloc(nbytes, GATHERED), nbytes))
@@ -182,12 +180,11 @@ class _Rank:
         handle = self.inflight.pop(p)
         if not handle.complete:
             for q in handle.params:
-                nbytes = q.numel * self.elem
-                q.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
+                if handle.flat is not None:
+                    nbytes = q.numel * self.elem
+                    q.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
                 q.status = AVAILABLE
             handle.complete = True
-        for q in handle.params:
-            q.status = AVAILABLE if q.storage is not None else q.status
         if handle.flat is not None and not any(h is handle for h in self.inflight.values()):
             self.w.free(*handle.flat, GATHERED)
             handle.flat = None
@@ -201,8 +198,7 @@ class _Rank:
 
     def _clean_inflight(self) -> None:
         for p in list(self.inflight):
-            if p in self.inflight:
-                self._wait(p)
+            self._wait(p)
             self._release_param(p)
 
     def reset_step(self) -> None:
@@ -211,7 +207,7 @@ class _Rank:
         if self.mode != "complete":
             if self.mode == "record":
                 self.param_order = [(p, step) for step, module in enumerate(self.module_order)
-                                    for p in sorted(set(self._params_of(module)), key=lambda q: q.ds_id)]
+                                    for p in sorted(self._params_of(module), key=lambda q: q.ds_id)]
                 self.mode = "complete"
             else:
                 self.mode = "record"
@@ -229,7 +225,7 @@ class _Rank:
             self.module_order.append(module)
         if not forward:
             self.active_backward[module] = None
-        to_fetch = list(dict.fromkeys(self._params_of(module)))
+        to_fetch = self._params_of(module)
         self._all_gather(to_fetch)
         for p in to_fetch:
             p.active.add(module)
@@ -277,7 +273,7 @@ class _Rank:
         to_release = self._to_release(module) if self.mode == "complete" else set(self._params_of(module))
         if not forward:
             self.active_backward.pop(module, None)
-        for p in dict.fromkeys(self._params_of(module)):
+        for p in self._params_of(module):
             p.active.discard(module)
             if p in to_release:
                 self._release_param(p)
@@ -285,7 +281,7 @@ class _Rank:
     def release_backward_leftovers(self) -> None:
         while self.active_backward:
             module, _ = self.active_backward.popitem()
-            for p in dict.fromkeys(self._params_of(module)):
+            for p in self._params_of(module):
                 p.active.discard(module)
                 if not p.persist:
                     self._release_param(p)
@@ -367,25 +363,18 @@ class _Rank:
 
     # ---- the walk --------------------------------------------------------------------------------------
     def run(self) -> pd.DataFrame:
-        phase_key = None
-        for row in self.rows:
-            key = (row[0], row[1])
-            if key != phase_key:
-                if phase_key is not None:
-                    self._leave(*phase_key)
-                phase_key = key
-                self.w.step, self.w.phase = key
-            self._row(row)
-        if phase_key is not None:
-            self._leave(*phase_key)
+        walk_phases(self.rows, self._row, self._leave)
         return self.w.frame()
 
     def _row(self, row: tuple) -> None:
+        self.w.step, self.w.phase = row[0], row[1]  # what a marker row makes DeepSpeed allocate happens here
         phase, serial, category, name = row[1], int(row[4]), row[6], row[7]
         if phase == Phase.OPTIMIZER.value:
             return  # DeepSpeed's step replaces the client optimizer's
         if serial == TIED:
-            self.module_params[_module_of(row[3])].append(self.by_name[name])
+            module = self.module_params[_module_of(row[3])]
+            if self.by_name[name] not in module:  # each module lists a parameter once (`iter_params`)
+                module.append(self.by_name[name])
         elif serial == FORWARD_PRE:
             if name == ROOT_MODULE:
                 self.reset_step()
@@ -434,5 +423,5 @@ def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     """Every rank runs the same events: partitions are ceil(n / W) elements everywhere (the last rank's
     padding included), so one timeline serves all ranks."""
     rows = rows_of(timeline)
-    shared = _Rank(timeline, rows, layout, setup, 0).run()
+    shared = _Rank(timeline, rows, layout, setup).run()
     return {rank: shared for rank in range(layout.world_size)}
