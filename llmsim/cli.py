@@ -5,6 +5,7 @@ import argparse
 import os
 import json
 import sys
+from pathlib import Path
 
 from llmsim.enums import Attention, Optimizer, Precision, parse_enum
 from llmsim.errors import InputError
@@ -56,7 +57,14 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     """One layout: micro-batch, ranks, strategy, and optionally the GPU."""
     p.add_argument("--micro-batch", type=int, default=None, help="required unless the DeepSpeed config sets it")
     p.add_argument("--strategy", default=None, help="single | ddp (deepspeed when --ds-config is given)")
-    p.add_argument("--world-size", type=int, default=None, help="number of ranks (default 1)")
+    p.add_argument("--world-size", type=int, default=None, help="number of ranks (default: tp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: transformers' TP plan on DTensor "
+                   "(colwise/rowwise, the LM head's logits gathered); world-size = dp x pp x tp")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (torch.distributed.pipelining, layers split "
+                   "as transformers splits them)")
+    p.add_argument("--schedule", default="gpipe", help="pipeline schedule with --pp: gpipe | 1f1b")
+    p.add_argument("--microbatches", type=int, default=1, help="micro-batches through the pipeline per step, each "
+                   "of --micro-batch samples (with --pp)")
     p.add_argument("--ds-config", default=None, help="DeepSpeed JSON, as passed to deepspeed.initialize")
     p.add_argument("--gpu", default=None, help="GPU profile (data/gpus): the kernels CUDA picks on it (SDPA backend, "
                    "autocast policy, foreach AdamW), reserved via the caching-allocator model, device total, headroom")
@@ -68,11 +76,12 @@ def _inputs(args):
     from llmsim.dsconfig import load_ds_config
     from llmsim.enums import Device
     from llmsim.spec import TrainSetup, load_model_spec
+    from llmsim.pipelining import Schedule
     from llmsim.strategies import Layout, Strategy
 
     spec = load_model_spec(args.model, dict(_override(t) for t in args.set))
     precision = parse_enum(Precision, args.precision, "precision") if args.precision else None
-    world_size = 1 if args.world_size is None else args.world_size
+    world_size = args.tp * args.pp if args.world_size is None else args.world_size
     strategy = parse_enum(Strategy, args.strategy, "strategy") if args.strategy else None
     deepspeed = None
     if args.ds_config:
@@ -86,7 +95,9 @@ def _inputs(args):
         if args.micro_batch is None:
             raise InputError("--micro-batch is required (or a DeepSpeed config that sets it)")
         micro_batch = args.micro_batch
-    layout = Layout(strategy or (Strategy.DDP if world_size > 1 else Strategy.SINGLE), world_size, deepspeed)
+    layout = Layout(strategy or (Strategy.DDP if world_size > args.tp * args.pp else Strategy.SINGLE), world_size,
+                    deepspeed, tp=args.tp, pp=args.pp, schedule=parse_enum(Schedule, args.schedule, "schedule"),
+                    n_microbatches=args.microbatches)
     setup = TrainSetup(
         micro_batch=micro_batch, seq_len=args.seq_len, precision=precision or Precision.FP32,
         attention=parse_enum(Attention, args.attn, "attention") if args.attn else None,
@@ -133,7 +144,6 @@ def cmd_predict(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from pathlib import Path
 
     from llmsim.compare import compare_levers
     from llmsim.gpus import load_gpu
@@ -185,10 +195,9 @@ def cmd_measure(args) -> int:
     from llmsim.launch import LaunchFailure
     from llmsim.measure import TIER1_CSV, TIER2_CSV, append_rows, measure_distributed, measure_single
     from llmsim.report import human_bytes
-    from llmsim.strategies import Strategy
 
     spec, setup, layout = _inputs(args)
-    if layout.strategy is Strategy.SINGLE:
+    if layout.world_size == 1:
         rows, default_out = [measure_single(spec, setup)], TIER1_CSV
     else:
         try:
@@ -197,7 +206,7 @@ def cmd_measure(args) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_RUN_FAILED
     if not args.dry_run:
-        append_rows(rows, args.out or default_out)
+        append_rows(rows, Path(args.out) if args.out else default_out)
     for row in rows:
         print(f"rank {row['rank']}: measured peak allocated {human_bytes(row['peak_allocated_bytes'])} "
               f"({row['peak_allocated_bytes']:,} B) in {row['wall_s']} s")
@@ -257,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--plot", metavar="PNG", help="also draw the answer as a heatmap: layout x GPUs -> largest "
                    "micro-batch")
-    p.set_defaults(func=cmd_size, strategy=None, world_size=None, ds_config=None)
+    p.set_defaults(func=cmd_size, strategy=None, world_size=None, ds_config=None, tp=1, pp=1, schedule="gpipe",
+                   microbatches=1)
     p = sub.add_parser("sweep", help="predict every combination of a YAML/JSON grid of predict's options")
     p.add_argument("file", help="YAML or JSON: option -> value or list of values (llmsim/sweep.py)")
     p.add_argument("--out", default="llmsim-sweep.csv", help=".csv or .parquet")

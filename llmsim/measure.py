@@ -19,6 +19,8 @@ from llmsim.peaks import replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
 from llmsim.step import run_canonical_step
 from llmsim.strategies import Layout, Strategy
+from llmsim.pipelining import check_pipeline
+from llmsim.tensor_parallel import check_divides
 from llmsim.trace import model_builder, run_fake
 from llmsim.tracker import StorageTracker
 
@@ -86,7 +88,12 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     """A real multi-process run (torchrun, gloo) on this CPU: one tier-2 row per rank."""
     setup = resolve_attention(spec, setup)
     check_fits_positions(spec, setup)
-    job = {"framework": "deepspeed" if layout.strategy is Strategy.DEEPSPEED else "ddp",
+    check_divides(spec.hf_config(), layout.tp)
+    check_pipeline(spec.hf_config(), layout.pp, layout.n_microbatches)
+    framework = ("deepspeed" if layout.strategy is Strategy.DEEPSPEED
+                 else "model_parallel" if layout.tp * layout.pp > 1 else "ddp")
+    job = {"framework": framework, "model": spec.name, "tp": layout.tp, "pp": layout.pp,
+           "schedule": layout.schedule.value, "n_microbatches": layout.n_microbatches,
            "config_json": spec.config_json, "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt,
            "ckpt_every": setup.ckpt_every, "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
            "steps": setup.steps, "precision": setup.precision.value, "build_bf16": setup.build_bf16,
@@ -97,6 +104,8 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     ds_config = layout.deepspeed.config_json if layout.deepspeed else ""
     return [{"tier": 2, **setup_columns(spec, setup), "strategy": layout.strategy.value,
-             "world_size": layout.world_size, "rank": r.rank, "ds_config": ds_config,
+             "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
+             "schedule": layout.schedule.value if layout.pp > 1 else "", "n_microbatches": layout.n_microbatches,
+             "rank": r.rank, "ds_config": ds_config,
              "peak_allocated_bytes": r.peak_allocated_bytes, "device": "cpu", **environment(),
              "measured_at": stamp, "wall_s": wall_s} for r in results]

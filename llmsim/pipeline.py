@@ -12,6 +12,8 @@ from llmsim.graph import layer_graph
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
 from llmsim.strategies import STRATEGIES, Layout
+from llmsim.pipelining import check_pipeline
+from llmsim.tensor_parallel import check_divides
 from llmsim.timeline import expand
 from llmsim.trace import trace
 
@@ -60,7 +62,9 @@ class Prediction:
 
     def to_dict(self) -> dict:
         return {"model": self.model.name, "strategy": self.layout.strategy.value,
-                "world_size": self.layout.world_size,
+                "world_size": self.layout.world_size, "tp": self.layout.tp, "pp": self.layout.pp,
+                "schedule": self.layout.schedule.value if self.layout.pp > 1 else None,
+                "n_microbatches": self.layout.n_microbatches,
                 "micro_batch": self.setup.micro_batch, "seq_len": self.setup.seq_len,
                 "precision": self.setup.precision.value, "attention": self.setup.attention.value,
                 "grad_ckpt": self.setup.grad_ckpt, "ckpt_every": self.setup.ckpt_every,
@@ -77,12 +81,26 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     setup = resolve_attention(model, setup)
     if layout.deepspeed is not None and layout.deepspeed.stage == 3:
         setup = replace(setup, zero3_hooks=True)
+    if layout.tp > 1:
+        check_divides(model.hf_config(), layout.tp)
+        setup = replace(setup, tp=layout.tp)
+    check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches)
     check_fits_positions(model, setup)
-    traced = trace(model, setup)
-    timeline = expand(traced)
+    if layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks
+        traced = None
+        rank_timelines = {}
+        for stage in range(layout.pp):
+            traced = trace(model, replace(setup, pp=layout.pp, pp_stage=stage, schedule=layout.schedule.value,
+                                          n_microbatches=layout.n_microbatches))
+            timeline = expand(traced)
+            rank_timelines.update({stage * layout.tp + t: timeline for t in range(layout.tp)})
+    else:
+        traced = trace(model, setup)
+        timeline = expand(traced)
+        rank_timelines = STRATEGIES[layout.strategy](timeline, layout, setup)
     ranks = []
-    replayed: dict[int, RankPrediction] = {}  # ranks that share one timeline (DDP, ZeRO-0) are replayed once
-    for rank, rank_timeline in sorted(STRATEGIES[layout.strategy](timeline, layout, setup).items()):
+    replayed: dict[int, RankPrediction] = {}  # ranks that share one timeline (DDP, ZeRO-0, TP) are replayed once
+    for rank, rank_timeline in sorted(rank_timelines.items()):
         if id(rank_timeline) not in replayed:
             replayed[id(rank_timeline)] = _on_device(rank, replay(rank_timeline), rank_timeline, gpu, alloc_conf)
         ranks.append(replace(replayed[id(rank_timeline)], rank=rank))

@@ -46,9 +46,14 @@ class TrainSetup:
     lora_alpha: int = 16
     lora_targets: tuple[str, ...] | None = None  # None: peft's default target modules for the model type
     zero3_hooks: bool = False  # trace with DeepSpeed ZeRO-3's module hooks mirrored (llmsim/zero3_hooks.py)
+    tp: int = 1  # tensor-parallel degree: trace one rank of transformers' TP plan (llmsim/tensor_parallel.py)
+    pp: int = 1  # pipeline stages: trace stage `pp_stage` of the canonical PP step (llmsim/pipelining.py)
+    pp_stage: int = 0
+    schedule: str = "gpipe"  # llmsim.pipelining.Schedule
+    n_microbatches: int = 1  # micro-batches per step through the pipeline (each `micro_batch` samples)
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "seq_len", "ckpt_every", "steps"):
+        for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")

@@ -270,3 +270,68 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
             optimizer.zero_grad(set_to_none=True)
         tracker.finish()
     return hooks.info(vocab_size)
+
+
+def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
+                      pp_group) -> StepInfo:
+    """One stage of the canonical PP step (llmsim/pipelining.py) under `tracker`: `build` gives the stage's
+    model, `pp_group` the process group of the pipeline."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from llmsim.pipelining import Schedule, stage_forward, stage_io
+
+    torch.manual_seed(0)
+    stage_index, num_stages = setup.pp_stage, setup.pp
+    with tracker:
+        model = build()
+        hooks = LayerHooks(tracker, model, None)
+        if setup.precision.cast_dtype is not None:
+            model.to(setup.precision.cast_dtype)
+            hooks.label_model()
+        model.train()
+        if setup.grad_ckpt:
+            model.activation_checkpointing_enable(every_n_layers=setup.ckpt_every)
+        model.forward = stage_forward(model, stage_index, num_stages)
+        vocab_size = int(model.config.vocab_size)
+        example = stage_io(stage_index, num_stages, setup.micro_batch, setup.seq_len, int(model.config.hidden_size),
+                           vocab_size, setup.precision.cast_dtype or torch.float32)
+        stage = PipelineStage(model, stage_index, num_stages, torch.device("cpu"), input_args=example[0],
+                              output_args=example[1], group=pp_group)
+        _track_chunks(stage, tracker, hooks)
+        schedule = Schedule(setup.schedule).schedule_class(
+            stage, setup.n_microbatches, loss_fn=lambda logits, labels: model.loss_function(logits, labels,
+                                                                                             vocab_size))
+        optimizer = make_optimizer(model.parameters(), setup)
+        hooks.watch(optimizer)
+        batch = torch.randint(0, vocab_size, (setup.micro_batch * setup.n_microbatches, setup.seq_len))
+        tracker.label([batch], Category.INPUT)
+        for step in range(setup.steps):
+            tracker.set_phase(step, Phase.FORWARD)
+            if stage_index == 0:
+                schedule.step(batch)
+            elif stage_index == num_stages - 1:
+                schedule.step(target=batch, losses=[])
+            else:
+                schedule.step()
+            tracker.set_phase(step, Phase.OPTIMIZER)
+            optimizer.step()
+            tracker.frees_by_owner = True
+            optimizer.zero_grad(set_to_none=True)
+        tracker.finish()
+    return hooks.info(vocab_size)
+
+
+def _track_chunks(stage, tracker: StorageTracker, hooks: LayerHooks) -> None:
+    """The schedule interleaves micro-batches' forwards and backwards: keep the tracker's phase in step."""
+    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_one_chunk(*args, **kwargs):
+        tracker.set_phase(tracker.step, Phase.FORWARD)
+        return forward(*args, **kwargs)
+
+    def backward_one_chunk(*args, **kwargs):
+        tracker.set_phase(tracker.step, Phase.BACKWARD)
+        hooks.enter_backward()
+        return backward(*args, **kwargs)
+
+    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk

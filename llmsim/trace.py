@@ -17,11 +17,14 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from llmsim.errors import InputError, one_line
 from llmsim.kernels import cuda_kernels
 from llmsim.spec import ModelSpec, TrainSetup
-from llmsim.step import StepInfo, run_canonical_step
+from llmsim.step import StepInfo, run_canonical_step, run_pipeline_step
+from llmsim.pipelining import cut
+from llmsim.tensor_parallel import WaitReturnsInput, build_parallel, fake_process_group, parallel_mesh
 from llmsim.tracker import StorageTracker
 
 
@@ -44,9 +47,12 @@ def trace_depth(num_layers: int, period: int) -> int:
     return min(depth, num_layers)
 
 
-def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None):
-    """How the canonical step builds the model: fp32 (the cast to bf16 is part of the step), or directly in bf16."""
+def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, mesh=None):
+    """How the canonical step builds the model: fp32 (the cast to bf16 is part of the step), or directly in bf16;
+    with tp or pp > 1, this rank's stage and shards over `mesh` (llmsim.tensor_parallel.parallel_mesh)."""
     if spec.factory is not None:
+        if setup.tp > 1:
+            raise InputError(f"tp({setup.tp}) needs an HF config with a TP plan; {spec.name} is a module factory")
         return spec.factory_callable()
     config = spec.hf_config(num_layers)
 
@@ -59,6 +65,10 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None):
                 attn_implementation=setup.attention.value)
         except (ValueError, TypeError, RuntimeError, AssertionError) as exc:  # what transformers raises
             raise InputError(f"transformers cannot build {spec.name}: {one_line(exc)}") from exc
+    if setup.tp > 1 or setup.pp > 1:
+        return functools.partial(
+            build_parallel, build, spec.name, mesh["tp"] if setup.tp > 1 else None,
+            functools.partial(cut, stage=setup.pp_stage, num_stages=setup.pp) if setup.pp > 1 else None)
     return build
 
 
@@ -100,7 +110,11 @@ def _apply_as_on_cpu(self, fn, recurse=True):
             module._apply(fn)
     with torch.no_grad():
         for param in self._parameters.values():
-            if param is not None:
+            if param is None:
+                continue
+            if is_traceable_wrapper_subclass(param):  # a DTensor: torch swaps it for real parameters too
+                torch.utils.swap_tensors(param, torch.nn.Parameter(fn(param), requires_grad=param.requires_grad))
+            else:
                 param.data = fn(param)
         for key, buffer in self._buffers.items():
             if buffer is not None:
@@ -114,20 +128,51 @@ def _step_without_overflow(self, optimizer, optimizer_state, *args, **kwargs):
     return optimizer.step(*args, **kwargs)
 
 
+def _warmup_p2p_static(self, stages, has_backward, p2p_done):
+    """`_PipelineSchedule._warmup_p2p` as a real run of the canonical PP step decides it: every stage is
+    given its input and output shapes, so every stage votes STATIC and the vote's product is 1. The votes
+    are still sent (their 4-byte tensors are real allocations); only their value, which a fake tensor cannot
+    answer (`.item()`), is taken from the stage's own `needs_dynamic`."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    acc = None
+    for stage in stages:
+        acc = stage._warmup_forward_vote(has_backward, received_acc=acc)
+    result = acc
+    for stage in reversed(stages):
+        result = stage._warmup_backward_result(received_result=result)
+        stage._inference_mode = (InferenceMode.DYNAMIC if InferenceMode.needs_dynamic(stage._user_meta, has_backward)
+                                 else InferenceMode.STATIC)
+
+
 def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tuple[pd.DataFrame, StepInfo]:
     """The canonical step under FakeTensorMode: exact bytes, no memory."""
     tracker = StorageTracker()
-    with FakeTensorMode(), decide_like_a_real_run(), \
-            mock.patch.object(torch.nn.Module, "_apply", _apply_as_on_cpu), \
-            mock.patch.object(torch.amp.GradScaler, "_maybe_opt_step", _step_without_overflow), \
-            cuda_kernels(setup):
-        info = run_canonical_step(model_builder(spec, setup, num_layers), setup, tracker, num_layers)
+    with contextlib.ExitStack() as stack:
+        mesh = None
+        if setup.tp * setup.pp > 1:  # TP rank 0 of the stage's group; the mesh is built before the fake mode
+            stack.enter_context(fake_process_group(setup.tp * setup.pp, rank=setup.pp_stage * setup.tp))
+            mesh = parallel_mesh(setup.pp, setup.tp)
+        stack.enter_context(FakeTensorMode())
+        stack.enter_context(WaitReturnsInput())
+        from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+        for patch in (decide_like_a_real_run(), mock.patch.object(torch.nn.Module, "_apply", _apply_as_on_cpu),
+                      mock.patch.object(_PipelineSchedule, "_warmup_p2p", _warmup_p2p_static),
+                      mock.patch.object(torch.amp.GradScaler, "_maybe_opt_step", _step_without_overflow),
+                      cuda_kernels(setup)):
+            stack.enter_context(patch)
+        build = model_builder(spec, setup, num_layers, mesh)
+        if setup.pp > 1:
+            info = run_pipeline_step(build, setup, tracker, mesh["pp"].get_group())
+        else:
+            info = run_canonical_step(build, setup, tracker, num_layers)
     return tracker.timeline(), info
 
 
 @functools.lru_cache(maxsize=32)
 def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
-    if spec.factory is not None:  # an arbitrary nn.Module cannot be cut to fewer layers: trace it whole
+    if spec.factory is not None or setup.pp > 1:  # a module factory, or a pipeline stage: traced whole
         timeline, info = run_fake(spec, setup, None)
         return Trace(timeline, info, info.num_blocks, 1, info.num_blocks)
     num_layers = spec.num_layers

@@ -46,7 +46,9 @@ def _storages(tensor: torch.Tensor) -> Iterable[torch.UntypedStorage]:
     if is_traceable_wrapper_subclass(tensor):
         inner_names, _ = tensor.__tensor_flatten__()
         for name in inner_names:
-            yield from _storages(getattr(tensor, name))
+            inner = getattr(tensor, name)
+            if isinstance(inner, torch.Tensor):  # DTensor also names its device mesh
+                yield from _storages(inner)
     else:
         yield tensor.untyped_storage()
 

@@ -12,6 +12,7 @@ from llmsim.measure import MEASUREMENTS_DIR
 from llmsim.pipeline import predict
 from llmsim.spec import ModelSpec, TrainSetup, load_model_spec
 from llmsim.dsconfig import DeepSpeedSetup
+from llmsim.pipelining import Schedule
 from llmsim.strategies import Layout, Strategy
 from llmsim.gpus import load_gpu
 from llmsim.tolerances import DEVICE_TOTAL_TOLERANCE, PEAK_ALLOCATED_TOLERANCE, RESERVED_TOLERANCE
@@ -30,7 +31,10 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
     ds_config = row.get("ds_config")
     deepspeed = (DeepSpeedSetup(ds_config, int(row["world_size"])) if isinstance(ds_config, str) and ds_config
                  else None)
-    layout = Layout(Strategy(row["strategy"]), int(row["world_size"]), deepspeed)
+    schedule = row.get("schedule")
+    layout = Layout(Strategy(row["strategy"]), int(row["world_size"]), deepspeed, tp=_int(row, "tp", 1),
+                    pp=_int(row, "pp", 1), n_microbatches=_int(row, "n_microbatches", 1),
+                    schedule=Schedule(schedule) if isinstance(schedule, str) and schedule else Schedule.GPIPE)
     return spec, setup, layout
 
 
@@ -63,7 +67,7 @@ def validate(measurements: pd.DataFrame) -> pd.DataFrame:
                         "precision": setup.precision.value, "attention": row["attention"],
                         "grad_ckpt": setup.grad_ckpt, "ckpt_every": setup.ckpt_every, "lora": setup.lora_rank,
                         "strategy": _strategy_name(layout), "world_size": layout.world_size,
-                        "rank": int(row["rank"]),
+                        "tp": layout.tp, "pp": layout.pp, "rank": int(row["rank"]),
                         "measured_bytes": measured, "predicted_bytes": predicted, "rel_error": error,
                         "tolerance": tolerance, "ok": abs(error) <= tolerance and device_ok})
     return pd.DataFrame(results)
@@ -82,6 +86,11 @@ def _lora(row: pd.Series) -> dict:
     targets = row.get("lora_targets")
     return {"lora_rank": int(rank), "lora_alpha": int(row["lora_alpha"]),
             "lora_targets": tuple(targets.split(",")) if isinstance(targets, str) and targets else None}
+
+
+def _int(row: pd.Series, column: str, default: int) -> int:
+    value = row.get(column)
+    return default if value is None or pd.isna(value) else int(value)
 
 
 def _flag(row: pd.Series, column: str) -> bool:

@@ -13,6 +13,7 @@ import pandas as pd
 
 from llmsim.dsconfig import DeepSpeedSetup
 from llmsim.errors import InputError
+from llmsim.pipelining import Schedule
 from llmsim.strategies import ddp, single
 
 
@@ -24,18 +25,39 @@ class Strategy(str, Enum):
 
 @dataclass(frozen=True)
 class Layout:
+    """Ranks = dp x pp x tp: `strategy` is what runs across the data-parallel replicas (none for single), and
+    each replica is a pipeline of `pp` stages (llmsim/pipelining.py), each stage `tp` ranks of a
+    tensor-parallel group (llmsim/tensor_parallel.py). Rank = stage * tp + tp-rank within a replica."""
+
     strategy: Strategy = Strategy.SINGLE
     world_size: int = 1
     deepspeed: DeepSpeedSetup | None = None
+    tp: int = 1
+    pp: int = 1
+    schedule: Schedule = Schedule.GPIPE
+    n_microbatches: int = 1  # micro-batches through the pipeline per step (pp > 1)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise InputError(f"world-size({self.world_size}) must be >= 1")
-        if self.strategy is Strategy.SINGLE and self.world_size != 1:
-            raise InputError(f"strategy single runs one process; world-size({self.world_size}) must be 1 "
-                             "(use --strategy ddp or --ds-config for several)")
+        for name in ("tp", "pp", "n_microbatches"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name}({getattr(self, name)}) must be >= 1")
+        if self.world_size % (self.tp * self.pp):
+            raise InputError(f"dp x pp x tp must equal world-size: pp({self.pp}) x tp({self.tp}) does not divide "
+                             f"world-size({self.world_size})")
+        if self.strategy is Strategy.SINGLE and self.dp != 1:
+            raise InputError(f"strategy single runs one replica; world-size({self.world_size}) must equal "
+                             f"pp({self.pp}) x tp({self.tp}) (use --strategy ddp or --ds-config for several)")
+        if self.tp * self.pp > 1 and self.strategy is not Strategy.SINGLE:
+            raise InputError(f"pp({self.pp}) x tp({self.tp}) with strategy {self.strategy.value} is not modelled "
+                             "yet; modelled with tp/pp: single (dp = 1)")
         if (self.strategy is Strategy.DEEPSPEED) != (self.deepspeed is not None):
             raise InputError("strategy deepspeed needs a DeepSpeed config (--ds-config), and only it takes one")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
 
 
 def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.DataFrame]:
