@@ -1,10 +1,13 @@
-"""Tier-2 measurement matrix for tensor parallelism: real multi-process runs on this CPU (torchrun, gloo),
-the storage tracker in every rank.
+"""Tier-2 measurement matrix for tensor and pipeline parallelism: real multi-process runs on this CPU
+(torchrun, gloo), the storage tracker in every rank.
 
-TP_RUNS: transformers' own TP plan on DTensor (llmsim/tensor_parallel.py), TP 2 and 4, four architectures
-(Llama MHA, Mistral GQA, Qwen2 GQA with q/k/v biases, GPT-NeoX fused QKV), fp32/bf16,
+TP_RUNS: transformers' own TP plan on DTensor (llmsim/tensor_parallel.py), TP 2 and 4, five architectures
+(Llama MHA, Mistral GQA, Qwen2 GQA with q/k/v biases, GPT-NeoX fused QKV, Llama-3.1), fp32/bf16/autocast,
 checkpointing on and off. Writes data/measurements/tier2_tp_cpu.csv (one row per rank).
-Run: python experiments/measure_tier2_parallel.py (about 5 minutes on 2 cores).
+PP_RUNS: torch.distributed.pipelining (llmsim/pipelining.py), PP 2 and 4, GPipe and 1F1B, 1-8 micro-batches,
+and two hybrids: TP x PP (pp 2 x tp 2) and DP x PP (DistributedDataParallel around each of 2 stages, dp 2).
+Writes data/measurements/tier2_pp_cpu.csv.
+Run: python experiments/measure_tier2_parallel.py [--pp] (about 5 minutes each on 2 cores).
 """
 from __future__ import annotations
 
@@ -15,14 +18,17 @@ from pathlib import Path
 from llmsim.enums import Precision
 from llmsim.launch import LaunchFailure
 from llmsim.measure import MEASUREMENTS_DIR, append_rows, measure_distributed
+from llmsim.pipelining import Schedule
 from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.strategies import Layout
+from llmsim.strategies import Layout, Strategy
 from llmsim.zoo import shrink
 
 TP_CSV = MEASUREMENTS_DIR / "tier2_tp_cpu.csv"
+PP_CSV = MEASUREMENTS_DIR / "tier2_pp_cpu.csv"
 SHAPES = {  # zoo model -> (hidden, layers, vocab, heads): every size divides by 4 (kv-heads included)
     "llama-2-7b": (128, 4, 2000, 4), "mistral-7b": (128, 3, 1500, 16), "qwen2.5-7b": (112, 3, 3000, 28),
     "pythia-160m": (128, 3, 2048, 4), "llama-3.1-8b": (128, 5, 2500, 16),
+    "llama-2-7b-deep": (128, 8, 2000, 4), "mistral-7b-deep": (128, 6, 1500, 16), "qwen2.5-7b-deep": (112, 5, 3000, 28),
 }
 # (model, tp, precision, grad_ckpt, ckpt_every, micro_batch, seq_len)
 TP_RUNS = [
@@ -40,34 +46,63 @@ TP_RUNS = [
     ("llama-3.1-8b", 2, "bf16-autocast", False, 1, 2, 64),
     ("llama-3.1-8b", 4, "fp32", True, 1, 2, 64),
 ]
+# (model[-deep], pp, tp, schedule, n_microbatches, precision, grad_ckpt, ckpt_every, micro_batch, seq_len[, dp])
+PP_RUNS = [
+    ("llama-2-7b", 2, 1, "gpipe", 4, "fp32", False, 1, 2, 64),
+    ("llama-2-7b", 2, 1, "1f1b", 4, "fp32", False, 1, 2, 64),
+    ("llama-2-7b-deep", 4, 1, "gpipe", 8, "bf16", False, 1, 1, 64),
+    ("llama-2-7b-deep", 4, 1, "1f1b", 8, "bf16", True, 1, 1, 64),
+    ("mistral-7b", 2, 1, "1f1b", 2, "fp32", True, 1, 2, 64),
+    ("mistral-7b-deep", 4, 1, "gpipe", 1, "fp32", False, 1, 2, 96),
+    ("qwen2.5-7b", 2, 1, "gpipe", 3, "bf16", False, 1, 1, 64),
+    ("qwen2.5-7b-deep", 4, 1, "1f1b", 6, "fp32", False, 1, 1, 64),
+    ("pythia-160m", 2, 1, "1f1b", 4, "fp32", False, 1, 2, 64),
+    ("llama-3.1-8b", 2, 1, "gpipe", 2, "fp32", True, 2, 2, 64),
+    ("llama-2-7b", 2, 2, "gpipe", 4, "fp32", False, 1, 2, 64),
+    ("mistral-7b", 2, 2, "1f1b", 4, "bf16", False, 1, 1, 96),
+    ("qwen2.5-7b", 2, 2, "1f1b", 2, "fp32", True, 1, 2, 64),
+    ("llama-2-7b", 2, 1, "gpipe", 2, "fp32", False, 1, 2, 64, 2),  # + dp: DDP around each stage
+    ("mistral-7b", 2, 1, "1f1b", 2, "bf16", True, 1, 1, 96, 2),
+]
 
 
 def measure(runs: list[tuple], out: Path, timeout: int) -> int:
     """Measure each run (failures are reported and skipped); append the rank rows to `out`; the failures."""
     failures = 0
-    for model, tp, precision, ckpt, every, mb, seq in runs:
-        spec = load_model_spec(model, shrink(model, *SHAPES[model]))
+    for run in runs:
+        dp = 1
+        if len(run) == 7:  # a TP run
+            model, tp, precision, ckpt, every, mb, seq = run
+            pp, schedule, n_microbatches = 1, "gpipe", 1
+        else:
+            model, pp, tp, schedule, n_microbatches, precision, ckpt, every, mb, seq = run[:10]
+            dp = run[10] if len(run) > 10 else 1
+        zoo_name = model.removesuffix("-deep")
+        spec = load_model_spec(zoo_name, shrink(zoo_name, *SHAPES[model]))
         setup = TrainSetup(mb, seq, Precision(precision), None, ckpt, every)
+        layout = Layout(Strategy.DDP if dp > 1 else Strategy.SINGLE, dp * pp * tp, tp=tp, pp=pp,
+                        schedule=Schedule(schedule), n_microbatches=n_microbatches)
         try:
-            rows = measure_distributed(spec, setup, Layout(world_size=tp, tp=tp), timeout)
+            rows = measure_distributed(spec, setup, layout, timeout)
         except LaunchFailure as exc:
             failures += 1
-            print(f"FAILED {model} tp {tp}: {exc}", flush=True)
+            print(f"FAILED {run}: {exc}", flush=True)
             continue
         append_rows(rows, out)
-        print(model, "tp", tp, precision, ckpt, [r["peak_allocated_bytes"] for r in rows], rows[0]["wall_s"],
-              flush=True)
+        print(run, [r["peak_allocated_bytes"] for r in rows], rows[0]["wall_s"], flush=True)
     return failures
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=TP_CSV)
+    parser.add_argument("--pp", action="store_true", help=f"run PP_RUNS into {PP_CSV} instead of TP_RUNS")
+    parser.add_argument("--out", type=Path, default=None, help=f"default {TP_CSV}, with --pp {PP_CSV}")
     parser.add_argument("--timeout", type=int, default=600)
-    parser.add_argument("--only", type=int, nargs="*", help="indices into TP_RUNS (default: all)")
+    parser.add_argument("--only", type=int, nargs="*", help="indices into TP_RUNS or PP_RUNS (default: all)")
     args = parser.parse_args()
-    chosen = [run for i, run in enumerate(TP_RUNS) if args.only is None or i in args.only]
-    return 1 if measure(chosen, args.out, args.timeout) else 0
+    runs, out = (PP_RUNS, PP_CSV) if args.pp else (TP_RUNS, TP_CSV)
+    chosen = [run for i, run in enumerate(runs) if args.only is None or i in args.only]
+    return 1 if measure(chosen, args.out or out, args.timeout) else 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import time
-import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -108,18 +107,25 @@ class GlooWorkSettles(TorchDispatchMode):
 
 def run_model_parallel(job: dict, tracker: StorageTracker) -> None:
     """This rank's pipeline stage (llmsim.pipelining) and shards of transformers' TP plan
-    (llmsim.tensor_parallel): the canonical PP step, or the canonical step when there is one stage."""
-    mesh = parallel_mesh(job.get("pp", 1), job.get("tp", 1))
-    stage = mesh.get_coordinate()[0]
-    setup = replace(_setup(job), pp_stage=stage)
+    (llmsim.tensor_parallel): the canonical PP step, or the canonical step when there is one stage. With
+    dp > 1 the stage is wrapped in DistributedDataParallel over its data-parallel group."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    dp = job.get("dp", 1)
+    mesh = parallel_mesh(dp, job.get("pp", 1), job.get("tp", 1))
+    setup = replace(_setup(job), pp_stage=mesh.get_coordinate()[1])
     spec = ModelSpec(job["model"], job["config_json"])
     build = model_builder(spec, setup, None, mesh)
-    with warnings.catch_warnings(), GlooWorkSettles():
-        warnings.filterwarnings("ignore", message="DTensor random operators")
+    wrap = None
+    if dp > 1:
+        def wrap(model):
+            return DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
+                                           bucket_cap_mb=DDP_BUCKET_CAP_MB)
+    with GlooWorkSettles():
         if setup.pp > 1:
-            run_pipeline_step(build, setup, tracker, mesh["pp"].get_group())
+            run_pipeline_step(build, setup, tracker, mesh["pp"].get_group(), wrap)
         else:
-            run_canonical_step(build, setup, tracker)
+            run_canonical_step(build, setup, tracker, wrap=wrap)
 
 
 def main() -> int:

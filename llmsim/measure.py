@@ -20,7 +20,7 @@ from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_att
 from llmsim.step import run_canonical_step
 from llmsim.strategies import Layout, Strategy
 from llmsim.pipelining import check_pipeline
-from llmsim.tensor_parallel import check_divides
+from llmsim.tensor_parallel import check_tensor_parallel
 from llmsim.trace import model_builder, run_fake
 from llmsim.tracker import StorageTracker
 
@@ -88,11 +88,11 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     """A real multi-process run (torchrun, gloo) on this CPU: one tier-2 row per rank."""
     setup = resolve_attention(spec, setup)
     check_fits_positions(spec, setup)
-    check_divides(spec.hf_config(), layout.tp)
-    check_pipeline(spec.hf_config(), layout.pp, layout.n_microbatches)
+    check_tensor_parallel(spec.hf_config(), layout.tp)
+    check_pipeline(spec.hf_config(), layout.pp, layout.n_microbatches, layout.schedule)
     framework = ("deepspeed" if layout.strategy is Strategy.DEEPSPEED
                  else "model_parallel" if layout.tp * layout.pp > 1 else "ddp")
-    job = {"framework": framework, "model": spec.name, "tp": layout.tp, "pp": layout.pp,
+    job = {"framework": framework, "model": spec.name, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
            "schedule": layout.schedule.value, "n_microbatches": layout.n_microbatches,
            "config_json": spec.config_json, "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt,
            "ckpt_every": setup.ckpt_every, "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,

@@ -11,9 +11,9 @@ from llmsim.gpus import GpuProfile, on_gpu
 from llmsim.graph import layer_graph
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
-from llmsim.strategies import STRATEGIES, Layout
+from llmsim.strategies import STRATEGIES, Layout, Strategy
 from llmsim.pipelining import check_pipeline
-from llmsim.tensor_parallel import check_divides
+from llmsim.tensor_parallel import check_tensor_parallel
 from llmsim.timeline import expand
 from llmsim.trace import trace
 
@@ -82,9 +82,9 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     if layout.deepspeed is not None and layout.deepspeed.stage == 3:
         setup = replace(setup, zero3_hooks=True)
     if layout.tp > 1:
-        check_divides(model.hf_config(), layout.tp)
+        check_tensor_parallel(model.hf_config(), layout.tp)
         setup = replace(setup, tp=layout.tp)
-    check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches)
+    check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches, layout.schedule)
     check_fits_positions(model, setup)
     if layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks
         traced = None
@@ -93,7 +93,11 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             traced = trace(model, replace(setup, pp=layout.pp, pp_stage=stage, schedule=layout.schedule.value,
                                           n_microbatches=layout.n_microbatches))
             timeline = expand(traced)
-            rank_timelines.update({stage * layout.tp + t: timeline for t in range(layout.tp)})
+            if layout.strategy is not Strategy.SINGLE:  # the stage's DDP buffers, the same in every replica
+                timeline = STRATEGIES[layout.strategy](timeline, layout, setup)[0]
+            per_replica = layout.pp * layout.tp
+            rank_timelines.update({replica * per_replica + stage * layout.tp + t: timeline
+                                   for replica in range(layout.dp) for t in range(layout.tp)})
     else:
         traced = trace(model, setup)
         timeline = expand(traced)

@@ -19,7 +19,7 @@ The canonical PP step (what `--pp N` predicts and what a measured PP rank runs),
 The cut follows transformers' own rule and plan (transformers/distributed/pipeline_parallel.py):
 `layer_range_for_rank` gives stage s the layers [start, end), the remainder one each to the first stages;
 the modules the config's `base_model_pp_plan` lists before the layers (the embedding, GPT-NeoX's embedding
-dropout) stay on the first stage, those after them (the final norm) and the model's `_pp_plan` (the LM head)
+dropout) stay on the first stage, those after them (the final norm) and the LM head (the model's `_pp_plan`)
 on the last. `loss_fn` is transformers' own causal-LM loss (`model.loss_function`: logits upcast to fp32,
 labels shifted), so the last stage computes the loss the single-process step computes inside the forward.
 `schedule.step` keeps torch's default `return_outputs=True`: the last stage concatenates the micro-batches'
@@ -56,17 +56,18 @@ def layer_range(stage: int, num_stages: int, num_layers: int) -> tuple[int, int]
     return start, start + per_stage + (stage < remainder)
 
 
-def check_pipeline(config, pp: int, n_microbatches: int) -> None:
+def check_pipeline(config, pp: int, n_microbatches: int, schedule: Schedule) -> None:
     if pp == 1:
         return
+    if schedule is Schedule.ONE_F_ONE_B and n_microbatches < pp:
+        raise InputError(f"schedule 1f1b needs microbatches({n_microbatches}) >= pp({pp}) (torch's Schedule1F1B); "
+                         f"valid: microbatches >= {pp}, or schedule gpipe")
     layers = int(config.num_hidden_layers)
     if pp > layers:
         raise InputError(f"pp({pp}) is larger than the number of layers({layers}); valid pp: 1..{layers}")
     if not getattr(config, "base_model_pp_plan", None):
         raise InputError(f"model type {config.model_type!r} has no pipeline plan in transformers "
                          "(base_model_pp_plan); pp must be 1")
-    if n_microbatches < 1:
-        raise InputError(f"microbatches({n_microbatches}) must be >= 1")
 
 
 def cut(model: nn.Module, stage: int, num_stages: int) -> None:
@@ -85,8 +86,7 @@ def cut(model: nn.Module, stage: int, num_stages: int) -> None:
     if stage < num_stages - 1:
         for name in plan[layers_at + 1:]:
             setattr(base, name, nn.Identity())
-        for name in type(model)._pp_plan or {}:
-            setattr(model, name, nn.Identity())
+        model.set_output_embeddings(nn.Identity())  # the `_pp_plan`'s LM head (GPT-NeoX calls it embed_out)
 
 
 def stage_forward(model: nn.Module, stage: int, num_stages: int):

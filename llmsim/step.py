@@ -273,9 +273,10 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
 
 
 def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
-                      pp_group) -> StepInfo:
+                      pp_group, wrap: Callable[[nn.Module], nn.Module] | None = None) -> StepInfo:
     """One stage of the canonical PP step (llmsim/pipelining.py) under `tracker`: `build` gives the stage's
-    model, `pp_group` the process group of the pipeline."""
+    model, `pp_group` the process group of the pipeline; `wrap` puts DistributedDataParallel around the stage
+    (torch's PipelineStage runs DDP's no_sync for every micro-batch but the last)."""
     from torch.distributed.pipelining import PipelineStage
 
     from llmsim.pipelining import Schedule, stage_forward, stage_io
@@ -295,13 +296,14 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
         vocab_size = int(model.config.vocab_size)
         example = stage_io(stage_index, num_stages, setup.micro_batch, setup.seq_len, int(model.config.hidden_size),
                            vocab_size, setup.precision.cast_dtype or torch.float32)
-        stage = PipelineStage(model, stage_index, num_stages, torch.device("cpu"), input_args=example[0],
+        stage_module = wrap(model) if wrap is not None else model
+        stage = PipelineStage(stage_module, stage_index, num_stages, torch.device("cpu"), input_args=example[0],
                               output_args=example[1], group=pp_group)
         _track_chunks(stage, tracker, hooks)
         schedule = Schedule(setup.schedule).schedule_class(
             stage, setup.n_microbatches, loss_fn=lambda logits, labels: model.loss_function(logits, labels,
                                                                                              vocab_size))
-        optimizer = make_optimizer(model.parameters(), setup)
+        optimizer = make_optimizer(stage_module.parameters(), setup)
         hooks.watch(optimizer)
         batch = torch.randint(0, vocab_size, (setup.micro_batch * setup.n_microbatches, setup.seq_len))
         tracker.label([batch], Category.INPUT)

@@ -24,6 +24,7 @@ run byte-exact with a real gloo run (checked event by event on a 3-layer Llama, 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable
 
 import torch
@@ -34,10 +35,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llmsim.errors import InputError, one_line
 
 
-def check_divides(config, tp: int) -> None:
-    """Every rank must hold an equal shard: heads, kv-heads, MLP width and vocabulary divide by tp."""
+def check_tensor_parallel(config, tp: int) -> None:
+    """The model has a TP plan, and every rank holds an equal shard: heads, kv-heads, MLP width and vocabulary
+    divide by tp."""
     if tp == 1:
         return
+    if not getattr(config, "base_model_tp_plan", None):
+        raise InputError(f"model type {config.model_type!r} has no tensor-parallel plan in transformers "
+                         "(base_model_tp_plan); tp must be 1")
     sizes = {"num_attention_heads": getattr(config, "num_attention_heads", None),
              "num_key_value_heads": getattr(config, "num_key_value_heads", None),
              "intermediate_size": getattr(config, "intermediate_size", None),
@@ -74,6 +79,8 @@ def build_parallel(build_on_meta: Callable[[], nn.Module], name: str, mesh=None,
         check_has_plan(model, name)
         try:
             plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=mesh.size()))
+            modules = dict(model.named_modules())  # a pipeline stage has no LM head to shard: it was cut away
+            plan = {key: style for key, style in plan.items() if not isinstance(modules.get(key), nn.Identity)}
             apply_tensor_parallelism(model, mesh, plan)
         except (KeyError, ValueError) as exc:  # e.g. a tied LM head, which the plan names but the model shares
             raise InputError(f"transformers cannot apply its TP plan to {name}: {one_line(exc)}") from exc
@@ -85,18 +92,20 @@ def build_parallel(build_on_meta: Callable[[], nn.Module], name: str, mesh=None,
         for key, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[key] = torch.empty_like(buffer, device="cpu")
-    model.init_weights()
+    with warnings.catch_warnings():  # DTensor's RNG tracker has no CPU support: each rank draws its own values
+        warnings.filterwarnings("ignore", message="DTensor random operators")
+        model.init_weights()
     return model
 
 
-def parallel_mesh(pp: int, tp: int):
-    """The ranks as (pp, tp), TP innermost (neighbouring ranks share a TP group), created outside any fake mode
-    (the mesh holds a real tensor of ranks); None for one rank."""
+def parallel_mesh(dp: int, pp: int, tp: int):
+    """The ranks as (dp, pp, tp), TP innermost (neighbouring ranks share a TP group), created outside any fake
+    mode (the mesh holds a real tensor of ranks); None for one rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if pp * tp == 1:
+    if dp * pp * tp == 1:
         return None
-    return init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
+    return init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 
 
 class WaitReturnsInput(TorchDispatchMode):
@@ -120,3 +129,17 @@ def fake_process_group(world_size: int, rank: int = 0):
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """DTensor caches sharding decisions by op schema, device mesh included, and an equal mesh of the next
+    process group would find the old one's groups there (their names are reused): drop them."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own copy

@@ -145,6 +145,29 @@ def _warmup_p2p_static(self, stages, has_backward, p2p_done):
                                  else InferenceMode.STATIC)
 
 
+class _SendingWork:
+    """A fake process group's Work that, like a real one, keeps the tensors it sends alive until it is dropped."""
+
+    def __init__(self, work, tensors: list[torch.Tensor]) -> None:
+        self._work, self._tensors = work, tensors
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _holding_sends(real_batch_p2p):
+    """torch.distributed.pipelining's `_batch_p2p` with the sent tensors held by the returned works: a real
+    (gloo or NCCL) send work references its tensor until the schedule has waited on it and let it go, so an
+    input gradient sent back stays allocated until the schedule waits on its sends."""
+    import torch.distributed as dist
+
+    def batch_p2p(p2p_ops, desc=None):
+        works = real_batch_p2p(p2p_ops, desc)
+        sent = [op.tensor for op in p2p_ops if op.op is dist.isend]
+        return [_SendingWork(work, sent) for work in works] if sent else works
+    return batch_p2p
+
+
 def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tuple[pd.DataFrame, StepInfo]:
     """The canonical step under FakeTensorMode: exact bytes, no memory."""
     tracker = StorageTracker()
@@ -152,13 +175,15 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
         mesh = None
         if setup.tp * setup.pp > 1:  # TP rank 0 of the stage's group; the mesh is built before the fake mode
             stack.enter_context(fake_process_group(setup.tp * setup.pp, rank=setup.pp_stage * setup.tp))
-            mesh = parallel_mesh(setup.pp, setup.tp)
+            mesh = parallel_mesh(1, setup.pp, setup.tp)  # data-parallel replica 0
         stack.enter_context(FakeTensorMode())
         stack.enter_context(WaitReturnsInput())
+        from torch.distributed.pipelining import schedules
         from torch.distributed.pipelining.schedules import _PipelineSchedule
 
         for patch in (decide_like_a_real_run(), mock.patch.object(torch.nn.Module, "_apply", _apply_as_on_cpu),
                       mock.patch.object(_PipelineSchedule, "_warmup_p2p", _warmup_p2p_static),
+                      mock.patch.object(schedules, "_batch_p2p", _holding_sends(schedules._batch_p2p)),
                       mock.patch.object(torch.amp.GradScaler, "_maybe_opt_step", _step_without_overflow),
                       cuda_kernels(setup)):
             stack.enter_context(patch)

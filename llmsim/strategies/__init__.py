@@ -38,20 +38,20 @@ class Layout:
     n_microbatches: int = 1  # micro-batches through the pipeline per step (pp > 1)
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise InputError(f"world-size({self.world_size}) must be >= 1")
-        for name in ("tp", "pp", "n_microbatches"):
+        for name, flag in (("tp", "tp"), ("pp", "pp"), ("n_microbatches", "microbatches"),
+                           ("world_size", "world-size")):
             if getattr(self, name) < 1:
-                raise InputError(f"{name}({getattr(self, name)}) must be >= 1")
+                raise InputError(f"{flag}({getattr(self, name)}) must be >= 1")
         if self.world_size % (self.tp * self.pp):
             raise InputError(f"dp x pp x tp must equal world-size: pp({self.pp}) x tp({self.tp}) does not divide "
                              f"world-size({self.world_size})")
         if self.strategy is Strategy.SINGLE and self.dp != 1:
             raise InputError(f"strategy single runs one replica; world-size({self.world_size}) must equal "
                              f"pp({self.pp}) x tp({self.tp}) (use --strategy ddp or --ds-config for several)")
-        if self.tp * self.pp > 1 and self.strategy is not Strategy.SINGLE:
+        if self.tp * self.pp > 1 and not (self.strategy is Strategy.SINGLE or
+                                          (self.strategy is Strategy.DDP and self.pp > 1 and self.tp == 1)):
             raise InputError(f"pp({self.pp}) x tp({self.tp}) with strategy {self.strategy.value} is not modelled "
-                             "yet; modelled with tp/pp: single (dp = 1)")
+                             "yet; modelled: tp and pp with single (dp = 1), and pp with ddp (tp = 1)")
         if (self.strategy is Strategy.DEEPSPEED) != (self.deepspeed is not None):
             raise InputError("strategy deepspeed needs a DeepSpeed config (--ds-config), and only it takes one")
 

@@ -1,0 +1,97 @@
+"""Tensor and pipeline parallelism: bad layouts, the committed tier-2 matrix, fresh real runs against predictions.
+The committed rows themselves are re-predicted in test_validate.py."""
+import pytest
+
+from llmsim.cli import main
+from llmsim.enums import Precision
+from llmsim.measure import measure_distributed
+from llmsim.pipeline import predict
+from llmsim.pipelining import Schedule, layer_range
+from llmsim.spec import TrainSetup, load_model_spec
+from llmsim.strategies import Layout, Strategy
+from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
+from llmsim.zoo import shrink
+
+LLAMA = ["--model", "llama-2-7b", "--set", "num_hidden_layers=4", "--set", "hidden_size=64",
+         "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=2",
+         "--set", "vocab_size=256", "--seq-len", "16", "--micro-batch", "1"]
+
+BAD = [
+    (["--tp", "3"], "tp(3) must divide num_attention_heads(4)"),
+    (["--tp", "4"], "tp(4) must divide num_key_value_heads(2)"),
+    (["--tp", "2", "--set", "vocab_size=255"], "tp(2) must divide vocab_size(255)"),
+    (["--pp", "5"], "pp(5) is larger than the number of layers(4)"),
+    (["--tp", "2", "--world-size", "3"], "does not divide world-size(3)"),
+    (["--tp", "2", "--pp", "2", "--world-size", "8", "--strategy", "single"], "world-size(8) must equal pp(2) x tp(2)"),
+    (["--tp", "2", "--pp", "2", "--world-size", "8"], "pp(2) x tp(2) with strategy ddp is not modelled yet"),
+    (["--pp", "2", "--schedule", "1f1b", "--microbatches", "1"], "microbatches(1) >= pp(2)"),
+    (["--pp", "2", "--schedule", "zb"], "schedule"),
+    (["--tp", "0"], "tp(0) must be >= 1"),
+    (["--pp", "2", "--microbatches", "0"], "microbatches(0) must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", BAD, ids=[b[1] for b in BAD])
+def test_bad_layout_is_one_line_and_status_2(extra, needle, capsys):
+    assert main(["predict", *LLAMA, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_model_without_a_plan_is_refused(capsys):
+    argv = ["predict", "--model", "gpt2", "--set", "n_layer=2", "--seq-len", "16", "--micro-batch", "1"]
+    assert main([*argv, "--tp", "2"]) == 2
+    assert "no tensor-parallel plan" in capsys.readouterr().err
+    assert main([*argv, "--pp", "2"]) == 2
+    assert "no pipeline plan" in capsys.readouterr().err
+
+
+def test_layers_split_as_transformers_splits_them():
+    assert [layer_range(s, 3, 32) for s in range(3)] == [(0, 11), (11, 22), (22, 32)]
+    assert [layer_range(s, 4, 6) for s in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 6)]
+
+
+def test_predicted_ranks_follow_the_layout():
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 256, 4))
+    setup = TrainSetup(1, 16)
+    tp = predict(spec, setup, Layout(world_size=4, tp=4)).ranks
+    assert len({r.peak_allocated_bytes for r in tp}) == 1  # an even plan: every TP rank the same
+    single = predict(spec, setup).ranks[0].peak_allocated_bytes
+    assert tp[0].peak_allocated_bytes < single
+    pp = predict(spec, setup, Layout(Strategy.DDP, 4, tp=1, pp=2, n_microbatches=2)).ranks
+    assert [r.peak_allocated_bytes for r in pp[:2]] == [r.peak_allocated_bytes for r in pp[2:]]  # replicas
+    assert pp[0].peak_allocated_bytes != pp[1].peak_allocated_bytes  # the first and last stages differ
+
+
+def test_committed_parallel_rows_cover_the_matrix():
+    """Issue 4's matrix: >= 40 rank rows over TP 2 and 4, PP 2 and 4, GPipe and 1F1B, >= 3 architectures,
+    1-8 micro-batches, and two hybrids (TP x PP, DP x PP)."""
+    from llmsim.validate import load_measurements
+
+    rows = load_measurements()
+    rows = rows[(rows.get("tp", 1).fillna(1) > 1) | (rows.get("pp", 1).fillna(1) > 1)]
+    assert len(rows) >= 40
+    assert {2, 4} <= set(rows["tp"]) and {2, 4} <= set(rows["pp"])
+    assert {"gpipe", "1f1b"} <= set(rows["schedule"].dropna())
+    assert rows["model"].nunique() >= 3
+    assert {1, 8} <= set(rows["n_microbatches"])
+    assert ((rows["tp"] > 1) & (rows["pp"] > 1)).any()
+    assert ((rows["strategy"] == "ddp") & (rows["pp"] > 1)).any()
+
+
+FRESH = [
+    ("mistral-7b", (64, 3, 600, 8), TrainSetup(2, 32, Precision.BF16, grad_ckpt=True), Layout(world_size=2, tp=2)),
+    ("qwen2.5-7b", (56, 3, 700, 14), TrainSetup(1, 32), Layout(world_size=2, pp=2, schedule=Schedule.ONE_F_ONE_B,
+                                                              n_microbatches=3)),
+]
+
+
+@pytest.mark.parametrize("model,shape,setup,layout", FRESH, ids=["tp2", "pp2-1f1b"])
+def test_fresh_parallel_run_matches_prediction(model, shape, setup, layout):
+    spec = load_model_spec(model, shrink(model, *shape))
+    rows = measure_distributed(spec, setup, layout, timeout_s=600)
+    prediction = predict(spec, setup, layout)
+    for row in rows:
+        predicted = prediction.ranks[row["rank"]].peak_allocated_bytes
+        measured = row["peak_allocated_bytes"]
+        assert abs(predicted - measured) / measured <= PEAK_ALLOCATED_TOLERANCE[2]
