@@ -70,12 +70,15 @@ def check_pipeline(config, pp: int, n_microbatches: int, schedule: Schedule) -> 
                          "(base_model_pp_plan); pp must be 1")
 
 
-def cut(model: nn.Module, stage: int, num_stages: int) -> None:
-    """Keep stage `stage`'s share of the model (module docstring); call it on the meta model."""
+def cut(model: nn.Module, stage: int, num_stages: int, keep: int | None = None) -> None:
+    """Keep stage `stage`'s share of the model (module docstring); call it on the meta model. `keep` keeps only
+    the first `keep` of the stage's layers (the predictor's reduced-depth trace, llmsim/trace.py)."""
     base = getattr(model, model.base_model_prefix)
     plan = list(base.config.base_model_pp_plan)
     layers_at = plan.index("layers")
     start, end = layer_range(stage, num_stages, len(base.layers))
+    if keep is not None:
+        end = min(end, start + keep)
     base.layers = nn.ModuleList(base.layers[start:end])
     base.config.num_hidden_layers = end - start  # the decoder loop runs `self.layers[:num_hidden_layers]`
     if getattr(base.config, "layer_types", None):

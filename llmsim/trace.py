@@ -23,7 +23,7 @@ from llmsim.errors import InputError, one_line
 from llmsim.kernels import cuda_kernels
 from llmsim.spec import ModelSpec, TrainSetup
 from llmsim.step import StepInfo, run_canonical_step, run_pipeline_step
-from llmsim.pipelining import cut
+from llmsim.pipelining import cut, layer_range
 from llmsim.tensor_parallel import WaitReturnsInput, build_parallel, fake_process_group, parallel_mesh
 from llmsim.tracker import StorageTracker
 
@@ -54,7 +54,7 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
         if setup.tp > 1:
             raise InputError(f"tp({setup.tp}) needs an HF config with a TP plan; {spec.name} is a module factory")
         return spec.factory_callable()
-    config = spec.hf_config(num_layers)
+    config = spec.hf_config(num_layers if setup.pp == 1 else None)  # a stage is cut from the full stack
 
     def build():
         from transformers import AutoModelForCausalLM
@@ -68,7 +68,8 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
     if setup.tp > 1 or setup.pp > 1:
         return functools.partial(
             build_parallel, build, spec.name, mesh["tp"] if setup.tp > 1 else None,
-            functools.partial(cut, stage=setup.pp_stage, num_stages=setup.pp) if setup.pp > 1 else None)
+            functools.partial(cut, stage=setup.pp_stage, num_stages=setup.pp, keep=num_layers) if setup.pp > 1
+            else None)
     return build
 
 
@@ -197,10 +198,13 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
 
 @functools.lru_cache(maxsize=32)
 def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
-    if spec.factory is not None or setup.pp > 1:  # a module factory, or a pipeline stage: traced whole
+    if spec.factory is not None:  # an arbitrary nn.Module cannot be cut to fewer layers: trace it whole
         timeline, info = run_fake(spec, setup, None)
         return Trace(timeline, info, info.num_blocks, 1, info.num_blocks)
     num_layers = spec.num_layers
+    if setup.pp > 1:  # a pipeline stage: its own share of the layers, traced at reduced depth like a model
+        start, end = layer_range(setup.pp_stage, setup.pp, num_layers)
+        num_layers = end - start
     period = layer_period(spec, setup)
     depth = trace_depth(num_layers, period)
     timeline, info = run_fake(spec, setup, depth)

@@ -34,3 +34,24 @@ def test_expansion_matches_full_depth_trace(model, setup):
     keys = ["step", "phase", "block", "category"]
     assert predicted.groupby(keys)["delta_bytes"].agg(["count", "sum"]).equals(
         full.groupby(keys)["delta_bytes"].agg(["count", "sum"]))
+
+
+STAGES = [
+    ("llama-2-7b", 8, TrainSetup(1, 32, pp=2, pp_stage=0, schedule="1f1b", n_microbatches=3)),
+    ("mistral-7b", 8, TrainSetup(1, 32, Precision.BF16, grad_ckpt=True, ckpt_every=2, pp=2, pp_stage=1,
+                                 n_microbatches=2)),
+    ("qwen2.5-7b", 28, TrainSetup(2, 32, tp=2, pp=3, pp_stage=2, schedule="1f1b", n_microbatches=3)),
+]
+
+
+@pytest.mark.parametrize("model,heads,setup", STAGES, ids=[c[0] for c in STAGES])
+def test_pipeline_stage_expansion_matches_full_stage_trace(model, heads, setup):
+    """A stage is traced with a few of its layers and replicated, micro-batch by micro-batch."""
+    spec = load_model_spec(model, shrink(model, 4 * heads, 26, 512, heads))
+    setup = resolve_attention(spec, setup)
+    traced = trace(spec, setup)
+    assert traced.depth < traced.num_layers
+    predicted = expand(traced)
+    full, _ = run_fake(spec, setup, None)
+    assert replay(predicted).allocated_bytes == replay(full).allocated_bytes
+    assert len(predicted) == len(full)
