@@ -190,8 +190,22 @@ def _on_grad(tensor: torch.Tensor | None, hook) -> None:
 SGD_LR = 1e-3  # torch.optim.SGD has no default learning rate
 
 
+def by_mesh(params) -> list[dict]:
+    """One parameter group per device mesh (plain tensors apart), as transformers' Trainer groups them when a
+    tensor-parallel model mixes DTensor and plain parameters: a foreach or fused kernel takes one kind only.
+    The for-loop step (the CPU's default) takes both in one group, so the canonical step keeps one there."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for param in params:
+        groups.setdefault(param.device_mesh if isinstance(param, DTensor) else None, []).append(param)
+    return [{"params": group} for group in groups.values()]
+
+
 def make_optimizer(params, setup: TrainSetup) -> torch.optim.Optimizer:
     foreach = setup.foreach or None
+    if foreach:
+        params = by_mesh(params)
     if setup.optimizer is Optimizer.ADAMW:
         return torch.optim.AdamW(params, foreach=foreach)
     if setup.optimizer is Optimizer.ADAM:
