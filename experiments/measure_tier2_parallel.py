@@ -5,7 +5,8 @@ TP_RUNS: transformers' own TP plan on DTensor (llmsim/tensor_parallel.py), TP 2 
 (Llama MHA, Mistral GQA, Qwen2 GQA with q/k/v biases, GPT-NeoX fused QKV, Llama-3.1), fp32/bf16/autocast,
 checkpointing on and off. Writes data/measurements/tier2_tp_cpu.csv (one row per rank).
 PP_RUNS: torch.distributed.pipelining (llmsim/pipelining.py), PP 2 and 4, GPipe and 1F1B, 1-8 micro-batches,
-and two hybrids: TP x PP (pp 2 x tp 2) and DP x PP (DistributedDataParallel around each of 2 stages, dp 2).
+two hybrids: TP x PP (pp 2 x tp 2) and DP x PP (DistributedDataParallel around each of 2 stages, dp 2), and
+user-given layer splits.
 Writes data/measurements/tier2_pp_cpu.csv.
 Run: python experiments/measure_tier2_parallel.py [--pp] (about 5 minutes each on 2 cores).
 """
@@ -46,7 +47,8 @@ TP_RUNS = [
     ("llama-3.1-8b", 2, "bf16-autocast", False, 1, 2, 64),
     ("llama-3.1-8b", 4, "fp32", True, 1, 2, 64),
 ]
-# (model[-deep], pp, tp, schedule, n_microbatches, precision, grad_ckpt, ckpt_every, micro_batch, seq_len[, dp])
+# (model[-deep], pp, tp, schedule, n_microbatches, precision, grad_ckpt, ckpt_every, micro_batch, seq_len
+#  [, dp[, layers per stage]])
 PP_RUNS = [
     ("llama-2-7b", 2, 1, "gpipe", 4, "fp32", False, 1, 2, 64),
     ("llama-2-7b", 2, 1, "1f1b", 4, "fp32", False, 1, 2, 64),
@@ -63,6 +65,8 @@ PP_RUNS = [
     ("qwen2.5-7b", 2, 2, "1f1b", 2, "fp32", True, 1, 2, 64),
     ("llama-2-7b", 2, 1, "gpipe", 2, "fp32", False, 1, 2, 64, 2),  # + dp: DDP around each stage
     ("mistral-7b", 2, 1, "1f1b", 2, "bf16", True, 1, 1, 96, 2),
+    ("llama-2-7b-deep", 2, 1, "1f1b", 2, "fp32", False, 1, 2, 64, 1, (3, 5)),  # + a user-given split
+    ("mistral-7b-deep", 4, 1, "gpipe", 3, "bf16", True, 1, 1, 64, 1, (2, 1, 2, 1)),
 ]
 
 
@@ -70,18 +74,19 @@ def measure(runs: list[tuple], out: Path, timeout: int) -> int:
     """Measure each run (failures are reported and skipped); append the rank rows to `out`; the failures."""
     failures = 0
     for run in runs:
-        dp = 1
+        dp, split = 1, None
         if len(run) == 7:  # a TP run
             model, tp, precision, ckpt, every, mb, seq = run
             pp, schedule, n_microbatches = 1, "gpipe", 1
         else:
             model, pp, tp, schedule, n_microbatches, precision, ckpt, every, mb, seq = run[:10]
             dp = run[10] if len(run) > 10 else 1
+            split = run[11] if len(run) > 11 else None
         zoo_name = model.removesuffix("-deep")
         spec = load_model_spec(zoo_name, shrink(zoo_name, *SHAPES[model]))
         setup = TrainSetup(mb, seq, Precision(precision), None, ckpt, every)
         layout = Layout(Strategy.DDP if dp > 1 else Strategy.SINGLE, dp * pp * tp, tp=tp, pp=pp,
-                        schedule=Schedule(schedule), n_microbatches=n_microbatches)
+                        schedule=Schedule(schedule), n_microbatches=n_microbatches, pp_split=split)
         try:
             rows = measure_distributed(spec, setup, layout, timeout)
         except LaunchFailure as exc:

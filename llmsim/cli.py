@@ -62,6 +62,9 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    "(colwise/rowwise, the LM head's logits gathered); world-size = dp x pp x tp")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (torch.distributed.pipelining, layers split "
                    "as transformers splits them)")
+    p.add_argument("--pp-split", default=None, help="layers per stage, e.g. 9,10,10,11 (default: transformers' "
+                   "balanced split, the remainder one layer each to the first stages)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world-size / (pp x tp))")
     p.add_argument("--schedule", default="gpipe", help="pipeline schedule with --pp: gpipe | 1f1b")
     p.add_argument("--microbatches", type=int, default=1, help="micro-batches through the pipeline per step, each "
                    "of --micro-batch samples (with --pp)")
@@ -70,6 +73,15 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    "autocast policy, foreach AdamW), reserved via the caching-allocator model, device total, headroom")
     p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF as the run will set it, e.g. "
                    "expandable_segments:True,max_split_size_mb:256 (with --gpu)")
+
+
+def _split(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise InputError(f"pp-split({text}) must be layer counts separated by commas, e.g. 10,10,12") from None
 
 
 def _inputs(args):
@@ -81,7 +93,9 @@ def _inputs(args):
 
     spec = load_model_spec(args.model, dict(_override(t) for t in args.set))
     precision = parse_enum(Precision, args.precision, "precision") if args.precision else None
-    world_size = args.tp * args.pp if args.world_size is None else args.world_size
+    world_size = (args.dp or 1) * args.tp * args.pp if args.world_size is None else args.world_size
+    if args.dp is not None and args.dp * args.tp * args.pp != world_size:
+        raise InputError(f"dp({args.dp}) x pp({args.pp}) x tp({args.tp}) must equal world-size({world_size})")
     strategy = parse_enum(Strategy, args.strategy, "strategy") if args.strategy else None
     deepspeed = None
     if args.ds_config:
@@ -97,7 +111,7 @@ def _inputs(args):
         micro_batch = args.micro_batch
     layout = Layout(strategy or (Strategy.DDP if world_size > args.tp * args.pp else Strategy.SINGLE), world_size,
                     deepspeed, tp=args.tp, pp=args.pp, schedule=parse_enum(Schedule, args.schedule, "schedule"),
-                    n_microbatches=args.microbatches)
+                    n_microbatches=args.microbatches, pp_split=_split(args.pp_split))
     setup = TrainSetup(
         micro_batch=micro_batch, seq_len=args.seq_len, precision=precision or Precision.FP32,
         attention=parse_enum(Attention, args.attn, "attention") if args.attn else None,
@@ -267,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="also draw the answer as a heatmap: layout x GPUs -> largest "
                    "micro-batch")
     p.set_defaults(func=cmd_size, strategy=None, world_size=None, ds_config=None, tp=1, pp=1, schedule="gpipe",
-                   microbatches=1)
+                   microbatches=1, pp_split=None, dp=None)
     p = sub.add_parser("sweep", help="predict every combination of a YAML/JSON grid of predict's options")
     p.add_argument("file", help="YAML or JSON: option -> value or list of values (llmsim/sweep.py)")
     p.add_argument("--out", default="llmsim-sweep.csv", help=".csv or .parquet")

@@ -75,7 +75,8 @@ def _setup(job: dict) -> TrainSetup:
     return TrainSetup(job["micro_batch"], job["seq_len"], Precision(job["precision"]), Attention(job["attention"]),
                       job["grad_ckpt"], job["ckpt_every"], job["steps"], build_bf16=bool(job.get("build_bf16")),
                       tp=job.get("tp", 1), pp=job.get("pp", 1), schedule=job.get("schedule", "gpipe"),
-                      n_microbatches=job.get("n_microbatches", 1))
+                      n_microbatches=job.get("n_microbatches", 1),
+                      pp_split=tuple(job["pp_split"]) if job.get("pp_split") else None)
 
 
 def run_ddp(job: dict, tracker: StorageTracker) -> None:

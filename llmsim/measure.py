@@ -89,11 +89,11 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     setup = resolve_attention(spec, setup)
     check_fits_positions(spec, setup)
     check_tensor_parallel(spec.hf_config(), layout.tp)
-    check_pipeline(spec.hf_config(), layout.pp, layout.n_microbatches, layout.schedule)
+    check_pipeline(spec.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split)
     framework = ("deepspeed" if layout.strategy is Strategy.DEEPSPEED
                  else "model_parallel" if layout.tp * layout.pp > 1 else "ddp")
     job = {"framework": framework, "model": spec.name, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
-           "schedule": layout.schedule.value, "n_microbatches": layout.n_microbatches,
+           "schedule": layout.schedule.value, "n_microbatches": layout.n_microbatches, "pp_split": layout.pp_split,
            "config_json": spec.config_json, "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt,
            "ckpt_every": setup.ckpt_every, "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
            "steps": setup.steps, "precision": setup.precision.value, "build_bf16": setup.build_bf16,
@@ -106,6 +106,7 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     return [{"tier": 2, **setup_columns(spec, setup), "strategy": layout.strategy.value,
              "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
              "schedule": layout.schedule.value if layout.pp > 1 else "", "n_microbatches": layout.n_microbatches,
+             "pp_split": ",".join(map(str, layout.pp_split)) if layout.pp_split else "",
              "rank": r.rank, "ds_config": ds_config,
              "peak_allocated_bytes": r.peak_allocated_bytes, "device": "cpu", **environment(),
              "measured_at": stamp, "wall_s": wall_s} for r in results]

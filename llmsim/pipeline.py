@@ -65,6 +65,7 @@ class Prediction:
                 "world_size": self.layout.world_size, "tp": self.layout.tp, "pp": self.layout.pp,
                 "schedule": self.layout.schedule.value if self.layout.pp > 1 else None,
                 "n_microbatches": self.layout.n_microbatches,
+                "pp_split": list(self.layout.pp_split) if self.layout.pp_split else None,
                 "micro_batch": self.setup.micro_batch, "seq_len": self.setup.seq_len,
                 "precision": self.setup.precision.value, "attention": self.setup.attention.value,
                 "grad_ckpt": self.setup.grad_ckpt, "ckpt_every": self.setup.ckpt_every,
@@ -84,14 +85,14 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     if layout.tp > 1:
         check_tensor_parallel(model.hf_config(), layout.tp)
         setup = replace(setup, tp=layout.tp)
-    check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches, layout.schedule)
+    check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split)
     check_fits_positions(model, setup)
     if layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks
         traced = None
         rank_timelines = {}
         for stage in range(layout.pp):
             traced = trace(model, replace(setup, pp=layout.pp, pp_stage=stage, schedule=layout.schedule.value,
-                                          n_microbatches=layout.n_microbatches))
+                                          n_microbatches=layout.n_microbatches, pp_split=layout.pp_split))
             timeline = expand(traced)
             if layout.strategy is not Strategy.SINGLE:  # the stage's DDP buffers, the same in every replica
                 timeline = STRATEGIES[layout.strategy](timeline, layout, setup)[0]

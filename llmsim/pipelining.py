@@ -49,14 +49,23 @@ class Schedule(str, Enum):
         return {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B}[self]
 
 
-def layer_range(stage: int, num_stages: int, num_layers: int) -> tuple[int, int]:
-    """transformers' `PipelineStage.layer_range_for_rank`: the remainder goes to the first stages."""
+def layer_range(stage: int, num_stages: int, num_layers: int,
+                split: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """Stage `stage`'s layers [start, end): `split` layers per stage when the user gives them, else
+    transformers' `PipelineStage.layer_range_for_rank` (the remainder goes to the first stages)."""
+    if split is not None:
+        start = sum(split[:stage])
+        return start, start + split[stage]
     per_stage, remainder = divmod(num_layers, num_stages)
     start = stage * per_stage + min(stage, remainder)
     return start, start + per_stage + (stage < remainder)
 
 
-def check_pipeline(config, pp: int, n_microbatches: int, schedule: Schedule) -> None:
+def check_pipeline(config, pp: int, n_microbatches: int, schedule: Schedule,
+                   split: tuple[int, ...] | None = None) -> None:
+    if split is not None and (len(split) != pp or min(split) < 1 or sum(split) != config.num_hidden_layers):
+        raise InputError(f"pp-split({','.join(map(str, split))}) must give pp({pp}) stages of >= 1 layer summing to "
+                         f"the number of layers({config.num_hidden_layers})")
     if pp == 1:
         return
     if schedule is Schedule.ONE_F_ONE_B and n_microbatches < pp:
@@ -70,13 +79,14 @@ def check_pipeline(config, pp: int, n_microbatches: int, schedule: Schedule) -> 
                          "(base_model_pp_plan); pp must be 1")
 
 
-def cut(model: nn.Module, stage: int, num_stages: int, keep: int | None = None) -> None:
+def cut(model: nn.Module, stage: int, num_stages: int, keep: int | None = None,
+        split: tuple[int, ...] | None = None) -> None:
     """Keep stage `stage`'s share of the model (module docstring); call it on the meta model. `keep` keeps only
     the first `keep` of the stage's layers (the predictor's reduced-depth trace, llmsim/trace.py)."""
     base = getattr(model, model.base_model_prefix)
     plan = list(base.config.base_model_pp_plan)
     layers_at = plan.index("layers")
-    start, end = layer_range(stage, num_stages, len(base.layers))
+    start, end = layer_range(stage, num_stages, len(base.layers), split)
     if keep is not None:
         end = min(end, start + keep)
     base.layers = nn.ModuleList(base.layers[start:end])

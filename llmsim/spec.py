@@ -51,6 +51,7 @@ class TrainSetup:
     pp_stage: int = 0
     schedule: str = "gpipe"  # llmsim.pipelining.Schedule
     n_microbatches: int = 1  # micro-batches per step through the pipeline (each `micro_batch` samples)
+    pp_split: tuple[int, ...] | None = None  # layers per stage; None: transformers' balanced split
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches"):

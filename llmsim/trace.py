@@ -68,7 +68,8 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
     if setup.tp > 1 or setup.pp > 1:
         return functools.partial(
             build_parallel, build, spec.name, mesh["tp"] if setup.tp > 1 else None,
-            functools.partial(cut, stage=setup.pp_stage, num_stages=setup.pp, keep=num_layers) if setup.pp > 1
+            functools.partial(cut, stage=setup.pp_stage, num_stages=setup.pp, keep=num_layers,
+                              split=setup.pp_split) if setup.pp > 1
             else None)
     return build
 
@@ -203,7 +204,7 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         return Trace(timeline, info, info.num_blocks, 1, info.num_blocks)
     num_layers = spec.num_layers
     if setup.pp > 1:  # a pipeline stage: its own share of the layers, traced at reduced depth like a model
-        start, end = layer_range(setup.pp_stage, setup.pp, num_layers)
+        start, end = layer_range(setup.pp_stage, setup.pp, num_layers, setup.pp_split)
         num_layers = end - start
     period = layer_period(spec, setup)
     depth = trace_depth(num_layers, period)

@@ -34,7 +34,8 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
     schedule = row.get("schedule")
     layout = Layout(Strategy(row["strategy"]), int(row["world_size"]), deepspeed, tp=_int(row, "tp", 1),
                     pp=_int(row, "pp", 1), n_microbatches=_int(row, "n_microbatches", 1),
-                    schedule=Schedule(schedule) if isinstance(schedule, str) and schedule else Schedule.GPIPE)
+                    schedule=Schedule(schedule) if isinstance(schedule, str) and schedule else Schedule.GPIPE,
+                    pp_split=_split(row))
     return spec, setup, layout
 
 
@@ -86,6 +87,13 @@ def _lora(row: pd.Series) -> dict:
     targets = row.get("lora_targets")
     return {"lora_rank": int(rank), "lora_alpha": int(row["lora_alpha"]),
             "lora_targets": tuple(targets.split(",")) if isinstance(targets, str) and targets else None}
+
+
+def _split(row: pd.Series) -> tuple[int, ...] | None:
+    value = row.get("pp_split")
+    if value is None or pd.isna(value) or not str(value):
+        return None
+    return tuple(int(v) for v in str(value).split(","))
 
 
 def _int(row: pd.Series, column: str, default: int) -> int:

@@ -28,6 +28,10 @@ BAD = [
     (["--pp", "2", "--schedule", "zb"], "schedule"),
     (["--tp", "0"], "tp(0) must be >= 1"),
     (["--pp", "2", "--microbatches", "0"], "microbatches(0) must be >= 1"),
+    (["--pp", "2", "--pp-split", "1,2"], "pp-split(1,2) must give pp(2) stages of >= 1 layer summing to"),
+    (["--pp", "2", "--pp-split", "4,0"], "pp-split(4,0)"),
+    (["--pp", "2", "--pp-split", "a,b"], "pp-split(a,b) must be layer counts"),
+    (["--dp", "2", "--tp", "2", "--world-size", "2"], "dp(2) x pp(1) x tp(2) must equal world-size(2)"),
 ]
 
 
@@ -49,6 +53,7 @@ def test_model_without_a_plan_is_refused(capsys):
 def test_layers_split_as_transformers_splits_them():
     assert [layer_range(s, 3, 32) for s in range(3)] == [(0, 11), (11, 22), (22, 32)]
     assert [layer_range(s, 4, 6) for s in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert [layer_range(s, 3, 6, (1, 3, 2)) for s in range(3)] == [(0, 1), (1, 4), (4, 6)]
 
 
 def test_predicted_ranks_follow_the_layout():

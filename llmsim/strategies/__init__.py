@@ -36,6 +36,7 @@ class Layout:
     pp: int = 1
     schedule: Schedule = Schedule.GPIPE
     n_microbatches: int = 1  # micro-batches through the pipeline per step (pp > 1)
+    pp_split: tuple[int, ...] | None = None  # layers per stage (pp > 1); None: transformers' balanced split
 
     def __post_init__(self) -> None:
         for name, flag in (("tp", "tp"), ("pp", "pp"), ("n_microbatches", "microbatches"),
