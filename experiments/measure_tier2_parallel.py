@@ -67,6 +67,8 @@ PP_RUNS = [
     ("mistral-7b", 2, 1, "1f1b", 2, "bf16", True, 1, 1, 96, 2),
     ("llama-2-7b-deep", 2, 1, "1f1b", 2, "fp32", False, 1, 2, 64, 1, (3, 5)),  # + a user-given split
     ("mistral-7b-deep", 4, 1, "gpipe", 3, "bf16", True, 1, 1, 64, 1, (2, 1, 2, 1)),
+    ("llama-2-7b", 2, 1, "1f1b", 2, "bf16-autocast", False, 1, 2, 64),  # autocast around the schedule
+    ("qwen2.5-7b", 2, 2, "gpipe", 2, "bf16-autocast", True, 1, 1, 64),
 ]
 
 

@@ -89,7 +89,8 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     setup = resolve_attention(spec, setup)
     check_fits_positions(spec, setup)
     check_tensor_parallel(spec.hf_config(), layout.tp)
-    check_pipeline(spec.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split)
+    check_pipeline(spec.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
+                   setup.precision)
     framework = ("deepspeed" if layout.strategy is Strategy.DEEPSPEED
                  else "model_parallel" if layout.tp * layout.pp > 1 else "ddp")
     job = {"framework": framework, "model": spec.name, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,

@@ -85,7 +85,8 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     if layout.tp > 1:
         check_tensor_parallel(model.hf_config(), layout.tp)
         setup = replace(setup, tp=layout.tp)
-    check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split)
+    check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
+                   setup.precision)
     check_fits_positions(model, setup)
     if layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks
         traced = None

@@ -62,12 +62,15 @@ def layer_range(stage: int, num_stages: int, num_layers: int,
 
 
 def check_pipeline(config, pp: int, n_microbatches: int, schedule: Schedule,
-                   split: tuple[int, ...] | None = None) -> None:
+                   split: tuple[int, ...] | None = None, precision=None) -> None:
     if split is not None and (len(split) != pp or min(split) < 1 or sum(split) != config.num_hidden_layers):
         raise InputError(f"pp-split({','.join(map(str, split))}) must give pp({pp}) stages of >= 1 layer summing to "
                          f"the number of layers({config.num_hidden_layers})")
     if pp == 1:
         return
+    if precision is not None and precision.value == "fp16-autocast":
+        raise InputError("precision fp16-autocast with pp > 1 is not modelled (torch's pipeline schedules take no "
+                         "GradScaler); modelled with pp: fp32, bf16, fp16, bf16-autocast")
     if schedule is Schedule.ONE_F_ONE_B and n_microbatches < pp:
         raise InputError(f"schedule 1f1b needs microbatches({n_microbatches}) >= pp({pp}) (torch's Schedule1F1B); "
                          f"valid: microbatches >= {pp}, or schedule gpipe")
@@ -115,11 +118,14 @@ def stage_forward(model: nn.Module, stage: int, num_stages: int):
 
 
 def stage_io(stage: int, num_stages: int, micro_batch: int, seq_len: int, hidden: int, vocab: int,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Example input and output of one micro-batch (meta tensors), so the stage needs no shape inference."""
+             dtype: torch.dtype, logits_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Example input and output of one micro-batch (meta tensors), so the stage needs no shape inference. The
+    hidden states keep the weights' dtype (under autocast the residual stream stays fp32); the logits come out of
+    the LM head in `logits_dtype` (autocast's)."""
     shape = (micro_batch, seq_len)
     x = (torch.empty(shape, dtype=torch.int64, device="meta") if stage == 0
          else torch.empty((*shape, hidden), dtype=dtype, device="meta", requires_grad=True))
-    y = torch.empty((*shape, vocab if stage == num_stages - 1 else hidden), dtype=dtype, device="meta",
+    last = stage == num_stages - 1
+    y = torch.empty((*shape, vocab if last else hidden), dtype=logits_dtype if last else dtype, device="meta",
                     requires_grad=True)  # the stage's gradients flow back through it
     return x, y

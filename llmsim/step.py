@@ -308,8 +308,11 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
             model.activation_checkpointing_enable(every_n_layers=setup.ckpt_every)
         model.forward = stage_forward(model, stage_index, num_stages)
         vocab_size = int(model.config.vocab_size)
+        dtype = setup.precision.cast_dtype or torch.float32
         example = stage_io(stage_index, num_stages, setup.micro_batch, setup.seq_len, int(model.config.hidden_size),
-                           vocab_size, setup.precision.cast_dtype or torch.float32)
+                           vocab_size, dtype, setup.precision.autocast_dtype or dtype)
+        autocast = (torch.autocast(next(model.parameters()).device.type, dtype=setup.precision.autocast_dtype)
+                    if setup.precision.autocast_dtype is not None else contextlib.nullcontext())
         stage_module = wrap(model) if wrap is not None else model
         stage = PipelineStage(stage_module, stage_index, num_stages, torch.device("cpu"), input_args=example[0],
                               output_args=example[1], group=pp_group)
@@ -323,12 +326,13 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
         tracker.label([batch], Category.INPUT)
         for step in range(setup.steps):
             tracker.set_phase(step, Phase.FORWARD)
-            if stage_index == 0:
-                schedule.step(batch)
-            elif stage_index == num_stages - 1:
-                schedule.step(target=batch, losses=[])
-            else:
-                schedule.step()
+            with autocast:  # around the whole schedule, as torchtitan does: the backward runs as autograd saved it
+                if stage_index == 0:
+                    schedule.step(batch)
+                elif stage_index == num_stages - 1:
+                    schedule.step(target=batch, losses=[])
+                else:
+                    schedule.step()
             tracker.set_phase(step, Phase.OPTIMIZER)
             optimizer.step()
             tracker.frees_by_owner = True

@@ -31,6 +31,7 @@ BAD = [
     (["--pp", "2", "--pp-split", "1,2"], "pp-split(1,2) must give pp(2) stages of >= 1 layer summing to"),
     (["--pp", "2", "--pp-split", "4,0"], "pp-split(4,0)"),
     (["--pp", "2", "--pp-split", "a,b"], "pp-split(a,b) must be layer counts"),
+    (["--pp", "2", "--precision", "fp16-autocast"], "fp16-autocast with pp > 1 is not modelled"),
     (["--dp", "2", "--tp", "2", "--world-size", "2"], "dp(2) x pp(1) x tp(2) must equal world-size(2)"),
 ]
 
