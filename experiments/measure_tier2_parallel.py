@@ -29,6 +29,7 @@ PP_CSV = MEASUREMENTS_DIR / "tier2_pp_cpu.csv"
 SHAPES = {  # zoo model -> (hidden, layers, vocab, heads): every size divides by 4 (kv-heads included)
     "llama-2-7b": (128, 4, 2000, 4), "mistral-7b": (128, 3, 1500, 16), "qwen2.5-7b": (112, 3, 3000, 28),
     "pythia-160m": (128, 3, 2048, 4), "llama-3.1-8b": (128, 5, 2500, 16),
+    "qwen2.5-0.5b": (112, 4, 3000, 28),
     "llama-2-7b-deep": (128, 8, 2000, 4), "mistral-7b-deep": (128, 6, 1500, 16), "qwen2.5-7b-deep": (112, 5, 3000, 28),
 }
 # (model, tp, precision, grad_ckpt, ckpt_every, micro_batch, seq_len)
@@ -69,6 +70,7 @@ PP_RUNS = [
     ("mistral-7b-deep", 4, 1, "gpipe", 3, "bf16", True, 1, 1, 64, 1, (2, 1, 2, 1)),
     ("llama-2-7b", 2, 1, "1f1b", 2, "bf16-autocast", False, 1, 2, 64),  # autocast around the schedule
     ("qwen2.5-7b", 2, 2, "gpipe", 2, "bf16-autocast", True, 1, 1, 64),
+    ("qwen2.5-0.5b", 2, 1, "1f1b", 2, "fp32", False, 1, 2, 64),  # tied embeddings: the last stage keeps it
 ]
 
 

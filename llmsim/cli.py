@@ -188,7 +188,12 @@ def cmd_size(args) -> int:
     args.micro_batch = 1
     spec, setup, _ = _inputs(args)
     gpu = load_gpu(args.gpu)
-    frame = size(spec, setup, gpu, args.max_gpus, args.max_micro_batch, _alloc_conf(args))
+    from llmsim.size import FAMILIES
+
+    families = tuple(f for f in args.layouts.split(",") if f) if args.layouts else FAMILIES
+    if unknown := [f for f in families if f not in FAMILIES]:
+        raise InputError(f"unknown layout families {unknown}; valid choices: {', '.join(FAMILIES)}")
+    frame = size(spec, setup, gpu, args.max_gpus, args.max_micro_batch, _alloc_conf(args), families)
     title = (f"{spec.name} on {gpu.name} ({human_bytes(gpu.capacity_bytes)}), seq {setup.seq_len}, "
              f"{setup.precision.value}{', checkpointing' if setup.grad_ckpt else ''}")
     if args.plot:
@@ -277,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True")
     p.add_argument("--max-gpus", type=int, default=8)
     p.add_argument("--max-micro-batch", type=int, default=64)
+    p.add_argument("--layouts", default=None, help="layout families to try, comma-separated (default all): "
+                   "single, ddp, zero, tp, pp, tpxpp")
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--plot", metavar="PNG", help="also draw the answer as a heatmap: layout x GPUs -> largest "
                    "micro-batch")

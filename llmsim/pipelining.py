@@ -20,8 +20,10 @@ The cut follows transformers' own rule and plan (transformers/distributed/pipeli
 `layer_range_for_rank` gives stage s the layers [start, end), the remainder one each to the first stages;
 the modules the config's `base_model_pp_plan` lists before the layers (the embedding, GPT-NeoX's embedding
 dropout) stay on the first stage, those after them (the final norm) and the LM head (the model's `_pp_plan`)
-on the last. `loss_fn` is transformers' own causal-LM loss (`model.loss_function`: logits upcast to fp32,
-labels shifted), so the last stage computes the loss the single-process step computes inside the forward.
+on the last (a tied embedding stays on the last stage too, as transformers keeps it there to tie the head).
+A user-given split (`--pp-split`) replaces the rule. `loss_fn` is transformers' own causal-LM loss
+(`model.loss_function`: logits upcast to fp32, labels shifted), so the last stage computes the loss the
+single-process step computes inside the forward.
 `schedule.step` keeps torch's default `return_outputs=True`: the last stage concatenates the micro-batches'
 logits into one tensor, as every caller that does not turn it off gets.
 
@@ -96,13 +98,18 @@ def cut(model: nn.Module, stage: int, num_stages: int, keep: int | None = None,
     base.config.num_hidden_layers = end - start  # the decoder loop runs `self.layers[:num_hidden_layers]`
     if getattr(base.config, "layer_types", None):
         base.config.layer_types = base.config.layer_types[start:end]
+    last = stage == num_stages - 1
+    tied = getattr(model.config, "tie_word_embeddings", False)
     if stage > 0:
         for name in plan[:layers_at]:
-            setattr(base, name, nn.Identity())
-    if stage < num_stages - 1:
+            if not (tied and last and name == plan[0]):  # transformers keeps a tied embedding on the last stage
+                setattr(base, name, nn.Identity())
+    if not last:
         for name in plan[layers_at + 1:]:
             setattr(base, name, nn.Identity())
         model.set_output_embeddings(nn.Identity())  # the `_pp_plan`'s LM head (GPT-NeoX calls it embed_out)
+        if tied:  # no LM head here to tie to the embedding (transformers: `all_tied_weights_keys = {}`)
+            model.all_tied_weights_keys = {}
 
 
 def stage_forward(model: nn.Module, stage: int, num_stages: int):

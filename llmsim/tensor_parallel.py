@@ -43,6 +43,9 @@ def check_tensor_parallel(config, tp: int) -> None:
     if not getattr(config, "base_model_tp_plan", None):
         raise InputError(f"model type {config.model_type!r} has no tensor-parallel plan in transformers "
                          "(base_model_tp_plan); tp must be 1")
+    if getattr(config, "tie_word_embeddings", False):
+        raise InputError("transformers' TP plan shards the LM head, which this model ties to its embedding "
+                         "(tie_word_embeddings): apply_tensor_parallelism fails on it; tp must be 1")
     sizes = {"num_attention_heads": getattr(config, "num_attention_heads", None),
              "num_key_value_heads": getattr(config, "num_key_value_heads", None),
              "intermediate_size": getattr(config, "intermediate_size", None),

@@ -43,6 +43,13 @@ def test_bad_layout_is_one_line_and_status_2(extra, needle, capsys):
     assert len(err.splitlines()) == 1 and needle in err, err
 
 
+def test_tied_lm_head_is_refused_for_tp(capsys):
+    argv = ["predict", "--model", "qwen2.5-0.5b", "--set", "num_hidden_layers=2", "--seq-len", "16",
+            "--micro-batch", "1", "--tp", "2"]
+    assert main(argv) == 2
+    assert "tie_word_embeddings" in capsys.readouterr().err
+
+
 def test_model_without_a_plan_is_refused(capsys):
     argv = ["predict", "--model", "gpt2", "--set", "n_layer=2", "--seq-len", "16", "--micro-batch", "1"]
     assert main([*argv, "--tp", "2"]) == 2
