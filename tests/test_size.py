@@ -40,3 +40,19 @@ def test_size_bad_input_is_one_line(capsys):
     assert "valid choices" in capsys.readouterr().err
     assert main(base + ["--gpu", "l4", "--max-gpus", "0"]) == 2
     assert "max-gpus(0)" in capsys.readouterr().err
+
+
+def test_size_model_parallel_layouts_agree_with_brute_force():
+    """TP and PP candidates exist where the model has transformers' plans, and bisecting finds what trying
+    every micro-batch finds."""
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 2048, 4))
+    setup = TrainSetup(1, 512)
+    found_names = set()
+    for candidate in candidates(spec, setup, max_gpus=2, families=("tp", "pp")):
+        found_names.add(candidate.name)
+        found, _ = largest_micro_batch(spec, setup, candidate, TINY_GPU, max_micro_batch=12)
+        fitting = [fits(spec, setup, candidate, mb, TINY_GPU)[0] for mb in range(1, 13)]
+        assert fitting == sorted(fitting, reverse=True), candidate.name  # live bytes grow with the micro-batch
+        assert found == sum(fitting), candidate.name
+        assert 0 < found < 12, candidate.name  # the case bites
+    assert found_names == {"tp", "pp"}
