@@ -316,7 +316,7 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
         stage_module = wrap(model) if wrap is not None else model
         stage = PipelineStage(stage_module, stage_index, num_stages, torch.device("cpu"), input_args=example[0],
                               output_args=example[1], group=pp_group)
-        _track_chunks(stage, tracker, hooks)
+        _track_chunks(stage, tracker, hooks, autocast)
         schedule = Schedule(setup.schedule).schedule_class(
             stage, setup.n_microbatches, loss_fn=lambda logits, labels: model.loss_function(logits, labels,
                                                                                              vocab_size))
@@ -326,13 +326,12 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
         tracker.label([batch], Category.INPUT)
         for step in range(setup.steps):
             tracker.set_phase(step, Phase.FORWARD)
-            with autocast:  # around the whole schedule, as torchtitan does: the backward runs as autograd saved it
-                if stage_index == 0:
-                    schedule.step(batch)
-                elif stage_index == num_stages - 1:
-                    schedule.step(target=batch, losses=[])
-                else:
-                    schedule.step()
+            if stage_index == 0:
+                schedule.step(batch)
+            elif stage_index == num_stages - 1:
+                schedule.step(target=batch, losses=[])
+            else:
+                schedule.step()
             tracker.set_phase(step, Phase.OPTIMIZER)
             optimizer.step()
             tracker.frees_by_owner = True
@@ -341,13 +340,16 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
     return hooks.info(vocab_size)
 
 
-def _track_chunks(stage, tracker: StorageTracker, hooks: LayerHooks) -> None:
-    """The schedule interleaves micro-batches' forwards and backwards: keep the tracker's phase in step."""
+def _track_chunks(stage, tracker: StorageTracker, hooks: LayerHooks, autocast) -> None:
+    """The schedule interleaves micro-batches' forwards and backwards: keep the tracker's phase in step, and run
+    each micro-batch's forward under `autocast`, as the canonical step runs the model's forward (the loss, which
+    transformers computes in fp32 anyway, and the backward outside it, as torch's AMP recipe has it)."""
     forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
 
     def forward_one_chunk(*args, **kwargs):
         tracker.set_phase(tracker.step, Phase.FORWARD)
-        return forward(*args, **kwargs)
+        with autocast:
+            return forward(*args, **kwargs)
 
     def backward_one_chunk(*args, **kwargs):
         tracker.set_phase(tracker.step, Phase.BACKWARD)
