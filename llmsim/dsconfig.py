@@ -142,6 +142,9 @@ def _validate(config: dict) -> None:
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise InputError("DeepSpeed config: zero_optimization must be an object")
+    if config.get("gradient_accumulation_steps", 1) != 1:  # engine.step() would then step every n-th micro-batch
+        raise InputError(f"DeepSpeed gradient_accumulation_steps({config['gradient_accumulation_steps']}) is not "
+                         "modelled yet; modelled: 1 (or \"auto\")")
     try:
         DeepSpeedZeroConfig(**zero)
     except Exception as exc:  # pydantic.ValidationError: the message names the key and the valid inputs

@@ -41,6 +41,8 @@ BAD = [
      [], "offload_optimizer"),
     ({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 0}}, [],
      "stage 0 is not modelled"),
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 2}}, [],
+     "gradient_accumulation_steps(4) is not modelled yet"),
 ]
 
 
