@@ -72,6 +72,21 @@ FP16_RUNS = [
 ]
 
 
+# Gradient accumulation (`loss / n; loss.backward()` n times per optimizer step):
+# (zoo model, micro_batch, seq_len, precision, grad_ckpt, grad_accum)
+GRAD_ACCUM_RUNS = [
+    ("llama-2-7b", 2, 128, "fp32", False, 2), ("gpt2", 4, 64, "bf16", True, 4),
+    ("mistral-7b", 1, 256, "bf16-autocast", True, 3), ("opt-125m", 2, 128, "fp16-autocast", False, 2),
+    ("qwen2.5-0.5b", 3, 96, "bf16", False, 2), ("pythia-160m", 1, 128, "fp32", True, 8),
+]
+
+
+def grad_accum_matrix():
+    shapes = {name: shape for name, *shape in MODELS}
+    for model, mb, seq, precision, ckpt, accum in GRAD_ACCUM_RUNS:
+        yield model, shapes[model], TrainSetup(mb, seq, Precision(precision), None, ckpt, grad_accum=accum)
+
+
 def fp16_matrix():
     shapes = {name: shape for name, *shape in MODELS}
     for model, mb, seq, precision, attn, ckpt in FP16_RUNS:
@@ -106,9 +121,10 @@ def main() -> int:
     parser.add_argument("--lora", action="store_true", help="only the LoRA runs")
     parser.add_argument("--optimizers", action="store_true", help="only the runs with other optimizers")
     parser.add_argument("--fp16", action="store_true", help="only the float16 runs")
+    parser.add_argument("--grad-accum", action="store_true", help="only the gradient-accumulation runs")
     args = parser.parse_args()
     extra = (lora_matrix() if args.lora else optimizer_matrix() if args.optimizers
-             else fp16_matrix() if args.fp16 else None)
+             else fp16_matrix() if args.fp16 else grad_accum_matrix() if args.grad_accum else None)
     if extra is not None:
         for model, shape, setup in extra:
             row = measure_single(load_model_spec(model, shrink(model, *shape)), setup)

@@ -41,6 +41,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "(default fp32, or the DeepSpeed config's)")
     p.add_argument("--attn", default=None, help="sdpa | eager (default: transformers' choice for the model)")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation: forward/backward passes per "
+                   "optimizer step (one process only, for now)")
     p.add_argument("--ckpt-every", type=int, default=1, help="checkpoint every N-th layer (every_n_layers)")
     p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd-momentum (torch.optim)")
     p.add_argument("--build-dtype", default="fp32", help="fp32 (build, then cast: the canonical step) | bf16 "
@@ -115,7 +117,7 @@ def _inputs(args):
     setup = TrainSetup(
         micro_batch=micro_batch, seq_len=args.seq_len, precision=precision or Precision.FP32,
         attention=parse_enum(Attention, args.attn, "attention") if args.attn else None,
-        grad_ckpt=args.grad_ckpt, ckpt_every=args.ckpt_every,
+        grad_ckpt=args.grad_ckpt, ckpt_every=args.ckpt_every, grad_accum=args.grad_accum,
         device=parse_enum(Device, args.device, "device"),
         optimizer=parse_enum(Optimizer, args.optimizer, "optimizer"),
         build_bf16=_build_bf16(args.build_dtype), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,

@@ -49,7 +49,8 @@ def setup_columns(spec: ModelSpec, setup: TrainSetup) -> dict:
             "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt, "ckpt_every": setup.ckpt_every,
             "steps": setup.steps, "optimizer": setup.optimizer.value, "foreach": setup.foreach,
             "build_bf16": setup.build_bf16, "lora_rank": setup.lora_rank, "lora_alpha": setup.lora_alpha,
-            "lora_targets": ",".join(setup.lora_targets) if setup.lora_targets else ""}
+            "lora_targets": ",".join(setup.lora_targets) if setup.lora_targets else "",
+            "grad_accum": setup.grad_accum}
 
 
 def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> dict:

@@ -11,7 +11,7 @@ from llmsim.gpus import GpuProfile, on_gpu
 from llmsim.graph import layer_graph
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
-from llmsim.strategies import STRATEGIES, Layout, Strategy
+from llmsim.strategies import STRATEGIES, Layout, Strategy, check_grad_accum
 from llmsim.pipelining import check_pipeline
 from llmsim.tensor_parallel import check_tensor_parallel
 from llmsim.timeline import expand
@@ -80,6 +80,7 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     if gpu is not None:
         setup = on_gpu(setup, gpu)
     setup = resolve_attention(model, setup)
+    check_grad_accum(setup, layout)
     if layout.deepspeed is not None and layout.deepspeed.stage == 3:
         setup = replace(setup, zero3_hooks=True)
     if layout.tp > 1:

@@ -52,9 +52,10 @@ class TrainSetup:
     schedule: str = "gpipe"  # llmsim.pipelining.Schedule
     n_microbatches: int = 1  # micro-batches per step through the pipeline (each `micro_batch` samples)
     pp_split: tuple[int, ...] | None = None  # layers per stage; None: transformers' balanced split
+    grad_accum: int = 1  # forward/backward passes per optimizer step (the loss divided by it)
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches"):
+        for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")

@@ -12,6 +12,7 @@ The loop, exactly:
     x = torch.randint(0, vocab, (micro_batch, seq_len))
     3 times: loss = model(input_ids=x, labels=x).loss   # under torch.autocast(bfloat16) for bf16-autocast
              loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    (--grad-accum n: n times `loss = model(...).loss / n; loss.backward()` before each opt.step())
 """
 from __future__ import annotations
 
@@ -264,16 +265,19 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
         batch = torch.randint(0, vocab_size, (setup.micro_batch, setup.seq_len))
         tracker.label([batch], Category.INPUT)
         for step in range(setup.steps):
-            tracker.set_phase(step, Phase.FORWARD)
-            with autocast:
-                loss = model(input_ids=batch, labels=batch).loss
-            tracker.set_phase(step, Phase.BACKWARD)
-            hooks.enter_backward()
-            if scaler is None:
-                loss.backward()
-            else:
-                scaler.scale(loss).backward()
-                tracker.label([scaler._scale, scaler._growth_tracker], Category.OPTIMIZER_STATE)
+            for _ in range(setup.grad_accum):  # gradients accumulate in place after the first backward
+                tracker.set_phase(step, Phase.FORWARD)
+                with autocast:
+                    loss = model(input_ids=batch, labels=batch).loss
+                    if setup.grad_accum > 1:
+                        loss = loss / setup.grad_accum
+                tracker.set_phase(step, Phase.BACKWARD)
+                hooks.enter_backward()
+                if scaler is None:
+                    loss.backward()
+                else:
+                    scaler.scale(loss).backward()
+                    tracker.label([scaler._scale, scaler._growth_tracker], Category.OPTIMIZER_STATE)
             tracker.set_phase(step, Phase.OPTIMIZER)
             if scaler is None:
                 optimizer.step()

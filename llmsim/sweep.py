@@ -29,7 +29,8 @@ OPTIONS = {"model": "--model", "seq_len": "--seq-len", "micro_batch": "--micro-b
            "build_dtype": "--build-dtype", "lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha",
            "lora_targets": "--lora-targets", "strategy": "--strategy", "world_size": "--world-size",
            "tp": "--tp", "pp": "--pp", "dp": "--dp", "pp_split": "--pp-split", "schedule": "--schedule",
-           "microbatches": "--microbatches", "ds_config": "--ds-config", "gpu": "--gpu", "alloc_conf": "--alloc-conf"}
+           "microbatches": "--microbatches", "grad_accum": "--grad-accum",
+           "ds_config": "--ds-config", "gpu": "--gpu", "alloc_conf": "--alloc-conf"}
 FLAGS = {"grad_ckpt": "--grad-ckpt"}
 
 

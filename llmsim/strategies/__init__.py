@@ -74,6 +74,14 @@ def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.Da
     return stages[layout.deepspeed.stage](timeline, layout, setup)
 
 
+def check_grad_accum(setup, layout: Layout) -> None:
+    """Gradient accumulation is modelled for one process; DDP's no_sync, DeepSpeed's accumulation boundaries
+    and a pipeline's own micro-batches are not."""
+    if setup.grad_accum > 1 and (layout.strategy is not Strategy.SINGLE or layout.tp * layout.pp > 1):
+        raise InputError(f"grad-accum({setup.grad_accum}) is modelled for one process only (strategy single, "
+                         "tp = pp = 1); a pipeline accumulates over its --microbatches")
+
+
 def _refuse_frozen_parameters(plan):
     """DDP buckets and ZeRO partitions hold trainable parameters only; the strategies here assume all are."""
     def checked(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.DataFrame]:
