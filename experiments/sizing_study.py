@@ -1,5 +1,6 @@
 """Sizing study: for each model, GPU and layout, the fewest GPUs (powers of 2, up to 64) on which one sample of
-4096 tokens fits, and the largest micro-batch there (up to 8).
+4096 tokens fits, and the fullest rank's device total there. (`llmsim size` adds the largest micro-batch for one
+model and GPU; searching it here for every cell would take hours on 2 cores.)
 
 Models Llama-2-7B/13B/70B, Llama-3.1-8B/70B, Mistral-7B; GPUs A100-40GB, A100-80GB, H100-80GB, H200; layouts
 `llmsim size` enumerates (llmsim/size.py): DDP, DeepSpeed ZeRO-1/2/3, TP over all the GPUs, one pipeline stage
@@ -23,12 +24,12 @@ import pandas as pd
 from llmsim.enums import Precision
 from llmsim.gpus import load_gpu
 from llmsim.plots import _pyplot, _save
-from llmsim.size import candidates, fits, largest_micro_batch
+from llmsim.size import candidates, fits
 from llmsim.spec import TrainSetup, load_model_spec
 
 MODELS = ["llama-2-7b", "mistral-7b", "llama-3.1-8b", "llama-2-13b", "llama-3.1-70b", "llama-2-70b"]
 GPUS = ["a100-40gb", "a100-80gb", "h100-80gb", "h200"]
-MAX_GPUS, MAX_MICRO_BATCH, SEQ_LEN = 64, 8, 4096
+MAX_GPUS, SEQ_LEN = 64, 4096
 MAX_STAGES = 8  # deeper pipelines trace one stage each over as many micro-batches: too slow for this study
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(__file__).with_suffix(".csv")
@@ -41,13 +42,12 @@ def _stages(candidate) -> int:
 
 
 def smallest_fit(spec, setup, gpu, family_candidates) -> dict:
-    """The first candidate (fewest GPUs) on which micro-batch 1 fits, and its largest micro-batch."""
+    """The first candidate (fewest GPUs) on which micro-batch 1 fits, and its fullest rank's device total."""
     for candidate in sorted(family_candidates, key=lambda c: c.gpus):
         ok, total = fits(spec, setup, candidate, 1, gpu)
         if ok:
-            micro_batch, total = largest_micro_batch(spec, setup, candidate, gpu, MAX_MICRO_BATCH)
-            return {"gpus": candidate.gpus, "largest_micro_batch": micro_batch, "device_total_bytes": total}
-    return {"gpus": None, "largest_micro_batch": 0, "device_total_bytes": None}
+            return {"gpus": candidate.gpus, "device_total_bytes": total}
+    return {"gpus": None, "device_total_bytes": None}
 
 
 def study() -> pd.DataFrame:
@@ -71,28 +71,25 @@ def study() -> pd.DataFrame:
 
 
 def figure(frame: pd.DataFrame, path: Path) -> Path:
-    """One panel per GPU: models down, layouts across, each cell the fewest GPUs that fit (and its micro-batch)."""
+    """One panel per GPU: models down, layouts across, each cell the fewest GPUs that fit."""
     plt = _pyplot()
     layouts = list(dict.fromkeys(frame["layout"]))
     fig, axes = plt.subplots(1, len(GPUS), figsize=(4.2 * len(GPUS), 3.6), sharey=True)
     for ax, gpu in zip(axes, GPUS):
         grid = frame[frame["gpu"] == gpu].pivot(index="model", columns="layout", values="gpus")
         grid = grid.reindex(index=MODELS, columns=layouts)
-        micro = frame[frame["gpu"] == gpu].pivot(index="model", columns="layout", values="largest_micro_batch")
-        micro = micro.reindex(index=MODELS, columns=layouts)
         image = ax.imshow(grid.fillna(2 * MAX_GPUS).to_numpy(dtype=float), cmap="viridis_r", aspect="auto",
                           norm=plt.matplotlib.colors.LogNorm(vmin=1, vmax=2 * MAX_GPUS))
         for row in range(len(grid.index)):
             for column in range(len(grid.columns)):
                 value = grid.iat[row, column]
-                text = f">{MAX_GPUS}" if value != value else f"{int(value)}\nmb {int(micro.iat[row, column])}"
+                text = f">{MAX_GPUS}" if value != value else f"{int(value)}"
                 ax.text(column, row, text, ha="center", va="center", fontsize=6.5,
                         color="black" if value != value or value < 8 else "white")
         ax.set_xticks(range(len(layouts)), layouts, rotation=60, fontsize=7)
         ax.set_yticks(range(len(MODELS)), MODELS, fontsize=7)
         ax.set_title(gpu, fontsize=9)
-    fig.suptitle(f"fewest GPUs that fit one {SEQ_LEN}-token sample (bf16, checkpointing) and the largest "
-                 "micro-batch there", fontsize=9)
+    fig.suptitle(f"fewest GPUs on which one {SEQ_LEN}-token sample fits (bf16, checkpointing, AdamW)", fontsize=9)
     fig.colorbar(image, ax=axes, label="GPUs", shrink=0.8)
     return _save(fig, path)
 

@@ -197,7 +197,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
     return tracker.timeline(), info
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=128)  # a sizing sweep reuses a model's traces across GPUs of one architecture
 def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     if spec.factory is not None:  # an arbitrary nn.Module cannot be cut to fewer layers: trace it whole
         timeline, info = run_fake(spec, setup, None)
