@@ -5,7 +5,8 @@ model and GPU; searching it here for every cell would take hours on 2 cores.)
 Models Llama-2-7B/13B/70B, Llama-3.1-8B/70B, Mistral-7B; GPUs A100-40GB, A100-80GB, H100-80GB, H200; layouts
 `llmsim size` enumerates (llmsim/size.py): DDP, DeepSpeed ZeRO-1/2/3, TP over all the GPUs, one pipeline stage
 per GPU (1F1B, as many micro-batches as stages), TP 2/4/8 x PP; pipelines of at most 8 stages.
-Setup: bf16, full activation checkpointing,
+Setup: bf16 weights built directly in bf16 (as `from_pretrained(dtype=torch.bfloat16)` loads them: no fp32 build
+on the device), full activation checkpointing,
 AdamW, sequence 4096 (pure bf16 for the torch layouts: 8 bytes of model state per parameter; DeepSpeed's bf16
 keeps fp32 masters: 16). Every prediction runs the GPU's own kernels and the caching-allocator model; "fits" is
 the device total (reserved + CUDA context) within the GPU's capacity on every rank.
@@ -52,7 +53,7 @@ def smallest_fit(spec, setup, gpu, family_candidates) -> dict:
 
 def study() -> pd.DataFrame:
     rows = []
-    setup = TrainSetup(1, SEQ_LEN, Precision.BF16, grad_ckpt=True)
+    setup = TrainSetup(1, SEQ_LEN, Precision.BF16, grad_ckpt=True, build_bf16=True)
     for model in MODELS:
         spec = load_model_spec(model)
         layouts: dict[str, list] = {}
