@@ -87,6 +87,25 @@ def grad_accum_matrix():
         yield model, shapes[model], TrainSetup(mb, seq, Precision(precision), None, ckpt, grad_accum=accum)
 
 
+# QLoRA: a bitsandbytes 4-bit base loaded from a checkpoint, prepare_model_for_kbit_training, LoRA:
+# (zoo model, micro_batch, seq_len, precision, grad_ckpt, quant, double_quant, lora_rank)
+QLORA_RUNS = [
+    ("llama-2-7b", 2, 128, "fp32", False, "nf4", True, 8),
+    ("llama-2-7b", 2, 128, "bf16-autocast", True, "nf4", False, 16),
+    ("mistral-7b", 1, 256, "fp32", True, "fp4", True, 8),
+    ("qwen2.5-0.5b", 2, 96, "bf16-autocast", False, "nf4", True, 4),
+    ("opt-125m", 4, 64, "fp32", False, "fp4", False, 8),
+    ("llama-3.1-8b", 2, 64, "bf16-autocast", True, "nf4", True, 32),
+]
+
+
+def qlora_matrix():
+    shapes = {name: shape for name, *shape in MODELS}
+    for model, mb, seq, precision, ckpt, quant, double_quant, rank in QLORA_RUNS:
+        yield model, shapes[model], TrainSetup(mb, seq, Precision(precision), None, ckpt, lora_rank=rank,
+                                               quant=quant, double_quant=double_quant)
+
+
 def fp16_matrix():
     shapes = {name: shape for name, *shape in MODELS}
     for model, mb, seq, precision, attn, ckpt in FP16_RUNS:
@@ -122,9 +141,11 @@ def main() -> int:
     parser.add_argument("--optimizers", action="store_true", help="only the runs with other optimizers")
     parser.add_argument("--fp16", action="store_true", help="only the float16 runs")
     parser.add_argument("--grad-accum", action="store_true", help="only the gradient-accumulation runs")
+    parser.add_argument("--qlora", action="store_true", help="only the QLoRA (4-bit base) runs")
     args = parser.parse_args()
     extra = (lora_matrix() if args.lora else optimizer_matrix() if args.optimizers
-             else fp16_matrix() if args.fp16 else grad_accum_matrix() if args.grad_accum else None)
+             else fp16_matrix() if args.fp16 else grad_accum_matrix() if args.grad_accum
+             else qlora_matrix() if args.qlora else None)
     if extra is not None:
         for model, shape, setup in extra:
             row = measure_single(load_model_spec(model, shrink(model, *shape)), setup)

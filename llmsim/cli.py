@@ -49,6 +49,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "(build in bf16, as from_pretrained(dtype=bfloat16) loads; needs --precision bf16)")
     p.add_argument("--lora-rank", type=int, default=0, help="peft LoRA adapters of this rank on a frozen base")
     p.add_argument("--lora-alpha", type=int, default=16)
+    p.add_argument("--quant", default=None, help="nf4 | fp4: QLoRA, a bitsandbytes 4-bit base under the LoRA "
+                   "adapters (needs --lora-rank)")
+    p.add_argument("--double-quant", action="store_true", help="bitsandbytes double quantization of the 4-bit "
+                   "absmax (bnb_4bit_use_double_quant)")
     p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: peft's for the "
                    "model type)")
     p.add_argument("--device", default="cpu", help="cpu: the CPU's kernels are traced (--gpu switches to the "
@@ -121,7 +125,8 @@ def _inputs(args):
         device=parse_enum(Device, args.device, "device"),
         optimizer=parse_enum(Optimizer, args.optimizer, "optimizer"),
         build_bf16=_build_bf16(args.build_dtype), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-        lora_targets=tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets else None)
+        lora_targets=tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets else None,
+        quant=args.quant, double_quant=args.double_quant)
     return spec, setup, layout
 
 

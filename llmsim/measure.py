@@ -20,6 +20,7 @@ from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_att
 from llmsim.step import run_canonical_step
 from llmsim.strategies import Layout, Strategy
 from llmsim.pipelining import check_pipeline
+from llmsim.quantized import check_quantized
 from llmsim.tensor_parallel import check_tensor_parallel
 from llmsim.trace import model_builder, run_fake
 from llmsim.tracker import StorageTracker
@@ -50,7 +51,7 @@ def setup_columns(spec: ModelSpec, setup: TrainSetup) -> dict:
             "steps": setup.steps, "optimizer": setup.optimizer.value, "foreach": setup.foreach,
             "build_bf16": setup.build_bf16, "lora_rank": setup.lora_rank, "lora_alpha": setup.lora_alpha,
             "lora_targets": ",".join(setup.lora_targets) if setup.lora_targets else "",
-            "grad_accum": setup.grad_accum}
+            "grad_accum": setup.grad_accum, "quant": setup.quant or "", "double_quant": setup.double_quant}
 
 
 def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> dict:
@@ -61,6 +62,7 @@ def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> di
     """
     setup = resolve_attention(spec, setup)
     check_fits_positions(spec, setup)
+    check_quantized(spec, setup)
     start = time.perf_counter()
     if fake:
         timeline, _ = run_fake(spec, setup, None)

@@ -11,8 +11,9 @@ from llmsim.gpus import GpuProfile, on_gpu
 from llmsim.graph import layer_graph
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
-from llmsim.strategies import STRATEGIES, Layout, Strategy, check_grad_accum
+from llmsim.strategies import STRATEGIES, Layout, Strategy, check_supported
 from llmsim.pipelining import check_pipeline
+from llmsim.quantized import check_quantized
 from llmsim.tensor_parallel import check_tensor_parallel
 from llmsim.timeline import expand
 from llmsim.trace import trace
@@ -80,7 +81,8 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     if gpu is not None:
         setup = on_gpu(setup, gpu)
     setup = resolve_attention(model, setup)
-    check_grad_accum(setup, layout)
+    check_supported(setup, layout)
+    check_quantized(model, setup)
     if layout.deepspeed is not None and layout.deepspeed.stage == 3:
         setup = replace(setup, zero3_hooks=True)
     if layout.tp > 1:

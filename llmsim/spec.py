@@ -53,6 +53,8 @@ class TrainSetup:
     n_microbatches: int = 1  # micro-batches per step through the pipeline (each `micro_batch` samples)
     pp_split: tuple[int, ...] | None = None  # layers per stage; None: transformers' balanced split
     grad_accum: int = 1  # forward/backward passes per optimizer step (the loss divided by it)
+    quant: str | None = None  # "nf4" | "fp4": a bitsandbytes 4-bit base under the LoRA adapters (llmsim/quantized.py)
+    double_quant: bool = False  # bnb_4bit_use_double_quant
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):

@@ -87,6 +87,7 @@ class LayerHooks:
 
     def label_model(self) -> None:
         for category, named in ((Category.PARAMETER, self.model.named_parameters()),
+                                (Category.PARAMETER, _quantization_states(self.model)),
                                 (Category.BUFFER, self.model.named_buffers())):
             named = list(named)
             names, tensors = zip(*named) if named else ((), ())
@@ -173,6 +174,19 @@ class LayerHooks:
 
     def info(self, vocab_size: int) -> StepInfo:
         return StepInfo(self.prefix, self.num_blocks, self.leaf_order[0], self.leaf_order[-1], vocab_size)
+
+
+def _quantization_states(model: nn.Module):
+    """(name, tensor) of every bitsandbytes 4-bit weight's quantization state: absmax, code book, offset, and the
+    double quantization's second-level absmax and code book. They are part of the layer's weights."""
+    for name, param in model.named_parameters():
+        state = getattr(param, "quant_state", None)
+        while state is not None:
+            for key, value in vars(state).items():
+                if isinstance(value, torch.Tensor):
+                    yield f"{name}.quant_state.{key}", value
+            state = getattr(state, "state2", None)
+            name = f"{name}.state2"
 
 
 def _first_grad_tensor(tree) -> torch.Tensor | None:

@@ -29,9 +29,9 @@ OPTIONS = {"model": "--model", "seq_len": "--seq-len", "micro_batch": "--micro-b
            "build_dtype": "--build-dtype", "lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha",
            "lora_targets": "--lora-targets", "strategy": "--strategy", "world_size": "--world-size",
            "tp": "--tp", "pp": "--pp", "dp": "--dp", "pp_split": "--pp-split", "schedule": "--schedule",
-           "microbatches": "--microbatches", "grad_accum": "--grad-accum",
+           "microbatches": "--microbatches", "grad_accum": "--grad-accum", "quant": "--quant",
            "ds_config": "--ds-config", "gpu": "--gpu", "alloc_conf": "--alloc-conf"}
-FLAGS = {"grad_ckpt": "--grad-ckpt"}
+FLAGS = {"grad_ckpt": "--grad-ckpt", "double_quant": "--double-quant"}
 
 
 def load_grid(path: str | Path) -> list[dict]:

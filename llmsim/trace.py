@@ -24,6 +24,7 @@ from llmsim.kernels import cuda_kernels
 from llmsim.spec import ModelSpec, TrainSetup
 from llmsim.step import StepInfo, run_canonical_step, run_pipeline_step
 from llmsim.pipelining import cut, layer_range
+from llmsim.quantized import fake_loading, header_checkpoint, load_quantized, real_checkpoint
 from llmsim.tensor_parallel import WaitReturnsInput, build_parallel, fake_process_group, parallel_mesh
 from llmsim.tracker import StorageTracker
 
@@ -47,7 +48,7 @@ def trace_depth(num_layers: int, period: int) -> int:
     return min(depth, num_layers)
 
 
-def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, mesh=None):
+def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, mesh=None, fake: bool = False):
     """How the canonical step builds the model: fp32 (the cast to bf16 is part of the step), or directly in bf16;
     with tp or pp > 1, this rank's stage and shards over `mesh` (llmsim.tensor_parallel.parallel_mesh)."""
     if spec.factory is not None:
@@ -55,6 +56,9 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
             raise InputError(f"tp({setup.tp}) needs an HF config with a TP plan; {spec.name} is a module factory")
         return spec.factory_callable()
     config = spec.hf_config(num_layers if setup.pp == 1 else None)  # a stage is cut from the full stack
+    if setup.quant is not None:  # loaded from a checkpoint: a real one, or for a fake run its header alone
+        directory = header_checkpoint(spec.config_json, num_layers) if fake else real_checkpoint(config)
+        return functools.partial(load_quantized, directory, setup)
 
     def build():
         from transformers import AutoModelForCausalLM
@@ -178,8 +182,11 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
         if setup.tp * setup.pp > 1:  # TP rank 0 of the stage's group; the mesh is built before the fake mode
             stack.enter_context(fake_process_group(setup.tp * setup.pp, rank=setup.pp_stage * setup.tp))
             mesh = parallel_mesh(1, setup.pp, setup.tp)  # data-parallel replica 0
+        build = model_builder(spec, setup, num_layers, mesh, fake=True)  # a checkpoint is written for real
         stack.enter_context(FakeTensorMode())
         stack.enter_context(WaitReturnsInput())
+        if setup.quant is not None:
+            stack.enter_context(fake_loading())
         from torch.distributed.pipelining import schedules
         from torch.distributed.pipelining.schedules import _PipelineSchedule
 
@@ -189,7 +196,6 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
                       mock.patch.object(torch.amp.GradScaler, "_maybe_opt_step", _step_without_overflow),
                       cuda_kernels(setup)):
             stack.enter_context(patch)
-        build = model_builder(spec, setup, num_layers, mesh)
         if setup.pp > 1:
             info = run_pipeline_step(build, setup, tracker, mesh["pp"].get_group())
         else:

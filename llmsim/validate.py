@@ -27,6 +27,8 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
                        steps=int(row["steps"]), build_bf16=_flag(row, "build_bf16"), foreach=_flag(row, "foreach"),
                        optimizer=Optimizer(row["optimizer"]) if isinstance(row.get("optimizer"), str)
                        else Optimizer.ADAMW, grad_accum=_int(row, "grad_accum", 1),
+                       quant=row["quant"] if isinstance(row.get("quant"), str) and row["quant"] else None,
+                       double_quant=_flag(row, "double_quant"),
                        **_lora(row))
     ds_config = row.get("ds_config")
     deepspeed = (DeepSpeedSetup(ds_config, int(row["world_size"])) if isinstance(ds_config, str) and ds_config

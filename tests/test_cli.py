@@ -63,3 +63,21 @@ def test_unreadable_or_invalid_config_file(tmp_path, content):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert len([l for l in proc.stderr.splitlines() if l.startswith("error:")]) == 1
+
+
+QUANT_BAD = [
+    (["--quant", "nf4"], "needs LoRA adapters"),
+    (["--quant", "int8", "--lora-rank", "8"], "unknown quantization 'int8'; valid choices: nf4, fp4"),
+    (["--quant", "nf4", "--lora-rank", "8", "--precision", "bf16"], "quant nf4 with precision bf16 is not modelled"),
+    (["--quant", "fp4", "--lora-rank", "8", "--strategy", "ddp", "--world-size", "2"], "LoRA with strategy ddp"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", QUANT_BAD, ids=[b[1] for b in QUANT_BAD])
+def test_bad_quantization_is_one_line_and_status_2(extra, needle, capsys):
+    argv = ["predict", "--model", "llama-2-7b", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
+            "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+            "--set", "vocab_size=256", "--seq-len", "16", "--micro-batch", "1", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err

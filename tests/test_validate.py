@@ -39,6 +39,8 @@ FRESH = [
                                                   ckpt_every=2)),
     ("pythia-160m", (64, 5, 700, 4), TrainSetup(2, 80, Precision.BF16, grad_ckpt=True, build_bf16=True,
                                                 lora_rank=8)),
+    ("mistral-7b", (64, 5, 600, 8), TrainSetup(2, 64, Precision.BF16_AUTOCAST, grad_ckpt=True, lora_rank=8,
+                                               quant="nf4", double_quant=True, grad_accum=2)),
 ]
 
 

@@ -74,9 +74,14 @@ def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.Da
     return stages[layout.deepspeed.stage](timeline, layout, setup)
 
 
-def check_grad_accum(setup, layout: Layout) -> None:
-    """Gradient accumulation is modelled for one process; DDP's no_sync, DeepSpeed's accumulation boundaries
-    and a pipeline's own micro-batches are not."""
+def check_supported(setup, layout: Layout) -> None:
+    """Before any trace: gradient accumulation and LoRA (QLoRA) are modelled for one process; DDP's no_sync,
+    DeepSpeed's accumulation boundaries, a pipeline's own micro-batches and frozen parameters under DDP or
+    DeepSpeed are not."""
+    if setup.lora_rank and (layout.strategy is not Strategy.SINGLE or layout.tp * layout.pp > 1):
+        raise InputError(f"LoRA with strategy {layout.strategy.value}"
+                         f"{' and tp/pp' if layout.tp * layout.pp > 1 else ''} is not modelled yet; "
+                         "modelled with LoRA: single")
     if setup.grad_accum > 1 and (layout.strategy is not Strategy.SINGLE or layout.tp * layout.pp > 1):
         raise InputError(f"grad-accum({setup.grad_accum}) is modelled for one process only (strategy single, "
                          "tp = pp = 1); a pipeline accumulates over its --microbatches")
