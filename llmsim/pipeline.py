@@ -1,6 +1,7 @@
 """The whole pipeline in one place: model -> trace -> per-rank plan -> timeline -> peaks (DESIGN.md)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 import networkx as nx
@@ -16,7 +17,7 @@ from llmsim.pipelining import check_pipeline
 from llmsim.quantized import check_quantized
 from llmsim.tensor_parallel import check_tensor_parallel
 from llmsim.timeline import expand
-from llmsim.trace import trace
+from llmsim.trace import Trace, trace
 
 
 @dataclass(frozen=True)
@@ -95,17 +96,16 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
         traced = None
         rank_timelines = {}
         for stage in range(layout.pp):
-            traced = trace(model, replace(setup, pp=layout.pp, pp_stage=stage, schedule=layout.schedule.value,
-                                          n_microbatches=layout.n_microbatches, pp_split=layout.pp_split))
-            timeline = expand(traced)
+            timeline, traced = expanded(model, replace(setup, pp=layout.pp, pp_stage=stage,
+                                                       schedule=layout.schedule.value,
+                                                       n_microbatches=layout.n_microbatches, pp_split=layout.pp_split))
             if layout.strategy is not Strategy.SINGLE:  # the stage's DDP buffers, the same in every replica
                 timeline = STRATEGIES[layout.strategy](timeline, layout, setup)[0]
             per_replica = layout.pp * layout.tp
             rank_timelines.update({replica * per_replica + stage * layout.tp + t: timeline
                                    for replica in range(layout.dp) for t in range(layout.tp)})
     else:
-        traced = trace(model, setup)
-        timeline = expand(traced)
+        timeline, traced = expanded(model, setup)
         rank_timelines = STRATEGIES[layout.strategy](timeline, layout, setup)
     ranks = []
     replayed: dict[int, RankPrediction] = {}  # ranks that share one timeline (DDP, ZeRO-0, TP) are replayed once
@@ -114,6 +114,14 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             replayed[id(rank_timeline)] = _on_device(rank, replay(rank_timeline), rank_timeline, gpu, alloc_conf)
         ranks.append(replace(replayed[id(rank_timeline)], rank=rank))
     return Prediction(model, setup, layout, ranks, layer_graph(timeline, traced.info), gpu, alloc_conf)
+
+
+@functools.lru_cache(maxsize=16)
+def expanded(model: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, Trace]:
+    """The full-depth timeline of one traced process, kept for the next prediction with the same inputs (the
+    strategies and the replay read it, never change it)."""
+    traced = trace(model, setup)
+    return expand(traced), traced
 
 
 def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame, gpu: GpuProfile | None,
