@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from llmsim.enums import Precision
@@ -79,8 +80,10 @@ def figure(frame: pd.DataFrame, path: Path) -> Path:
     for ax, gpu in zip(axes, GPUS):
         grid = frame[frame["gpu"] == gpu].pivot(index="model", columns="layout", values="gpus")
         grid = grid.reindex(index=MODELS, columns=layouts)
-        image = ax.imshow(grid.fillna(2 * MAX_GPUS).to_numpy(dtype=float), cmap="viridis_r", aspect="auto",
-                          norm=plt.matplotlib.colors.LogNorm(vmin=1, vmax=2 * MAX_GPUS))
+        cmap = plt.get_cmap("viridis_r").copy()
+        cmap.set_bad("#DDDDDD")  # no fit within MAX_GPUS
+        ax.imshow(np.ma.masked_invalid(grid.to_numpy(dtype=float)), cmap=cmap, aspect="auto",
+                  norm=plt.matplotlib.colors.LogNorm(vmin=1, vmax=MAX_GPUS))
         for row in range(len(grid.index)):
             for column in range(len(grid.columns)):
                 value = grid.iat[row, column]
@@ -91,11 +94,13 @@ def figure(frame: pd.DataFrame, path: Path) -> Path:
         ax.set_yticks(range(len(MODELS)), MODELS, fontsize=7)
         ax.set_title(gpu, fontsize=9)
     fig.suptitle(f"fewest GPUs on which one {SEQ_LEN}-token sample fits (bf16, checkpointing, AdamW)", fontsize=9)
-    fig.colorbar(image, ax=axes, label="GPUs", shrink=0.8)
     return _save(fig, path)
 
 
 def main() -> int:
+    if "--figure-only" in sys.argv:  # redraw from the CSV
+        figure(pd.read_csv(OUT), FIGURE)
+        return 0
     frame = study()
     frame.to_csv(OUT, index=False)
     figure(frame, FIGURE)
