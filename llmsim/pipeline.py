@@ -17,7 +17,7 @@ from llmsim.pipelining import check_pipeline
 from llmsim.quantized import check_quantized
 from llmsim.tensor_parallel import check_tensor_parallel
 from llmsim.timeline import expand
-from llmsim.trace import Trace, trace
+from llmsim.trace import trace
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,9 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
                    setup.precision)
     check_fits_positions(model, setup)
     if layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks
-        traced = None
         rank_timelines = {}
         for stage in range(layout.pp):
-            timeline, traced = expanded(model, replace(setup, pp=layout.pp, pp_stage=stage,
+            timeline, graph = expanded(model, replace(setup, pp=layout.pp, pp_stage=stage,
                                                        schedule=layout.schedule.value,
                                                        n_microbatches=layout.n_microbatches, pp_split=layout.pp_split))
             if layout.strategy is not Strategy.SINGLE:  # the stage's DDP buffers, the same in every replica
@@ -105,7 +104,7 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             rank_timelines.update({replica * per_replica + stage * layout.tp + t: timeline
                                    for replica in range(layout.dp) for t in range(layout.tp)})
     else:
-        timeline, traced = expanded(model, setup)
+        timeline, graph = expanded(model, setup)
         rank_timelines = STRATEGIES[layout.strategy](timeline, layout, setup)
     ranks = []
     replayed: dict[int, RankPrediction] = {}  # ranks that share one timeline (DDP, ZeRO-0, TP) are replayed once
@@ -113,15 +112,17 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
         if id(rank_timeline) not in replayed:
             replayed[id(rank_timeline)] = _on_device(rank, replay(rank_timeline), rank_timeline, gpu, alloc_conf)
         ranks.append(replace(replayed[id(rank_timeline)], rank=rank))
-    return Prediction(model, setup, layout, ranks, layer_graph(timeline, traced.info), gpu, alloc_conf)
+    return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf)
 
 
 @functools.lru_cache(maxsize=16)
-def expanded(model: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, Trace]:
-    """The full-depth timeline of one traced process, kept for the next prediction with the same inputs (the
-    strategies and the replay read it, never change it)."""
+def expanded(model: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, nx.DiGraph]:
+    """The full-depth timeline of one traced process and its layer graph, kept for the next prediction with the
+    same inputs (the strategies and the replay read them, never change them). With pipeline stages, the graph
+    is the last stage's."""
     traced = trace(model, setup)
-    return expand(traced), traced
+    timeline = expand(traced)
+    return timeline, layer_graph(timeline, traced.info)
 
 
 def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame, gpu: GpuProfile | None,
