@@ -26,9 +26,12 @@ LEVERS: list[tuple[str, dict]] = [
     ("checkpointing", {"grad_ckpt": True}),
     ("SGD with momentum", {"optimizer": Optimizer.SGD_MOMENTUM}),
     ("LoRA r=16", {"lora_rank": 16}),
+    ("QLoRA nf4 r=16", {"lora_rank": 16, "quant": "nf4", "double_quant": True}),
     ("bf16 + checkpointing", {"precision": Precision.BF16, "build_bf16": True, "grad_ckpt": True}),
     ("bf16 + checkpointing + LoRA r=16",
      {"precision": Precision.BF16, "build_bf16": True, "grad_ckpt": True, "lora_rank": 16}),
+    ("QLoRA nf4 + bf16-autocast + checkpointing",
+     {"precision": Precision.BF16_AUTOCAST, "grad_ckpt": True, "lora_rank": 16, "quant": "nf4", "double_quant": True}),
 ]
 
 
@@ -37,11 +40,13 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
     """Peak per lever set (device total with a GPU, else allocated) and its saving against the baseline."""
     rows = []
     base = replace(base, precision=Precision.FP32, grad_ckpt=False, ckpt_every=1, build_bf16=False, lora_rank=0,
-                   lora_targets=None, optimizer=Optimizer.ADAMW)
+                   lora_targets=None, optimizer=Optimizer.ADAMW, quant=None, double_quant=False, grad_accum=1)
     for label, overrides in LEVERS:
         setup = replace(base, **overrides)
         if overrides.get("lora_rank") and layout.world_size > 1:
-            continue  # LoRA is modelled for one process only
+            continue  # LoRA (and QLoRA) is modelled for one process only
+        if overrides.get("quant") and model.config_json is None:
+            continue  # a module factory has no checkpoint to quantize
         prediction = predict(model, setup, layout, gpu, alloc_conf)
         worst = max(prediction.ranks, key=lambda r: r.device_total_bytes)
         rows.append({"lever": label, "peak_allocated_bytes": prediction.peak_allocated_bytes,

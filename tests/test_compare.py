@@ -14,6 +14,8 @@ def test_each_lever_is_the_prediction_of_its_setup():
     lora = predict(spec, TrainSetup(2, 64, lora_rank=16)).peak_allocated_bytes
     assert frame["device_total_bytes"].iloc[0] == baseline
     assert frame.set_index("lever").loc["LoRA r=16", "device_total_bytes"] == lora
+    qlora = predict(spec, TrainSetup(2, 64, lora_rank=16, quant="nf4", double_quant=True)).peak_allocated_bytes
+    assert frame.set_index("lever").loc["QLoRA nf4 r=16", "device_total_bytes"] == qlora
     assert frame["saving_vs_baseline"].iloc[0] == 0
 
 
