@@ -61,12 +61,6 @@ def _common_divisors(sizes) -> list[int]:
     return [d for d in range(1, min(sizes) + 1) if all(s % d == 0 for s in sizes)][:12]
 
 
-def check_has_plan(model: nn.Module, name: str) -> None:
-    if not model.tp_plan:
-        raise InputError(f"{name} ({type(model).__name__}) has no tensor-parallel plan in transformers "
-                         "(base_model_tp_plan); tp must be 1")
-
-
 def build_parallel(build_on_meta: Callable[[], nn.Module], name: str, mesh=None,
                    cut: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """The canonical build of one rank (module docstring): on the meta device, cut to a pipeline stage
@@ -78,8 +72,7 @@ def build_parallel(build_on_meta: Callable[[], nn.Module], name: str, mesh=None,
         model = build_on_meta()
     if cut is not None:
         cut(model)
-    if mesh is not None:
-        check_has_plan(model, name)
+    if mesh is not None:  # check_tensor_parallel has made sure the model has a plan
         try:
             plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=mesh.size()))
             modules = dict(model.named_modules())  # a pipeline stage has no LM head to shard: it was cut away
