@@ -243,6 +243,27 @@ def add_lora(model: nn.Module, setup: TrainSetup) -> nn.Module:
         raise InputError(f"LoRA: {one_line(exc)}") from exc
 
 
+def _build_for_training(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
+                        expected_blocks: int | None) -> tuple[nn.Module, LayerHooks]:
+    """The opening of both canonical steps: build, hook the layers, cast (bf16/fp16 precision), train mode."""
+    model = build()
+    hooks = LayerHooks(tracker, model, expected_blocks)
+    if setup.precision.cast_dtype is not None:
+        model.to(setup.precision.cast_dtype)
+        hooks.label_model()
+    model.train()
+    return model, hooks
+
+
+def _device_type(model: nn.Module) -> str:
+    return next(model.parameters()).device.type  # a fake tensor reports its fake device
+
+
+def _autocast(model: nn.Module, setup: TrainSetup):
+    dtype = setup.precision.autocast_dtype
+    return torch.autocast(_device_type(model), dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
                        expected_blocks: int | None = None,
                        wrap: Callable[[nn.Module], nn.Module] | None = None) -> StepInfo:
@@ -251,18 +272,11 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
     torch.manual_seed(0)
     linear = zero3_hooks.linear_as_zero3() if setup.zero3_hooks else contextlib.nullcontext()
     with tracker, linear:
-        model = build()
-        device_type = next(model.parameters()).device.type  # a fake tensor reports its fake device
-        autocast_dtype = setup.precision.autocast_dtype
-        autocast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
-                    else contextlib.nullcontext())
+        model, hooks = _build_for_training(build, setup, tracker, expected_blocks)
+        autocast = _autocast(model, setup)
         # torch's AMP recipe for float16: the loss is scaled, gradients unscaled in place before the step
-        scaler = torch.amp.GradScaler(device_type) if setup.precision is Precision.FP16_AUTOCAST else None
-        hooks = LayerHooks(tracker, model, expected_blocks)
-        if setup.precision.cast_dtype is not None:
-            model.to(setup.precision.cast_dtype)
-            hooks.label_model()
-        model.train()
+        scaler = (torch.amp.GradScaler(_device_type(model)) if setup.precision is Precision.FP16_AUTOCAST
+                  else None)
         base = model
         if setup.lora_rank:
             model = add_lora(model, setup)
@@ -316,12 +330,7 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
     torch.manual_seed(0)
     stage_index, num_stages = setup.pp_stage, setup.pp
     with tracker:
-        model = build()
-        hooks = LayerHooks(tracker, model, None)
-        if setup.precision.cast_dtype is not None:
-            model.to(setup.precision.cast_dtype)
-            hooks.label_model()
-        model.train()
+        model, hooks = _build_for_training(build, setup, tracker, None)
         if setup.grad_ckpt:
             model.activation_checkpointing_enable(every_n_layers=setup.ckpt_every)
         model.forward = stage_forward(model, stage_index, num_stages)
@@ -329,8 +338,7 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
         dtype = setup.precision.cast_dtype or torch.float32
         example = stage_io(stage_index, num_stages, setup.micro_batch, setup.seq_len, int(model.config.hidden_size),
                            vocab_size, dtype, setup.precision.autocast_dtype or dtype)
-        autocast = (torch.autocast(next(model.parameters()).device.type, dtype=setup.precision.autocast_dtype)
-                    if setup.precision.autocast_dtype is not None else contextlib.nullcontext())
+        autocast = _autocast(model, setup)
         stage_module = wrap(model) if wrap is not None else model
         stage = PipelineStage(stage_module, stage_index, num_stages, torch.device("cpu"), input_args=example[0],
                               output_args=example[1], group=pp_group)
