@@ -80,7 +80,7 @@ def allocation_size(size: int) -> int:
     return -(-size // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Block:
     address: int
     size: int
@@ -108,28 +108,31 @@ class CachingAllocator:
     allocated_bytes: int = 0  # rounded block bytes in use
     peak_reserved_bytes: int = 0
     peak_allocated_bytes: int = 0
-    _pools: dict[bool, list[tuple[int, int, _Block]]] = field(default_factory=lambda: {True: [], False: []})
+    # free blocks by pool, indexed by `small` (False: large, True: small), sorted by (size, address)
+    _pools: list[list[tuple[int, int, _Block]]] = field(default_factory=lambda: [[], []])
     _live: dict[int, _Block] = field(default_factory=dict)
     _next_address: int = 0
     _segments: int = 0
-    _tail: dict[bool, "_Block | None"] = field(default_factory=lambda: {True: None, False: None})
+    _tail: list["_Block | None"] = field(default_factory=lambda: [None, None])  # expandable: each pool's end
 
     def malloc(self, key: int, size: int) -> None:
         size = round_size(int(size))  # timelines hand numpy integers; sizes stay Python ints (JSON, bytes)
         small = size <= SMALL_SIZE_BYTES
         block = self._take_free_block(size, small) or self._new_segment(size, small)
-        if self._should_split(block, size):
-            rest = _Block(block.address + size, block.size - size, small, block.segment, False, block, block.next)
+        remaining = block.size - size  # `should_split`
+        if remaining >= MIN_BLOCK_BYTES if small else (size < self.max_split_size and remaining > SMALL_SIZE_BYTES):
+            rest = _Block(block.address + size, remaining, small, block.segment, False, block, block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next, block.size = rest, size
             if self._tail[small] is block:
                 self._tail[small] = rest
-            self._insert(rest)
+            bisect.insort(self._pools[small], (remaining, rest.address, rest))
         block.allocated = True
         self._live[key] = block
         self.allocated_bytes += block.size
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
 
     def free(self, key: int) -> None:
         block = self._live.pop(key)
@@ -139,7 +142,7 @@ class CachingAllocator:
             if neighbour is not None and not neighbour.allocated:
                 self._remove(neighbour)
                 block = self._merge(block, neighbour)
-        self._insert(block)
+        bisect.insort(self._pools[block.small], (block.size, block.address, block))
 
     # ---- the pool ------------------------------------------------------------------------------------
     def _take_free_block(self, size: int, small: bool) -> _Block | None:
@@ -154,12 +157,6 @@ class CachingAllocator:
             return None
         pool.pop(i)
         return block
-
-    def _should_split(self, block: _Block, size: int) -> bool:
-        remaining = block.size - size
-        if block.small:
-            return remaining >= MIN_BLOCK_BYTES
-        return size < self.max_split_size and remaining > SMALL_SIZE_BYTES
 
     def _map_at_end(self, size: int, small: bool) -> _Block:
         """`try_allocate_expandable_block`: grow the free block at the segment's end, or map a new one there."""
@@ -264,19 +261,25 @@ def replay_reserved(serials, deltas, capacity_bytes: int = NO_LIMIT, config: All
     for i, size in enumerate(extra_allocations):
         allocator.malloc(-2 - i, size)
     sizes: dict[int, int] = {}
-    for serial, delta in zip(serials, deltas):
+    malloc, free = allocator.malloc, allocator.free
+    for serial, delta in zip(_ints(serials), _ints(deltas)):
         if delta > 0 and serial not in sizes:
             sizes[serial] = delta
-            allocator.malloc(serial, delta)
+            malloc(serial, delta)
         elif delta > 0:  # a resize: the storage is reallocated at its new size
-            allocator.free(serial)
+            free(serial)
             sizes[serial] += delta
-            allocator.malloc(serial, sizes[serial])
+            malloc(serial, sizes[serial])
         elif delta < 0 and serial in sizes:
             sizes[serial] += delta
-            allocator.free(serial)
+            free(serial)
             if sizes[serial] > 0:
-                allocator.malloc(serial, sizes[serial])
+                malloc(serial, sizes[serial])
             else:
                 del sizes[serial]
     return allocator
+
+
+def _ints(values) -> list[int]:
+    """Python ints: numpy scalars are several times slower to hash and compare in the replay loop."""
+    return values.tolist() if hasattr(values, "tolist") else list(values)

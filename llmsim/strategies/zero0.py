@@ -51,8 +51,11 @@ class _Rank:
         self.grads: dict[str, tuple[int, int]] = {}
 
     def run(self) -> pd.DataFrame:
-        walk_phases(rows_of(self.timeline), self._row, self._leave)
-        return self.w.frame()
+        t = self.timeline
+        optimizer = (t["phase"] == Phase.OPTIMIZER.value).to_numpy()
+        gradients = ((t["phase"] == Phase.BACKWARD.value) & (t["category"] == Category.GRADIENT.value)).to_numpy()
+        walk_phases(rows_of(t), self._row, self._leave, self.w, gradients | (optimizer & self.bf16))
+        return self.w.frame(t)
 
     def _row(self, row: tuple) -> None:
         if self.bf16 and row[1] == Phase.OPTIMIZER.value:

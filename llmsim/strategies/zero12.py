@@ -88,7 +88,7 @@ class _Backward:
 
 
 class _Rank:
-    def __init__(self, timeline: pd.DataFrame, rows: list[tuple], layout, setup, rank: int) -> None:
+    def __init__(self, timeline: pd.DataFrame, rows: list[tuple], layout, setup, rank: int, own) -> None:
         self.zero = layout.deepspeed.zero()
         self.stage = layout.deepspeed.stage
         self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
@@ -100,6 +100,7 @@ class _Rank:
         self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
         self.timeline = timeline
         self.rows = rows
+        self.own = own  # the rows `_row` acts on: the client optimizer's and the backward's gradients
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
         self.bw = _Backward()
 
@@ -207,8 +208,8 @@ class _Rank:
 
     # ---- the walk --------------------------------------------------------------------------------------
     def run(self) -> pd.DataFrame:
-        walk_phases(self.rows, self._row, self._leave)
-        return self.w.frame()
+        walk_phases(self.rows, self._row, self._leave, self.w, self.own)
+        return self.w.frame(self.timeline)
 
     def _row(self, row: tuple) -> None:
         if row[1] == Phase.OPTIMIZER.value:
@@ -241,4 +242,7 @@ class _Rank:
 
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     rows = rows_of(timeline)
-    return {rank: _Rank(timeline, rows, layout, setup, rank).run() for rank in range(layout.world_size)}
+    phase, category = timeline["phase"], timeline["category"]
+    own = ((phase == Phase.OPTIMIZER.value) | ((phase == Phase.BACKWARD.value) &
+                                               (category == Category.GRADIENT.value))).to_numpy()
+    return {rank: _Rank(timeline, rows, layout, setup, rank, own).run() for rank in range(layout.world_size)}

@@ -69,6 +69,7 @@ class _Rank:
         self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
         self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
         self.gloo = setup.device is Device.CPU  # the process group's backend: gloo on the CPU, NCCL on GPUs
+        self.timeline = timeline
         self.rows = rows
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
         self.params = [_Param(i, p.name, p.numel, math.ceil(p.numel / self.world), False)
@@ -314,13 +315,8 @@ class _Rank:
         cat = None
         flat_bytes = sum(p.partition for p in params) * self.world * self.elem
         if not (len(params) == 1 and params[0].numel % self.world == 0):
-            paddings = []
-            for rank in range(self.world):
-                for p in params:
-                    chunk = max(0, min(p.partition, p.numel - rank * p.partition))
-                    if p.partition - chunk > 0:
-                        nbytes = (p.partition - chunk) * self.elem
-                        paddings.append((self.w.alloc(nbytes, Category.TEMPORARY), nbytes))
+            paddings = [(self.w.alloc(nbytes, Category.TEMPORARY), nbytes)
+                        for _, _, nbytes in sorted(self._paddings(params))]
             cat = (self.w.alloc(flat_bytes, Category.TEMPORARY), flat_bytes)
             for padding in paddings:
                 self.w.free(*padding, Category.TEMPORARY)
@@ -335,6 +331,15 @@ class _Rank:
         if cat is not None:
             self.w.free(*cat, Category.TEMPORARY)
         self.bucket, self.bucket_elements = [], 0
+
+    def _paddings(self, params: list[_Param]):
+        """(rank, index, bytes) of each zero padding `__avg_scatter_grads` allocates, rank by rank and parameter by
+        parameter: rank r holds min(partition, numel - r * partition) real elements, so every rank from
+        numel // partition on pads (the first of them by the remainder only)."""
+        for index, p in enumerate(params):
+            first, held = divmod(p.numel, p.partition)
+            for rank in range(first, self.world):
+                yield rank, index, (p.partition - (held if rank == first else 0)) * self.elem
 
     def _free_grad(self, name: str) -> None:
         serial, nbytes = self.grads.pop(name)
@@ -363,8 +368,13 @@ class _Rank:
 
     # ---- the walk --------------------------------------------------------------------------------------
     def run(self) -> pd.DataFrame:
-        walk_phases(self.rows, self._row, self._leave)
-        return self.w.frame()
+        t = self.timeline
+        phase, category = t["phase"], t["category"]
+        own = ((t["serial"] < 0) | (phase == Phase.OPTIMIZER.value)  # markers; the client optimizer's rows
+               | ((category == Category.PARAMETER.value) & (phase == Phase.BUILD.value))
+               | ((category == Category.GRADIENT.value) & (phase == Phase.BACKWARD.value))).to_numpy()
+        walk_phases(self.rows, self._row, self._leave, self.w, own)
+        return self.w.frame(t)
 
     def _row(self, row: tuple) -> None:
         self.w.step, self.w.phase = row[0], row[1]  # what a marker row makes DeepSpeed allocate happens here

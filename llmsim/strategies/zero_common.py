@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 
 from llmsim.enums import Category, Phase
@@ -41,17 +42,24 @@ def param_storages(timeline: pd.DataFrame) -> list[tuple[int, int]]:
 
 @dataclass
 class EventWriter:
-    """Builds a rank's timeline: copies single-process rows and appends its own events in order."""
+    """Builds a rank's timeline: copies single-process rows and appends its own events in order. Rows are
+    copied one by one (`keep`) or, where the strategy has nothing to do, as a run of source rows by index
+    (`keep_run`), so that a rank costs what its own events cost rather than the whole timeline."""
 
     next_serial: int
-    rows: list[tuple] = field(default_factory=list)
+    rows: list[tuple] = field(default_factory=list)  # rows kept one by one and the strategy's own events
     step: int = 0
     phase: str = Phase.BUILD.value
     module: str = ""
+    order: list[int] = field(default_factory=list)  # the output: >= 0 a source row, < 0 `rows[-1 - i]`
 
     def keep(self, row: tuple) -> None:
         self.step, self.phase = row[0], row[1]
-        self.rows.append(row)
+        self._append(row)
+
+    def keep_run(self, rows: list[tuple], start: int, stop: int) -> None:
+        self.step, self.phase = rows[stop - 1][0], rows[stop - 1][1]
+        self.order.extend(range(start, stop))
 
     def alloc(self, nbytes: int, category: Category, module: str | None = None) -> int:
         serial = self.next_serial
@@ -64,11 +72,25 @@ class EventWriter:
 
     def _emit(self, serial: int, delta: int, category: Category, module: str | None) -> None:
         if delta:
-            self.rows.append((self.step, self.phase, NO_BLOCK, module or self.module, serial, delta,
-                              category.value, ""))
+            self._append((self.step, self.phase, NO_BLOCK, module or self.module, serial, delta, category.value, ""))
 
-    def frame(self) -> pd.DataFrame:
-        return pd.DataFrame(self.rows, columns=TIMELINE_COLUMNS)
+    def _append(self, row: tuple) -> None:
+        self.order.append(-1 - len(self.rows))
+        self.rows.append(row)
+
+    def frame(self, source: pd.DataFrame) -> pd.DataFrame:
+        """The rank's timeline: `source`'s rows kept in runs, and the rest, in output order."""
+        order = np.asarray(self.order, dtype=np.int64)
+        copied = order >= 0
+        own = pd.DataFrame(self.rows, columns=TIMELINE_COLUMNS)
+        if not copied.any():
+            return own
+        both = pd.concat([source[TIMELINE_COLUMNS].iloc[order[copied]], own], ignore_index=True)
+        n_copied = int(copied.sum())
+        at = np.empty(len(order), dtype=np.int64)
+        at[copied] = np.arange(n_copied)
+        at[~copied] = n_copied - 1 - order[~copied]
+        return both.take(at).reset_index(drop=True)
 
 
 def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool) -> None:
@@ -132,18 +154,45 @@ def construct_optimizer(w: EventWriter, kind: str) -> None:
         w.alloc(FUSED_ADAM_OVERFLOW_BUF_BYTES, Category.OPTIMIZER_STATE)
 
 
-def walk_phases(rows: list[tuple], handle, leave) -> None:
+def walk_phases(rows: list[tuple], handle, leave, writer: EventWriter | None = None, own=None) -> None:
     """Call `handle(row)` for every row and `leave(step, phase)` when a (step, phase) ends: where a strategy
-    adds what happens at the end of the build, of each backward and of each optimizer step."""
+    adds what happens at the end of the build, of each backward and of each optimizer step.
+    With `own` (a boolean per row: the rows `handle` acts on), every other row is copied by `writer` in runs,
+    exactly as `handle` would have kept it one by one."""
+    if own is None:
+        runs = ((i, i + 1) for i in range(len(rows)))
+    else:
+        runs = _runs(rows, own)
     previous = None
-    for row in rows:
+    for start, stop in runs:
+        row = rows[start]
         key = (row[0], row[1])
         if previous is not None and key != previous:
             leave(*previous)
         previous = key
-        handle(row)
+        if own is None or own[start]:
+            handle(row)
+        else:
+            writer.keep_run(rows, start, stop)
     if previous is not None:
         leave(*previous)
+
+
+def _runs(rows: list[tuple], own) -> list[tuple[int, int]]:
+    """[start, stop) runs that are a single `own` row or rows none of which is `own`, all in one (step, phase)."""
+    n = len(rows)
+    if n == 0:
+        return []
+    steps = np.fromiter((row[0] for row in rows), dtype=np.int64, count=n)
+    phases = pd.factorize(pd.Series([row[1] for row in rows]))[0]
+    own = np.asarray(own, dtype=bool)
+    cut = np.zeros(n + 1, dtype=bool)
+    cut[0] = cut[n] = True
+    cut[1:n] |= (steps[1:] != steps[:-1]) | (phases[1:] != phases[:-1])
+    cut[:n] |= own
+    cut[1:] |= own
+    edges = np.flatnonzero(cut).tolist()
+    return list(zip(edges[:-1], edges[1:]))
 
 
 def rows_of(timeline: pd.DataFrame) -> list[tuple]:
