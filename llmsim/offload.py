@@ -56,7 +56,10 @@ def host_offload(tracker: StorageTracker, pin_memory: bool = False, device_type:
         # torch's pinned path (transformers always pins); pinned only where an accelerator can pin
         is_pinnable = (pin_memory and device_module.is_available() and torch.accelerator.is_available()
                        and not tensor.is_sparse)
-        packed = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=is_pinnable)
+        # device="cpu": torch leaves it to the default device, which is the host in a training script (the GPU kit
+        # runs the step under `torch.device("cuda")`, where the default would put the copy on the GPU)
+        packed = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, device="cpu",
+                             pin_memory=is_pinnable)
         packed.copy_(tensor, non_blocking=is_pinnable)
         tracker.label([packed], Category.OFFLOADED)
         return tensor.device, packed
