@@ -178,8 +178,9 @@ def cmd_compare(args) -> int:
     gpu = load_gpu(args.gpu) if args.gpu else None
     frame = compare_levers(spec, setup, layout, gpu, _alloc_conf(args))
     shown = frame.assign(peak=frame["device_total_bytes"].map(human_bytes),
-                         saving=frame["saving_vs_baseline"].map(lambda v: f"{100 * v:+.1f} %"))
-    columns = ["lever", "peak", "saving", "peak_phase"] + (["fits"] if gpu else [])
+                         saving=frame["saving_vs_baseline"].map(lambda v: f"{100 * v:+.1f} %"),
+                         host=frame["peak_host_bytes"].map(lambda b: human_bytes(b) if b else "-"))
+    columns = ["lever", "peak", "saving", "peak_phase", "host"] + (["fits"] if gpu else [])
     print(shown[columns].to_string(index=False))
     title = (f"{spec.name}, micro-batch {setup.micro_batch}, seq {setup.seq_len}, {layout.strategy.value} x "
              f"{layout.world_size}" + (f", {gpu.name}" if gpu else ""))
