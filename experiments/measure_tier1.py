@@ -112,6 +112,12 @@ OFFLOAD_RUNS = [
     ("codegen-350m-mono", 3, 128, "fp32", "sdpa", 2, 0), ("llama-2-7b", 1, 512, "fp16-autocast", "sdpa", 1, 0),
     ("qwen2.5-0.5b", 2, 128, "bf16", "sdpa", 1, 8),
 ]
+# Deeper than the trace (3 layers or groups), so the replicated layers are checked against a real run:
+# (zoo model, (hidden, layers, vocab, heads), micro_batch, seq_len, precision, attention, ckpt_every)
+OFFLOAD_DEEP_RUNS = [
+    ("llama-2-7b", (64, 10, 256, 4), 2, 64, "bf16", "sdpa", 2),
+    ("gpt2", (64, 9, 256, 4), 2, 64, "bf16-autocast", "eager", 1),
+]
 
 
 def offload_matrix():
@@ -119,6 +125,8 @@ def offload_matrix():
     for model, mb, seq, precision, attn, every, rank in OFFLOAD_RUNS:
         yield model, shapes[model], TrainSetup(mb, seq, Precision(precision), Attention(attn), True, every,
                                                lora_rank=rank, ckpt_offload=True)
+    for model, shape, mb, seq, precision, attn, every in OFFLOAD_DEEP_RUNS:
+        yield model, shape, TrainSetup(mb, seq, Precision(precision), Attention(attn), True, every, ckpt_offload=True)
 
 
 def qlora_matrix():
