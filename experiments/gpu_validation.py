@@ -23,8 +23,10 @@ from pathlib import Path
 
 TIER4_CSV = Path(__file__).resolve().parent.parent / "data" / "measurements" / "tier4_gpu.csv"
 PER_RUN_TIMEOUT_S = 120
-# (zoo model, micro_batch, seq_len, precision, grad_ckpt, ckpt_every[, lora_rank]): single GPU, plain PyTorch,
-# AdamW (foreach, CUDA's default); LoRA through peft on a frozen base.
+# (zoo model, micro_batch, seq_len, precision, grad_ckpt, ckpt_every[, lora_rank[, ckpt_offload]]): single GPU,
+# plain PyTorch, AdamW (foreach, CUDA's default); LoRA through peft on a frozen base; checkpointing with offload
+# (transformers' save_on_cpu into pinned host memory: the device peak must drop by the offloaded inputs, and the
+# host peak is checked against the tracker's host copies -- the CPU rows emulate this boundary, llmsim/offload.py).
 MATRIX = [
     ("gpt2", 8, 1024, "bf16", False, 1),
     ("opt-1.3b", 4, 1024, "bf16", True, 1),
@@ -38,6 +40,8 @@ MATRIX = [
     ("mistral-7b", 1, 2048, "bf16", True, 2),
     ("llama-3.1-8b", 2, 2048, "bf16", True, 1, 16),
     ("qwen2.5-1.5b", 4, 1024, "fp16-autocast", True, 1),
+    ("llama-3.1-8b", 1, 4096, "bf16", True, 1, 0, True),
+    ("qwen2.5-1.5b", 4, 2048, "bf16-autocast", True, 2, 0, True),
 ]
 
 
@@ -45,10 +49,10 @@ def _setup(entry):
     from llmsim.enums import Precision
     from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
 
-    model, mb, seq, precision, ckpt, every, *lora = entry
+    model, mb, seq, precision, ckpt, every, *extra = entry
     spec = load_model_spec(model)
     setup = TrainSetup(mb, seq, Precision(precision), None, ckpt, every, foreach=True,
-                       lora_rank=lora[0] if lora else 0)
+                       lora_rank=extra[0] if extra else 0, ckpt_offload=len(extra) > 1 and extra[1])
     return spec, resolve_attention(spec, setup)
 
 
@@ -57,6 +61,7 @@ def worker(entry) -> dict:
     import torch
 
     from llmsim.measure import environment, setup_columns
+    from llmsim.offload import host_peak_bytes, split_host
     from llmsim.peaks import replay
     from llmsim.step import run_canonical_step
     from llmsim.trace import model_builder
@@ -71,10 +76,11 @@ def worker(entry) -> dict:
         run_canonical_step(build, setup, tracker, None)
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
+    device, host = split_host(tracker.timeline())  # the pinned copies of --ckpt-offload are host memory
     return {"tier": 4, **setup_columns(spec, setup), "strategy": "single", "world_size": 1, "rank": 0,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "device_total_bytes": total - free,
-            "tracker_peak_bytes": replay(tracker.timeline()).allocated_bytes,
+            "tracker_peak_bytes": replay(device).allocated_bytes, "peak_host_bytes": host_peak_bytes(host),
             "gpu": _profile_name(torch.cuda.get_device_name(0)), "device": torch.cuda.get_device_name(0),
             **environment(),
             "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -101,6 +107,7 @@ def dry_run(gpu_name: str) -> int:
         rank = predict(spec, setup, gpu=gpu).ranks[0]
         print(f"{entry}: predicted allocated {human_bytes(rank.peak_allocated_bytes)}, reserved "
               f"{human_bytes(rank.peak_reserved_bytes)}, device total {human_bytes(rank.device_total_bytes)}, "
+              f"host {human_bytes(rank.peak_host_bytes)}, "
               f"fits {gpu.name}: {rank.fits}", flush=True)
     return 0
 

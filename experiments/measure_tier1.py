@@ -99,6 +99,36 @@ QLORA_RUNS = [
 ]
 
 
+# Checkpointing with offload (`activation_checkpointing_enable(every_n_layers, offload=True)`, llmsim/offload.py):
+# device and host peaks, to data/measurements/tier1_offload_cpu.csv.
+# (zoo model, micro_batch, seq_len, precision, attention, ckpt_every, lora_rank)
+OFFLOAD_CSV = TIER1_CSV.parent / "tier1_offload_cpu.csv"
+OFFLOAD_RUNS = [
+    ("llama-2-7b", 2, 128, "fp32", "sdpa", 1, 0), ("llama-2-7b", 4, 256, "bf16", "sdpa", 2, 0),
+    ("llama-3.1-8b", 2, 200, "bf16-autocast", "sdpa", 1, 0), ("mistral-7b", 1, 256, "bf16-autocast", "eager", 2, 0),
+    ("qwen2.5-0.5b", 3, 96, "bf16", "sdpa", 1, 0), ("gpt2", 2, 128, "fp32", "eager", 1, 0),
+    ("gpt2", 4, 64, "bf16-autocast", "sdpa", 2, 0), ("pythia-160m", 2, 256, "bf16", "sdpa", 1, 0),
+    ("opt-125m", 8, 64, "fp32", "eager", 2, 0), ("bloom-560m", 2, 128, "bf16-autocast", "eager", 1, 0),
+    ("codegen-350m-mono", 3, 128, "fp32", "sdpa", 2, 0), ("llama-2-7b", 1, 512, "fp16-autocast", "sdpa", 1, 0),
+    ("qwen2.5-0.5b", 2, 128, "bf16", "sdpa", 1, 8),
+]
+# Deeper than the trace (3 layers or groups), so the replicated layers are checked against a real run:
+# (zoo model, (hidden, layers, vocab, heads), micro_batch, seq_len, precision, attention, ckpt_every)
+OFFLOAD_DEEP_RUNS = [
+    ("llama-2-7b", (64, 10, 256, 4), 2, 64, "bf16", "sdpa", 2),
+    ("gpt2", (64, 9, 256, 4), 2, 64, "bf16-autocast", "eager", 1),
+]
+
+
+def offload_matrix():
+    shapes = {name: shape for name, *shape in MODELS}
+    for model, mb, seq, precision, attn, every, rank in OFFLOAD_RUNS:
+        yield model, shapes[model], TrainSetup(mb, seq, Precision(precision), Attention(attn), True, every,
+                                               lora_rank=rank, ckpt_offload=True)
+    for model, shape, mb, seq, precision, attn, every in OFFLOAD_DEEP_RUNS:
+        yield model, shape, TrainSetup(mb, seq, Precision(precision), Attention(attn), True, every, ckpt_offload=True)
+
+
 def qlora_matrix():
     shapes = {name: shape for name, *shape in MODELS}
     for model, mb, seq, precision, ckpt, quant, double_quant, rank in QLORA_RUNS:
@@ -142,15 +172,19 @@ def main() -> int:
     parser.add_argument("--fp16", action="store_true", help="only the float16 runs")
     parser.add_argument("--grad-accum", action="store_true", help="only the gradient-accumulation runs")
     parser.add_argument("--qlora", action="store_true", help="only the QLoRA (4-bit base) runs")
+    parser.add_argument("--ckpt-offload", action="store_true", help="only the checkpointing-with-offload runs "
+                        "(to tier1_offload_cpu.csv unless --out is given)")
     args = parser.parse_args()
+    if args.ckpt_offload and args.out == TIER1_CSV:
+        args.out = OFFLOAD_CSV
     extra = (lora_matrix() if args.lora else optimizer_matrix() if args.optimizers
              else fp16_matrix() if args.fp16 else grad_accum_matrix() if args.grad_accum
-             else qlora_matrix() if args.qlora else None)
+             else qlora_matrix() if args.qlora else offload_matrix() if args.ckpt_offload else None)
     if extra is not None:
         for model, shape, setup in extra:
             row = measure_single(load_model_spec(model, shrink(model, *shape)), setup)
             append_rows([row], args.out)
-            print(model, setup, row["peak_allocated_bytes"], flush=True)
+            print(model, setup, row["peak_allocated_bytes"], row["peak_host_bytes"], row["wall_s"], flush=True)
         return 0
     for model, (hidden, layers, vocab, heads), (mb, seq, precision, attn, ckpt, every) in matrix():
         spec = load_model_spec(model, shrink(model, hidden, layers, vocab, heads))

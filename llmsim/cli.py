@@ -44,6 +44,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation: forward/backward passes per "
                    "optimizer step (one process only, for now)")
     p.add_argument("--ckpt-every", type=int, default=1, help="checkpoint every N-th layer (every_n_layers)")
+    p.add_argument("--ckpt-offload", action="store_true", help="hold the checkpointed layers' inputs in (pinned) "
+                   "host memory: activation_checkpointing_enable(offload=True); needs --grad-ckpt")
     p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd-momentum (torch.optim)")
     p.add_argument("--build-dtype", default="fp32", help="fp32 (build, then cast: the canonical step) | bf16 "
                    "(build in bf16, as from_pretrained(dtype=bfloat16) loads; needs --precision bf16)")
@@ -122,6 +124,7 @@ def _inputs(args):
         micro_batch=micro_batch, seq_len=args.seq_len, precision=precision or Precision.FP32,
         attention=parse_enum(Attention, args.attn, "attention") if args.attn else None,
         grad_ckpt=args.grad_ckpt, ckpt_every=args.ckpt_every, grad_accum=args.grad_accum,
+        ckpt_offload=args.ckpt_offload,
         device=parse_enum(Device, args.device, "device"),
         optimizer=parse_enum(Optimizer, args.optimizer, "optimizer"),
         build_bf16=_build_bf16(args.build_dtype), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -175,8 +178,9 @@ def cmd_compare(args) -> int:
     gpu = load_gpu(args.gpu) if args.gpu else None
     frame = compare_levers(spec, setup, layout, gpu, _alloc_conf(args))
     shown = frame.assign(peak=frame["device_total_bytes"].map(human_bytes),
-                         saving=frame["saving_vs_baseline"].map(lambda v: f"{100 * v:+.1f} %"))
-    columns = ["lever", "peak", "saving", "peak_phase"] + (["fits"] if gpu else [])
+                         saving=frame["saving_vs_baseline"].map(lambda v: f"{100 * v:+.1f} %"),
+                         host=frame["peak_host_bytes"].map(lambda b: human_bytes(b) if b else "-"))
+    columns = ["lever", "peak", "saving", "peak_phase", "host"] + (["fits"] if gpu else [])
     print(shown[columns].to_string(index=False))
     title = (f"{spec.name}, micro-batch {setup.micro_batch}, seq {setup.seq_len}, {layout.strategy.value} x "
              f"{layout.world_size}" + (f", {gpu.name}" if gpu else ""))
@@ -234,8 +238,9 @@ def cmd_measure(args) -> int:
     if not args.dry_run:
         append_rows(rows, Path(args.out) if args.out else default_out)
     for row in rows:
+        host = f", host {human_bytes(row['peak_host_bytes'])}" if row.get("peak_host_bytes") else ""
         print(f"rank {row['rank']}: measured peak allocated {human_bytes(row['peak_allocated_bytes'])} "
-              f"({row['peak_allocated_bytes']:,} B) in {row['wall_s']} s")
+              f"({row['peak_allocated_bytes']:,} B){host} in {row['wall_s']} s")
     return 0
 
 

@@ -24,10 +24,13 @@ LEVERS: list[tuple[str, dict]] = [
     ("bf16, built in bf16", {"precision": Precision.BF16, "build_bf16": True}),
     ("checkpointing every 2 layers", {"grad_ckpt": True, "ckpt_every": 2}),
     ("checkpointing", {"grad_ckpt": True}),
+    ("checkpointing, inputs offloaded", {"grad_ckpt": True, "ckpt_offload": True}),
     ("SGD with momentum", {"optimizer": Optimizer.SGD_MOMENTUM}),
     ("LoRA r=16", {"lora_rank": 16}),
     ("QLoRA nf4 r=16", {"lora_rank": 16, "quant": "nf4", "double_quant": True}),
     ("bf16 + checkpointing", {"precision": Precision.BF16, "build_bf16": True, "grad_ckpt": True}),
+    ("bf16 + checkpointing offloaded", {"precision": Precision.BF16, "build_bf16": True, "grad_ckpt": True,
+                                        "ckpt_offload": True}),
     ("bf16 + checkpointing + LoRA r=16",
      {"precision": Precision.BF16, "build_bf16": True, "grad_ckpt": True, "lora_rank": 16}),
     ("QLoRA nf4 + bf16-autocast + checkpointing",
@@ -37,21 +40,25 @@ LEVERS: list[tuple[str, dict]] = [
 
 def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout(),
                    gpu: GpuProfile | None = None, alloc_conf: AllocatorConfig = AllocatorConfig()) -> pd.DataFrame:
-    """Peak per lever set (device total with a GPU, else allocated) and its saving against the baseline."""
+    """Peak per lever set (device total with a GPU, else allocated) and its saving against the baseline; with
+    offload, the host memory it costs (`peak_host_bytes`: pinned host memory, not counted on the device)."""
     rows = []
     base = replace(base, precision=Precision.FP32, grad_ckpt=False, ckpt_every=1, build_bf16=False, lora_rank=0,
-                   lora_targets=None, optimizer=Optimizer.ADAMW, quant=None, double_quant=False, grad_accum=1)
+                   lora_targets=None, optimizer=Optimizer.ADAMW, quant=None, double_quant=False, grad_accum=1,
+                   ckpt_offload=False)
     for label, overrides in LEVERS:
         setup = replace(base, **overrides)
         if overrides.get("lora_rank") and layout.world_size > 1:
             continue  # LoRA (and QLoRA) is modelled for one process only
+        if overrides.get("ckpt_offload") and (layout.world_size > 1 or layout.tp * layout.pp > 1):
+            continue  # checkpointing with offload is modelled for one process only
         if overrides.get("quant") and model.config_json is None:
             continue  # a module factory has no checkpoint to quantize
         prediction = predict(model, setup, layout, gpu, alloc_conf)
         worst = max(prediction.ranks, key=lambda r: r.device_total_bytes)
         rows.append({"lever": label, "peak_allocated_bytes": prediction.peak_allocated_bytes,
                      "device_total_bytes": worst.device_total_bytes, "peak_phase": worst.peak.phase,
-                     "fits": worst.fits})
+                     "fits": worst.fits, "peak_host_bytes": prediction.peak_host_bytes})
     frame = pd.DataFrame(rows)
     frame["saving_vs_baseline"] = 1 - frame["device_total_bytes"] / frame["device_total_bytes"].iloc[0]
     return frame

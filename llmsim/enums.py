@@ -18,6 +18,7 @@ class Category(str, Enum):
     TEMPORARY = "temporary"  # allocated and freed inside one phase
     INPUT = "input"  # the batch: input_ids and labels
     BUFFER = "buffer"  # module buffers (rotary inv_freq, position ids, ...)
+    OFFLOADED = "offloaded"  # host memory: checkpoint inputs offloaded by save_on_cpu (llmsim/offload.py)
     OTHER = "other"
 
 

@@ -15,10 +15,11 @@ from pathlib import Path
 import pandas as pd
 
 from llmsim.launch import DEFAULT_TIMEOUT_S, run_ranks
+from llmsim.offload import host_peak_bytes, split_host
 from llmsim.peaks import replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
 from llmsim.step import run_canonical_step
-from llmsim.strategies import Layout, Strategy
+from llmsim.strategies import Layout, Strategy, check_supported
 from llmsim.pipelining import check_pipeline
 from llmsim.quantized import check_quantized
 from llmsim.tensor_parallel import check_tensor_parallel
@@ -51,7 +52,8 @@ def setup_columns(spec: ModelSpec, setup: TrainSetup) -> dict:
             "steps": setup.steps, "optimizer": setup.optimizer.value, "foreach": setup.foreach,
             "build_bf16": setup.build_bf16, "lora_rank": setup.lora_rank, "lora_alpha": setup.lora_alpha,
             "lora_targets": ",".join(setup.lora_targets) if setup.lora_targets else "",
-            "grad_accum": setup.grad_accum, "quant": setup.quant or "", "double_quant": setup.double_quant}
+            "grad_accum": setup.grad_accum, "quant": setup.quant or "", "double_quant": setup.double_quant,
+            "ckpt_offload": setup.ckpt_offload}
 
 
 def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> dict:
@@ -71,9 +73,11 @@ def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> di
         run_canonical_step(model_builder(spec, setup, None), setup, tracker, None)
         timeline = tracker.timeline()
     wall_s = time.perf_counter() - start
-    peak = replay(timeline)
+    device, host = split_host(timeline)  # what a GPU run holds on the device, and offloaded to the host
+    peak = replay(device)
     return {"tier": 3 if fake else 1, **setup_columns(spec, setup), "strategy": "single", "world_size": 1,
-            "rank": 0, "peak_allocated_bytes": peak.allocated_bytes, "device": "cpu-fake" if fake else "cpu",
+            "rank": 0, "peak_allocated_bytes": peak.allocated_bytes, "peak_host_bytes": host_peak_bytes(host),
+            "device": "cpu-fake" if fake else "cpu",
             **environment(), "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "wall_s": round(wall_s, 2)}
 
@@ -91,6 +95,7 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     """A real multi-process run (torchrun, gloo) on this CPU: one tier-2 row per rank."""
     setup = resolve_attention(spec, setup)
     check_fits_positions(spec, setup)
+    check_supported(setup, layout)  # what the workers cannot run (ckpt-offload, LoRA, grad-accum) is refused
     check_tensor_parallel(spec.hf_config(), layout.tp)
     check_pipeline(spec.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
                    setup.precision)

@@ -12,6 +12,7 @@ import pandas as pd
 from llmsim.allocator import NO_LIMIT, AllocatorConfig, OutOfMemory, replay_reserved
 from llmsim.gpus import GpuProfile, on_gpu
 from llmsim.graph import layer_graph
+from llmsim.offload import host_peak_bytes, split_host
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
 from llmsim.strategies import STRATEGIES, Layout, Strategy, check_supported
@@ -31,6 +32,7 @@ class RankPrediction:
     timeline: pd.DataFrame = field(repr=False)
     capacity_bytes: int | None = None  # the GPU's, when one is given
     fits: bool | None = None
+    peak_host_bytes: int = 0  # host memory: the most checkpoint inputs offloaded at once (--ckpt-offload)
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -43,7 +45,7 @@ class RankPrediction:
                 "breakdown_bytes": dict(self.peak.breakdown_bytes), "capacity_bytes": self.capacity_bytes,
                 "headroom_bytes": (self.capacity_bytes - self.device_total_bytes
                                    if self.capacity_bytes is not None else None),
-                "fits": self.fits}
+                "fits": self.fits, "peak_host_bytes": self.peak_host_bytes}
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class Prediction:
     def peak_allocated_bytes(self) -> int:
         return max(r.peak_allocated_bytes for r in self.ranks)
 
+    @property
+    def peak_host_bytes(self) -> int:
+        return max(r.peak_host_bytes for r in self.ranks)
+
     def breakdown(self) -> pd.DataFrame:
         """Bytes by category at each rank's peak: one row per rank."""
         return pd.DataFrame([r.peak.breakdown_bytes for r in self.ranks]).fillna(0).astype("int64")
@@ -73,9 +79,10 @@ class Prediction:
                 "micro_batch": self.setup.micro_batch, "seq_len": self.setup.seq_len,
                 "precision": self.setup.precision.value, "attention": self.setup.attention.value,
                 "grad_ckpt": self.setup.grad_ckpt, "ckpt_every": self.setup.ckpt_every,
-                "device": self.setup.device.value, "gpu": self.gpu.name if self.gpu else None,
+                "ckpt_offload": self.setup.ckpt_offload, "device": self.setup.device.value,
+                "gpu": self.gpu.name if self.gpu else None,
                 "expandable_segments": self.alloc_conf.expandable_segments,
-                "peak_allocated_bytes": self.peak_allocated_bytes,
+                "peak_allocated_bytes": self.peak_allocated_bytes, "peak_host_bytes": self.peak_host_bytes,
                 "ranks": [r.to_dict() for r in self.ranks]}
 
 
@@ -112,7 +119,9 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     replayed: dict[int, RankPrediction] = {}  # ranks that share one timeline (DDP, ZeRO-0, TP) are replayed once
     for rank, rank_timeline in sorted(rank_timelines.items()):
         if id(rank_timeline) not in replayed:
-            replayed[id(rank_timeline)] = _on_device(rank, replay(rank_timeline), rank_timeline, gpu, alloc_conf)
+            device, host = split_host(rank_timeline)  # offloaded activations are host memory, not the GPU's
+            replayed[id(rank_timeline)] = replace(_on_device(rank, replay(device), device, gpu, alloc_conf),
+                                                  peak_host_bytes=host_peak_bytes(host))
         ranks.append(replace(replayed[id(rank_timeline)], rank=rank))
     return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf)
 

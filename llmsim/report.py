@@ -20,17 +20,21 @@ def human_bytes(n: int) -> str:
 def prediction_table(prediction: Prediction) -> str:
     s = prediction.setup
     ckpt = f"checkpointing every {s.ckpt_every} layer(s)" if s.grad_ckpt else "no checkpointing"
+    if s.ckpt_offload:
+        ckpt += " (inputs offloaded to the host)"
     if s.lora_rank:
         ckpt += f", LoRA r={s.lora_rank}"
     lines = [f"{prediction.model.name}: micro-batch {s.micro_batch}, seq {s.seq_len}, {s.precision.value}, "
              f"attention {s.attention.value}, {ckpt}, {prediction.layout.strategy.value} x "
              f"{prediction.layout.world_size}, device {s.device.value}",
              "",
-             f"{'rank':>4}  {'peak allocated':>16}  {'peak reserved':>16}  {'device total':>16}  peak at",
+             f"{'rank':>4}  {'peak allocated':>16}  {'peak reserved':>16}  {'device total':>16}  "
+             + (f"{'host peak':>16}  " if s.ckpt_offload else "") + "peak at",
              ]
     for r in prediction.ranks:
+        host = f"{human_bytes(r.peak_host_bytes):>16}  " if s.ckpt_offload else ""
         lines.append(f"{r.rank:>4}  {human_bytes(r.peak_allocated_bytes):>16}  "
-                     f"{human_bytes(r.peak_reserved_bytes):>16}  {human_bytes(r.device_total_bytes):>16}  "
+                     f"{human_bytes(r.peak_reserved_bytes):>16}  {human_bytes(r.device_total_bytes):>16}  {host}"
                      f"step {r.peak.step + 1} {r.peak.phase}, {r.peak.layer}")
     if prediction.gpu is not None:
         tightest = max(prediction.ranks, key=lambda r: r.device_total_bytes)
@@ -60,4 +64,8 @@ def validation_table(results: pd.DataFrame) -> str:
     worst = results["rel_error"].abs().max() if len(results) else 0.0
     summary = (f"{len(results)} rows, {int((~results['ok']).sum())} outside tolerance, "
                f"worst |error| {100 * worst:.3f} %")
+    host = results[results["measured_host_bytes"] > 0] if len(results) else results
+    if len(host):  # rows with offloaded activations: their host peak is checked too
+        summary += (f"; host peak of {len(host)} offload rows: worst |error| "
+                    f"{100 * host['host_rel_error'].abs().max():.3f} %")
     return shown[columns].to_string(index=False) + "\n" + summary

@@ -55,6 +55,7 @@ class TrainSetup:
     grad_accum: int = 1  # forward/backward passes per optimizer step (the loss divided by it)
     quant: str | None = None  # "nf4" | "fp4": a bitsandbytes 4-bit base under the LoRA adapters (llmsim/quantized.py)
     double_quant: bool = False  # bnb_4bit_use_double_quant
+    ckpt_offload: bool = False  # activation_checkpointing_enable(offload=True): checkpoint inputs held in host memory
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):
@@ -72,6 +73,9 @@ class TrainSetup:
             raise InputError("device cuda needs a GPU (--gpu NAME), whose compute capability picks the kernels")
         if self.ckpt_every != 1 and not self.grad_ckpt:
             raise InputError(f"ckpt-every({self.ckpt_every}) needs activation checkpointing (--grad-ckpt)")
+        if self.ckpt_offload and not self.grad_ckpt:
+            raise InputError("ckpt-offload offloads the checkpointed layers' inputs: it needs activation "
+                             "checkpointing (--grad-ckpt)")
 
     @property
     def ckpt_period(self) -> int:

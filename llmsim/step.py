@@ -7,7 +7,8 @@ The loop, exactly:
     model = AutoModelForCausalLM.from_config(config, attn_implementation=...)   # fp32
     model.to(torch.bfloat16)                  # precision bf16 only
     model.train()                             # fine-tuning runs in train mode: dropout masks are real memory
-    model.activation_checkpointing_enable(every_n_layers=n)   # --grad-ckpt only
+    model.activation_checkpointing_enable(every_n_layers=n)   # --grad-ckpt only (offload=True: --ckpt-offload,
+                                              # llmsim/offload.py: its inputs copied to host memory)
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randint(0, vocab, (micro_batch, seq_len))
     3 times: loss = model(input_ids=x, labels=x).loss   # under torch.autocast(bfloat16) for bf16-autocast
@@ -25,6 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from llmsim import zero3_hooks
+from llmsim.offload import offloading
 from llmsim.enums import Category, Optimizer, Phase, Precision
 from llmsim.spec import TrainSetup
 from llmsim.tracker import NO_BLOCK, StorageTracker
@@ -271,7 +273,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
     `wrap` puts a data-parallel wrapper (DistributedDataParallel) around the model before the optimizer."""
     torch.manual_seed(0)
     linear = zero3_hooks.linear_as_zero3() if setup.zero3_hooks else contextlib.nullcontext()
-    with tracker, linear:
+    with tracker, linear, offloading(tracker, setup.ckpt_offload):
         model, hooks = _build_for_training(build, setup, tracker, expected_blocks)
         autocast = _autocast(model, setup)
         # torch's AMP recipe for float16: the loss is scaled, gradients unscaled in place before the step
@@ -282,7 +284,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
             model = add_lora(model, setup)
             hooks.adopt_new_parameters()
         if setup.grad_ckpt:
-            base.activation_checkpointing_enable(every_n_layers=setup.ckpt_every)
+            base.activation_checkpointing_enable(every_n_layers=setup.ckpt_every, offload=setup.ckpt_offload)
         if setup.zero3_hooks:  # deepspeed.initialize registers them last
             zero3_hooks.install(model, tracker, lambda fqn: fqn or ROOT_MODULE, hooks.block_of)
         if wrap is not None:

@@ -31,7 +31,7 @@ OPTIONS = {"model": "--model", "seq_len": "--seq-len", "micro_batch": "--micro-b
            "tp": "--tp", "pp": "--pp", "dp": "--dp", "pp_split": "--pp-split", "schedule": "--schedule",
            "microbatches": "--microbatches", "grad_accum": "--grad-accum", "quant": "--quant",
            "ds_config": "--ds-config", "gpu": "--gpu", "alloc_conf": "--alloc-conf"}
-FLAGS = {"grad_ckpt": "--grad-ckpt", "double_quant": "--double-quant"}
+FLAGS = {"grad_ckpt": "--grad-ckpt", "double_quant": "--double-quant", "ckpt_offload": "--ckpt-offload"}
 
 
 def load_grid(path: str | Path) -> list[dict]:
@@ -90,7 +90,8 @@ def predict_row(config: dict) -> dict:
     worst = max(prediction.ranks, key=lambda r: r.device_total_bytes)
     return {**row, "ranks": len(prediction.ranks), "peak_allocated_bytes": worst.peak_allocated_bytes,
             "peak_reserved_bytes": worst.peak_reserved_bytes, "device_total_bytes": worst.device_total_bytes,
-            "peak_rank": worst.rank, "peak_phase": worst.peak.phase, "fits": worst.fits, "error": ""}
+            "peak_rank": worst.rank, "peak_phase": worst.peak.phase, "fits": worst.fits,
+            "peak_host_bytes": worst.peak_host_bytes, "error": ""}
 
 
 def sweep(configs: list[dict], jobs: int = 1, progress: bool = True) -> pd.DataFrame:
@@ -107,7 +108,8 @@ def sweep(configs: list[dict], jobs: int = 1, progress: bool = True) -> pd.DataF
             rows.append(row)
             bar.update()
     frame = pd.DataFrame(rows)
-    for column in ("ranks", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "peak_rank"):
+    for column in ("ranks", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "peak_rank",
+                   "peak_host_bytes"):
         if column in frame:  # rejected combinations leave them empty: keep the others integers
             frame[column] = frame[column].astype("Int64")
     return frame

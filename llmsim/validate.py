@@ -28,7 +28,7 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
                        optimizer=Optimizer(row["optimizer"]) if isinstance(row.get("optimizer"), str)
                        else Optimizer.ADAMW, grad_accum=_int(row, "grad_accum", 1),
                        quant=row["quant"] if isinstance(row.get("quant"), str) and row["quant"] else None,
-                       double_quant=_flag(row, "double_quant"),
+                       double_quant=_flag(row, "double_quant"), ckpt_offload=_flag(row, "ckpt_offload"),
                        **_lora(row))
     ds_config = row.get("ds_config")
     deepspeed = (DeepSpeedSetup(ds_config, int(row["world_size"])) if isinstance(ds_config, str) and ds_config
@@ -59,6 +59,9 @@ def validate(measurements: pd.DataFrame) -> pd.DataFrame:
         error = (predicted - measured) / measured
         tolerance = PEAK_ALLOCATED_TOLERANCE[int(row["tier"])]
         device_ok = True
+        measured_host = _int(row, "peak_host_bytes", 0)  # host memory (--ckpt-offload); rows before it: none
+        predicted_host = predicted_rank.peak_host_bytes
+        host_error = (predicted_host - measured_host) / measured_host if measured_host else float(predicted_host != 0)
         if gpu is not None:  # tier 4: the allocator model and the device total too
             for column, value, limit in (("peak_reserved_bytes", predicted_rank.peak_reserved_bytes,
                                           RESERVED_TOLERANCE),
@@ -72,7 +75,9 @@ def validate(measurements: pd.DataFrame) -> pd.DataFrame:
                         "strategy": _strategy_name(layout), "world_size": layout.world_size,
                         "tp": layout.tp, "pp": layout.pp, "rank": int(row["rank"]),
                         "measured_bytes": measured, "predicted_bytes": predicted, "rel_error": error,
-                        "tolerance": tolerance, "ok": abs(error) <= tolerance and device_ok})
+                        "measured_host_bytes": measured_host, "predicted_host_bytes": predicted_host,
+                        "host_rel_error": host_error, "tolerance": tolerance,
+                        "ok": abs(error) <= tolerance and abs(host_error) <= tolerance and device_ok})
     return pd.DataFrame(results)
 
 

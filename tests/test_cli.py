@@ -21,6 +21,17 @@ def test_predict_json_contract(capsys):
                 "peak_layer", "breakdown_bytes"):
         assert key in rank
     assert sum(rank["breakdown_bytes"].values()) == rank["peak_allocated_bytes"]
+    assert out["peak_host_bytes"] == rank["peak_host_bytes"] == 0  # nothing offloaded without --ckpt-offload
+
+
+def test_predict_json_reports_host_bytes_apart(capsys):
+    assert main(["predict", *TINY, "--seq-len", "16", "--micro-batch", "2", "--grad-ckpt", "--ckpt-offload",
+                 "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rank = out["ranks"][0]
+    assert out["ckpt_offload"] is True
+    assert rank["peak_host_bytes"] == 2 * 2 * 16 * 64 * 4  # two layers' fp32 inputs (2 x 16 x 64)
+    assert sum(rank["breakdown_bytes"].values()) == rank["peak_allocated_bytes"]
 
 
 BAD = [
@@ -43,6 +54,9 @@ BAD = [
       "--world-size", "2"], "not modelled yet"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--build-dtype", "bf16"], "needs precision bf16"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--optimizer", "lion"], "valid choices"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--ckpt-offload"], "needs activation checkpointing"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--grad-ckpt", "--ckpt-offload", "--strategy", "ddp",
+      "--world-size", "2"], "ckpt-offload with strategy ddp is not modelled yet"),
 ]
 
 

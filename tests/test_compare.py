@@ -17,6 +17,11 @@ def test_each_lever_is_the_prediction_of_its_setup():
     qlora = predict(spec, TrainSetup(2, 64, lora_rank=16, quant="nf4", double_quant=True)).peak_allocated_bytes
     assert frame.set_index("lever").loc["QLoRA nf4 r=16", "device_total_bytes"] == qlora
     assert frame["saving_vs_baseline"].iloc[0] == 0
+    offload = predict(spec, TrainSetup(2, 64, grad_ckpt=True, ckpt_offload=True))
+    row = frame.set_index("lever").loc["checkpointing, inputs offloaded"]
+    assert (row["device_total_bytes"], row["peak_host_bytes"]) == (offload.peak_allocated_bytes,
+                                                                   offload.peak_host_bytes)
+    assert offload.peak_host_bytes > 0 and frame["peak_host_bytes"].iloc[0] == 0
 
 
 def test_compare_command_writes_the_chart(tmp_path, capsys):

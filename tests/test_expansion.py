@@ -2,6 +2,7 @@
 import pytest
 
 from llmsim.enums import Attention, Precision
+from llmsim.offload import host_peak_bytes, split_host
 from llmsim.peaks import replay
 from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
 from llmsim.timeline import expand
@@ -16,10 +17,12 @@ CASES = [
     ("bloom-560m", TrainSetup(2, 32, Precision.BF16)),
     ("pythia-160m", TrainSetup(2, 32, Precision.BF16_AUTOCAST)),
     ("codegen-350m-mono", TrainSetup(1, 64, Precision.FP32, grad_ckpt=True, ckpt_every=3)),
+    ("llama-2-7b", TrainSetup(2, 32, Precision.BF16_AUTOCAST, grad_ckpt=True, ckpt_offload=True)),
+    ("gpt2", TrainSetup(2, 32, Precision.FP32, Attention.EAGER, grad_ckpt=True, ckpt_every=2, ckpt_offload=True)),
 ]
 
 
-@pytest.mark.parametrize("model,setup", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("model,setup", CASES, ids=[c[0] + ("-offload" if c[1].ckpt_offload else "") for c in CASES])
 def test_expansion_matches_full_depth_trace(model, setup):
     layers = 14
     spec = load_model_spec(model, shrink(model, 64, layers, 512, 4))
@@ -29,6 +32,9 @@ def test_expansion_matches_full_depth_trace(model, setup):
     predicted = expand(traced)
     full, _ = run_fake(spec, setup, layers)
     assert replay(predicted).allocated_bytes == replay(full).allocated_bytes
+    (device, host), (full_device, full_host) = split_host(predicted), split_host(full)
+    assert (replay(device).allocated_bytes, host_peak_bytes(host)) == (replay(full_device).allocated_bytes,
+                                                                       host_peak_bytes(full_host))
     assert len(predicted) == len(full)
     # Same events per (step, phase, layer); only bulk frees (autocast's cache) may come in another order.
     keys = ["step", "phase", "block", "category"]
