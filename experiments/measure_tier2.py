@@ -163,6 +163,12 @@ LORA_RUNS = [
     ("gpt2", 2, "bf16", True, 1, 2, 64, "ddp", None, None, (4, None)),
     ("qwen2.5-0.5b", 2, "fp32", True, 1, 2, 64, "ddp", None, None, (8, ("q_proj", "k_proj", "v_proj", "o_proj"))),
     ("mistral-7b", 2, "bf16", False, 1, 2, 64, "ddp", None, None, (16, ("gate_proj", "up_proj", "down_proj"))),
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 50000, "stage3_prefetch_bucket_size": 20000,
+      "stage3_param_persistence_threshold": 1000}, None, (8, None)),
+    ("llama-2-7b", 2, "bf16", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 50000, "stage3_prefetch_bucket_size": 20000,
+      "stage3_param_persistence_threshold": 1000}, None, (8, None)),
 ]
   # indices into ZERO3_RUNS measured a second time with the same config
 

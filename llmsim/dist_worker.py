@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llmsim.enums import Attention, Category, Phase, Precision
 from llmsim.peaks import replay
 from llmsim.spec import ModelSpec, TrainSetup
-from llmsim.step import LayerHooks, add_lora, run_canonical_step, run_pipeline_step
+from llmsim.step import LayerHooks, add_lora, import_peft, run_canonical_step, run_pipeline_step
 from llmsim.tensor_parallel import parallel_mesh
 from llmsim.trace import model_builder
 from llmsim.tracker import StorageTracker
@@ -46,6 +46,7 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
 
     ds_config = job["ds_config"]
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    import_peft(_setup(job))
     with tracker:
         keep_alive = HfDeepSpeedConfig(ds_config) if stage == 3 else None  # zero.Init inside from_config
         base = model = _build(job)
