@@ -169,6 +169,15 @@ LORA_RUNS = [
     ("llama-2-7b", 2, "bf16", False, 1, 2, 64, "deepspeed",
      {"stage": 3, "reduce_bucket_size": 50000, "stage3_prefetch_bucket_size": 20000,
       "stage3_param_persistence_threshold": 1000}, None, (8, None)),
+    ("gpt2", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 3, "reduce_bucket_size": 50000}, None, (4, None)),
+    ("qwen2.5-0.5b", 2, "bf16", True, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0},
+     None, (8, ("q_proj", "k_proj", "v_proj", "o_proj"))),
+    ("mistral-7b", 2, "fp32", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 30000, "stage3_prefetch_bucket_size": 0},
+     None, (16, ("gate_proj", "up_proj", "down_proj"))),
+    ("opt-125m", 2, "bf16", True, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 40000, "stage3_prefetch_bucket_size": 20000}, None, (8, None)),
 ]
   # indices into ZERO3_RUNS measured a second time with the same config
 

@@ -98,8 +98,8 @@ def _check_lora(setup, layout: Layout) -> None:
     if layout.strategy is Strategy.SINGLE:
         return
     if setup.quant is not None:
-        raise InputError(f"QLoRA (quant {setup.quant}) with strategy {layout.strategy.value} is not modelled yet; "
-                         "modelled with QLoRA: single")
+        raise InputError(f"LoRA with strategy {layout.strategy.value} and a quantized base (quant {setup.quant}) is "
+                         "not modelled yet; modelled with QLoRA: single")
     if layout.strategy is Strategy.DEEPSPEED and layout.deepspeed.stage not in LORA_DEEPSPEED_STAGES:
         raise InputError(f"LoRA with DeepSpeed ZeRO stage {layout.deepspeed.stage} is not modelled yet; {modelled}")
 
