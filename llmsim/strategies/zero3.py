@@ -22,6 +22,10 @@ backward with a marker wherever DeepSpeed fetches or releases a module's paramet
 - step: every gathered parameter released; the norm upcasts each gradient partition to float64 one at a time;
   per sub-group the partitions are flattened (then converted to fp32 in bf16), AdamW updates the fp32 master
   (states at the first step), the fp32 gradient is freed; the persistent parameters are gathered again.
+With LoRA (peft's get_peft_model after the zero.Init build): the frozen base is partitioned and gathered like
+any parameter but has no gradient hook, bucket slot, fp32 master, gradient partition or optimizer state (the
+trainable groups are filtered, `is_optimized_parameter`), and its partitions stay out of the defragmented flat
+buffer; the adapters are created whole (fp32) and partitioned by `_convert_to_zero_parameters` at initialize.
 """
 from __future__ import annotations
 
