@@ -15,6 +15,9 @@ DeepSpeed JIT-compiles for the CPU on first use, and `torch_adam`) into data/mea
 `--zero3-heldout` runs ZERO3_HELDOUT (architectures, world sizes and knobs the development rows do not have:
 GQA Mistral and Llama-3.1, OPT-350m's embedding projections, tied GPT-2 medium, BLOOM-1b1) into
 data/measurements/tier2_zero3_heldout_cpu.csv: measured once the model was written, never tuned against.
+
+`--lora` runs LORA_RUNS (peft LoRA on a frozen base under DDP and DeepSpeed ZeRO-3: get_peft_model after the
+build, which under ZeRO-3 is zero.Init, then deepspeed.initialize) into data/measurements/tier2_lora_cpu.csv.
 """
 from __future__ import annotations
 
@@ -150,7 +153,33 @@ ZERO3_RUNS = [
      {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
       "stage3_max_live_parameters": 30000, "stage3_max_reuse_distance": 0}),
 ]
-ZERO3_REPEATS = [0, 5, 16]  # indices into ZERO3_RUNS measured a second time with the same config
+ZERO3_REPEATS = [0, 5, 16]
+LORA_CSV = MEASUREMENTS_DIR / "tier2_lora_cpu.csv"
+QV = ("q_proj", "v_proj")
+# Same tuple as DS_OPTIMIZER_RUNS (optimizer section None: the client AdamW), then (lora rank, target modules or
+# None for peft's default for the model type).
+LORA_RUNS = [
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "ddp", None, None, (8, None)),
+    ("gpt2", 2, "bf16", True, 1, 2, 64, "ddp", None, None, (4, None)),
+    ("qwen2.5-0.5b", 2, "fp32", True, 1, 2, 64, "ddp", None, None, (8, ("q_proj", "k_proj", "v_proj", "o_proj"))),
+    ("mistral-7b", 2, "bf16", False, 1, 2, 64, "ddp", None, None, (16, ("gate_proj", "up_proj", "down_proj"))),
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 50000, "stage3_prefetch_bucket_size": 20000,
+      "stage3_param_persistence_threshold": 1000}, None, (8, None)),
+    ("llama-2-7b", 2, "bf16", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 50000, "stage3_prefetch_bucket_size": 20000,
+      "stage3_param_persistence_threshold": 1000}, None, (8, None)),
+    ("gpt2", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 3, "reduce_bucket_size": 50000}, None, (4, None)),
+    ("qwen2.5-0.5b", 2, "bf16", True, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0},
+     None, (8, ("q_proj", "k_proj", "v_proj", "o_proj"))),
+    ("mistral-7b", 2, "fp32", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 30000, "stage3_prefetch_bucket_size": 0},
+     None, (16, ("gate_proj", "up_proj", "down_proj"))),
+    ("opt-125m", 2, "bf16", True, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 40000, "stage3_prefetch_bucket_size": 20000}, None, (8, None)),
+]
+  # indices into ZERO3_RUNS measured a second time with the same config
 
 
 def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
@@ -159,9 +188,11 @@ def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
     for run in runs:
         model, world, precision, ckpt, every, mb, seq, strategy, zero = run[:9]
         optimizer = run[9] if len(run) > 9 else None
+        lora_rank, lora_targets = run[10] if len(run) > 10 else (0, None)
         spec = load_model_spec(model, shrink(model, *SHAPES[model]))
         attention = Attention.EAGER if model.startswith("bloom") else None
-        setup = TrainSetup(mb, seq, Precision(precision), attention, ckpt, every)
+        setup = TrainSetup(mb, seq, Precision(precision), attention, ckpt, every, lora_rank=lora_rank,
+                           lora_targets=lora_targets)
         deepspeed = None
         if zero is not None:
             config = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": 1,
@@ -192,11 +223,13 @@ def main() -> int:
     parser.add_argument("--only", type=int, nargs="*", help="indices into RUNS, or ZERO3_RUNS (default: all)")
     parser.add_argument("--ds-optimizer", action="store_true",
                         help=f"run DS_OPTIMIZER_RUNS (a DeepSpeed \"optimizer\" section) into {DS_OPTIMIZER_CSV}")
+    parser.add_argument("--lora", action="store_true", help=f"run LORA_RUNS (LoRA under DDP, ZeRO-3) into {LORA_CSV}")
     parser.add_argument("--zero3-heldout", action="store_true", help=f"run ZERO3_HELDOUT into {ZERO3_HELDOUT_CSV}")
     parser.add_argument("--zero3", action="store_true",
                         help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")
     args = parser.parse_args()
-    runs, default_out = ((DS_OPTIMIZER_RUNS, DS_OPTIMIZER_CSV) if args.ds_optimizer
+    runs, default_out = ((LORA_RUNS, LORA_CSV) if args.lora
+                         else (DS_OPTIMIZER_RUNS, DS_OPTIMIZER_CSV) if args.ds_optimizer
                          else (ZERO3_HELDOUT, ZERO3_HELDOUT_CSV) if args.zero3_heldout
                          else (ZERO3_RUNS, ZERO3_CSV) if args.zero3 else (RUNS, TIER2_CSV))
     out = args.out or default_out

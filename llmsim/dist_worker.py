@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llmsim.enums import Attention, Category, Phase, Precision
 from llmsim.peaks import replay
 from llmsim.spec import ModelSpec, TrainSetup
-from llmsim.step import LayerHooks, run_canonical_step, run_pipeline_step
+from llmsim.step import LayerHooks, add_lora, import_peft, run_canonical_step, run_pipeline_step
 from llmsim.tensor_parallel import parallel_mesh
 from llmsim.trace import model_builder
 from llmsim.tracker import StorageTracker
@@ -46,17 +46,21 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
 
     ds_config = job["ds_config"]
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    import_peft(_setup(job))
     with tracker:
         keep_alive = HfDeepSpeedConfig(ds_config) if stage == 3 else None  # zero.Init inside from_config
-        model = _build(job)
+        base = model = _build(job)
         hooks = LayerHooks(tracker, model, None)
         model.train()
+        if job.get("lora_rank"):  # as a Trainer script does: get_peft_model outside zero.Init, then initialize
+            model = add_lora(model, _setup(job))
+            hooks.adopt_new_parameters()
         if job["grad_ckpt"]:
-            model.activation_checkpointing_enable(every_n_layers=job["ckpt_every"])
+            base.activation_checkpointing_enable(every_n_layers=job["ckpt_every"])
         optimizer = None if "optimizer" in ds_config else torch.optim.AdamW(model.parameters())
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         hooks.label_model()
-        vocab_size = model.get_input_embeddings().num_embeddings
+        vocab_size = base.get_input_embeddings().num_embeddings
         batch = torch.randint(0, vocab_size, (job["micro_batch"], job["seq_len"]))
         tracker.label([batch], Category.INPUT)
         for step in range(job["steps"]):
@@ -76,7 +80,9 @@ def _setup(job: dict) -> TrainSetup:
                       job["grad_ckpt"], job["ckpt_every"], job["steps"], build_bf16=bool(job.get("build_bf16")),
                       tp=job.get("tp", 1), pp=job.get("pp", 1), schedule=job.get("schedule", "gpipe"),
                       n_microbatches=job.get("n_microbatches", 1),
-                      pp_split=tuple(job["pp_split"]) if job.get("pp_split") else None)
+                      pp_split=tuple(job["pp_split"]) if job.get("pp_split") else None,
+                      lora_rank=job.get("lora_rank", 0), lora_alpha=job.get("lora_alpha", 16),
+                      lora_targets=tuple(job["lora_targets"]) if job.get("lora_targets") else None)
 
 
 def run_ddp(job: dict, tracker: StorageTracker) -> None:

@@ -231,6 +231,14 @@ def make_optimizer(params, setup: TrainSetup) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=SGD_LR, momentum=momentum, foreach=foreach)
 
 
+def import_peft(setup: TrainSetup) -> None:
+    """Import peft before the step is tracked: importing its tuners creates module-level tensors (the
+    `torch.tensor(1)` defaults of peft/tuners/loha/layer.py's autograd functions, 144 bytes in all) that live as
+    long as the process. Imported inside the step, they would count in a process's first LoRA step only."""
+    if setup.lora_rank:
+        import peft  # noqa: F401
+
+
 def add_lora(model: nn.Module, setup: TrainSetup) -> nn.Module:
     """peft's LoRA on the built model: `get_peft_model(model, LoraConfig(r, lora_alpha, target_modules))`."""
     from peft import LoraConfig, get_peft_model
@@ -243,6 +251,18 @@ def add_lora(model: nn.Module, setup: TrainSetup) -> nn.Module:
                                                 target_modules=targets))
     except ValueError as exc:  # peft names the target modules it could not find
         raise InputError(f"LoRA: {one_line(exc)}") from exc
+
+
+PEFT_PREFIX = "base_model.model."  # peft's PeftModel -> LoraModel (`base_model`) -> the causal LM (`model`)
+
+
+def base_fqn(fqn: str) -> str:
+    """A module or parameter FQN of the model DeepSpeed wraps as the base model names it (the tracker labels
+    parameters by their FQN there): peft's prefix dropped, the root called ROOT_MODULE. peft's own two wrappers
+    (`base_model`, `base_model.model`) hold no parameters and keep their names."""
+    if not fqn:
+        return ROOT_MODULE
+    return fqn[len(PEFT_PREFIX):] if fqn.startswith(PEFT_PREFIX) else fqn
 
 
 def _build_for_training(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
@@ -272,6 +292,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
     """Run the canonical loop under `tracker` (add a FakeTensorMode around it to run without memory).
     `wrap` puts a data-parallel wrapper (DistributedDataParallel) around the model before the optimizer."""
     torch.manual_seed(0)
+    import_peft(setup)
     linear = zero3_hooks.linear_as_zero3() if setup.zero3_hooks else contextlib.nullcontext()
     with tracker, linear, offloading(tracker, setup.ckpt_offload):
         model, hooks = _build_for_training(build, setup, tracker, expected_blocks)
@@ -286,7 +307,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
         if setup.grad_ckpt:
             base.activation_checkpointing_enable(every_n_layers=setup.ckpt_every, offload=setup.ckpt_offload)
         if setup.zero3_hooks:  # deepspeed.initialize registers them last
-            zero3_hooks.install(model, tracker, lambda fqn: fqn or ROOT_MODULE, hooks.block_of)
+            zero3_hooks.install(model, tracker, base_fqn, hooks.block_of)
         if wrap is not None:
             model = wrap(model)
         optimizer = make_optimizer(model.parameters(), setup)

@@ -54,11 +54,13 @@ class _ModuleState:
 def install(model: nn.Module, tracker: StorageTracker, name_of: Callable[[str], str],
             block_of: Callable[[str], int]) -> None:
     """Register the four hooks on every module of `model`, after the tracker's own hooks, and record which
-    parameter FQNs are aliases of another (tied weights)."""
+    parameter FQNs are aliases of another (tied weights). `name_of` maps an FQN of `model` to the name the
+    trace gives it (a peft model's FQNs to its base model's)."""
     for fqn, module in model.named_modules():
-        _register(module, name_of(fqn), block_of(fqn), tracker)
+        _register(module, name_of(fqn), block_of(name_of(fqn)), tracker)
     first: dict[int, str] = {}
     for fqn, param in model.named_parameters(remove_duplicate=False):
+        fqn = name_of(fqn)
         if id(param) in first:  # tied: a module fetches the parameter another one owns
             tracker.mark_tied(fqn, first[id(param)], block_of(fqn))
         first.setdefault(id(param), fqn)

@@ -50,8 +50,8 @@ BAD = [
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--lora-rank", "4", "--lora-targets", "w_x"],
      "not found"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--lora-rank", "-3"], "lora-rank"),
-    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--lora-rank", "4", "--strategy", "ddp",
-      "--world-size", "2"], "not modelled yet"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--lora-rank", "4", "--tp", "2",
+      "--world-size", "2"], "LoRA with tp/pp is not modelled yet"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--build-dtype", "bf16"], "needs precision bf16"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--optimizer", "lion"], "valid choices"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--ckpt-offload"], "needs activation checkpointing"),
@@ -95,3 +95,15 @@ def test_bad_quantization_is_one_line_and_status_2(extra, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_lora_with_unmeasured_zero_stage_is_refused(stage, tmp_path, capsys):
+    """LoRA is modelled (and measured) under DDP and ZeRO-3 only; ZeRO-0/1/2 with frozen parameters get one line."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}))
+    assert main(["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--lora-rank", "4",
+                 "--ds-config", str(path), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"LoRA with DeepSpeed ZeRO stage {stage} is not modelled yet" in err

@@ -8,13 +8,16 @@ Read from torch/nn/parallel/distributed.py and torch/csrc/distributed/c10d/reduc
   requires grad, so together they hold one more copy of the gradients (gradient_as_bucket_view=False,
   the default). After the first backward the buckets are rebuilt in gradient order: the old buffers are
   freed before the new ones are allocated, so the total does not change.
+  The buckets hold only parameters that require grad (`_build_params_for_reducer`), while the broadcast
+  (`_sync_module_states`) sends every parameter: with LoRA the frozen base is broadcast but not bucketed.
 """
 from __future__ import annotations
 
 import pandas as pd
 
 from llmsim.enums import Category, Phase
-from llmsim.strategies.events import end_of_build, live_sizes_at_end_of_build, new_events, splice
+from llmsim.strategies.events import (end_of_build, live_at_end_of_build, live_sizes_at_end_of_build, new_events,
+                                     splice, trainable_names)
 
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DistributedDataParallel.broadcast_bucket_size
 
@@ -30,6 +33,13 @@ def coalesced_chunks(sizes: list[int], limit: int) -> list[int]:
     return chunks + ([current] if current else [])
 
 
+def _trainable_bytes(timeline: pd.DataFrame, setup) -> int:
+    live = live_at_end_of_build(timeline, Category.PARAMETER)
+    if setup.lora_rank:  # the frozen base gets no gradient and no bucket slot
+        live = live[live["name"].isin(trainable_names(timeline))]
+    return int(live["nbytes"].sum())
+
+
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     params = live_sizes_at_end_of_build(timeline, Category.PARAMETER)
     buffers = live_sizes_at_end_of_build(timeline, Category.BUFFER)
@@ -37,7 +47,7 @@ def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     deltas = []
     for offset, chunk in enumerate(coalesced_chunks(params + buffers, BROADCAST_BUCKET_BYTES)):
         deltas += [(offset, chunk, Category.TEMPORARY), (offset, -chunk, Category.TEMPORARY)]
-    deltas.append((len(deltas), sum(params), Category.REDUCE_BUCKET))
+    deltas.append((len(deltas), _trainable_bytes(timeline, setup), Category.REDUCE_BUCKET))
     events = new_events(deltas, "DistributedDataParallel", 0, Phase.BUILD, serial)
     rank_timeline = splice(timeline, end_of_build(timeline), events)
     return {rank: rank_timeline for rank in range(layout.world_size)}

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 
 from llmsim.enums import Category, Phase
-from llmsim.tracker import NO_BLOCK, TIMELINE_COLUMNS
+from llmsim.tracker import GRAD_READY, NO_BLOCK, TIMELINE_COLUMNS
 
 
 def live_at_end_of_build(timeline: pd.DataFrame, category: Category) -> pd.DataFrame:
@@ -14,6 +14,12 @@ def live_at_end_of_build(timeline: pd.DataFrame, category: Category) -> pd.DataF
     build = timeline[(timeline["phase"] == Phase.BUILD.value) & (timeline["category"] == category.value)]
     net = build.groupby("serial", sort=False).agg(nbytes=("delta_bytes", "sum"), name=("tensor", "last"))
     return net[net["nbytes"] > 0]
+
+
+def trainable_names(timeline: pd.DataFrame) -> set[str]:
+    """FQNs of the parameters whose gradient autograd accumulates (`requires_grad`): the ones a GRAD_READY marker
+    names. With LoRA the frozen base parameters have none."""
+    return set(timeline.loc[timeline["serial"] == GRAD_READY, "tensor"])
 
 
 def live_sizes_at_end_of_build(timeline: pd.DataFrame, category: Category) -> list[int]:

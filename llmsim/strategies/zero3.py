@@ -22,6 +22,10 @@ backward with a marker wherever DeepSpeed fetches or releases a module's paramet
 - step: every gathered parameter released; the norm upcasts each gradient partition to float64 one at a time;
   per sub-group the partitions are flattened (then converted to fp32 in bf16), AdamW updates the fp32 master
   (states at the first step), the fp32 gradient is freed; the persistent parameters are gathered again.
+With LoRA (peft's get_peft_model after the zero.Init build): the frozen base is partitioned and gathered like
+any parameter but has no gradient hook, bucket slot, fp32 master, gradient partition or optimizer state (the
+trainable groups are filtered, `is_optimized_parameter`), and its partitions stay out of the defragmented flat
+buffer; the adapters are created whole (fp32) and partitioned by `_convert_to_zero_parameters` at initialize.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import pandas as pd
 
 from llmsim.enums import Category, Device, Phase, Precision
 from llmsim.step import ROOT_MODULE
+from llmsim.strategies.events import trainable_names
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, construct_optimizer, optimizer_of,
                                            parameters, rows_of, step_optimizer, walk_phases)
 from llmsim.tracker import BACKWARD_POST, BACKWARD_PRE, FORWARD_POST, FORWARD_PRE, GRAD_READY, TIED
@@ -51,14 +56,19 @@ class _Param:
     status: str = NOT_AVAILABLE
     storage: tuple[int, int] | None = None  # (serial, bytes) of the gathered data
     active: set = field(default_factory=set)  # ds_active_sub_modules
+    elem: int = FP32_BYTES  # bytes per element of the parameter (its partition, its gathered copy)
+    frozen: bool = False  # requires_grad False (LoRA's base): no gradient hook, bucket slot, master or state
+    adapter: bool = False  # a LoRA adapter: built by get_peft_model after zero.Init, whole until initialize
 
 
 @dataclass(eq=False)
 class _Handle:
-    """A pending all-gather: one parameter (its buffer is its storage) or several (`flat`: one flat buffer)."""
+    """A pending all-gather: one parameter (its buffer is its storage) or several (`flats`: one flat buffer per
+    dtype, `_all_gather_coalesced` grouping them with `sort_dtypes`)."""
 
     params: list[_Param]
-    flat: tuple[int, int] | None = None
+    flats: list[tuple[int, int]] = field(default_factory=list)
+    coalesced: bool = False
     complete: bool = False
 
 
@@ -72,9 +82,11 @@ class _Rank:
         self.timeline = timeline
         self.rows = rows
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
-        self.params = [_Param(i, p.name, p.numel, math.ceil(p.numel / self.world), False)
-                       for i, p in enumerate(parameters(timeline, self.elem))]
+        self.params = self._parameters(timeline, setup)
+        self.trainable = [p for p in self.params if not p.frozen]
         self.by_name = {p.name: p for p in self.params}
+        self.built = False  # zero.Init's partitions emitted (before the first adapter is created)
+        self.whole: dict[str, tuple[int, int]] = {}  # adapter -> its whole storage until initialize partitions it
         self._mark_persistent()
         self.module_params: dict[str, list[_Param]] = collections.defaultdict(list)
         for p in self.params:
@@ -98,6 +110,21 @@ class _Rank:
         self.grads: dict[str, tuple[int, int]] = {}  # param -> autograd gradient storage still alive
 
     # ---- setup ---------------------------------------------------------------------------------------
+    def _parameters(self, timeline: pd.DataFrame, setup) -> list[_Param]:
+        """Every parameter in `model.parameters()` order (ds_id order: zero.Init numbers the base model's, and
+        `_convert_to_zero_parameters` the adapters after them). With LoRA the parameters without a gradient are
+        the frozen base; the adapters are fp32 whatever the base's dtype (peft's `autocast_adapter_dtype`, and
+        `_cast_module_mixed_precision` leaves a zero.Init model's parameters alone)."""
+        trainable = trainable_names(timeline) if setup.lora_rank else None
+        params = []
+        for i, p in enumerate(parameters(timeline, 1)):  # numel in bytes: the dtype is per parameter here
+            adapter = trainable is not None and p.name in trainable
+            elem = FP32_BYTES if adapter else self.elem
+            numel = p.numel // elem
+            params.append(_Param(i, p.name, numel, math.ceil(numel / self.world), False, elem=elem,
+                                 frozen=trainable is not None and not adapter, adapter=adapter))
+        return params
+
     def _mark_persistent(self) -> None:
         """parameter_offload.py, `mark_persistent_parameters`."""
         total = 0
@@ -111,35 +138,41 @@ class _Rank:
     def _sub_groups(self) -> list[list[_Param]]:
         """stage3.py, `_create_fp16_sub_groups`."""
         size = self.zero.sub_group_size
-        if size is None or size >= sum(p.partition for p in self.params):
-            return [self.params]
+        if size is None or size >= sum(p.partition for p in self.trainable):
+            return [self.trainable]
         groups, group, numel = [], [], 0
-        for p in self.params:
+        for p in self.trainable:
             group.append(p)
             numel += p.partition
-            if numel >= size or p is self.params[-1]:
+            if numel >= size or p is self.trainable[-1]:
                 groups.append(group)
                 group, numel = [], 0
         return groups
 
     def build(self) -> None:
-        """`zero.Init`: each parameter allocated whole, partitioned, the whole freed."""
-        self.ds_tensors = []
+        """`zero.Init`: each parameter of the base model allocated whole, partitioned, the whole freed."""
+        self.built = True
+        self.ds_tensors: dict[_Param, tuple[int, int]] = {}
         for p in self.params:
-            whole = self.w.alloc(p.numel * self.elem, Category.TEMPORARY)
-            self.ds_tensors.append((self.w.alloc(p.partition * self.elem, Category.PARAMETER), p.partition))
-            self.w.free(whole, p.numel * self.elem, Category.TEMPORARY)
+            if not p.adapter:
+                whole = self.w.alloc(p.numel * p.elem, Category.TEMPORARY)
+                self.ds_tensors[p] = (self.w.alloc(p.partition * p.elem, Category.PARAMETER), p.partition * p.elem)
+                self.w.free(whole, p.numel * p.elem, Category.TEMPORARY)
 
     def initialize(self) -> None:
         """DeepSpeedZeroOptimizer_Stage3.__init__ (after the basic optimizer is built)."""
         construct_optimizer(self.w, self.optimizer)
-        total = sum(p.partition for p in self.params)
-        self.w.alloc(total * self.elem, Category.PARAMETER)  # lp_param_buffer (defragment)
-        for serial, numel in self.ds_tensors:
-            self.w.free(serial, numel * self.elem, Category.PARAMETER)
+        for p in self.params:  # DeepSpeedZeRoOffload `_convert_to_zero_parameters`: the adapters partitioned
+            if p.adapter:
+                self.ds_tensors[p] = (self.w.alloc(p.partition * p.elem, Category.PARAMETER), p.partition * p.elem)
+                self.w.free(*self.whole.pop(p.name), Category.PARAMETER)
+        total = sum(p.partition for p in self.trainable)
+        self.w.alloc(sum(p.partition * p.elem for p in self.trainable), Category.PARAMETER)  # lp_param_buffer
+        for p in self.trainable:  # defragment: the frozen parameters' partitions stay where they are
+            self.w.free(*self.ds_tensors.pop(p), Category.PARAMETER)
         for group in self.sub_groups:  # fp32 master: flat.to(fp32).clone()
             numel = sum(p.partition for p in group)
-            if self.elem != FP32_BYTES:
+            if group[0].elem != FP32_BYTES:
                 upcast = self.w.alloc(numel * FP32_BYTES, Category.TEMPORARY)
                 self.w.alloc(numel * FP32_BYTES, Category.MASTER_WEIGHTS)
                 self.w.free(upcast, numel * FP32_BYTES, Category.TEMPORARY)
@@ -151,8 +184,8 @@ class _Rank:
         if self.zero.contiguous_gradients:
             self.w.alloc(self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
         self.w.alloc(total * self.elem, Category.GRADIENT)  # grad_partitions_flat_buffer
-        for p in self.params:  # create_reduce_and_remove_grad_hooks: gather, register, partition
-            nbytes = p.partition * self.world * self.elem
+        for p in self.trainable:  # create_reduce_and_remove_grad_hooks: gather, register, partition
+            nbytes = p.partition * self.world * p.elem
             buffer = self.w.alloc(nbytes, GATHERED)
             self.w.free(buffer, nbytes, GATHERED)
 
@@ -165,12 +198,14 @@ class _Rank:
         self.n_available += sum(p.numel for p in params)
         if len(params) == 1:  # _all_gather_sequential: the buffer is the parameter's data
             p = params[0]
-            nbytes = p.partition * self.world * self.elem
+            nbytes = p.partition * self.world * p.elem
             p.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
             handle = _Handle(params)
         else:
-            nbytes = sum(p.partition for p in params) * self.world * self.elem
-            handle = _Handle(params, flat=(self.w.alloc(nbytes, GATHERED), nbytes))
+            handle = _Handle(params, coalesced=True)
+            for elem in sorted({p.elem for p in params}):  # sort_dtypes: by name, bfloat16 before float32
+                nbytes = sum(p.partition for p in params if p.elem == elem) * self.world * elem
+                handle.flats.append((self.w.alloc(nbytes, GATHERED), nbytes))
         for p in params:
             p.status = INFLIGHT
             self.inflight[p] = handle
@@ -181,14 +216,15 @@ class _Rank:
         handle = self.inflight.pop(p)
         if not handle.complete:
             for q in handle.params:
-                if handle.flat is not None:
-                    nbytes = q.numel * self.elem
+                if handle.coalesced:
+                    nbytes = q.numel * q.elem
                     q.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
                 q.status = AVAILABLE
             handle.complete = True
-        if handle.flat is not None and not any(h is handle for h in self.inflight.values()):
-            self.w.free(*handle.flat, GATHERED)
-            handle.flat = None
+        if handle.flats and not any(h is handle for h in self.inflight.values()):
+            for flat in handle.flats:
+                self.w.free(*flat, GATHERED)
+            handle.flats = []
 
     def _release_param(self, p: _Param) -> None:
         if p.status == AVAILABLE and not p.active:
@@ -348,7 +384,7 @@ class _Rank:
     # ---- step ------------------------------------------------------------------------------------------
     def step(self, first: bool) -> None:
         self.release_all()
-        for p in self.params:  # get_grad_norm_direct: g.to(float64) per partition
+        for p in self.trainable:  # get_grad_norm_direct: g.to(float64) per partition
             upcast = self.w.alloc(p.partition * FP64_BYTES, Category.TEMPORARY)
             self.w.free(upcast, p.partition * FP64_BYTES, Category.TEMPORARY)
         for group in self.sub_groups:
@@ -362,7 +398,7 @@ class _Rank:
             self.w.free(flat, numel * FP32_BYTES, Category.GRADIENT)
         persistent = [p for p in self.params if p.persist]  # _post_step: one buffer each
         for p in persistent:
-            nbytes = p.partition * self.world * self.elem
+            nbytes = p.partition * self.world * p.elem
             p.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
             p.status = AVAILABLE
 
@@ -398,11 +434,23 @@ class _Rank:
         elif serial == GRAD_READY:
             self.on_gradient(name)
         elif category == Category.PARAMETER.value and phase == Phase.BUILD.value:
-            return  # the single process's whole parameters: zero.Init partitions them instead
+            self._build_row(row)
         elif category == Category.GRADIENT.value and phase == Phase.BACKWARD.value:
             self._gradient_row(row)
         else:
             self.w.keep(row)
+
+    def _build_row(self, row: tuple) -> None:
+        """The single process's whole base parameters are dropped (zero.Init partitions them instead); an
+        adapter, created whole by get_peft_model once zero.Init has run, is kept until initialize partitions it."""
+        p = self.by_name.get(row[7])
+        if p is None or not p.adapter:
+            return
+        if not self.built:
+            self.build()
+        self.w.keep(row)
+        if int(row[5]) > 0:
+            self.whole[p.name] = (int(row[4]), int(row[5]))
 
     def _gradient_row(self, row: tuple) -> None:
         name, serial, delta = row[7], int(row[4]), int(row[5])
@@ -416,7 +464,8 @@ class _Rank:
     def _leave(self, step: int, phase: str) -> None:
         self.w.step, self.w.phase = step, phase
         if phase == Phase.BUILD.value:
-            self.build()
+            if not self.built:
+                self.build()
             self.initialize()
         elif phase == Phase.BACKWARD.value:
             self.flush()  # independent_gradient_partition_epilogue
