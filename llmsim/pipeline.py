@@ -10,6 +10,7 @@ import pandas as pd
 from llmsim.allocator import AllocatorConfig, OutOfMemory, replay_reserved
 from llmsim.gpus import GpuProfile, on_gpu
 from llmsim.graph import layer_graph
+from llmsim.losses import check_loss
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
 from llmsim.strategies import STRATEGIES, Layout, Strategy, check_supported
@@ -84,6 +85,7 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     setup = resolve_attention(model, setup)
     check_supported(setup, layout)
     check_quantized(model, setup)
+    check_loss(model, setup)
     if layout.deepspeed is not None and layout.deepspeed.stage == 3:
         setup = replace(setup, zero3_hooks=True)
     if layout.tp > 1:
