@@ -12,9 +12,9 @@ states through `lm_head.weight` in tiles of `TOKEN_CHUNK_SIZE` (4096) tokens x `
 (trl/kernels/chunked_logprob.py, ported in llmsim/trl_chunked_logprob.py), which keeps online log-sum-exp
 statistics per token, saves the hidden states, the weight, the targets, `log_z` and the entropy, and
 recomputes every tile in its backward, where it accumulates the input and weight gradients in fp32. It is
-not a chunking over tokens with checkpointed chunks, and its chunk counts vocabulary columns, not tokens. TRL cannot be imported for it without its trainer stack
-(the Function's backward imports trl.trainer.utils), so the Function and the forward wrapper
-(`add_trl_fused_lm_head`) are ported from trl 1.16.0, same ops in the same order. On a device without
+not a chunking over tokens with checkpointed chunks, and its chunk counts vocabulary columns, not tokens.
+TRL cannot be imported for it without its trainer stack (the Function's backward imports trl.trainer.utils),
+so the Function and the forward wrapper (`add_trl_fused_lm_head`) are ported from trl 1.16.0, same ops in the same order. On a device without
 Triton (this CPU) TRL scores every position (`compact=False`) and folds each tile with torch ops
 (`_forward_tile`/`_backward_tile`); its Triton path (CUDA) is not modelled (`check_loss` refuses it).
 
