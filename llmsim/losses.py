@@ -14,9 +14,10 @@ statistics per token, saves the hidden states, the weight, the targets, `log_z` 
 recomputes every tile in its backward, where it accumulates the input and weight gradients in fp32. It is
 not a chunking over tokens with checkpointed chunks, and its chunk counts vocabulary columns, not tokens.
 TRL cannot be imported for it without its trainer stack (the Function's backward imports trl.trainer.utils),
-so the Function and the forward wrapper (`add_trl_fused_lm_head`) are ported from trl 1.16.0, same ops in the same order. On a device without
-Triton (this CPU) TRL scores every position (`compact=False`) and folds each tile with torch ops
-(`_forward_tile`/`_backward_tile`); its Triton path (CUDA) is not modelled (`check_loss` refuses it).
+so the Function and the forward wrapper (`add_trl_fused_lm_head`) are ported from trl 1.16.0, same ops in
+the same order. On a device without Triton (this CPU) TRL scores every position (`compact=False`) and folds
+each tile with torch ops (`_forward_tile`/`_backward_tile`); its Triton path (CUDA) is not modelled
+(`check_loss` refuses it).
 
 `Loss.FUSED_LINEAR_CE` is Liger-Kernel's fused linear cross-entropy (liger-kernel 0.8.5,
 `apply_liger_kernel_to_<model>(fused_linear_cross_entropy=True)`, which makes the model's forward `lce_forward`,
