@@ -10,6 +10,14 @@ Each configuration runs in its own process (a fresh CUDA context and allocator) 
 (`torch.cuda.mem_get_info`: total - free, which includes the CUDA context) at the end of step 3, plus the
 storage tracker's exact live-tensor peak. `llmsim validate` then compares allocated (2 %), reserved and device
 total (5 %), see llmsim/tolerances.py. LoRA/QLoRA need peft and bitsandbytes (issue 5) and are skipped.
+
+Liger's fused linear cross-entropy (`--loss fused-linear-ce`): llmsim predicts it with a torch imitation of
+Liger's algorithm (llmsim/losses.py), measured on the CPU only. Its entries here run Liger's real Triton
+Function (`liger_kernel.transformers.functional.liger_fused_linear_cross_entropy`, liger-kernel 0.8.5 must be
+installed) in place of the imitation, so `llmsim validate` compares the real kernel's
+`max_memory_allocated` with the imitation's prediction for the GPU's branches (logits chunk written with
+`torch.mm(out=)`, the weight gradient accumulated with `torch.addmm(out_dtype=float32)` from sm80 on); each
+pairs with the same configuration under transformers' loss, so the saving is measured too.
 """
 from __future__ import annotations
 
@@ -42,17 +50,22 @@ MATRIX = [
     ("qwen2.5-1.5b", 4, 1024, "fp16-autocast", True, 1),
     ("llama-3.1-8b", 1, 4096, "bf16", True, 1, 0, True),
     ("qwen2.5-1.5b", 4, 2048, "bf16-autocast", True, 2, 0, True),
+    # (..., lora_rank, loss): Liger's real fused linear cross-entropy, next to the two rows above it pairs with
+    ("llama-3.1-8b", 1, 4096, "bf16", True, 1, 0, "fused-linear-ce"),
+    ("qwen2.5-0.5b", 4, 2048, "bf16", False, 1, 0, "fused-linear-ce"),
 ]
 
 
 def _setup(entry):
-    from llmsim.enums import Precision
+    from llmsim.enums import Loss, Precision
     from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
 
     model, mb, seq, precision, ckpt, every, *extra = entry
+    lever = extra[1] if len(extra) > 1 else None  # True: checkpointing with offload; a string: the loss
     spec = load_model_spec(model)
     setup = TrainSetup(mb, seq, Precision(precision), None, ckpt, every, foreach=True,
-                       lora_rank=extra[0] if extra else 0, ckpt_offload=len(extra) > 1 and extra[1])
+                       lora_rank=extra[0] if extra else 0, ckpt_offload=lever is True,
+                       loss=Loss(lever) if isinstance(lever, str) else Loss.HF)
     return spec, resolve_attention(spec, setup)
 
 
@@ -68,6 +81,8 @@ def worker(entry) -> dict:
     from llmsim.tracker import StorageTracker
 
     spec, setup = _setup(entry)
+    if setup.loss.value == "fused-linear-ce":
+        _use_real_liger()
     torch.cuda.set_device(0)
     build = model_builder(spec, setup, None)
     tracker = StorageTracker()
@@ -85,6 +100,23 @@ def worker(entry) -> dict:
             **environment(),
             "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "wall_s": round(time.perf_counter() - start, 2)}
+
+
+class _RealLiger:
+    """Liger's Triton fused linear cross-entropy where llmsim.losses calls its imitation (`LigerForCausalLMLoss`
+    passes reduction "mean", no bias, accum_dtype None: the imitation's own arguments)."""
+
+    @staticmethod
+    def apply(hidden_states, weight, target, paths):
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        return liger_fused_linear_cross_entropy(hidden_states, weight, target, reduction="mean")
+
+
+def _use_real_liger() -> None:
+    from llmsim import losses
+
+    losses.FUSED_LINEAR_CROSS_ENTROPY = _RealLiger
 
 
 def _profile_name(device_name: str) -> str:

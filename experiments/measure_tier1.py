@@ -10,8 +10,8 @@ import itertools
 import sys
 from pathlib import Path
 
-from llmsim.enums import Attention, Optimizer, Precision
-from llmsim.measure import TIER1_CSV, append_rows, measure_single
+from llmsim.enums import Attention, Loss, Optimizer, Precision
+from llmsim.measure import MEASUREMENTS_DIR, TIER1_CSV, append_rows, measure_single
 from llmsim.spec import TrainSetup, load_model_spec
 from llmsim.zoo import shrink
 
@@ -129,6 +129,39 @@ def offload_matrix():
         yield model, shape, TrainSetup(mb, seq, Precision(precision), Attention(attn), True, every, ckpt_offload=True)
 
 
+# The loss levers (llmsim/losses.py): TRL's chunked NLL (vocabulary tiles; None = TRL's 32768) and the imitation
+# of Liger's fused linear cross-entropy (its own token-chunk rule), next to transformers' loss for the savings:
+# (zoo model, micro_batch, seq_len, precision, grad_ckpt, loss, loss_chunk, extra TrainSetup fields)
+LOSS_CSV = MEASUREMENTS_DIR / "tier1_loss_cpu.csv"
+LOSS_RUNS = [
+    ("llama-2-7b", 2, 128, "fp32", False, "hf", None, {}),
+    ("llama-2-7b", 2, 128, "fp32", False, "fused-linear-ce", None, {}),
+    ("llama-2-7b", 2, 128, "fp32", False, "chunked-nll", 512, {}),
+    ("mistral-7b", 2, 256, "bf16-autocast", True, "hf", None, {}),
+    ("mistral-7b", 2, 256, "bf16-autocast", True, "fused-linear-ce", None, {}),
+    ("mistral-7b", 2, 256, "bf16-autocast", True, "chunked-nll", 700, {}),
+    ("qwen2.5-0.5b", 3, 200, "bf16", True, "fused-linear-ce", None, {}),
+    ("qwen2.5-0.5b", 3, 200, "bf16-autocast", False, "chunked-nll", 1000, {}),
+    ("qwen2.5-0.5b", 2, 96, "fp32", True, "chunked-nll", None, {}),
+    ("qwen2.5-0.5b", 2, 96, "fp32", True, "fused-linear-ce", None, {}),
+    ("mistral-7b", 1, 256, "bf16", False, "chunked-nll", 700, {}),
+    ("llama-3.1-8b", 4, 96, "bf16", True, "fused-linear-ce", None, {}),
+    ("llama-3.1-8b", 3, 64, "bf16-autocast", False, "fused-linear-ce", None, {"grad_accum": 2}),
+    ("gpt2", 4, 64, "fp32", True, "chunked-nll", 300, {}),
+    ("gpt2", 2, 128, "bf16-autocast", False, "chunked-nll", None, {}),
+    ("pythia-160m", 2, 128, "bf16", True, "chunked-nll", 1000, {}),
+    ("opt-125m", 2, 64, "fp32", False, "chunked-nll", 333, {}),
+    ("llama-2-7b", 2, 128, "bf16", False, "fused-linear-ce", None, {"lora_rank": 8}),
+]
+
+
+def loss_matrix():
+    shapes = {name: shape for name, *shape in MODELS}
+    for model, mb, seq, precision, ckpt, loss, chunk, extra in LOSS_RUNS:
+        yield model, shapes[model], TrainSetup(mb, seq, Precision(precision), None, ckpt, loss=Loss(loss),
+                                               loss_chunk=chunk, **extra)
+
+
 def qlora_matrix():
     shapes = {name: shape for name, *shape in MODELS}
     for model, mb, seq, precision, ckpt, quant, double_quant, rank in QLORA_RUNS:
@@ -174,12 +207,17 @@ def main() -> int:
     parser.add_argument("--qlora", action="store_true", help="only the QLoRA (4-bit base) runs")
     parser.add_argument("--ckpt-offload", action="store_true", help="only the checkpointing-with-offload runs "
                         "(to tier1_offload_cpu.csv unless --out is given)")
+    parser.add_argument("--loss", action="store_true", help="only the loss-lever runs (TRL chunked NLL, Liger "
+                        "fused linear CE), written to tier1_loss_cpu.csv unless --out is given")
     args = parser.parse_args()
     if args.ckpt_offload and args.out == TIER1_CSV:
         args.out = OFFLOAD_CSV
+    if args.loss and args.out == TIER1_CSV:
+        args.out = LOSS_CSV
     extra = (lora_matrix() if args.lora else optimizer_matrix() if args.optimizers
              else fp16_matrix() if args.fp16 else grad_accum_matrix() if args.grad_accum
-             else qlora_matrix() if args.qlora else offload_matrix() if args.ckpt_offload else None)
+             else qlora_matrix() if args.qlora else offload_matrix() if args.ckpt_offload
+             else loss_matrix() if args.loss else None)
     if extra is not None:
         for model, shape, setup in extra:
             row = measure_single(load_model_spec(model, shrink(model, *shape)), setup)

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from llmsim.enums import Attention, Optimizer, Precision, parse_enum
+from llmsim.enums import Attention, Loss, Optimizer, Precision, parse_enum
 from llmsim.errors import InputError
 
 EXIT_BAD_INPUT = 2
@@ -57,6 +57,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "absmax (bnb_4bit_use_double_quant)")
     p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: peft's for the "
                    "model type)")
+    p.add_argument("--loss", default="hf", help="hf (transformers' loss over the full logits) | chunked-nll (TRL's "
+                   "SFT loss: its fused LM head in vocabulary tiles) | fused-linear-ce (Liger's fused linear "
+                   "cross-entropy, chunked over tokens)")
+    p.add_argument("--loss-chunk", type=int, default=None, help="chunked-nll's vocabulary columns per tile "
+                   "(default TRL's 32768)")
     p.add_argument("--device", default="cpu", help="cpu: the CPU's kernels are traced (--gpu switches to the "
                    "GPU's CUDA kernels)")
 
@@ -129,7 +134,8 @@ def _inputs(args):
         optimizer=parse_enum(Optimizer, args.optimizer, "optimizer"),
         build_bf16=_build_bf16(args.build_dtype), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets else None,
-        quant=args.quant, double_quant=args.double_quant)
+        quant=args.quant, double_quant=args.double_quant, loss=parse_enum(Loss, args.loss, "loss"),
+        loss_chunk=args.loss_chunk)
     return spec, setup, layout
 
 

@@ -9,9 +9,11 @@ from dataclasses import replace
 
 import pandas as pd
 
-from llmsim.enums import Optimizer, Precision
+from llmsim.enums import Loss, Optimizer, Precision
+from llmsim.errors import InputError
 from llmsim.allocator import AllocatorConfig
-from llmsim.gpus import GpuProfile
+from llmsim.gpus import GpuProfile, on_gpu
+from llmsim.losses import check_loss
 from llmsim.pipeline import predict
 from llmsim.spec import ModelSpec, TrainSetup
 from llmsim.strategies import Layout
@@ -27,12 +29,16 @@ LEVERS: list[tuple[str, dict]] = [
     ("checkpointing, inputs offloaded", {"grad_ckpt": True, "ckpt_offload": True}),
     ("SGD with momentum", {"optimizer": Optimizer.SGD_MOMENTUM}),
     ("LoRA r=16", {"lora_rank": 16}),
+    ("chunked NLL (TRL)", {"loss": Loss.CHUNKED_NLL}),
+    ("fused linear CE (Liger)", {"loss": Loss.FUSED_LINEAR_CE}),
     ("QLoRA nf4 r=16", {"lora_rank": 16, "quant": "nf4", "double_quant": True}),
     ("bf16 + checkpointing", {"precision": Precision.BF16, "build_bf16": True, "grad_ckpt": True}),
     ("bf16 + checkpointing offloaded", {"precision": Precision.BF16, "build_bf16": True, "grad_ckpt": True,
                                         "ckpt_offload": True}),
     ("bf16 + checkpointing + LoRA r=16",
      {"precision": Precision.BF16, "build_bf16": True, "grad_ckpt": True, "lora_rank": 16}),
+    ("bf16 + checkpointing + fused linear CE (Liger)",
+     {"precision": Precision.BF16, "build_bf16": True, "grad_ckpt": True, "loss": Loss.FUSED_LINEAR_CE}),
     ("QLoRA nf4 + bf16-autocast + checkpointing",
      {"precision": Precision.BF16_AUTOCAST, "grad_ckpt": True, "lora_rank": 16, "quant": "nf4", "double_quant": True}),
 ]
@@ -45,7 +51,8 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
     rows = []
     base = replace(base, precision=Precision.FP32, grad_ckpt=False, ckpt_every=1, build_bf16=False, lora_rank=0,
                    lora_targets=None, optimizer=Optimizer.ADAMW, quant=None, double_quant=False, grad_accum=1,
-                   ckpt_offload=False)
+                   ckpt_offload=False,
+                   loss=Loss.HF, loss_chunk=None)
     for label, overrides in LEVERS:
         setup = replace(base, **overrides)
         if overrides.get("lora_rank") and layout.world_size > 1:
@@ -54,6 +61,8 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
             continue  # checkpointing with offload is modelled for one process only
         if overrides.get("quant") and model.config_json is None:
             continue  # a module factory has no checkpoint to quantize
+        if "loss" in overrides and not _loss_modelled(model, setup, layout, gpu):
+            continue  # one process; TRL's torch path (no GPU); Liger on the model types it patches
         prediction = predict(model, setup, layout, gpu, alloc_conf)
         worst = max(prediction.ranks, key=lambda r: r.device_total_bytes)
         rows.append({"lever": label, "peak_allocated_bytes": prediction.peak_allocated_bytes,
@@ -62,3 +71,13 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
     frame = pd.DataFrame(rows)
     frame["saving_vs_baseline"] = 1 - frame["device_total_bytes"] / frame["device_total_bytes"].iloc[0]
     return frame
+
+
+def _loss_modelled(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile | None) -> bool:
+    if layout.world_size > 1 or layout.tp * layout.pp > 1:
+        return False
+    try:
+        check_loss(model, on_gpu(setup, gpu) if gpu is not None else setup)
+    except InputError:
+        return False
+    return True

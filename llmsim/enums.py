@@ -70,6 +70,14 @@ class Optimizer(str, Enum):
     # not offered until the trace can feed it a value.
 
 
+class Loss(str, Enum):
+    """How the causal-LM loss is computed from the last hidden states (llmsim/losses.py)."""
+
+    HF = "hf"  # transformers' lm_head over every position, logits upcast to fp32 by ForCausalLMLoss
+    CHUNKED_NLL = "chunked-nll"  # TRL's SFT loss: its fused LM head in vocabulary tiles (trl 1.16.0)
+    FUSED_LINEAR_CE = "fused-linear-ce"  # Liger's fused linear cross-entropy, chunked over tokens
+
+
 class Device(str, Enum):
     """The target whose kernels the trace must select (DESIGN.md stage 1)."""
 

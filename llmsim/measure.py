@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from llmsim.losses import check_loss
 from llmsim.launch import DEFAULT_TIMEOUT_S, run_ranks
 from llmsim.offload import host_peak_bytes, split_host
 from llmsim.peaks import replay
@@ -53,7 +54,8 @@ def setup_columns(spec: ModelSpec, setup: TrainSetup) -> dict:
             "build_bf16": setup.build_bf16, "lora_rank": setup.lora_rank, "lora_alpha": setup.lora_alpha,
             "lora_targets": ",".join(setup.lora_targets) if setup.lora_targets else "",
             "grad_accum": setup.grad_accum, "quant": setup.quant or "", "double_quant": setup.double_quant,
-            "ckpt_offload": setup.ckpt_offload}
+            "ckpt_offload": setup.ckpt_offload,
+            "loss": setup.loss.value, "loss_chunk": setup.loss_chunk or ""}
 
 
 def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> dict:
@@ -65,6 +67,7 @@ def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> di
     setup = resolve_attention(spec, setup)
     check_fits_positions(spec, setup)
     check_quantized(spec, setup)
+    check_loss(spec, setup)
     start = time.perf_counter()
     if fake:
         timeline, _ = run_fake(spec, setup, None)

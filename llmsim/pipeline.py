@@ -13,6 +13,7 @@ from llmsim.allocator import NO_LIMIT, AllocatorConfig, OutOfMemory, replay_rese
 from llmsim.gpus import GpuProfile, on_gpu
 from llmsim.graph import layer_graph
 from llmsim.offload import host_peak_bytes, split_host
+from llmsim.losses import check_loss
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
 from llmsim.strategies import STRATEGIES, Layout, Strategy, check_supported
@@ -93,6 +94,7 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     setup = resolve_attention(model, setup)
     check_supported(setup, layout)
     check_quantized(model, setup)
+    check_loss(model, setup)
     if layout.deepspeed is not None and layout.deepspeed.stage == 3:
         setup = replace(setup, zero3_hooks=True)
     if layout.tp > 1:

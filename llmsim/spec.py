@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from llmsim.enums import Attention, Device, Optimizer, Precision
+from llmsim.enums import Attention, Device, Loss, Optimizer, Precision
 from llmsim.errors import InputError, one_line
 
 ZOO_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
@@ -56,6 +56,8 @@ class TrainSetup:
     quant: str | None = None  # "nf4" | "fp4": a bitsandbytes 4-bit base under the LoRA adapters (llmsim/quantized.py)
     double_quant: bool = False  # bnb_4bit_use_double_quant
     ckpt_offload: bool = False  # activation_checkpointing_enable(offload=True): checkpoint inputs held in host memory
+    loss: Loss = Loss.HF  # transformers' loss, TRL's chunked NLL or Liger's fused linear CE (llmsim/losses.py)
+    loss_chunk: int | None = None  # chunked-nll's vocabulary tile width; None: TRL's 32768 (losses.TRL_CHUNK_SIZE)
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):
@@ -71,6 +73,12 @@ class TrainSetup:
             raise InputError(f"build-dtype bf16 needs precision bf16, got {self.precision.value}")
         if (self.device is Device.CUDA) != (self.cuda_capability is not None):
             raise InputError("device cuda needs a GPU (--gpu NAME), whose compute capability picks the kernels")
+        if self.loss_chunk is not None:
+            if not isinstance(self.loss_chunk, int) or self.loss_chunk < 1:
+                raise InputError(f"loss-chunk must be a positive integer, got {self.loss_chunk!r}")
+            if self.loss is not Loss.CHUNKED_NLL:
+                raise InputError(f"loss-chunk({self.loss_chunk}) needs --loss chunked-nll (TRL's vocabulary tile); "
+                                 f"loss {self.loss.value} has no chunk to set (Liger derives its own)")
         if self.ckpt_every != 1 and not self.grad_ckpt:
             raise InputError(f"ckpt-every({self.ckpt_every}) needs activation checkpointing (--grad-ckpt)")
         if self.ckpt_offload and not self.grad_ckpt:

@@ -14,6 +14,8 @@ The loop, exactly:
     3 times: loss = model(input_ids=x, labels=x).loss   # under torch.autocast(bfloat16) for bf16-autocast
              loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
     (--grad-accum n: n times `loss = model(...).loss / n; loss.backward()` before each opt.step())
+    (--loss chunked-nll | fused-linear-ce: the model's forward patched as TRL's SFTTrainer or Liger patches it,
+     llmsim/losses.py)
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from llmsim import zero3_hooks
 from llmsim.offload import offloading
+from llmsim.losses import compute_loss, install_loss
 from llmsim.enums import Category, Optimizer, Phase, Precision
 from llmsim.spec import TrainSetup
 from llmsim.tracker import NO_BLOCK, StorageTracker
@@ -301,6 +304,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
         scaler = (torch.amp.GradScaler(_device_type(model)) if setup.precision is Precision.FP16_AUTOCAST
                   else None)
         base = model
+        install_loss(base, setup)
         if setup.lora_rank:
             model = add_lora(model, setup)
             hooks.adopt_new_parameters()
@@ -319,7 +323,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
             for _ in range(setup.grad_accum):  # gradients accumulate in place after the first backward
                 tracker.set_phase(step, Phase.FORWARD)
                 with autocast:
-                    loss = model(input_ids=batch, labels=batch).loss
+                    loss = compute_loss(model, batch, setup)
                     if setup.grad_accum > 1:
                         loss = loss / setup.grad_accum
                 tracker.set_phase(step, Phase.BACKWARD)

@@ -7,7 +7,7 @@ from typing import Iterable
 
 import pandas as pd
 
-from llmsim.enums import Attention, Optimizer, Precision
+from llmsim.enums import Attention, Loss, Optimizer, Precision
 from llmsim.measure import MEASUREMENTS_DIR
 from llmsim.pipeline import predict
 from llmsim.spec import ModelSpec, TrainSetup, load_model_spec
@@ -29,6 +29,8 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
                        else Optimizer.ADAMW, grad_accum=_int(row, "grad_accum", 1),
                        quant=row["quant"] if isinstance(row.get("quant"), str) and row["quant"] else None,
                        double_quant=_flag(row, "double_quant"), ckpt_offload=_flag(row, "ckpt_offload"),
+                       loss=Loss(row["loss"]) if isinstance(row.get("loss"), str) and row["loss"] else Loss.HF,
+                       loss_chunk=_int(row, "loss_chunk", None),
                        **_lora(row))
     ds_config = row.get("ds_config")
     deepspeed = (DeepSpeedSetup(ds_config, int(row["world_size"])) if isinstance(ds_config, str) and ds_config
@@ -103,7 +105,7 @@ def _split(row: pd.Series) -> tuple[int, ...] | None:
     return tuple(int(v) for v in str(value).split(","))
 
 
-def _int(row: pd.Series, column: str, default: int) -> int:
+def _int(row: pd.Series, column: str, default: int | None) -> int | None:
     value = row.get(column)
     return default if value is None or pd.isna(value) else int(value)
 

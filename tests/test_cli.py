@@ -107,3 +107,29 @@ def test_lora_with_unmeasured_zero_stage_is_refused(stage, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert f"LoRA with DeepSpeed ZeRO stage {stage} is not modelled yet" in err
+
+
+LOSS_BAD = [
+    (["--loss", "chunked-nll", "--loss-chunk", "0"], "loss-chunk must be a positive integer, got 0"),
+    (["--loss", "chunked-nll", "--loss-chunk", "-256"], "loss-chunk must be a positive integer, got -256"),
+    (["--loss-chunk", "256"], "loss-chunk(256) needs --loss chunked-nll"),
+    (["--loss", "fused-linear-ce", "--loss-chunk", "256"], "loss fused-linear-ce has no chunk to set"),
+    (["--loss", "softmax"], "unknown loss 'softmax'; valid choices: hf, chunked-nll, fused-linear-ce"),
+    (["--loss", "fused-linear-ce", "--strategy", "ddp", "--world-size", "2"], "not modelled yet"),
+    (["--loss", "chunked-nll", "--gpu", "h100-80gb"], "loss chunked-nll on a GPU (--gpu) is not modelled yet"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", LOSS_BAD, ids=[b[1] for b in LOSS_BAD])
+def test_bad_loss_is_one_line_and_status_2(extra, needle, capsys):
+    assert main(["predict", *TINY, "--seq-len", "16", "--micro-batch", "1", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_fused_linear_ce_refused_for_a_model_liger_does_not_patch(capsys):
+    argv = ["predict", "--model", "gpt2", "--set", "n_layer=2", "--set", "n_embd=64", "--set", "n_head=2",
+            "--set", "vocab_size=256", "--seq-len", "16", "--micro-batch", "1", "--loss", "fused-linear-ce"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no fused linear cross-entropy for model_type 'gpt2'" in err, err

@@ -1,6 +1,7 @@
 """`llmsim compare`: every lever is a real prediction; the chart is written."""
 from llmsim.cli import main
 from llmsim.compare import LEVERS, compare_levers
+from llmsim.enums import Loss
 from llmsim.pipeline import predict
 from llmsim.spec import TrainSetup, load_model_spec
 from llmsim.zoo import shrink
@@ -22,6 +23,8 @@ def test_each_lever_is_the_prediction_of_its_setup():
     assert (row["device_total_bytes"], row["peak_host_bytes"]) == (offload.peak_allocated_bytes,
                                                                    offload.peak_host_bytes)
     assert offload.peak_host_bytes > 0 and frame["peak_host_bytes"].iloc[0] == 0
+    liger = predict(spec, TrainSetup(2, 64, loss=Loss.FUSED_LINEAR_CE)).peak_allocated_bytes
+    assert frame.set_index("lever").loc["fused linear CE (Liger)", "device_total_bytes"] == liger
 
 
 def test_compare_command_writes_the_chart(tmp_path, capsys):
@@ -30,4 +33,5 @@ def test_compare_command_writes_the_chart(tmp_path, capsys):
             "--set", "vocab_size=512", "--seq-len", "32", "--micro-batch", "2", "--gpu", "l4", "--out", str(out)]
     assert main(argv) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "LoRA r=16" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "LoRA r=16" in out and "Liger" not in out and "TRL" not in out  # gpt2 on a GPU: neither is modelled

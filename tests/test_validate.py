@@ -1,10 +1,12 @@
 """Tier (b): every committed measured row is re-predicted within its tier's tolerance."""
+import json
+
 import pandas as pd
 import pytest
 
-from llmsim.measure import TIER1_CSV, measure_single
+from llmsim.measure import MEASUREMENTS_DIR, TIER1_CSV, measure_single
 from llmsim.pipeline import predict
-from llmsim.enums import Attention, Precision
+from llmsim.enums import Attention, Loss, Precision
 from llmsim.spec import TrainSetup, load_model_spec
 from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
 from llmsim.validate import load_measurements, validate
@@ -21,6 +23,20 @@ def test_committed_tier1_rows_cover_the_matrix():
     assert {(c, e) for c, e in zip(rows["grad_ckpt"], rows["ckpt_every"])} >= {(False, 1), (True, 1), (True, 2)}
     assert rows["micro_batch"].min() == 1 and rows["micro_batch"].max() == 8
     assert rows["seq_len"].min() <= 32 and rows["seq_len"].max() >= 1024
+
+
+def test_loss_rows_cover_both_levers_and_the_saving():
+    rows = pd.read_csv(MEASUREMENTS_DIR / "tier1_loss_cpu.csv")
+    assert set(rows["loss"]) == {loss.value for loss in Loss}
+    assert {"qwen2.5-0.5b", "gpt2"} <= set(rows["model"])  # tied embeddings
+    assert set(rows["precision"]) >= {"fp32", "bf16", "bf16-autocast"} and set(rows["grad_ckpt"]) == {True, False}
+    chunked = rows[rows["loss"] == "chunked-nll"]
+    vocab = chunked["overrides"].map(lambda o: next(v for k, v in json.loads(o).items() if "vocab" in k))
+    chunk = chunked["loss_chunk"]
+    assert (chunk.notna() & (vocab % chunk.fillna(1) != 0)).any() and chunk.isna().any()  # TRL's default too
+    pair = rows[(rows["model"] == "llama-2-7b") & (rows["precision"] == "fp32") & (rows["lora_rank"] == 0)]
+    peak = pair.set_index("loss")["peak_allocated_bytes"]
+    assert peak["fused-linear-ce"] < peak["hf"] and peak["chunked-nll"] < peak["hf"]
 
 
 def test_every_measured_row_is_within_tolerance():
@@ -41,10 +57,13 @@ FRESH = [
                                                 lora_rank=8)),
     ("mistral-7b", (64, 5, 600, 8), TrainSetup(2, 64, Precision.BF16_AUTOCAST, grad_ckpt=True, lora_rank=8,
                                                quant="nf4", double_quant=True, grad_accum=2)),
+    ("qwen2.5-0.5b", (56, 3, 700, 7), TrainSetup(2, 90, Precision.BF16_AUTOCAST, grad_ckpt=True,
+                                                 loss=Loss.FUSED_LINEAR_CE)),
+    ("gpt2", (64, 3, 900, 2), TrainSetup(2, 70, Precision.BF16, loss=Loss.CHUNKED_NLL, loss_chunk=250)),
 ]
 
 
-@pytest.mark.parametrize("model,shape,setup", FRESH, ids=[f[0] for f in FRESH])
+@pytest.mark.parametrize("model,shape,setup", FRESH, ids=[f"{f[0]}-{f[2].loss.value}" for f in FRESH])
 def test_fresh_real_run_matches_prediction(model, shape, setup):
     """Sizes and setups that appear in no committed row, measured now."""
     spec = load_model_spec(model, shrink(model, *shape))

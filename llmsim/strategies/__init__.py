@@ -90,6 +90,10 @@ def check_supported(setup, layout: Layout) -> None:
         raise InputError(f"ckpt-offload with strategy {layout.strategy.value}"
                          f"{' and tp/pp' if layout.tp * layout.pp > 1 else ''} is not modelled yet; "
                          "modelled with ckpt-offload: single (tp = pp = 1)")
+    if setup.loss.value != "hf" and (layout.strategy is not Strategy.SINGLE or layout.tp * layout.pp > 1):
+        raise InputError(f"loss {setup.loss.value} with strategy {layout.strategy.value}"
+                         f"{' and tp/pp' if layout.tp * layout.pp > 1 else ''} is not modelled yet; "
+                         "modelled: single")
     if setup.grad_accum > 1 and (layout.strategy is not Strategy.SINGLE or layout.tp * layout.pp > 1):
         raise InputError(f"grad-accum({setup.grad_accum}) is modelled for one process only (strategy single, "
                          "tp = pp = 1); a pipeline accumulates over its --microbatches")
