@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmsim.enums import Attention, Category, Phase, Precision
+from llmsim.enums import Attention, Category, Optimizer, Phase, Precision
 from llmsim.peaks import replay
 from llmsim.spec import ModelSpec, TrainSetup
 from llmsim.step import LayerHooks, run_canonical_step, run_pipeline_step
@@ -76,7 +76,8 @@ def _setup(job: dict) -> TrainSetup:
                       job["grad_ckpt"], job["ckpt_every"], job["steps"], build_bf16=bool(job.get("build_bf16")),
                       tp=job.get("tp", 1), pp=job.get("pp", 1), schedule=job.get("schedule", "gpipe"),
                       n_microbatches=job.get("n_microbatches", 1),
-                      pp_split=tuple(job["pp_split"]) if job.get("pp_split") else None)
+                      pp_split=tuple(job["pp_split"]) if job.get("pp_split") else None,
+                      optimizer=Optimizer(job.get("optimizer", Optimizer.ADAMW.value)))
 
 
 def run_ddp(job: dict, tracker: StorageTracker) -> None:

@@ -101,6 +101,7 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
            "config_json": spec.config_json, "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt,
            "ckpt_every": setup.ckpt_every, "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
            "steps": setup.steps, "precision": setup.precision.value, "build_bf16": setup.build_bf16,
+           "optimizer": setup.optimizer.value,
            "ds_config": layout.deepspeed.config if layout.deepspeed else None}
     start = time.perf_counter()
     results = run_ranks(job, layout.world_size, timeout_s)
