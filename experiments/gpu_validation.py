@@ -9,7 +9,7 @@ Each configuration runs in its own process (a fresh CUDA context and allocator) 
 `torch.cuda.max_memory_allocated()`, `torch.cuda.max_memory_reserved()` and the device's used memory
 (`torch.cuda.mem_get_info`: total - free, which includes the CUDA context) at the end of step 3, plus the
 storage tracker's exact live-tensor peak. `llmsim validate` then compares allocated (2 %), reserved and device
-total (5 %), see llmsim/tolerances.py. LoRA/QLoRA need peft and bitsandbytes (issue 5) and are skipped.
+total (5 %), see llmsim/tolerances.py. LoRA needs peft, AdamW8bit bitsandbytes' CUDA build.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 TIER4_CSV = Path(__file__).resolve().parent.parent / "data" / "measurements" / "tier4_gpu.csv"
 PER_RUN_TIMEOUT_S = 120
-# (zoo model, micro_batch, seq_len, precision, grad_ckpt, ckpt_every[, lora_rank]): single GPU, plain PyTorch,
-# AdamW (foreach, CUDA's default); LoRA through peft on a frozen base.
+# (zoo model, micro_batch, seq_len, precision, grad_ckpt, ckpt_every[, lora_rank[, optimizer]]): single GPU, plain
+# PyTorch, AdamW (foreach, CUDA's default) unless named; LoRA through peft on a frozen base.
 MATRIX = [
     ("gpt2", 8, 1024, "bf16", False, 1),
     ("opt-1.3b", 4, 1024, "bf16", True, 1),
@@ -38,17 +38,25 @@ MATRIX = [
     ("mistral-7b", 1, 2048, "bf16", True, 2),
     ("llama-3.1-8b", 2, 2048, "bf16", True, 1, 16),
     ("qwen2.5-1.5b", 4, 1024, "fp16-autocast", True, 1),
+    # Other optimizers (issue 5), validated on the CPU only so far (data/measurements/tier1_optim_cpu.csv):
+    # torch's Adafactor (its foreach path on CUDA), transformers' Adafactor, bitsandbytes' AdamW8bit (the CUDA
+    # kernel updates the 8-bit states in place and allocates nothing, like the fake op the trace runs).
+    ("qwen2.5-1.5b", 4, 1024, "bf16", True, 1, 0, "adafactor"),
+    ("qwen2.5-1.5b", 4, 1024, "bf16", True, 1, 0, "hf-adafactor"),
+    ("qwen2.5-1.5b", 4, 1024, "bf16", True, 1, 0, "adamw8bit"),
 ]
 
 
 def _setup(entry):
-    from llmsim.enums import Precision
+    from llmsim.enums import Optimizer, Precision
     from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
 
-    model, mb, seq, precision, ckpt, every, *lora = entry
+    model, mb, seq, precision, ckpt, every, *rest = entry
+    lora_rank = rest[0] if rest else 0
+    optimizer = rest[1] if len(rest) > 1 else "adamw"
     spec = load_model_spec(model)
-    setup = TrainSetup(mb, seq, Precision(precision), None, ckpt, every, foreach=True,
-                       lora_rank=lora[0] if lora else 0)
+    setup = TrainSetup(mb, seq, Precision(precision), None, ckpt, every, foreach=True, lora_rank=lora_rank,
+                       optimizer=Optimizer(optimizer))
     return spec, resolve_attention(spec, setup)
 
 

@@ -25,6 +25,8 @@ LEVERS: list[tuple[str, dict]] = [
     ("checkpointing every 2 layers", {"grad_ckpt": True, "ckpt_every": 2}),
     ("checkpointing", {"grad_ckpt": True}),
     ("SGD with momentum", {"optimizer": Optimizer.SGD_MOMENTUM}),
+    ("Adafactor (transformers)", {"optimizer": Optimizer.HF_ADAFACTOR}),
+    ("8-bit AdamW (bitsandbytes)", {"optimizer": Optimizer.ADAMW_8BIT}),
     ("LoRA r=16", {"lora_rank": 16}),
     ("QLoRA nf4 r=16", {"lora_rank": 16, "quant": "nf4", "double_quant": True}),
     ("bf16 + checkpointing", {"precision": Precision.BF16, "build_bf16": True, "grad_ckpt": True}),
@@ -45,6 +47,8 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
         setup = replace(base, **overrides)
         if overrides.get("lora_rank") and layout.world_size > 1:
             continue  # LoRA (and QLoRA) is modelled for one process only
+        if overrides.get("optimizer", Optimizer.ADAMW) is not Optimizer.ADAMW and layout.deepspeed is not None:
+            continue  # DeepSpeed is modelled with AdamW only
         if overrides.get("quant") and model.config_json is None:
             continue  # a module factory has no checkpoint to quantize
         prediction = predict(model, setup, layout, gpu, alloc_conf)

@@ -1,6 +1,7 @@
 """`llmsim compare`: every lever is a real prediction; the chart is written."""
 from llmsim.cli import main
 from llmsim.compare import LEVERS, compare_levers
+from llmsim.enums import Optimizer
 from llmsim.pipeline import predict
 from llmsim.spec import TrainSetup, load_model_spec
 from llmsim.zoo import shrink
@@ -17,6 +18,8 @@ def test_each_lever_is_the_prediction_of_its_setup():
     qlora = predict(spec, TrainSetup(2, 64, lora_rank=16, quant="nf4", double_quant=True)).peak_allocated_bytes
     assert frame.set_index("lever").loc["QLoRA nf4 r=16", "device_total_bytes"] == qlora
     assert frame["saving_vs_baseline"].iloc[0] == 0
+    adamw8bit = predict(spec, TrainSetup(2, 64, optimizer=Optimizer.ADAMW_8BIT)).peak_allocated_bytes
+    assert frame.set_index("lever").loc["8-bit AdamW (bitsandbytes)", "device_total_bytes"] == adamw8bit
 
 
 def test_compare_command_writes_the_chart(tmp_path, capsys):

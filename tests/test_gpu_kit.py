@@ -15,7 +15,7 @@ def test_dry_run_predicts_every_configuration():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [l for l in proc.stdout.splitlines() if l.startswith("(")]
-    assert len(lines) == 12 and all("fits a100-80gb" in l for l in lines)
+    assert len(lines) == 15 and all("fits a100-80gb" in l for l in lines)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
