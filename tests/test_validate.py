@@ -4,7 +4,7 @@ import pytest
 
 from llmsim.measure import TIER1_CSV, measure_single
 from llmsim.pipeline import predict
-from llmsim.enums import Attention, Precision
+from llmsim.enums import Attention, Optimizer, Precision
 from llmsim.spec import TrainSetup, load_model_spec
 from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
 from llmsim.validate import load_measurements, validate
@@ -41,10 +41,13 @@ FRESH = [
                                                 lora_rank=8)),
     ("mistral-7b", (64, 5, 600, 8), TrainSetup(2, 64, Precision.BF16_AUTOCAST, grad_ckpt=True, lora_rank=8,
                                                quant="nf4", double_quant=True, grad_accum=2)),
+    ("gpt2", (64, 4, 700, 2), TrainSetup(1, 24, Precision.BF16, optimizer=Optimizer.HF_ADAFACTOR)),
+    ("llama-3.1-8b", (64, 4, 900, 4), TrainSetup(2, 40, Precision.BF16_AUTOCAST, grad_ckpt=True,
+                                                 optimizer=Optimizer.ADAMW_8BIT)),
 ]
 
 
-@pytest.mark.parametrize("model,shape,setup", FRESH, ids=[f[0] for f in FRESH])
+@pytest.mark.parametrize("model,shape,setup", FRESH, ids=[f"{f[0]}-{f[2].optimizer.value}" for f in FRESH])
 def test_fresh_real_run_matches_prediction(model, shape, setup):
     """Sizes and setups that appear in no committed row, measured now."""
     spec = load_model_spec(model, shrink(model, *shape))
