@@ -9,7 +9,7 @@ Each configuration runs in its own process (a fresh CUDA context and allocator) 
 `torch.cuda.max_memory_allocated()`, `torch.cuda.max_memory_reserved()` and the device's used memory
 (`torch.cuda.mem_get_info`: total - free, which includes the CUDA context) at the end of step 3, plus the
 storage tracker's exact live-tensor peak. `llmsim validate` then compares allocated (2 %), reserved and device
-total (5 %), see llmsim/tolerances.py. LoRA/QLoRA need peft and bitsandbytes (issue 5) and are skipped.
+total (5 %), see llmsim/tolerances.py. LoRA needs peft, AdamW8bit bitsandbytes' CUDA build.
 
 Liger's fused linear cross-entropy (`--loss fused-linear-ce`): llmsim predicts it with a torch imitation of
 Liger's algorithm (llmsim/losses.py), measured on the CPU only. Its entries here run Liger's real Triton
@@ -31,10 +31,11 @@ from pathlib import Path
 
 TIER4_CSV = Path(__file__).resolve().parent.parent / "data" / "measurements" / "tier4_gpu.csv"
 PER_RUN_TIMEOUT_S = 120
-# (zoo model, micro_batch, seq_len, precision, grad_ckpt, ckpt_every[, lora_rank[, ckpt_offload]]): single GPU,
-# plain PyTorch, AdamW (foreach, CUDA's default); LoRA through peft on a frozen base; checkpointing with offload
-# (transformers' save_on_cpu into pinned host memory: the device peak must drop by the offloaded inputs, and the
-# host peak is checked against the tracker's host copies -- the CPU rows emulate this boundary, llmsim/offload.py).
+# (zoo model, micro_batch, seq_len, precision, grad_ckpt, ckpt_every[, lora_rank[, lever]]): single GPU,
+# plain PyTorch, AdamW (foreach, CUDA's default) unless an optimizer is named; LoRA through peft on a frozen
+# base; the lever is True for checkpointing with offload (transformers' save_on_cpu into pinned host memory:
+# the device peak must drop by the offloaded inputs, and the host peak is checked against the tracker's host
+# copies -- the CPU rows emulate this boundary, llmsim/offload.py), or a loss or an optimizer by name.
 MATRIX = [
     ("gpt2", 8, 1024, "bf16", False, 1),
     ("opt-1.3b", 4, 1024, "bf16", True, 1),
@@ -53,19 +54,27 @@ MATRIX = [
     # (..., lora_rank, loss): Liger's real fused linear cross-entropy, next to the two rows above it pairs with
     ("llama-3.1-8b", 1, 4096, "bf16", True, 1, 0, "fused-linear-ce"),
     ("qwen2.5-0.5b", 4, 2048, "bf16", False, 1, 0, "fused-linear-ce"),
+    # Other optimizers (issue 5), validated on the CPU only so far (data/measurements/tier1_optim_cpu.csv):
+    # torch's Adafactor (its foreach path on CUDA), transformers' Adafactor, bitsandbytes' AdamW8bit (the CUDA
+    # kernel updates the 8-bit states in place and allocates nothing, like the fake op the trace runs).
+    ("qwen2.5-1.5b", 4, 1024, "bf16", True, 1, 0, "adafactor"),
+    ("qwen2.5-1.5b", 4, 1024, "bf16", True, 1, 0, "hf-adafactor"),
+    ("qwen2.5-1.5b", 4, 1024, "bf16", True, 1, 0, "adamw8bit"),
 ]
 
 
 def _setup(entry):
-    from llmsim.enums import Loss, Precision
+    from llmsim.enums import Loss, Optimizer, Precision
     from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
 
     model, mb, seq, precision, ckpt, every, *extra = entry
-    lever = extra[1] if len(extra) > 1 else None  # True: checkpointing with offload; a string: the loss
+    lever = extra[1] if len(extra) > 1 else None  # True: checkpointing with offload; else a loss or an optimizer
+    losses, optimizers = {m.value for m in Loss}, {m.value for m in Optimizer}
     spec = load_model_spec(model)
     setup = TrainSetup(mb, seq, Precision(precision), None, ckpt, every, foreach=True,
                        lora_rank=extra[0] if extra else 0, ckpt_offload=lever is True,
-                       loss=Loss(lever) if isinstance(lever, str) else Loss.HF)
+                       loss=Loss(lever) if lever in losses else Loss.HF,
+                       optimizer=Optimizer(lever) if lever in optimizers else Optimizer.ADAMW)
     return spec, resolve_attention(spec, setup)
 
 

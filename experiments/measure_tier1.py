@@ -61,6 +61,34 @@ OPTIMIZER_RUNS = [
 ]
 
 
+# Adafactor (torch.optim, transformers) and bitsandbytes' 8-bit and paged AdamW, with their defaults; written to
+# data/measurements/tier1_optim_cpu.csv: (zoo model, optimizer, precision, grad_ckpt, micro_batch, seq_len)
+MORE_OPTIMIZER_RUNS = [
+    ("llama-2-7b", "adafactor", "fp32", False, 2, 128), ("gpt2", "adafactor", "bf16", True, 1, 32),
+    ("qwen2.5-0.5b", "adafactor", "bf16-autocast", True, 2, 96), ("opt-125m", "adafactor", "fp32", True, 1, 32),
+    ("bloom-560m", "adafactor", "bf16", False, 2, 64), ("opt-125m", "adafactor", "fp16-autocast", False, 2, 64),
+    ("mistral-7b", "hf-adafactor", "fp32", False, 2, 128), ("gpt2", "hf-adafactor", "bf16", False, 1, 32),
+    ("pythia-160m", "hf-adafactor", "bf16-autocast", True, 2, 64),
+    ("llama-3.1-8b", "hf-adafactor", "bf16", True, 1, 32), ("codegen-350m-mono", "hf-adafactor", "fp32", True, 2, 64),
+    ("llama-2-7b", "adamw8bit", "bf16", True, 1, 32), ("opt-125m", "adamw8bit", "bf16-autocast", False, 2, 128),
+    ("qwen2.5-0.5b", "adamw8bit", "fp32", True, 2, 64), ("bloom-560m", "adamw8bit", "fp32", False, 1, 64),
+    ("llama-2-7b", "adamw8bit", "fp16-autocast", True, 2, 64),
+    ("mistral-7b", "paged-adamw", "bf16", True, 1, 32), ("gpt2", "paged-adamw", "bf16-autocast", False, 2, 64),
+    ("llama-3.1-8b", "paged-adamw", "fp32", False, 2, 64),
+    ("pythia-160m", "paged-adamw8bit", "bf16", False, 2, 128),
+    ("codegen-350m-mono", "paged-adamw8bit", "bf16-autocast", True, 1, 64),
+    ("llama-2-7b", "paged-adamw8bit", "fp32", True, 2, 96),
+]
+TIER1_OPTIM_CSV = TIER1_CSV.parent / "tier1_optim_cpu.csv"
+
+
+def more_optimizer_matrix():
+    shapes = {name: shape for name, *shape in MODELS}
+    for model, optimizer, precision, ckpt, mb, seq in MORE_OPTIMIZER_RUNS:
+        yield model, shapes[model], TrainSetup(mb, seq, Precision(precision), None, ckpt,
+                                               optimizer=Optimizer(optimizer))
+
+
 # float16, cast (`model.half()`) and torch AMP (autocast + GradScaler), the precision of GPUs without bf16 (V100):
 # (zoo model, micro_batch, seq_len, precision, attention, grad_ckpt)
 FP16_RUNS = [
@@ -199,9 +227,11 @@ def matrix():
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=TIER1_CSV)
+    parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--lora", action="store_true", help="only the LoRA runs")
     parser.add_argument("--optimizers", action="store_true", help="only the runs with other optimizers")
+    parser.add_argument("--more-optimizers", action="store_true", help="only the Adafactor and bitsandbytes runs "
+                        "(default --out: data/measurements/tier1_optim_cpu.csv)")
     parser.add_argument("--fp16", action="store_true", help="only the float16 runs")
     parser.add_argument("--grad-accum", action="store_true", help="only the gradient-accumulation runs")
     parser.add_argument("--qlora", action="store_true", help="only the QLoRA (4-bit base) runs")
@@ -210,11 +240,10 @@ def main() -> int:
     parser.add_argument("--loss", action="store_true", help="only the loss-lever runs (TRL chunked NLL, Liger "
                         "fused linear CE), written to tier1_loss_cpu.csv unless --out is given")
     args = parser.parse_args()
-    if args.ckpt_offload and args.out == TIER1_CSV:
-        args.out = OFFLOAD_CSV
-    if args.loss and args.out == TIER1_CSV:
-        args.out = LOSS_CSV
+    args.out = args.out or (TIER1_OPTIM_CSV if args.more_optimizers else OFFLOAD_CSV if args.ckpt_offload
+                            else LOSS_CSV if args.loss else TIER1_CSV)
     extra = (lora_matrix() if args.lora else optimizer_matrix() if args.optimizers
+             else more_optimizer_matrix() if args.more_optimizers
              else fp16_matrix() if args.fp16 else grad_accum_matrix() if args.grad_accum
              else qlora_matrix() if args.qlora else offload_matrix() if args.ckpt_offload
              else loss_matrix() if args.loss else None)

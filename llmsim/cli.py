@@ -46,7 +46,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt-every", type=int, default=1, help="checkpoint every N-th layer (every_n_layers)")
     p.add_argument("--ckpt-offload", action="store_true", help="hold the checkpointed layers' inputs in (pinned) "
                    "host memory: activation_checkpointing_enable(offload=True); needs --grad-ckpt")
-    p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd-momentum (torch.optim)")
+    p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd-momentum | adafactor (torch.optim) "
+                   "| hf-adafactor (transformers) | adamw8bit | paged-adamw | paged-adamw8bit (bitsandbytes)")
     p.add_argument("--build-dtype", default="fp32", help="fp32 (build, then cast: the canonical step) | bf16 "
                    "(build in bf16, as from_pretrained(dtype=bfloat16) loads; needs --precision bf16)")
     p.add_argument("--lora-rank", type=int, default=0, help="peft LoRA adapters of this rank on a frozen base")

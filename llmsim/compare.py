@@ -28,6 +28,8 @@ LEVERS: list[tuple[str, dict]] = [
     ("checkpointing", {"grad_ckpt": True}),
     ("checkpointing, inputs offloaded", {"grad_ckpt": True, "ckpt_offload": True}),
     ("SGD with momentum", {"optimizer": Optimizer.SGD_MOMENTUM}),
+    ("Adafactor (transformers)", {"optimizer": Optimizer.HF_ADAFACTOR}),
+    ("8-bit AdamW (bitsandbytes)", {"optimizer": Optimizer.ADAMW_8BIT}),
     ("LoRA r=16", {"lora_rank": 16}),
     ("chunked NLL (TRL)", {"loss": Loss.CHUNKED_NLL}),
     ("fused linear CE (Liger)", {"loss": Loss.FUSED_LINEAR_CE}),
@@ -59,6 +61,8 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
             continue  # LoRA (and QLoRA) is modelled for one process only
         if overrides.get("ckpt_offload") and (layout.world_size > 1 or layout.tp * layout.pp > 1):
             continue  # checkpointing with offload is modelled for one process only
+        if overrides.get("optimizer", Optimizer.ADAMW) is not Optimizer.ADAMW and layout.deepspeed is not None:
+            continue  # DeepSpeed is modelled with AdamW only
         if overrides.get("quant") and model.config_json is None:
             continue  # a module factory has no checkpoint to quantize
         if "loss" in overrides and not _loss_modelled(model, setup, layout, gpu):

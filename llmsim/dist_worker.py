@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmsim.enums import Attention, Category, Phase, Precision
+from llmsim.enums import Attention, Category, Optimizer, Phase, Precision
 from llmsim.peaks import replay
 from llmsim.spec import ModelSpec, TrainSetup
 from llmsim.step import LayerHooks, add_lora, import_peft, run_canonical_step, run_pipeline_step
@@ -82,7 +82,8 @@ def _setup(job: dict) -> TrainSetup:
                       n_microbatches=job.get("n_microbatches", 1),
                       pp_split=tuple(job["pp_split"]) if job.get("pp_split") else None,
                       lora_rank=job.get("lora_rank", 0), lora_alpha=job.get("lora_alpha", 16),
-                      lora_targets=tuple(job["lora_targets"]) if job.get("lora_targets") else None)
+                      lora_targets=tuple(job["lora_targets"]) if job.get("lora_targets") else None,
+                      optimizer=Optimizer(job.get("optimizer", Optimizer.ADAMW.value)))
 
 
 def run_ddp(job: dict, tracker: StorageTracker) -> None:

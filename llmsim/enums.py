@@ -66,8 +66,24 @@ class Optimizer(str, Enum):
     ADAM = "adam"  # torch.optim.Adam
     SGD = "sgd"  # torch.optim.SGD(lr=1e-3): no state
     SGD_MOMENTUM = "sgd-momentum"  # torch.optim.SGD(lr=1e-3, momentum=0.9): one buffer per parameter
-    # torch.optim.Adafactor reads tensor values in its step (`.item()`), which fake tensors cannot answer:
-    # not offered until the trace can feed it a value.
+    # torch.optim.Adafactor: factored second moments (row and column vectors of each matrix, the whole tensor for
+    # a vector); its step reads tensor values (`.item()`), answered in the fake trace by llmsim.trace
+    ADAFACTOR = "adafactor"
+    # transformers.optimization.Adafactor with its defaults (scale_parameter, relative_step, no first moment)
+    HF_ADAFACTOR = "hf-adafactor"
+    # bitsandbytes (bnb.optim): 8-bit blockwise AdamW states, and the paged variants (CUDA unified memory;
+    # on the CPU bitsandbytes falls back to ordinary buffers)
+    ADAMW_8BIT = "adamw8bit"
+    PAGED_ADAMW = "paged-adamw"
+    PAGED_ADAMW_8BIT = "paged-adamw8bit"
+
+    @property
+    def paged(self) -> bool:
+        return self in (Optimizer.PAGED_ADAMW, Optimizer.PAGED_ADAMW_8BIT)
+
+    @property
+    def bitsandbytes(self) -> bool:
+        return self in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW, Optimizer.PAGED_ADAMW_8BIT)
 
 
 class Loss(str, Enum):

@@ -111,6 +111,7 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
            "steps": setup.steps, "precision": setup.precision.value, "build_bf16": setup.build_bf16,
            "lora_rank": setup.lora_rank, "lora_alpha": setup.lora_alpha,
            "lora_targets": list(setup.lora_targets) if setup.lora_targets else None,
+           "optimizer": setup.optimizer.value,
            "ds_config": layout.deepspeed.config if layout.deepspeed else None}
     start = time.perf_counter()
     results = run_ranks(job, layout.world_size, timeout_s)

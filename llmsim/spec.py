@@ -21,6 +21,12 @@ CANONICAL_STEPS = 3  # DESIGN.md: the peak is taken from just before the build t
 LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt", "gpt_neo", "biogpt"})
 
 
+# Optimizers whose step is not traced on DTensor parameters: bitsandbytes' custom ops have no sharding rule, and
+# the Adafactors' norms of a sharded parameter would need a traced all-reduce
+NOT_WITH_TP = frozenset({Optimizer.ADAFACTOR, Optimizer.HF_ADAFACTOR, Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW,
+                         Optimizer.PAGED_ADAMW_8BIT})
+
+
 def zoo_names() -> list[str]:
     return sorted(p.stem for p in ZOO_DIR.glob("*.json"))
 
@@ -79,6 +85,13 @@ class TrainSetup:
             if self.loss is not Loss.CHUNKED_NLL:
                 raise InputError(f"loss-chunk({self.loss_chunk}) needs --loss chunked-nll (TRL's vocabulary tile); "
                                  f"loss {self.loss.value} has no chunk to set (Liger derives its own)")
+        if self.optimizer.paged and self.device is Device.CUDA:
+            raise InputError(f"optimizer {self.optimizer.value} on a GPU is not modelled: its states of 1e5 elements "
+                             "or more live in CUDA unified memory outside PyTorch's allocator (bitsandbytes "
+                             "get_paged); on the CPU bitsandbytes falls back to ordinary buffers")
+        if self.tp > 1 and self.optimizer in NOT_WITH_TP:
+            raise InputError(f"optimizer {self.optimizer.value} with tp({self.tp}) is not modelled yet; modelled "
+                             "with tp: adamw, adam, sgd, sgd-momentum")
         if self.ckpt_every != 1 and not self.grad_ckpt:
             raise InputError(f"ckpt-every({self.ckpt_every}) needs activation checkpointing (--grad-ckpt)")
         if self.ckpt_offload and not self.grad_ckpt:

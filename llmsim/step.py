@@ -208,6 +208,10 @@ def _on_grad(tensor: torch.Tensor | None, hook) -> None:
 
 
 SGD_LR = 1e-3  # torch.optim.SGD has no default learning rate
+# bitsandbytes.optim classes, with their defaults (8-bit: blockwise states for tensors of min_8bit_size = 4096
+# elements or more, 32-bit states below; paged: CUDA unified memory for tensors of 1e5 elements or more)
+BNB_OPTIMIZERS = {Optimizer.ADAMW_8BIT: "AdamW8bit", Optimizer.PAGED_ADAMW: "PagedAdamW",
+                  Optimizer.PAGED_ADAMW_8BIT: "PagedAdamW8bit"}
 
 
 def by_mesh(params) -> list[dict]:
@@ -222,16 +226,34 @@ def by_mesh(params) -> list[dict]:
     return [{"params": group} for group in groups.values()]
 
 
+def optimizer_class(optimizer: Optimizer) -> type:
+    """The class `make_optimizer` builds. Called before the tracker starts, as a training script imports it at
+    its top: a first import creates module-level tensors that are no part of the step."""
+    if optimizer is Optimizer.HF_ADAFACTOR:
+        from transformers.optimization import Adafactor
+
+        return Adafactor
+    if optimizer.bitsandbytes:
+        import bitsandbytes as bnb
+
+        return getattr(bnb.optim, BNB_OPTIMIZERS[optimizer])
+    return {Optimizer.ADAMW: torch.optim.AdamW, Optimizer.ADAM: torch.optim.Adam, Optimizer.SGD: torch.optim.SGD,
+            Optimizer.SGD_MOMENTUM: torch.optim.SGD, Optimizer.ADAFACTOR: torch.optim.Adafactor}[optimizer]
+
+
 def make_optimizer(params, setup: TrainSetup) -> torch.optim.Optimizer:
     foreach = setup.foreach or None
     if foreach:
         params = by_mesh(params)
-    if setup.optimizer is Optimizer.ADAMW:
-        return torch.optim.AdamW(params, foreach=foreach)
-    if setup.optimizer is Optimizer.ADAM:
-        return torch.optim.Adam(params, foreach=foreach)
-    momentum = 0.9 if setup.optimizer is Optimizer.SGD_MOMENTUM else 0.0
-    return torch.optim.SGD(params, lr=SGD_LR, momentum=momentum, foreach=foreach)
+    cls = optimizer_class(setup.optimizer)
+    if setup.optimizer in (Optimizer.ADAMW, Optimizer.ADAM, Optimizer.ADAFACTOR):
+        return cls(params, foreach=foreach)
+    if setup.optimizer in (Optimizer.SGD, Optimizer.SGD_MOMENTUM):
+        momentum = 0.9 if setup.optimizer is Optimizer.SGD_MOMENTUM else 0.0
+        return cls(params, lr=SGD_LR, momentum=momentum, foreach=foreach)
+    # transformers' Adafactor: lr=None, scale_parameter=True, relative_step=True, warmup_init=False;
+    # bitsandbytes: lr=1e-3, betas=(0.9, 0.999), weight_decay=1e-2, min_8bit_size=4096. No foreach path.
+    return cls(params)
 
 
 def import_peft(setup: TrainSetup) -> None:
@@ -296,6 +318,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
     `wrap` puts a data-parallel wrapper (DistributedDataParallel) around the model before the optimizer."""
     torch.manual_seed(0)
     import_peft(setup)
+    optimizer_class(setup.optimizer)  # imported before the step, as a training script does
     linear = zero3_hooks.linear_as_zero3() if setup.zero3_hooks else contextlib.nullcontext()
     with tracker, linear, offloading(tracker, setup.ckpt_offload):
         model, hooks = _build_for_training(build, setup, tracker, expected_blocks)
@@ -355,6 +378,7 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
     from llmsim.pipelining import Schedule, stage_forward, stage_io
 
     torch.manual_seed(0)
+    optimizer_class(setup.optimizer)
     stage_index, num_stages = setup.pp_stage, setup.pp
     with tracker:
         model, hooks = _build_for_training(build, setup, tracker, None)

@@ -21,8 +21,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from llmsim.errors import InputError, one_line
 from llmsim.kernels import cuda_kernels
+from llmsim.optimizer_values import answered_optimizer_values
 from llmsim.spec import ModelSpec, TrainSetup
-from llmsim.step import StepInfo, run_canonical_step, run_pipeline_step
+from llmsim.step import StepInfo, optimizer_class, run_canonical_step, run_pipeline_step
 from llmsim.pipelining import cut, layer_range
 from llmsim.quantized import fake_loading, header_checkpoint, load_quantized, real_checkpoint
 from llmsim.tensor_parallel import WaitReturnsInput, build_parallel, fake_process_group, parallel_mesh
@@ -183,6 +184,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
             stack.enter_context(fake_process_group(setup.tp * setup.pp, rank=setup.pp_stage * setup.tp))
             mesh = parallel_mesh(1, setup.pp, setup.tp)  # data-parallel replica 0
         build = model_builder(spec, setup, num_layers, mesh, fake=True)  # a checkpoint is written for real
+        optimizer_class(setup.optimizer)  # imported for real: a module imported under the fake mode keeps fakes
         stack.enter_context(FakeTensorMode())
         stack.enter_context(WaitReturnsInput())
         if setup.quant is not None:
@@ -194,7 +196,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
                       mock.patch.object(_PipelineSchedule, "_warmup_p2p", _warmup_p2p_static),
                       mock.patch.object(schedules, "_batch_p2p", _holding_sends(schedules._batch_p2p)),
                       mock.patch.object(torch.amp.GradScaler, "_maybe_opt_step", _step_without_overflow),
-                      cuda_kernels(setup)):
+                      cuda_kernels(setup), answered_optimizer_values(setup.optimizer)):
             stack.enter_context(patch)
         if setup.pp > 1:
             info = run_pipeline_step(build, setup, tracker, mesh["pp"].get_group())

@@ -57,7 +57,21 @@ BAD = [
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--ckpt-offload"], "needs activation checkpointing"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--grad-ckpt", "--ckpt-offload", "--strategy", "ddp",
       "--world-size", "2"], "ckpt-offload with strategy ddp is not modelled yet"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--optimizer", "paged-adamw8bit", "--gpu", "l4"],
+     "optimizer paged-adamw8bit on a GPU is not modelled"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--optimizer", "hf-adafactor", "--tp", "2"],
+     "optimizer hf-adafactor with tp(2) is not modelled yet"),
 ]
+
+
+def test_deepspeed_with_another_client_optimizer_is_refused(tmp_path, capsys):
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}')
+    argv = ["predict", *TINY, "--seq-len", "8", "--optimizer", "adamw8bit", "--ds-config", str(config),
+            "--world-size", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "DeepSpeed with optimizer adamw8bit is not modelled yet" in err, err
 
 
 @pytest.mark.parametrize("argv,needle", BAD, ids=[b[1] for b in BAD])

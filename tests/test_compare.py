@@ -1,7 +1,7 @@
 """`llmsim compare`: every lever is a real prediction; the chart is written."""
 from llmsim.cli import main
 from llmsim.compare import LEVERS, compare_levers
-from llmsim.enums import Loss
+from llmsim.enums import Loss, Optimizer
 from llmsim.pipeline import predict
 from llmsim.spec import TrainSetup, load_model_spec
 from llmsim.zoo import shrink
@@ -25,6 +25,8 @@ def test_each_lever_is_the_prediction_of_its_setup():
     assert offload.peak_host_bytes > 0 and frame["peak_host_bytes"].iloc[0] == 0
     liger = predict(spec, TrainSetup(2, 64, loss=Loss.FUSED_LINEAR_CE)).peak_allocated_bytes
     assert frame.set_index("lever").loc["fused linear CE (Liger)", "device_total_bytes"] == liger
+    adamw8bit = predict(spec, TrainSetup(2, 64, optimizer=Optimizer.ADAMW_8BIT)).peak_allocated_bytes
+    assert frame.set_index("lever").loc["8-bit AdamW (bitsandbytes)", "device_total_bytes"] == adamw8bit
 
 
 def test_compare_command_writes_the_chart(tmp_path, capsys):

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from experiments.gpu_validation import MATRIX
+
 KIT = Path(__file__).resolve().parent.parent / "experiments" / "gpu_validation.py"
 
 
@@ -15,7 +17,7 @@ def test_dry_run_predicts_every_configuration():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [l for l in proc.stdout.splitlines() if l.startswith("(")]
-    assert len(lines) == 14 and all("fits a100-80gb" in l for l in lines)
+    assert len(lines) == len(MATRIX) and all("fits a100-80gb" in l for l in lines)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -6,7 +6,7 @@ import pytest
 
 from llmsim.measure import MEASUREMENTS_DIR, TIER1_CSV, measure_single
 from llmsim.pipeline import predict
-from llmsim.enums import Attention, Loss, Precision
+from llmsim.enums import Attention, Loss, Optimizer, Precision
 from llmsim.spec import TrainSetup, load_model_spec
 from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
 from llmsim.validate import load_measurements, validate
@@ -60,10 +60,14 @@ FRESH = [
     ("qwen2.5-0.5b", (56, 3, 700, 7), TrainSetup(2, 90, Precision.BF16_AUTOCAST, grad_ckpt=True,
                                                  loss=Loss.FUSED_LINEAR_CE)),
     ("gpt2", (64, 3, 900, 2), TrainSetup(2, 70, Precision.BF16, loss=Loss.CHUNKED_NLL, loss_chunk=250)),
+    ("gpt2", (64, 4, 700, 2), TrainSetup(1, 24, Precision.BF16, optimizer=Optimizer.HF_ADAFACTOR)),
+    ("llama-3.1-8b", (64, 4, 900, 4), TrainSetup(2, 40, Precision.BF16_AUTOCAST, grad_ckpt=True,
+                                                 optimizer=Optimizer.ADAMW_8BIT)),
 ]
 
 
-@pytest.mark.parametrize("model,shape,setup", FRESH, ids=[f"{f[0]}-{f[2].loss.value}" for f in FRESH])
+@pytest.mark.parametrize("model,shape,setup", FRESH,
+                         ids=[f"{f[0]}-{f[2].loss.value}-{f[2].optimizer.value}" for f in FRESH])
 def test_fresh_real_run_matches_prediction(model, shape, setup):
     """Sizes and setups that appear in no committed row, measured now."""
     spec = load_model_spec(model, shrink(model, *shape))
