@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import networkx as nx
 import numpy as np
@@ -17,6 +18,7 @@ from llmsim.losses import check_loss
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
 from llmsim.strategies import STRATEGIES, Layout, Strategy, check_supported
+from llmsim.strategies.events import LazyRanks
 from llmsim.pipelining import check_pipeline
 from llmsim.quantized import check_quantized
 from llmsim.tensor_parallel import check_tensor_parallel
@@ -30,7 +32,7 @@ class RankPrediction:
     peak: Peak
     peak_reserved_bytes: int  # the caching allocator's segments (on the CPU, no allocator: == allocated)
     device_total_bytes: int  # reserved + CUDA context (on the CPU: == reserved)
-    timeline: pd.DataFrame = field(repr=False)
+    frame: pd.DataFrame | Callable[[], pd.DataFrame] = field(repr=False)  # the timeline, or how to rebuild it
     capacity_bytes: int | None = None  # the GPU's, when one is given
     fits: bool | None = None
     peak_host_bytes: int = 0  # host memory: the most checkpoint inputs offloaded at once (--ckpt-offload)
@@ -38,6 +40,11 @@ class RankPrediction:
     @property
     def peak_allocated_bytes(self) -> int:
         return self.peak.allocated_bytes
+
+    @property
+    def timeline(self) -> pd.DataFrame:
+        """The rank's device timeline (rebuilt on demand where the strategy does not keep one per rank)."""
+        return self.frame() if callable(self.frame) else self.frame
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "peak_allocated_bytes": self.peak.allocated_bytes,
@@ -119,13 +126,26 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
         rank_timelines = STRATEGIES[layout.strategy](timeline, layout, setup)
     ranks = []
     replayed: dict[int, RankPrediction] = {}  # ranks that share one timeline (DDP, ZeRO-0, TP) are replayed once
-    for rank, rank_timeline in sorted(rank_timelines.items()):
+    for rank in sorted(rank_timelines):
+        rank_timeline = rank_timelines[rank]
+        if isinstance(rank_timelines, LazyRanks):  # built for this rank alone: predicted, then let go
+            ranks.append(replace(_predict_rank(rank, rank_timeline, gpu, alloc_conf),
+                                 frame=functools.partial(_device_timeline, rank_timelines, rank)))
+            continue
         if id(rank_timeline) not in replayed:
-            device, host = split_host(rank_timeline)  # offloaded activations are host memory, not the GPU's
-            replayed[id(rank_timeline)] = replace(_on_device(rank, replay(device), device, gpu, alloc_conf),
-                                                  peak_host_bytes=host_peak_bytes(host))
+            replayed[id(rank_timeline)] = _predict_rank(rank, rank_timeline, gpu, alloc_conf)
         ranks.append(replace(replayed[id(rank_timeline)], rank=rank))
     return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf)
+
+
+def _predict_rank(rank: int, timeline: pd.DataFrame, gpu: GpuProfile | None,
+                  alloc_conf: AllocatorConfig) -> RankPrediction:
+    device, host = split_host(timeline)  # offloaded activations are host memory, not the GPU's
+    return replace(_on_device(rank, replay(device), device, gpu, alloc_conf), peak_host_bytes=host_peak_bytes(host))
+
+
+def _device_timeline(rank_timelines: LazyRanks, rank: int) -> pd.DataFrame:
+    return split_host(rank_timelines[rank])[0]
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,11 +1,32 @@
 """Helpers strategies use to read a single-process timeline and splice their own events into it."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 import numpy as np
 import pandas as pd
 
 from llmsim.enums import Category, Phase
 from llmsim.tracker import GRAD_READY, NO_BLOCK, TIMELINE_COLUMNS
+
+
+class LazyRanks(Mapping):
+    """Rank -> timeline, each built when asked and not kept: for strategies whose every rank differs (ZeRO-1/2's
+    partitions), so that a prediction over many ranks holds one rank's timeline at a time."""
+
+    def __init__(self, world_size: int, build: Callable[[int], pd.DataFrame]) -> None:
+        self.world_size, self.build = world_size, build
+
+    def __getitem__(self, rank: int) -> pd.DataFrame:
+        if not 0 <= rank < self.world_size:
+            raise KeyError(rank)
+        return self.build(rank)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.world_size))
+
+    def __len__(self) -> int:
+        return self.world_size
 
 
 def live_at_end_of_build(timeline: pd.DataFrame, category: Category) -> pd.DataFrame:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from llmsim.enums import Category, Phase, Precision
+from llmsim.strategies.events import LazyRanks
 from llmsim.tracker import GRAD_READY
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, construct_optimizer,
                                            optimizer_of, param_storages, parameters, rows_of, step_optimizer,
@@ -245,4 +246,4 @@ def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     phase, category = timeline["phase"], timeline["category"]
     own = ((phase == Phase.OPTIMIZER.value) | ((phase == Phase.BACKWARD.value) &
                                                (category == Category.GRADIENT.value))).to_numpy()
-    return {rank: _Rank(timeline, rows, layout, setup, rank, own).run() for rank in range(layout.world_size)}
+    return LazyRanks(layout.world_size, lambda rank: _Rank(timeline, rows, layout, setup, rank, own).run())
