@@ -211,7 +211,9 @@ def cmd_size(args) -> int:
     families = tuple(f for f in args.layouts.split(",") if f) if args.layouts else FAMILIES
     if unknown := [f for f in families if f not in FAMILIES]:
         raise InputError(f"unknown layout families {unknown}; valid choices: {', '.join(FAMILIES)}")
-    frame = size(spec, setup, gpu, args.max_gpus, args.max_micro_batch, _alloc_conf(args), families)
+    allow = tuple(name for name in (args.allow or "").split(",") if name)
+    frame = size(spec, setup, gpu, args.max_gpus, args.max_micro_batch, _alloc_conf(args), families,
+                 args.global_batch, allow)
     title = (f"{spec.name} on {gpu.name} ({human_bytes(gpu.capacity_bytes)}), seq {setup.seq_len}, "
              f"{setup.precision.value}{', checkpointing' if setup.grad_ckpt else ''}")
     if args.plot:
@@ -224,7 +226,10 @@ def cmd_size(args) -> int:
     shown = frame.assign(total=frame["device_total_bytes"].map(lambda b: human_bytes(int(b)) if b == b and b else "-"),
                          headroom=frame["headroom_bytes"].map(lambda b: human_bytes(int(b)) if b == b and b else "-"))
     print(title)
-    print(shown[["layout", "gpus", "largest_micro_batch", "total", "headroom", "fits"]].to_string(index=False))
+    columns = ["layout", "gpus"] + (["levers"] if allow else []) + ["largest_micro_batch"] + \
+        (["passes"] if args.global_batch else []) + ["total", "headroom", "fits", "why"]
+    print(shown[columns].rename(columns={"largest_micro_batch": "micro_batch" if args.global_batch
+                                         else "largest_micro_batch"}).to_string(index=False))
     return 0
 
 
@@ -303,6 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-micro-batch", type=int, default=64)
     p.add_argument("--layouts", default=None, help="layout families to try, comma-separated (default all): "
                    "single, ddp, zero, tp, pp, tpxpp")
+    p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step each layout must "
+                   "make up (DDP/ZeRO replicas split it, one process accumulates, a pipeline splits it into "
+                   "micro-batches)")
+    p.add_argument("--allow", default=None, help="levers size may switch on to make a layout fit, comma-separated, "
+                   "fewest first: ckpt, bf16, lora, offload")
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--plot", metavar="PNG", help="also draw the answer as a heatmap: layout x GPUs -> largest "
                    "micro-batch")

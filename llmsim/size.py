@@ -10,11 +10,18 @@ rank fits is found by doubling then bisecting, which assumes that memory grows w
 do; the caching allocator can make "fits" non-monotonic within about one segment of the capacity (a larger
 micro-batch can fit where a smaller one did not). The answer is always a micro-batch that fits next to one that
 does not (or the maximum), and equals trying every micro-batch whenever "fits" is monotonic (tests check both).
+With `global_batch` (samples per optimizer step) each layout must make up that batch: DDP and ZeRO replicas split
+it evenly (gradient accumulation is modelled for one process only), one process may accumulate over passes, and a
+pipeline splits its share into micro-batches (at least one per stage); the largest micro-batch that fits wins.
+With `allow`, levers the user accepts (checkpointing, a bf16 build, LoRA, offloaded checkpoints) are switched on,
+fewest first, until the layout fits; a layout that never fits says why (the bytes it needs, or what is not
+modelled).
 DeepSpeed's bf16 keeps fp32 master weights, so ZeRO layouts in bf16 carry 16 bytes of model state per parameter
 where the single-process pure-bf16 step carries 8.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import tempfile
 from dataclasses import dataclass, replace
@@ -27,10 +34,11 @@ from llmsim.allocator import AllocatorConfig
 from llmsim.gpus import GpuProfile
 from llmsim.errors import InputError
 from llmsim.pipeline import predict
+from llmsim.report import human_bytes
 from llmsim.pipelining import Schedule, check_pipeline
 from llmsim.tensor_parallel import check_tensor_parallel
 from llmsim.spec import ModelSpec, TrainSetup
-from llmsim.strategies import Layout, Strategy
+from llmsim.strategies import LORA_DEEPSPEED_STAGES, Layout, Strategy
 
 
 @dataclass(frozen=True)
@@ -50,8 +58,8 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
     while world <= max_gpus:
         if "ddp" in families:
             out.append(Candidate("ddp", world, lambda mb, w=world: Layout(Strategy.DDP, w)))
-        if "zero" in families and not setup.lora_rank and setup.precision in (Precision.FP32, Precision.BF16):
-            for stage in (1, 2, 3):
+        if "zero" in families and setup.precision in (Precision.FP32, Precision.BF16):
+            for stage in LORA_DEEPSPEED_STAGES if setup.lora_rank else (1, 2, 3):
                 out.append(Candidate(f"zero{stage}", world,
                                      lambda mb, w=world, s=stage: _zero(spec, setup, w, s, mb)))
         splits = ([(world, 1)] if "tp" in families else []) + ([(1, world)] if "pp" in families else []) + \
@@ -59,13 +67,13 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
         for tp, pp in splits:
             if _model_parallel_ok(spec, setup, tp, pp):
                 name = "tp" if pp == 1 else "pp" if tp == 1 else f"tp{tp}xpp"
-                out.append(Candidate(name, world, lambda mb, t=tp, p=pp: _model_parallel(t, p)))
+                out.append(Candidate(name, world, lambda mb, t=tp, p=pp, m=None: _model_parallel(t, p, m)))
         world *= 2
     return out
 
 
-def _model_parallel(tp: int, pp: int) -> Layout:
-    return Layout(world_size=tp * pp, tp=tp, pp=pp, schedule=Schedule.ONE_F_ONE_B, n_microbatches=pp)
+def _model_parallel(tp: int, pp: int, n_microbatches: int | None = None) -> Layout:
+    return Layout(world_size=tp * pp, tp=tp, pp=pp, schedule=Schedule.ONE_F_ONE_B, n_microbatches=n_microbatches or pp)
 
 
 def _model_parallel_ok(spec: ModelSpec, setup: TrainSetup, tp: int, pp: int) -> bool:
@@ -120,16 +128,117 @@ def largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch: int,
     return good, good_total
 
 
+# What `--allow` may switch on to make a layout fit, tried fewest first (then in this order).
+LEVERS: dict[str, dict] = {
+    "ckpt": {"grad_ckpt": True},
+    "bf16": {"precision": Precision.BF16, "build_bf16": True},
+    "lora": {"lora_rank": 16},
+    "offload": {"grad_ckpt": True, "ckpt_offload": True},
+}
+
+
+def lever_sets(allow: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """(), then each allowed lever alone, then pairs, ...: the least change to the user's setup first."""
+    if unknown := [name for name in allow if name not in LEVERS]:
+        raise InputError(f"unknown levers {unknown} for --allow; valid choices: {', '.join(LEVERS)}")
+    return [combo for n in range(len(allow) + 1) for combo in itertools.combinations(allow, n)]
+
+
+def with_levers(setup: TrainSetup, levers: tuple[str, ...]) -> TrainSetup:
+    for name in levers:
+        setup = replace(setup, **LEVERS[name])
+    return setup
+
+
 def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
          max_micro_batch: int = 64, alloc_conf: AllocatorConfig = AllocatorConfig(),
-         families: tuple[str, ...] = FAMILIES) -> pd.DataFrame:
+         families: tuple[str, ...] = FAMILIES, global_batch: int | None = None,
+         allow: tuple[str, ...] = ()) -> pd.DataFrame:
+    """One row per layout (and GPU count): whether it fits, with which of the allowed levers (the fewest that
+    make it fit), its micro-batch (the largest that fits; with `global_batch`, the one that makes up the batch),
+    and why it does not fit when it does not."""
+    if global_batch is not None and global_batch < 1:
+        raise InputError(f"global-batch must be a positive integer, got {global_batch}")
+    combos = lever_sets(allow)
+    keys: dict[tuple[str, int], list[tuple[tuple[str, ...], Candidate]]] = {}
+    for levers in combos:
+        for candidate in candidates(spec, with_levers(setup, levers), max_gpus, families):
+            keys.setdefault((candidate.name, candidate.gpus), []).append((levers, candidate))
     rows = []
-    for candidate in candidates(spec, setup, max_gpus, families):
-        micro_batch, total = largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch, alloc_conf)
-        rows.append({"layout": candidate.name, "gpus": candidate.gpus, "largest_micro_batch": micro_batch,
-                     "device_total_bytes": total,
-                     "headroom_bytes": gpu.capacity_bytes - total if total is not None else None,
-                     "fits": micro_batch > 0})
+    for (name, gpus), tries in keys.items():
+        for levers, candidate in tries:  # a layout that never fits is shown with every lever it was allowed
+            row = _evaluate(spec, with_levers(setup, levers), candidate, gpu, max_micro_batch, alloc_conf,
+                            global_batch)
+            row = {"layout": name, "gpus": gpus, "levers": "+".join(levers) or "-", **row}
+            if row["fits"]:
+                break
+        rows.append(row)
     frame = pd.DataFrame(rows)
     return frame.sort_values(["fits", "gpus", "largest_micro_batch"], ascending=[False, True, False],
                              kind="stable").reset_index(drop=True)
+
+
+def _evaluate(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, gpu: GpuProfile, max_micro_batch: int,
+              alloc_conf: AllocatorConfig, global_batch: int | None) -> dict:
+    try:
+        if global_batch is None:
+            micro_batch, total = largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch, alloc_conf)
+            why = "" if micro_batch else _too_big(spec, setup, candidate, 1, gpu, alloc_conf)
+            return _row(micro_batch, 1, total, gpu, why)
+        return _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch)
+    except InputError as error:  # a combination llmsim refuses (e.g. a lever not modelled with this layout)
+        return _row(0, 1, None, gpu, f"not modelled: {error}")
+
+
+def _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch: int) -> dict:
+    """The global batch is micro-batch x replicas x passes: DDP and ZeRO replicas split it (gradient
+    accumulation is modelled for one process only, so each takes its share at once); one process may accumulate;
+    a pipeline splits its share into micro-batches (1F1B needs at least as many as stages). The largest
+    micro-batch that fits wins."""
+    replicas = candidate.gpus if candidate.name == "ddp" or candidate.name.startswith("zero") else 1
+    if global_batch % replicas:
+        return _row(0, 1, None, gpu, f"global batch {global_batch} is not a multiple of {replicas} replicas")
+    share = global_batch // replicas
+    stages = _stages(candidate)
+    if stages > 1:
+        options = [(mb, share // mb) for mb in _divisors(share) if share // mb >= stages]
+        if not options:
+            return _row(0, 1, None, gpu, f"global batch {global_batch} gives fewer micro-batches than {stages} "
+                        "stages (1F1B)")
+    elif candidate.name == "single":
+        options = [(mb, share // mb) for mb in _divisors(share)]
+    else:
+        options = [(share, 1)]
+    for micro_batch, passes in options:  # largest micro-batch first
+        trial = replace(setup, micro_batch=micro_batch, grad_accum=passes if stages == 1 else 1)
+        layout = candidate.layout_for(micro_batch, m=passes) if stages > 1 else candidate.layout_for(micro_batch)
+        prediction = predict(spec, trial, layout, gpu, alloc_conf)
+        worst = max(prediction.ranks, key=lambda r: r.device_total_bytes)
+        if all(r.fits for r in prediction.ranks):
+            return _row(micro_batch, passes, worst.device_total_bytes, gpu, "")
+    micro_batch, passes = options[-1]
+    split = f" x {passes} {'micro-batches' if stages > 1 else 'passes'}" if passes > 1 else ""
+    return _row(0, passes, None, gpu, f"micro-batch {micro_batch}{split} needs "
+                f"{human_bytes(worst.device_total_bytes)} on rank {worst.rank} of {human_bytes(gpu.capacity_bytes)}")
+
+
+def _too_big(spec, setup, candidate, micro_batch: int, gpu, alloc_conf) -> str:
+    prediction = predict(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
+                         alloc_conf)
+    worst = max(prediction.ranks, key=lambda r: r.device_total_bytes)
+    return (f"micro-batch {micro_batch} needs {human_bytes(worst.device_total_bytes)} on rank {worst.rank} "
+            f"of {human_bytes(gpu.capacity_bytes)}")
+
+
+def _row(micro_batch: int, passes: int, total: int | None, gpu: GpuProfile, why: str) -> dict:
+    return {"largest_micro_batch": micro_batch, "passes": passes, "device_total_bytes": total,
+            "headroom_bytes": gpu.capacity_bytes - total if total is not None else None,
+            "fits": micro_batch > 0, "why": why}
+
+
+def _stages(candidate: Candidate) -> int:
+    return candidate.layout_for(1).pp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]

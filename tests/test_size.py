@@ -56,3 +56,54 @@ def test_size_model_parallel_layouts_agree_with_brute_force():
         assert found == sum(fitting), candidate.name
         assert 0 < found < 12, candidate.name  # the case bites
     assert found_names == {"tp", "pp"}
+
+
+def test_global_batch_is_made_up_by_the_largest_fitting_micro_batch():
+    """DDP splits the global batch over its replicas; one process accumulates: the chosen micro-batch is the
+    largest divisor whose prediction fits, as trying them one by one finds."""
+    from dataclasses import replace
+
+    spec = load_model_spec("gpt2", shrink("gpt2", 64, 2, 2048, 4))
+    setup = TrainSetup(1, 128)
+    frame = size(spec, setup, TINY_GPU, max_gpus=2, global_batch=12, families=("single", "ddp"))
+    by_layout = frame.set_index("layout")
+    single = [c for c in candidates(spec, setup, 2, ("single",))][0]
+    expected = next((mb for mb in (12, 6, 4, 3, 2, 1)
+                     if fits(spec, replace(setup, grad_accum=12 // mb), single, mb, TINY_GPU)[0]), 0)
+    assert 0 < expected < 12  # the case bites: accumulation is needed
+    assert (by_layout.loc["single", "largest_micro_batch"], by_layout.loc["single", "passes"]) == (expected,
+                                                                                                  12 // expected)
+    ddp = [c for c in candidates(spec, setup, 2, ("ddp",))][0]
+    assert by_layout.loc["ddp", "fits"] == fits(spec, setup, ddp, 6, TINY_GPU)[0]
+    if not by_layout.loc["ddp", "fits"]:
+        assert "micro-batch 6 needs" in by_layout.loc["ddp", "why"]
+    odd = size(spec, setup, TINY_GPU, max_gpus=2, global_batch=3, families=("ddp",))
+    assert not odd["fits"].any() and "not a multiple of 2 replicas" in odd["why"].iloc[0]
+
+
+def test_allow_switches_on_the_fewest_levers_that_fit():
+    spec = load_model_spec("gpt2", shrink("gpt2", 64, 2, 2048, 4))
+    setup = TrainSetup(4, 256)
+    ddp = [c for c in candidates(spec, setup, 2, ("ddp",))][0]
+    plain = fits(spec, setup, ddp, 4, TINY_GPU)[1]
+    checkpointed = fits(spec, TrainSetup(4, 256, grad_ckpt=True), ddp, 4, TINY_GPU)[1]
+    assert checkpointed < plain
+    card = GpuProfile("card", "test card", "9.0", (plain + checkpointed) // 2, 40 * MiB, 1 * MiB, "test")
+    kw = dict(max_gpus=2, families=("ddp",), global_batch=8)  # 4 per replica: DDP does not accumulate
+    refused = size(spec, setup, card, **kw).iloc[0]  # no lever allowed: micro-batch 4 does not fit
+    assert not refused["fits"] and "micro-batch 4 needs" in refused["why"]
+    chosen = size(spec, setup, card, allow=("bf16", "ckpt"), **kw).iloc[0]
+    assert chosen["fits"] and chosen["levers"] in ("bf16", "ckpt")  # one lever is enough: not both
+    assert size(spec, setup, TINY_GPU, allow=("ckpt",), **kw).iloc[0]["levers"] == "-"  # fits as it is
+
+
+def test_size_new_options_bad_input_is_one_line(capsys):
+    from llmsim.cli import main
+
+    base = ["size", "--model", "gpt2", "--seq-len", "64", "--gpu", "l4"]
+    assert main(base + ["--allow", "ckpt,fp8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown levers ['fp8']" in err and "ckpt, bf16, lora, offload" in err
+    assert main(base + ["--global-batch", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "global-batch must be a positive integer, got 0" in err
