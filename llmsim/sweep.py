@@ -14,6 +14,7 @@ row with its one-line `error`; an unknown key rejects the whole file.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 from concurrent.futures import ProcessPoolExecutor
@@ -72,15 +73,22 @@ def _argv(config: dict) -> list[str]:
     return argv
 
 
+@functools.lru_cache(maxsize=1)
+def _parser():
+    from llmsim.cli import build_parser
+
+    return build_parser()
+
+
 def predict_row(config: dict) -> dict:
     """One combination through `predict`'s own argument handling: the worst rank's figures, or the error."""
-    from llmsim.cli import _alloc_conf, _inputs, build_parser
+    from llmsim.cli import _alloc_conf, _inputs
     from llmsim.gpus import load_gpu
     from llmsim.pipeline import predict
 
     row = dict(config)
     try:
-        args = build_parser().parse_args(_argv(config))
+        args = _parser().parse_args(_argv(config))
         gpu = load_gpu(args.gpu) if args.gpu else None
         prediction = predict(*_inputs(args), gpu=gpu, alloc_conf=_alloc_conf(args))
     except InputError as exc:

@@ -1,6 +1,8 @@
 """Helpers strategies use to read a single-process timeline and splice their own events into it."""
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
@@ -29,6 +31,26 @@ class LazyRanks(Mapping):
         return self.world_size
 
 
+def per_timeline(function):
+    """Keep `function(timeline, *args)` for as long as that timeline object lives: the traced timelines are
+    cached and read, never changed, by every prediction of a sweep (callers must not change the result)."""
+    results: dict[tuple, tuple[weakref.ref, object]] = {}
+
+    @functools.wraps(function)
+    def cached(timeline: pd.DataFrame, *args):
+        key = (id(timeline), *args)
+        hit = results.get(key)
+        if hit is not None and hit[0]() is timeline:
+            return hit[1]
+        for stale in [k for k, (ref, _) in results.items() if ref() is None]:
+            del results[stale]
+        value = function(timeline, *args)
+        results[key] = (weakref.ref(timeline), value)
+        return value
+    return cached
+
+
+@per_timeline
 def live_at_end_of_build(timeline: pd.DataFrame, category: Category) -> pd.DataFrame:
     """The storages of `category` alive when the build ends, in allocation order: serial (index),
     `nbytes` and `name` (a parameter's FQN)."""
@@ -37,6 +59,7 @@ def live_at_end_of_build(timeline: pd.DataFrame, category: Category) -> pd.DataF
     return net[net["nbytes"] > 0]
 
 
+@per_timeline
 def trainable_names(timeline: pd.DataFrame) -> set[str]:
     """FQNs of the parameters whose gradient autograd accumulates (`requires_grad`): the ones a GRAD_READY marker
     names. With LoRA the frozen base parameters have none."""
