@@ -64,6 +64,12 @@ class TrainSetup:
     ckpt_offload: bool = False  # activation_checkpointing_enable(offload=True): checkpoint inputs held in host memory
     loss: Loss = Loss.HF  # transformers' loss, TRL's chunked NLL or Liger's fused linear CE (llmsim/losses.py)
     loss_chunk: int | None = None  # chunked-nll's vocabulary tile width; None: TRL's 32768 (losses.TRL_CHUNK_SIZE)
+    # LoraConfig(modules_to_save=...): peft's ModulesToSaveWrapper keeps each matched module frozen and trains a
+    # deepcopy of it (peft/utils/other.py); module names matched by their FQN's ending, as peft matches them
+    lora_modules_to_save: tuple[str, ...] | None = None
+    # Vocabulary rows trained alone (peft's TrainableTokensLayer on the input embedding): through LoraConfig's
+    # `trainable_token_indices` with a LoRA rank, else peft's own TrainableTokensConfig(token_indices=...)
+    trainable_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):
@@ -75,6 +81,7 @@ class TrainSetup:
                              f"got {self.lora_rank!r}")
         if self.lora_targets is not None and not self.lora_rank:
             raise InputError("lora-targets needs a LoRA rank (--lora-rank)")
+        self._check_peft_extras()
         if self.build_bf16 and self.precision is not Precision.BF16:
             raise InputError(f"build-dtype bf16 needs precision bf16, got {self.precision.value}")
         if (self.device is Device.CUDA) != (self.cuda_capability is not None):
@@ -97,6 +104,25 @@ class TrainSetup:
         if self.ckpt_offload and not self.grad_ckpt:
             raise InputError("ckpt-offload offloads the checkpointed layers' inputs: it needs activation "
                              "checkpointing (--grad-ckpt)")
+
+    def _check_peft_extras(self) -> None:
+        if self.lora_modules_to_save is not None:
+            if not self.lora_rank:
+                raise InputError("lora-modules-to-save is a LoraConfig field (modules_to_save): it needs a LoRA rank "
+                                 "(--lora-rank)")
+            if not self.lora_modules_to_save or not all(self.lora_modules_to_save):
+                raise InputError(f"lora-modules-to-save needs module names, got {self.lora_modules_to_save!r}")
+        if self.trainable_tokens is not None:
+            tokens = self.trainable_tokens
+            if not tokens or not all(isinstance(t, int) for t in tokens):
+                raise InputError(f"trainable-tokens must be vocabulary indices, e.g. 0,1,2; got {tokens!r}")
+            if negative := [t for t in tokens if t < 0]:
+                raise InputError(f"trainable-tokens must be vocabulary indices >= 0, got {negative}")
+            if len(set(tokens)) != len(tokens):
+                raise InputError(f"trainable-tokens lists an index twice: {list(tokens)}")
+        if (self.lora_modules_to_save or self.trainable_tokens) and self.quant is not None:
+            raise InputError(f"lora-modules-to-save / trainable-tokens with quant {self.quant} are not modelled yet; "
+                             "modelled: an fp32 or bf16 base")
 
     @property
     def ckpt_period(self) -> int:

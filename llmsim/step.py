@@ -256,26 +256,70 @@ def make_optimizer(params, setup: TrainSetup) -> torch.optim.Optimizer:
     return cls(params)
 
 
+def uses_peft(setup: TrainSetup) -> bool:
+    """LoRA adapters, or trainable tokens alone (peft's TrainableTokensConfig)."""
+    return bool(setup.lora_rank or setup.trainable_tokens)
+
+
 def import_peft(setup: TrainSetup) -> None:
     """Import peft before the step is tracked: importing its tuners creates module-level tensors (the
     `torch.tensor(1)` defaults of peft/tuners/loha/layer.py's autograd functions, 144 bytes in all) that live as
     long as the process. Imported inside the step, they would count in a process's first LoRA step only."""
-    if setup.lora_rank:
+    if uses_peft(setup):
         import peft  # noqa: F401
 
 
-def add_lora(model: nn.Module, setup: TrainSetup) -> nn.Module:
-    """peft's LoRA on the built model: `get_peft_model(model, LoraConfig(r, lora_alpha, target_modules))`."""
-    from peft import LoraConfig, get_peft_model
+def peft_config(model: nn.Module, setup: TrainSetup):
+    """The peft config the step passes to `get_peft_model`: `LoraConfig(r, lora_alpha, target_modules,
+    modules_to_save, trainable_token_indices)` with a LoRA rank, else `TrainableTokensConfig(token_indices)` (whose
+    default target is the model's input embedding, peft/tuners/trainable_tokens/model.py)."""
+    from peft import LoraConfig, TrainableTokensConfig
+
+    check_peft_names(model, setup)
+    tokens = list(setup.trainable_tokens) if setup.trainable_tokens else None
+    if not setup.lora_rank:
+        return TrainableTokensConfig(token_indices=tokens)
+    return LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha,
+                      target_modules=list(setup.lora_targets) if setup.lora_targets else None,
+                      modules_to_save=list(setup.lora_modules_to_save) if setup.lora_modules_to_save else None,
+                      trainable_token_indices=tokens)
+
+
+MAX_NAMES_SHOWN = 10  # valid module names listed in the error for a name the model lacks
+
+
+def check_peft_names(model: nn.Module, setup: TrainSetup) -> None:
+    """What peft would accept silently or fail on late, refused up front: a `modules_to_save` name that ends no
+    module's FQN (peft's `_set_trainable` skips it without a word unless told to be strict) and a token index past
+    the input embedding's rows."""
+    from llmsim.errors import InputError
+
+    keys = [key for key, _ in model.named_modules(remove_duplicate=False) if key]
+    for name in setup.lora_modules_to_save or ():
+        if not any(key == name or key.endswith("." + name) for key in keys):
+            valid = list(dict.fromkeys(k.rsplit(".", 1)[-1] for k in keys if not k.rsplit(".", 1)[-1].isdigit()))
+            raise InputError(f"lora-modules-to-save: no module {name!r} in {type(model).__name__}; valid names "
+                             f"end a module's FQN, e.g. {', '.join(valid[:MAX_NAMES_SHOWN])}")
+    vocab_size = model.get_input_embeddings().num_embeddings
+    if outside := [t for t in setup.trainable_tokens or () if t >= vocab_size]:
+        raise InputError(f"trainable-tokens {outside} outside the vocabulary (vocab_size {vocab_size}: indices "
+                         f"0..{vocab_size - 1})")
+
+
+def add_peft(model: nn.Module, setup: TrainSetup) -> nn.Module:
+    """peft on the built model: `get_peft_model(model, peft_config(model, setup))`."""
+    from peft import get_peft_model
 
     from llmsim.errors import InputError, one_line
 
-    targets = list(setup.lora_targets) if setup.lora_targets else None
+    config = peft_config(model, setup)
     try:
-        return get_peft_model(model, LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha,
-                                                target_modules=targets))
-    except ValueError as exc:  # peft names the target modules it could not find
-        raise InputError(f"LoRA: {one_line(exc)}") from exc
+        return get_peft_model(model, config)
+    except ValueError as exc:  # peft names the target modules it could not find, or a conflict between options
+        raise InputError(f"{'LoRA' if setup.lora_rank else 'trainable tokens'}: {one_line(exc)}") from exc
+
+
+add_lora = add_peft  # the name llmsim.dist_worker imports
 
 
 PEFT_PREFIX = "base_model.model."  # peft's PeftModel -> LoraModel (`base_model`) -> the causal LM (`model`)
@@ -327,9 +371,10 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
         scaler = (torch.amp.GradScaler(_device_type(model)) if setup.precision is Precision.FP16_AUTOCAST
                   else None)
         base = model
+        vocab_size = base.get_input_embeddings().num_embeddings  # before peft wraps the embedding
         install_loss(base, setup)
-        if setup.lora_rank:
-            model = add_lora(model, setup)
+        if uses_peft(setup):
+            model = add_peft(model, setup)
             hooks.adopt_new_parameters()
         if setup.grad_ckpt:
             base.activation_checkpointing_enable(every_n_layers=setup.ckpt_every, offload=setup.ckpt_offload)
@@ -339,7 +384,6 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
             model = wrap(model)
         optimizer = make_optimizer(model.parameters(), setup)
         hooks.watch(optimizer)
-        vocab_size = base.get_input_embeddings().num_embeddings
         batch = torch.randint(0, vocab_size, (setup.micro_batch, setup.seq_len))
         tracker.label([batch], Category.INPUT)
         for step in range(setup.steps):

@@ -129,6 +129,22 @@ def _apply_as_on_cpu(self, fn, recurse=True):
     return self
 
 
+def _deepcopy_as_on_cpu(self, memo):
+    """`copy.deepcopy` of a fake tensor as it runs for a real CPU one: a Parameter's `__deepcopy__` is
+    `Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)` (torch/nn/parameter.py);
+    a plain tensor's copies its storage. Under FakeTensorMode a parameter is a FakeTensor whose inherited
+    `Tensor.__deepcopy__` would copy the storage into another fake mode; peft's ModulesToSaveWrapper deepcopies
+    the module it trains (peft/utils/other.py, `ModulesToSaveWrapper.update`)."""
+    if id(self) in memo:
+        return memo[id(self)]
+    with torch.no_grad():
+        copied = self.data.clone(memory_format=torch.preserve_format)
+    if isinstance(self, torch.nn.Parameter):
+        copied = torch.nn.Parameter(copied, self.requires_grad)
+    memo[id(self)] = copied
+    return copied
+
+
 def _step_without_overflow(self, optimizer, optimizer_state, *args, **kwargs):
     """`GradScaler._maybe_opt_step` as a real run without overflow takes it: it reads the found-inf flags
     (`.item()`, which a fake tensor cannot answer) and steps when they are all zero (torch/amp/grad_scaler.py)."""
@@ -193,6 +209,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
         from torch.distributed.pipelining.schedules import _PipelineSchedule
 
         for patch in (decide_like_a_real_run(), mock.patch.object(torch.nn.Module, "_apply", _apply_as_on_cpu),
+                      mock.patch.object(FakeTensor, "__deepcopy__", _deepcopy_as_on_cpu, create=True),
                       mock.patch.object(_PipelineSchedule, "_warmup_p2p", _warmup_p2p_static),
                       mock.patch.object(schedules, "_batch_p2p", _holding_sends(schedules._batch_p2p)),
                       mock.patch.object(torch.amp.GradScaler, "_maybe_opt_step", _step_without_overflow),
