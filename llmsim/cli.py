@@ -58,6 +58,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "absmax (bnb_4bit_use_double_quant)")
     p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: peft's for the "
                    "model type)")
+    p.add_argument("--lora-modules-to-save", default=None, help="comma-separated module names trained in full next "
+                   "to the adapters (LoraConfig modules_to_save: peft trains a copy, the original stays frozen), e.g. "
+                   "lm_head; needs --lora-rank")
+    p.add_argument("--trainable-tokens", default=None, help="comma-separated vocabulary indices whose embedding rows "
+                   "train (peft's trainable tokens: LoraConfig trainable_token_indices with --lora-rank, else "
+                   "TrainableTokensConfig), e.g. 0,1,2")
     p.add_argument("--loss", default="hf", help="hf (transformers' loss over the full logits) | chunked-nll (TRL's "
                    "SFT loss: its fused LM head in vocabulary tiles) | fused-linear-ce (Liger's fused linear "
                    "cross-entropy, chunked over tokens)")
@@ -136,8 +142,23 @@ def _inputs(args):
         build_bf16=_build_bf16(args.build_dtype), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets else None,
         quant=args.quant, double_quant=args.double_quant, loss=parse_enum(Loss, args.loss, "loss"),
-        loss_chunk=args.loss_chunk)
+        loss_chunk=args.loss_chunk, lora_modules_to_save=_names(args.lora_modules_to_save),
+        trainable_tokens=_token_indices(args.trainable_tokens))
     return spec, setup, layout
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    return tuple(t.strip() for t in text.split(",") if t.strip()) if text else None
+
+
+def _token_indices(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise InputError(f"trainable-tokens({text}) must be vocabulary indices separated by commas, e.g. 0,1,2") \
+            from None
 
 
 def _build_bf16(value: str) -> bool:

@@ -55,7 +55,9 @@ def setup_columns(spec: ModelSpec, setup: TrainSetup) -> dict:
             "lora_targets": ",".join(setup.lora_targets) if setup.lora_targets else "",
             "grad_accum": setup.grad_accum, "quant": setup.quant or "", "double_quant": setup.double_quant,
             "ckpt_offload": setup.ckpt_offload,
-            "loss": setup.loss.value, "loss_chunk": setup.loss_chunk or ""}
+            "loss": setup.loss.value, "loss_chunk": setup.loss_chunk or "",
+            "lora_modules_to_save": ",".join(setup.lora_modules_to_save or ()),
+            "trainable_tokens": ",".join(map(str, setup.trainable_tokens or ()))}
 
 
 def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> dict:

@@ -294,13 +294,22 @@ def check_peft_names(model: nn.Module, setup: TrainSetup) -> None:
     the input embedding's rows."""
     from llmsim.errors import InputError
 
-    keys = [key for key, _ in model.named_modules(remove_duplicate=False) if key]
+    modules = [(key, module) for key, module in model.named_modules(remove_duplicate=False) if key]
     for name in setup.lora_modules_to_save or ():
-        if not any(key == name or key.endswith("." + name) for key in keys):
-            valid = list(dict.fromkeys(k.rsplit(".", 1)[-1] for k in keys if not k.rsplit(".", 1)[-1].isdigit()))
+        if not any(key == name or key.endswith("." + name) for key, _ in modules):
+            leaves = sorted((key for key, module in modules if not list(module.children())), key=lambda k: k.count("."))
+            valid = list(dict.fromkeys(key.rsplit(".", 1)[-1] for key in leaves))  # outermost first: lm_head, ...
             raise InputError(f"lora-modules-to-save: no module {name!r} in {type(model).__name__}; valid names "
                              f"end a module's FQN, e.g. {', '.join(valid[:MAX_NAMES_SHOWN])}")
-    vocab_size = model.get_input_embeddings().num_embeddings
+    embedding = model.get_input_embeddings()
+    # the embedding and the modules tied to it (an LM head sharing its weight), which trainable tokens wrap too
+    tied = [key for key, module in modules if getattr(module, "weight", None) is embedding.weight]
+    both = [key for key in tied for name in setup.lora_modules_to_save or () if key == name or key.endswith("." + name)]
+    if setup.trainable_tokens and both:
+        raise InputError(f"{both[0]} holds the input embedding's weight: it is either trained fully "
+                         "(lora-modules-to-save) or in some rows (trainable-tokens), not both (peft refuses it, or "
+                         "fails in the forward for this spelling)")
+    vocab_size = embedding.num_embeddings
     if outside := [t for t in setup.trainable_tokens or () if t >= vocab_size]:
         raise InputError(f"trainable-tokens {outside} outside the vocabulary (vocab_size {vocab_size}: indices "
                          f"0..{vocab_size - 1})")

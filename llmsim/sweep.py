@@ -28,7 +28,8 @@ from llmsim.errors import InputError, one_line
 OPTIONS = {"model": "--model", "seq_len": "--seq-len", "micro_batch": "--micro-batch", "precision": "--precision",
            "attn": "--attn", "ckpt_every": "--ckpt-every", "optimizer": "--optimizer",
            "build_dtype": "--build-dtype", "lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha",
-           "lora_targets": "--lora-targets", "strategy": "--strategy", "world_size": "--world-size",
+           "lora_targets": "--lora-targets", "lora_modules_to_save": "--lora-modules-to-save",
+           "trainable_tokens": "--trainable-tokens", "strategy": "--strategy", "world_size": "--world-size",
            "tp": "--tp", "pp": "--pp", "dp": "--dp", "pp_split": "--pp-split", "schedule": "--schedule",
            "microbatches": "--microbatches", "grad_accum": "--grad-accum", "quant": "--quant",
            "ds_config": "--ds-config", "gpu": "--gpu", "alloc_conf": "--alloc-conf"}

@@ -31,7 +31,8 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
                        double_quant=_flag(row, "double_quant"), ckpt_offload=_flag(row, "ckpt_offload"),
                        loss=Loss(row["loss"]) if isinstance(row.get("loss"), str) and row["loss"] else Loss.HF,
                        loss_chunk=_int(row, "loss_chunk", None),
-                       **_lora(row))
+                       lora_modules_to_save=_names(row, "lora_modules_to_save"),
+                       trainable_tokens=_tokens(row), **_lora(row))
     ds_config = row.get("ds_config")
     deepspeed = (DeepSpeedSetup(ds_config, int(row["world_size"])) if isinstance(ds_config, str) and ds_config
                  else None)
@@ -96,6 +97,19 @@ def _lora(row: pd.Series) -> dict:
     targets = row.get("lora_targets")
     return {"lora_rank": int(rank), "lora_alpha": int(row["lora_alpha"]),
             "lora_targets": tuple(targets.split(",")) if isinstance(targets, str) and targets else None}
+
+
+def _names(row: pd.Series, column: str) -> tuple[str, ...] | None:
+    value = row.get(column)
+    return tuple(value.split(",")) if isinstance(value, str) and value else None
+
+
+def _tokens(row: pd.Series) -> tuple[int, ...] | None:
+    """Trainable token indices: "0,1,5" (a single index reads back from the CSV as a number)."""
+    value = row.get("trainable_tokens")
+    if value is None or (not isinstance(value, str) and pd.isna(value)) or not str(value):
+        return None
+    return tuple(int(float(v)) for v in str(value).split(","))
 
 
 def _split(row: pd.Series) -> tuple[int, ...] | None:

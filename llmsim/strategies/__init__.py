@@ -86,6 +86,12 @@ def check_supported(setup, layout: Layout) -> None:
     are not."""
     if setup.lora_rank:
         _check_lora(setup, layout)
+    extras = [name for name, on in (("lora-modules-to-save", setup.lora_modules_to_save),
+                                    ("trainable-tokens", setup.trainable_tokens)) if on]
+    if extras and (layout.strategy is not Strategy.SINGLE or layout.tp * layout.pp > 1):
+        raise InputError(f"{' and '.join(extras)} with strategy {layout.strategy.value}"
+                         f"{' and tp/pp' if layout.tp * layout.pp > 1 else ''} is not modelled yet; "
+                         "modelled: single (tp = pp = 1)")
     if setup.ckpt_offload and (layout.strategy is not Strategy.SINGLE or layout.tp * layout.pp > 1):
         raise InputError(f"ckpt-offload with strategy {layout.strategy.value}"
                          f"{' and tp/pp' if layout.tp * layout.pp > 1 else ''} is not modelled yet; "
