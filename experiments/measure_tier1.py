@@ -183,6 +183,43 @@ LOSS_RUNS = [
 ]
 
 
+# peft's extras next to (or instead of) LoRA adapters: LoraConfig(modules_to_save=...) trains a deepcopy of each
+# module, trainable tokens (LoraConfig's trainable_token_indices, or TrainableTokensConfig alone) some embedding
+# rows; tied-embedding models (qwen2.5, gpt2, opt, bloom) included. Written to tier1_peft_cpu.csv:
+# (zoo model, shape or None for MODELS', micro_batch, seq_len, precision, grad_ckpt, ckpt_every, lora_rank,
+#  modules_to_save, trainable tokens, build_bf16)
+PEFT_CSV = MEASUREMENTS_DIR / "tier1_peft_cpu.csv"
+PEFT_RUNS = [
+    ("llama-2-7b", None, 2, 128, "fp32", False, 1, 8, ("lm_head",), None, False),
+    ("llama-2-7b", None, 2, 96, "bf16", True, 1, 8, ("input_layernorm", "embed_tokens"), None, False),
+    ("llama-2-7b", None, 2, 128, "bf16-autocast", True, 1, 0, None, (0, 1, 2, 1999), False),
+    ("qwen2.5-0.5b", None, 2, 96, "bf16-autocast", False, 1, 8, ("lm_head",), None, False),
+    ("qwen2.5-0.5b", None, 2, 96, "fp32", True, 1, 8, ("embed_tokens",), None, False),
+    ("qwen2.5-0.5b", None, 3, 64, "bf16", False, 1, 0, None, (5, 7, 11), False),
+    ("qwen2.5-0.5b", None, 2, 64, "bf16", True, 1, 8, None, (0, 2999), True),
+    ("gpt2", None, 2, 64, "bf16", True, 1, 0, None, (0, 1, 2, 50), False),
+    ("gpt2", None, 2, 128, "fp32", False, 1, 8, None, (3, 4), False),
+    ("gpt2", None, 4, 64, "bf16-autocast", True, 1, 8, ("ln_f",), (9,), False),
+    ("mistral-7b", None, 1, 128, "bf16-autocast", True, 2, 4, ("lm_head",), (1, 2, 3), False),
+    ("llama-3.1-8b", None, 2, 64, "bf16", True, 1, 16, ("norm", "lm_head"), None, True),
+    ("pythia-160m", None, 2, 128, "fp32", True, 1, 0, None, (10, 20, 30), False),
+    ("opt-125m", None, 2, 64, "bf16-autocast", False, 1, 8, ("lm_head",), None, False),
+    ("bloom-560m", None, 2, 64, "fp32", False, 1, 8, None, (0, 1), False),
+    ("codegen-350m-mono", None, 2, 64, "bf16", False, 1, 8, ("lm_head", "ln_f"), (7,), False),
+    # deeper than the trace (3 layers or groups): the per-layer copies of input_layernorm replicated
+    ("llama-2-7b", (64, 10, 256, 4), 2, 64, "bf16", True, 2, 8, ("input_layernorm", "lm_head"), (0, 255), False),
+    ("gpt2", (64, 9, 256, 4), 2, 64, "fp32", False, 1, 4, ("ln_1",), None, False),
+]
+
+
+def peft_matrix():
+    shapes = {name: shape for name, *shape in MODELS}
+    for model, shape, mb, seq, precision, ckpt, every, rank, to_save, tokens, build_bf16 in PEFT_RUNS:
+        yield model, shape or shapes[model], TrainSetup(mb, seq, Precision(precision), None, ckpt, every,
+                                                        build_bf16=build_bf16, lora_rank=rank,
+                                                        lora_modules_to_save=to_save, trainable_tokens=tokens)
+
+
 def loss_matrix():
     shapes = {name: shape for name, *shape in MODELS}
     for model, mb, seq, precision, ckpt, loss, chunk, extra in LOSS_RUNS:
@@ -239,14 +276,16 @@ def main() -> int:
                         "(to tier1_offload_cpu.csv unless --out is given)")
     parser.add_argument("--loss", action="store_true", help="only the loss-lever runs (TRL chunked NLL, Liger "
                         "fused linear CE), written to tier1_loss_cpu.csv unless --out is given")
+    parser.add_argument("--peft-extras", action="store_true", help="only the runs with peft's modules_to_save and "
+                        "trainable tokens, written to tier1_peft_cpu.csv unless --out is given")
     args = parser.parse_args()
     args.out = args.out or (TIER1_OPTIM_CSV if args.more_optimizers else OFFLOAD_CSV if args.ckpt_offload
-                            else LOSS_CSV if args.loss else TIER1_CSV)
+                            else LOSS_CSV if args.loss else PEFT_CSV if args.peft_extras else TIER1_CSV)
     extra = (lora_matrix() if args.lora else optimizer_matrix() if args.optimizers
              else more_optimizer_matrix() if args.more_optimizers
              else fp16_matrix() if args.fp16 else grad_accum_matrix() if args.grad_accum
              else qlora_matrix() if args.qlora else offload_matrix() if args.ckpt_offload
-             else loss_matrix() if args.loss else None)
+             else loss_matrix() if args.loss else peft_matrix() if args.peft_extras else None)
     if extra is not None:
         for model, shape, setup in extra:
             row = measure_single(load_model_spec(model, shrink(model, *shape)), setup)
