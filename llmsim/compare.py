@@ -31,6 +31,8 @@ LEVERS: list[tuple[str, dict]] = [
     ("Adafactor (transformers)", {"optimizer": Optimizer.HF_ADAFACTOR}),
     ("8-bit AdamW (bitsandbytes)", {"optimizer": Optimizer.ADAMW_8BIT}),
     ("LoRA r=16", {"lora_rank": 16}),
+    ("LoRA r=16 + LM head trained (modules_to_save)", {"lora_rank": 16, "lora_modules_to_save": ("lm_head",)}),
+    ("trainable tokens (8 rows, no LoRA)", {"trainable_tokens": tuple(range(8))}),
     ("chunked NLL (TRL)", {"loss": Loss.CHUNKED_NLL}),
     ("fused linear CE (Liger)", {"loss": Loss.FUSED_LINEAR_CE}),
     ("QLoRA nf4 r=16", {"lora_rank": 16, "quant": "nf4", "double_quant": True}),
@@ -54,11 +56,14 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
     base = replace(base, precision=Precision.FP32, grad_ckpt=False, ckpt_every=1, build_bf16=False, lora_rank=0,
                    lora_targets=None, optimizer=Optimizer.ADAMW, quant=None, double_quant=False, grad_accum=1,
                    ckpt_offload=False,
-                   loss=Loss.HF, loss_chunk=None)
+                   loss=Loss.HF, loss_chunk=None, lora_modules_to_save=None, trainable_tokens=None)
     for label, overrides in LEVERS:
         setup = replace(base, **overrides)
-        if overrides.get("lora_rank") and layout.world_size > 1:
-            continue  # LoRA (and QLoRA) is modelled for one process only
+        if (overrides.get("lora_rank") or overrides.get("trainable_tokens")) and layout.world_size > 1:
+            continue  # LoRA (and QLoRA) is modelled for one process only, and so are peft's extras
+        if ("lora_modules_to_save" in overrides or "trainable_tokens" in overrides) and (
+                layout.tp * layout.pp > 1 or model.config_json is None):
+            continue  # peft's extras: one process, and an HF model whose module names are known
         if overrides.get("ckpt_offload") and (layout.world_size > 1 or layout.tp * layout.pp > 1):
             continue  # checkpointing with offload is modelled for one process only
         if overrides.get("optimizer", Optimizer.ADAMW) is not Optimizer.ADAMW and layout.deepspeed is not None:

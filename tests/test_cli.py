@@ -111,6 +111,45 @@ def test_bad_quantization_is_one_line_and_status_2(extra, needle, capsys):
     assert len(err.splitlines()) == 1 and needle in err, err
 
 
+PEFT_BAD = [
+    (["--lora-rank", "4", "--lora-modules-to-save", "lm_hed"],
+     "lora-modules-to-save: no module 'lm_hed' in LlamaForCausalLM; valid names end a module's FQN, e.g. lm_head"),
+    (["--lora-modules-to-save", "lm_head"], "lora-modules-to-save is a LoraConfig field (modules_to_save): it needs "
+     "a LoRA rank"),
+    (["--trainable-tokens", "0,256"], "trainable-tokens [256] outside the vocabulary (vocab_size 256"),
+    (["--lora-rank", "4", "--trainable-tokens", "300"], "trainable-tokens [300] outside the vocabulary"),
+    (["--trainable-tokens=-1,2"], "trainable-tokens must be vocabulary indices >= 0, got [-1]"),
+    (["--trainable-tokens", "a,b"], "trainable-tokens(a,b) must be vocabulary indices separated by commas"),
+    (["--trainable-tokens", "1,1"], "trainable-tokens lists an index twice"),
+    (["--lora-rank", "4", "--lora-modules-to-save", "embed_tokens", "--trainable-tokens", "3"],
+     "model.embed_tokens holds the input embedding's weight"),
+    (["--trainable-tokens", "1", "--strategy", "ddp", "--world-size", "2"],
+     "trainable-tokens with strategy ddp is not modelled yet"),
+    (["--lora-rank", "4", "--lora-modules-to-save", "lm_head", "--strategy", "ddp", "--world-size", "2"],
+     "lora-modules-to-save with strategy ddp is not modelled yet"),
+    (["--trainable-tokens", "1", "--tp", "2"], "trainable-tokens with strategy single and tp/pp is not modelled yet"),
+    (["--lora-rank", "4", "--quant", "nf4", "--trainable-tokens", "1"], "with quant nf4 are not modelled yet"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", PEFT_BAD, ids=[b[1][:40] for b in PEFT_BAD])
+def test_bad_peft_extras_are_one_line_and_status_2(extra, needle, capsys):
+    assert main(["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_lm_head_tied_to_the_embedding_is_not_trained_both_ways(capsys):
+    """qwen2.5 ties its LM head to the embedding: trainable tokens wrap the head too, so it cannot also be copied."""
+    argv = ["predict", "--model", "qwen2.5-0.5b", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
+            "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+            "--set", "vocab_size=256", "--seq-len", "8", "--micro-batch", "1", "--lora-rank", "4",
+            "--lora-modules-to-save", "lm_head", "--trainable-tokens", "3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lm_head holds the input embedding's weight" in err, err
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_lora_with_unmeasured_zero_stage_is_refused(stage, tmp_path, capsys):
     """LoRA is modelled (and measured) under DDP and ZeRO-3 only; ZeRO-0/1/2 with frozen parameters get one line."""

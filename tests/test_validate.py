@@ -9,7 +9,7 @@ from llmsim.pipeline import predict
 from llmsim.enums import Attention, Loss, Optimizer, Precision
 from llmsim.spec import TrainSetup, load_model_spec
 from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
-from llmsim.validate import load_measurements, validate
+from llmsim.validate import load_measurements, row_inputs, validate
 from llmsim.zoo import shrink
 
 
@@ -39,6 +39,52 @@ def test_loss_rows_cover_both_levers_and_the_saving():
     assert peak["fused-linear-ce"] < peak["hf"] and peak["chunked-nll"] < peak["hf"]
 
 
+def test_peft_rows_cover_both_extras_and_read_back():
+    rows = pd.read_csv(MEASUREMENTS_DIR / "tier1_peft_cpu.csv")
+    to_save, tokens = rows["lora_modules_to_save"].notna(), rows["trainable_tokens"].notna()
+    assert to_save.any() and tokens.any() and (to_save & tokens).any()
+    assert (tokens & (rows["lora_rank"] == 0)).any() and (tokens & (rows["lora_rank"] > 0)).any()  # both configs
+    assert {"qwen2.5-0.5b", "gpt2", "opt-125m"} <= set(rows[to_save | tokens]["model"])  # tied embeddings
+    assert set(rows["precision"]) >= {"fp32", "bf16", "bf16-autocast"} and set(rows["grad_ckpt"]) == {True, False}
+    layers = rows["overrides"].map(lambda o: next(v for k, v in json.loads(o).items() if "layer" in k))
+    assert (layers > 3).any()  # deeper than the trace: per-layer copies replicated by the expansion
+    for _, row in rows.iterrows():
+        _, setup, _ = row_inputs(row)
+        assert ",".join(setup.lora_modules_to_save or ()) == (row["lora_modules_to_save"] if row_to_save(row) else "")
+        assert ",".join(map(str, setup.trainable_tokens or ())) == (str(row["trainable_tokens"])
+                                                                      if pd.notna(row["trainable_tokens"]) else "")
+
+
+def row_to_save(row) -> bool:
+    return isinstance(row["lora_modules_to_save"], str)
+
+
+def test_peft_extras_build_what_the_readme_says():
+    """Tied qwen2.5 in bf16: modules_to_save trains a copy of lm_head (the shared weight, hence the embedding, is
+    frozen); trainable tokens train an fp32 (n, hidden) delta (peft's autocast_adapter_dtype) and wrap the tied head
+    with an adapter that holds no parameter of its own."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmsim.step import add_peft
+
+    spec = load_model_spec("qwen2.5-0.5b", shrink("qwen2.5-0.5b", 64, 2, 300, 4))
+    for extra, expected in (({"lora_modules_to_save": ("lm_head",)},
+                             {"base_model.model.lm_head.modules_to_save.default.weight": ((300, 64), torch.bfloat16)}),
+                            ({"trainable_tokens": (0, 1, 5)},
+                             {"base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta.default":
+                              ((3, 64), torch.float32)})):
+        model = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.bfloat16)
+        peft_model = add_peft(model, TrainSetup(1, 8, Precision.BF16, lora_rank=4, **extra))
+        trained = {n: (tuple(p.shape), p.dtype) for n, p in peft_model.named_parameters()
+                   if p.requires_grad and "lora_" not in n}
+        assert trained == expected
+        embedding = peft_model.get_input_embeddings()
+        adapter = getattr(embedding, "token_adapter", None)  # a wrapper's `.weight` is the merged copy
+        weight = adapter.base_layer.weight if adapter is not None else embedding.weight
+        assert not weight.requires_grad
+
+
 def test_every_measured_row_is_within_tolerance():
     results = validate(load_measurements())
     assert len(results) >= 40
@@ -63,6 +109,8 @@ FRESH = [
     ("gpt2", (64, 4, 700, 2), TrainSetup(1, 24, Precision.BF16, optimizer=Optimizer.HF_ADAFACTOR)),
     ("llama-3.1-8b", (64, 4, 900, 4), TrainSetup(2, 40, Precision.BF16_AUTOCAST, grad_ckpt=True,
                                                  optimizer=Optimizer.ADAMW_8BIT)),
+    ("gpt2", (64, 5, 900, 2), TrainSetup(2, 48, Precision.BF16_AUTOCAST, grad_ckpt=True, lora_rank=4,
+                                         lora_modules_to_save=("ln_1",), trainable_tokens=(0, 899))),
 ]
 
 
