@@ -197,9 +197,8 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
             result[i] = next_serial
             next_serial += 1
             continue
-        if replicated[i]:
-            position = next(p for p, c in enumerate(copies) if c[3] == copy_index[i])
-        else:
+        position = next((p for p, c in enumerate(copies) if c[3] == copy_index[i]), None) if replicated[i] else None
+        if position is None:
             position = 0 if copies[0][2] == turned else -1
         copy = copies[position]
         copy[1] += delta
