@@ -9,12 +9,12 @@ identical layers make identical events, the result is the event stream of the fu
 
 A storage allocated in a layer is not always freed inside a layer's events. A free belongs to the layer
 running at that moment (tracker.StorageTracker._free), and what a wrapper frees after the last layer while
-that layer is still the current one -- Liger's `lce_forward` and TRL's fused head drop the backbone's output,
-and with it the `DynamicCache` holding every layer's key states, before the model's forward returns -- is
-one free per layer, all outside the template group. Such an event of a template storage is emitted once per
-copy, where it happens, each copy freeing its own layer's storage (`_frees_of_copies`). It is told apart from
-a storage that changes layer (layer i's output freed by layer i+1's backward), whose frees of the other
-copies are already in the template group's runs.
+that layer is still the current one -- Liger's `lce_forward` drops the backbone's output, and with it the
+`DynamicCache` holding every layer's key states (no checkpointing: `use_cache` stays on), before the model's
+forward returns -- is one free per layer, all outside the template group. Such an event of a template
+storage is emitted once per copy, where it happens, each copy freeing its own layer's storage
+(`_frees_of_copies`). It is told apart from a storage that changes layer (layer i's output freed by layer
+i+1's backward), whose frees of the other copies are already in the template group's runs.
 """
 from __future__ import annotations
 
