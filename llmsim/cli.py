@@ -281,7 +281,7 @@ def cmd_validate(args) -> int:
     from llmsim.report import validation_table
     from llmsim.validate import load_measurements, validate
 
-    results = validate(load_measurements(args.csv or None))
+    results = validate(load_measurements(args.csv or None), jobs=args.jobs)
     print(validation_table(results))
     return 0 if results["ok"].all() else EXIT_OUT_OF_TOLERANCE
 
@@ -354,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_measure)
     p = sub.add_parser("validate", help="re-predict every measured row; exit 1 if any is out of tolerance")
     p.add_argument("csv", nargs="*", help="measurement CSVs (default: data/measurements/*.csv)")
+    p.add_argument("--jobs", type=int, default=1, help="local processes to share the rows between")
     p.set_defaults(func=cmd_validate)
     p = sub.add_parser("models", help="list the model zoo")
     p.set_defaults(func=cmd_models)

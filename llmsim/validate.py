@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
@@ -50,8 +52,27 @@ def load_measurements(paths: Iterable[Path] | None = None) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def validate(measurements: pd.DataFrame) -> pd.DataFrame:
-    """One row per measured rank: measured, predicted, relative error and whether it is in tolerance."""
+def validate(measurements: pd.DataFrame, jobs: int = 1) -> pd.DataFrame:
+    """One row per measured rank: measured, predicted, relative error and whether it is in tolerance.
+    With `jobs` > 1 the rows are shared out between fresh local processes (spawned: each starts as a new
+    `llmsim validate` would), rows of one model and configuration file kept together so they reuse a trace."""
+    if jobs <= 1 or len(measurements) < 2:
+        return _validate_rows(measurements)
+    keys = measurements["source"].astype(str) + "|" + measurements["model"].astype(str) + "|" + \
+        measurements["overrides"].astype(str)
+    groups = sorted(measurements.groupby(keys, sort=False).groups.values(), key=len, reverse=True)
+    shares: list[list[int]] = [[] for _ in range(jobs)]
+    for index in groups:  # the largest group first, to the share with the fewest rows
+        min(shares, key=len).extend(index)
+    chunks = [measurements.loc[sorted(share)] for share in shares if share]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=context) as pool:
+        frames = list(pool.map(_validate_rows, chunks))
+    order = [i for chunk in chunks for i in chunk.index]
+    return pd.concat(frames, ignore_index=True).set_axis(order).sort_index().reset_index(drop=True)
+
+
+def _validate_rows(measurements: pd.DataFrame) -> pd.DataFrame:
     results = []
     for _, row in measurements.iterrows():
         spec, setup, layout = row_inputs(row)
