@@ -56,7 +56,7 @@ BAD = [
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--optimizer", "lion"], "valid choices"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--ckpt-offload"], "needs activation checkpointing"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--grad-ckpt", "--ckpt-offload", "--strategy", "ddp",
-      "--world-size", "2"], "ckpt-offload with strategy ddp is not modelled yet"),
+      "--pp", "2", "--world-size", "4"], "ckpt-offload with strategy ddp and tp/pp is not modelled yet"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--optimizer", "paged-adamw8bit", "--gpu", "l4"],
      "optimizer paged-adamw8bit on a GPU is not modelled"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--optimizer", "hf-adafactor", "--tp", "2"],
@@ -123,10 +123,10 @@ PEFT_BAD = [
     (["--trainable-tokens", "1,1"], "trainable-tokens lists an index twice"),
     (["--lora-rank", "4", "--lora-modules-to-save", "embed_tokens", "--trainable-tokens", "3"],
      "model.embed_tokens holds the input embedding's weight"),
-    (["--trainable-tokens", "1", "--strategy", "ddp", "--world-size", "2"],
-     "trainable-tokens with strategy ddp is not modelled yet"),
-    (["--lora-rank", "4", "--lora-modules-to-save", "lm_head", "--strategy", "ddp", "--world-size", "2"],
-     "lora-modules-to-save with strategy ddp is not modelled yet"),
+    (["--trainable-tokens", "1", "--strategy", "ddp", "--pp", "2", "--world-size", "4"],
+     "trainable-tokens with strategy ddp and tp/pp is not modelled yet; modelled: single and ddp (tp = pp = 1)"),
+    (["--lora-rank", "4", "--lora-modules-to-save", "lm_head", "--strategy", "ddp", "--world-size", "2", "--tp", "2"],
+     "LoRA with tp/pp is not modelled yet"),
     (["--trainable-tokens", "1", "--tp", "2"], "trainable-tokens with strategy single and tp/pp is not modelled yet"),
     (["--lora-rank", "4", "--quant", "nf4", "--trainable-tokens", "1"], "with quant nf4 are not modelled yet"),
 ]
@@ -168,7 +168,8 @@ LOSS_BAD = [
     (["--loss-chunk", "256"], "loss-chunk(256) needs --loss chunked-nll"),
     (["--loss", "fused-linear-ce", "--loss-chunk", "256"], "loss fused-linear-ce has no chunk to set"),
     (["--loss", "softmax"], "unknown loss 'softmax'; valid choices: hf, chunked-nll, fused-linear-ce"),
-    (["--loss", "fused-linear-ce", "--strategy", "ddp", "--world-size", "2"], "not modelled yet"),
+    (["--loss", "fused-linear-ce", "--strategy", "ddp", "--pp", "2", "--world-size", "4"],
+     "loss fused-linear-ce with strategy ddp and tp/pp is not modelled yet"),
     (["--loss", "chunked-nll", "--gpu", "h100-80gb"], "loss chunked-nll on a GPU (--gpu) is not modelled yet"),
 ]
 
