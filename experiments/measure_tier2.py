@@ -16,6 +16,10 @@ DeepSpeed JIT-compiles for the CPU on first use, and `torch_adam`) into data/mea
 GQA Mistral and Llama-3.1, OPT-350m's embedding projections, tied GPT-2 medium, BLOOM-1b1) into
 data/measurements/tier2_zero3_heldout_cpu.csv: measured once the model was written, never tuned against.
 
+`--levers-ddp` runs LEVERS_DDP_RUNS (issue 5's levers under 2-rank DDP, alone and combined: gradient accumulation,
+checkpoint offload, TRL's chunked NLL, the Liger imitation, the Adafactors and bitsandbytes' optimizers, peft's
+modules_to_save and trainable tokens) into data/measurements/tier2_levers_ddp_cpu.csv.
+
 `--lora` runs LORA_RUNS (peft LoRA on a frozen base under DDP and DeepSpeed ZeRO-3: get_peft_model after the
 build, which under ZeRO-3 is zero.Init, then deepspeed.initialize) into data/measurements/tier2_lora_cpu.csv.
 """
@@ -28,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from llmsim.dsconfig import load_ds_config
-from llmsim.enums import Attention, Precision
+from llmsim.enums import Attention, Loss, Optimizer, Precision
 from llmsim.launch import LaunchFailure
 from llmsim.measure import MEASUREMENTS_DIR, TIER2_CSV, append_rows, measure_distributed
 from llmsim.spec import TrainSetup, load_model_spec
@@ -180,6 +184,35 @@ LORA_RUNS = [
      {"stage": 3, "reduce_bucket_size": 40000, "stage3_prefetch_bucket_size": 20000}, None, (8, None)),
 ]
   # indices into ZERO3_RUNS measured a second time with the same config
+LEVERS_DDP_CSV = MEASUREMENTS_DIR / "tier2_levers_ddp_cpu.csv"
+# Issue 5's levers under torch DDP, alone and combined: same tuple as LORA_RUNS, then the other TrainSetup fields.
+NO_LORA = (0, None)
+LEVERS_DDP_RUNS = [
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "ddp", None, None, NO_LORA, {"grad_accum": 2}),
+    ("gpt2", 2, "bf16", True, 1, 2, 64, "ddp", None, None, NO_LORA, {"grad_accum": 3}),
+    ("qwen2.5-0.5b", 2, "bf16-autocast", True, 1, 2, 64, "ddp", None, None, NO_LORA, {"ckpt_offload": True}),
+    ("mistral-7b", 2, "fp32", True, 2, 4, 128, "ddp", None, None, NO_LORA, {"ckpt_offload": True}),
+    ("llama-2-7b", 2, "bf16", False, 1, 2, 64, "ddp", None, None, NO_LORA,
+     {"loss": Loss.CHUNKED_NLL, "loss_chunk": 500}),
+    ("qwen2.5-0.5b", 2, "fp32", False, 1, 2, 64, "ddp", None, None, NO_LORA, {"loss": Loss.FUSED_LINEAR_CE}),
+    ("mistral-7b", 2, "bf16-autocast", True, 1, 4, 256, "ddp", None, None, NO_LORA,
+     {"loss": Loss.FUSED_LINEAR_CE}),
+    ("gpt2", 2, "fp32", False, 1, 2, 64, "ddp", None, None, NO_LORA, {"optimizer": Optimizer.ADAFACTOR}),
+    ("llama-2-7b", 2, "bf16", False, 1, 2, 64, "ddp", None, None, NO_LORA, {"optimizer": Optimizer.HF_ADAFACTOR}),
+    ("qwen2.5-0.5b", 2, "fp32", True, 1, 2, 64, "ddp", None, None, NO_LORA, {"optimizer": Optimizer.ADAMW_8BIT}),
+    ("opt-125m", 2, "bf16-autocast", False, 1, 2, 64, "ddp", None, None, NO_LORA,
+     {"optimizer": Optimizer.PAGED_ADAMW_8BIT}),
+    ("gpt2", 2, "bf16", False, 1, 2, 64, "ddp", None, None, (4, None), {"lora_modules_to_save": ("lm_head",)}),
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "ddp", None, None, NO_LORA, {"trainable_tokens": (0, 1, 2)}),
+    ("qwen2.5-0.5b", 2, "bf16", True, 1, 2, 64, "ddp", None, None, (8, None), {"trainable_tokens": (5, 7)}),
+    # combinations
+    ("llama-2-7b", 2, "bf16-autocast", True, 1, 2, 64, "ddp", None, None, NO_LORA,
+     {"ckpt_offload": True, "grad_accum": 2, "loss": Loss.FUSED_LINEAR_CE, "optimizer": Optimizer.ADAMW_8BIT}),
+    ("mistral-7b", 2, "bf16", False, 1, 2, 64, "ddp", None, None, (8, None),
+     {"lora_modules_to_save": ("lm_head",), "loss": Loss.CHUNKED_NLL, "grad_accum": 2}),
+    ("qwen2.5-0.5b", 2, "fp32", True, 2, 2, 64, "ddp", None, None, (4, QV),
+     {"trainable_tokens": (1, 2, 3), "ckpt_offload": True, "optimizer": Optimizer.HF_ADAFACTOR, "grad_accum": 2}),
+]
 
 
 def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
@@ -189,10 +222,11 @@ def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
         model, world, precision, ckpt, every, mb, seq, strategy, zero = run[:9]
         optimizer = run[9] if len(run) > 9 else None
         lora_rank, lora_targets = run[10] if len(run) > 10 else (0, None)
+        levers = run[11] if len(run) > 11 else {}
         spec = load_model_spec(model, shrink(model, *SHAPES[model]))
         attention = Attention.EAGER if model.startswith("bloom") else None
         setup = TrainSetup(mb, seq, Precision(precision), attention, ckpt, every, lora_rank=lora_rank,
-                           lora_targets=lora_targets)
+                           lora_targets=lora_targets, **levers)
         deepspeed = None
         if zero is not None:
             config = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": 1,
@@ -224,11 +258,14 @@ def main() -> int:
     parser.add_argument("--ds-optimizer", action="store_true",
                         help=f"run DS_OPTIMIZER_RUNS (a DeepSpeed \"optimizer\" section) into {DS_OPTIMIZER_CSV}")
     parser.add_argument("--lora", action="store_true", help=f"run LORA_RUNS (LoRA under DDP, ZeRO-3) into {LORA_CSV}")
+    parser.add_argument("--levers-ddp", action="store_true",
+                        help=f"run LEVERS_DDP_RUNS (issue 5's levers under DDP) into {LEVERS_DDP_CSV}")
     parser.add_argument("--zero3-heldout", action="store_true", help=f"run ZERO3_HELDOUT into {ZERO3_HELDOUT_CSV}")
     parser.add_argument("--zero3", action="store_true",
                         help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")
     args = parser.parse_args()
     runs, default_out = ((LORA_RUNS, LORA_CSV) if args.lora
+                         else (LEVERS_DDP_RUNS, LEVERS_DDP_CSV) if args.levers_ddp
                          else (DS_OPTIMIZER_RUNS, DS_OPTIMIZER_CSV) if args.ds_optimizer
                          else (ZERO3_HELDOUT, ZERO3_HELDOUT_CSV) if args.zero3_heldout
                          else (ZERO3_RUNS, ZERO3_CSV) if args.zero3 else (RUNS, TIER2_CSV))

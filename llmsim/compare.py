@@ -16,7 +16,7 @@ from llmsim.gpus import GpuProfile, on_gpu
 from llmsim.losses import check_loss
 from llmsim.pipeline import predict
 from llmsim.spec import ModelSpec, TrainSetup
-from llmsim.strategies import Layout
+from llmsim.strategies import Layout, check_supported
 
 # (label, TrainSetup overrides): each lever alone, then the combinations people use
 LEVERS: list[tuple[str, dict]] = [
@@ -59,19 +59,16 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
                    loss=Loss.HF, loss_chunk=None, lora_modules_to_save=None, trainable_tokens=None)
     for label, overrides in LEVERS:
         setup = replace(base, **overrides)
-        if (overrides.get("lora_rank") or overrides.get("trainable_tokens")) and layout.world_size > 1:
-            continue  # LoRA (and QLoRA) is modelled for one process only, and so are peft's extras
-        if ("lora_modules_to_save" in overrides or "trainable_tokens" in overrides) and (
-                layout.tp * layout.pp > 1 or model.config_json is None):
-            continue  # peft's extras: one process, and an HF model whose module names are known
-        if overrides.get("ckpt_offload") and (layout.world_size > 1 or layout.tp * layout.pp > 1):
-            continue  # checkpointing with offload is modelled for one process only
+        if not _layout_modelled(setup, layout):
+            continue  # a lever refused on this layout (e.g. QLoRA with several ranks, ckpt-offload with ZeRO)
+        if ("lora_modules_to_save" in overrides or "trainable_tokens" in overrides) and model.config_json is None:
+            continue  # peft's extras: an HF model whose module names are known
         if overrides.get("optimizer", Optimizer.ADAMW) is not Optimizer.ADAMW and layout.deepspeed is not None:
             continue  # DeepSpeed is modelled with AdamW only
         if overrides.get("quant") and model.config_json is None:
             continue  # a module factory has no checkpoint to quantize
         if "loss" in overrides and not _loss_modelled(model, setup, layout, gpu):
-            continue  # one process; TRL's torch path (no GPU); Liger on the model types it patches
+            continue  # TRL's torch path (no GPU); Liger on the model types it patches
         prediction = predict(model, setup, layout, gpu, alloc_conf)
         worst = max(prediction.ranks, key=lambda r: r.device_total_bytes)
         rows.append({"lever": label, "peak_allocated_bytes": prediction.peak_allocated_bytes,
@@ -82,9 +79,16 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
     return frame
 
 
-def _loss_modelled(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile | None) -> bool:
-    if layout.world_size > 1 or layout.tp * layout.pp > 1:
+def _layout_modelled(setup: TrainSetup, layout: Layout) -> bool:
+    """Whether `predict` models this lever set on this layout (llmsim.strategies.check_supported)."""
+    try:
+        check_supported(setup, layout)
+    except InputError:
         return False
+    return True
+
+
+def _loss_modelled(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile | None) -> bool:
     try:
         check_loss(model, on_gpu(setup, gpu) if gpu is not None else setup)
     except InputError:

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmsim.enums import Attention, Category, Optimizer, Phase, Precision
+from llmsim.enums import Attention, Category, Loss, Optimizer, Phase, Precision
+from llmsim.offload import host_peak_bytes, split_host
 from llmsim.peaks import replay
 from llmsim.spec import ModelSpec, TrainSetup
 from llmsim.step import LayerHooks, add_lora, import_peft, run_canonical_step, run_pipeline_step
@@ -83,7 +84,15 @@ def _setup(job: dict) -> TrainSetup:
                       pp_split=tuple(job["pp_split"]) if job.get("pp_split") else None,
                       lora_rank=job.get("lora_rank", 0), lora_alpha=job.get("lora_alpha", 16),
                       lora_targets=tuple(job["lora_targets"]) if job.get("lora_targets") else None,
-                      optimizer=Optimizer(job.get("optimizer", Optimizer.ADAMW.value)))
+                      optimizer=Optimizer(job.get("optimizer", Optimizer.ADAMW.value)),
+                      grad_accum=job.get("grad_accum", 1), ckpt_offload=bool(job.get("ckpt_offload")),
+                      loss=Loss(job.get("loss", Loss.HF.value)), loss_chunk=job.get("loss_chunk"),
+                      lora_modules_to_save=_tuple(job.get("lora_modules_to_save")),
+                      trainable_tokens=_tuple(job.get("trainable_tokens")))
+
+
+def _tuple(values: list | None) -> tuple | None:
+    return tuple(values) if values else None
 
 
 def run_ddp(job: dict, tracker: StorageTracker) -> None:
@@ -155,10 +164,12 @@ def main() -> int:
     runners[job["framework"]](job, tracker)
     timeline = tracker.timeline()
     timeline.to_csv(args.out / f"rank{rank}.timeline.csv", index=False)
-    peak = replay(timeline)
+    device, host = split_host(timeline)  # offloaded checkpoint inputs are host memory (llmsim/offload.py)
+    peak = replay(device)
     (args.out / f"rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "peak_allocated_bytes": peak.allocated_bytes, "peak_phase": peak.phase,
-         "peak_step": peak.step, "peak_layer": peak.layer, "breakdown_bytes": peak.breakdown_bytes}))
+         "peak_step": peak.step, "peak_layer": peak.layer, "breakdown_bytes": peak.breakdown_bytes,
+         "peak_host_bytes": host_peak_bytes(host)}))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0

@@ -26,6 +26,7 @@ class RankResult:
     peak_step: int
     peak_layer: str
     breakdown_bytes: dict
+    peak_host_bytes: int = 0  # host memory: checkpoint inputs offloaded by save_on_cpu (--ckpt-offload)
 
 
 class LaunchFailure(RuntimeError):

@@ -100,7 +100,7 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     """A real multi-process run (torchrun, gloo) on this CPU: one tier-2 row per rank."""
     setup = resolve_attention(spec, setup)
     check_fits_positions(spec, setup)
-    check_supported(setup, layout)  # what the workers cannot run (ckpt-offload, LoRA, grad-accum) is refused
+    check_supported(setup, layout)  # what is not modelled (e.g. ckpt-offload with ZeRO) is not measured either
     check_tensor_parallel(spec.hf_config(), layout.tp)
     check_pipeline(spec.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
                    setup.precision)
@@ -113,7 +113,10 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
            "steps": setup.steps, "precision": setup.precision.value, "build_bf16": setup.build_bf16,
            "lora_rank": setup.lora_rank, "lora_alpha": setup.lora_alpha,
            "lora_targets": list(setup.lora_targets) if setup.lora_targets else None,
-           "optimizer": setup.optimizer.value,
+           "optimizer": setup.optimizer.value, "grad_accum": setup.grad_accum, "ckpt_offload": setup.ckpt_offload,
+           "loss": setup.loss.value, "loss_chunk": setup.loss_chunk,
+           "lora_modules_to_save": list(setup.lora_modules_to_save) if setup.lora_modules_to_save else None,
+           "trainable_tokens": list(setup.trainable_tokens) if setup.trainable_tokens else None,
            "ds_config": layout.deepspeed.config if layout.deepspeed else None}
     start = time.perf_counter()
     results = run_ranks(job, layout.world_size, timeout_s)
@@ -125,5 +128,6 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
              "schedule": layout.schedule.value if layout.pp > 1 else "", "n_microbatches": layout.n_microbatches,
              "pp_split": ",".join(map(str, layout.pp_split)) if layout.pp_split else "",
              "rank": r.rank, "ds_config": ds_config,
-             "peak_allocated_bytes": r.peak_allocated_bytes, "device": "cpu", **environment(),
+             "peak_allocated_bytes": r.peak_allocated_bytes, "peak_host_bytes": r.peak_host_bytes,
+             "device": "cpu", **environment(),
              "measured_at": stamp, "wall_s": wall_s} for r in results]

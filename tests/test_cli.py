@@ -56,7 +56,7 @@ BAD = [
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--optimizer", "lion"], "valid choices"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--ckpt-offload"], "needs activation checkpointing"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--grad-ckpt", "--ckpt-offload", "--strategy", "ddp",
-      "--world-size", "2"], "ckpt-offload with strategy ddp is not modelled yet"),
+      "--pp", "2", "--world-size", "4"], "ckpt-offload with strategy ddp and tp/pp is not modelled yet"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--optimizer", "paged-adamw8bit", "--gpu", "l4"],
      "optimizer paged-adamw8bit on a GPU is not modelled"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--optimizer", "hf-adafactor", "--tp", "2"],
@@ -123,10 +123,10 @@ PEFT_BAD = [
     (["--trainable-tokens", "1,1"], "trainable-tokens lists an index twice"),
     (["--lora-rank", "4", "--lora-modules-to-save", "embed_tokens", "--trainable-tokens", "3"],
      "model.embed_tokens holds the input embedding's weight"),
-    (["--trainable-tokens", "1", "--strategy", "ddp", "--world-size", "2"],
-     "trainable-tokens with strategy ddp is not modelled yet"),
-    (["--lora-rank", "4", "--lora-modules-to-save", "lm_head", "--strategy", "ddp", "--world-size", "2"],
-     "lora-modules-to-save with strategy ddp is not modelled yet"),
+    (["--trainable-tokens", "1", "--strategy", "ddp", "--pp", "2", "--world-size", "4"],
+     "trainable-tokens with strategy ddp and tp/pp is not modelled yet; modelled: single and ddp (tp = pp = 1)"),
+    (["--lora-rank", "4", "--lora-modules-to-save", "lm_head", "--strategy", "ddp", "--pp", "2", "--world-size", "4"],
+     "LoRA with tp/pp is not modelled yet"),
     (["--trainable-tokens", "1", "--tp", "2"], "trainable-tokens with strategy single and tp/pp is not modelled yet"),
     (["--lora-rank", "4", "--quant", "nf4", "--trainable-tokens", "1"], "with quant nf4 are not modelled yet"),
 ]
@@ -168,7 +168,8 @@ LOSS_BAD = [
     (["--loss-chunk", "256"], "loss-chunk(256) needs --loss chunked-nll"),
     (["--loss", "fused-linear-ce", "--loss-chunk", "256"], "loss fused-linear-ce has no chunk to set"),
     (["--loss", "softmax"], "unknown loss 'softmax'; valid choices: hf, chunked-nll, fused-linear-ce"),
-    (["--loss", "fused-linear-ce", "--strategy", "ddp", "--world-size", "2"], "not modelled yet"),
+    (["--loss", "fused-linear-ce", "--strategy", "ddp", "--pp", "2", "--world-size", "4"],
+     "loss fused-linear-ce with strategy ddp and tp/pp is not modelled yet"),
     (["--loss", "chunked-nll", "--gpu", "h100-80gb"], "loss chunked-nll on a GPU (--gpu) is not modelled yet"),
 ]
 
@@ -186,3 +187,28 @@ def test_fused_linear_ce_refused_for_a_model_liger_does_not_patch(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no fused linear cross-entropy for model_type 'gpt2'" in err, err
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--grad-accum", "2"], "grad-accum(2) with strategy deepspeed is not modelled yet; modelled: single and ddp"),
+    (["--grad-ckpt", "--ckpt-offload"], "ckpt-offload with strategy deepspeed is not modelled yet"),
+    (["--loss", "chunked-nll"], "loss chunked-nll with strategy deepspeed is not modelled yet"),
+])
+def test_levers_with_deepspeed_are_refused(extra, needle, tmp_path, capsys):
+    """Issue 5's levers are modelled for one process and DDP (tier2_levers_ddp_cpu.csv), not yet under ZeRO."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}))
+    assert main(["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--ds-config", str(path),
+                 "--world-size", "2", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_levers_under_ddp_are_predicted(capsys):
+    """Gradient accumulation, offload, a loss lever and trainable tokens together under DDP: every rank alike."""
+    assert main(["predict", *TINY, "--seq-len", "16", "--micro-batch", "2", "--strategy", "ddp", "--world-size", "2",
+                 "--grad-accum", "2", "--grad-ckpt", "--ckpt-offload", "--loss", "fused-linear-ce",
+                 "--trainable-tokens", "1,2", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["ranks"]) == 2 and out["ranks"][0]["peak_allocated_bytes"] == out["ranks"][1]["peak_allocated_bytes"]
+    assert out["peak_host_bytes"] == 2 * 2 * 16 * 64 * 4  # two layers' fp32 inputs (2 x 16 x 64), as one process

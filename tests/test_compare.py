@@ -42,3 +42,20 @@ def test_compare_command_writes_the_chart(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "LoRA r=16" in out and "Liger" not in out and "TRL" not in out  # gpt2 on a GPU: neither is modelled
+
+
+def test_levers_modelled_under_ddp_are_compared_there():
+    """Under DDP (tp = pp = 1) every lever but QLoRA is modelled: each row is that layout's own prediction."""
+    from llmsim.strategies import Layout, Strategy
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 512, 4))
+    ddp = Layout(Strategy.DDP, 2)
+    levers = compare_levers(spec, TrainSetup(2, 64), ddp).set_index("lever")
+    skipped = {label for label, overrides in LEVERS if "quant" in overrides}
+    assert set(levers.index) == {label for label, _ in LEVERS} - skipped
+    for label, setup in (("chunked NLL (TRL)", TrainSetup(2, 64, loss=Loss.CHUNKED_NLL)),
+                         ("trainable tokens (8 rows, no LoRA)", TrainSetup(2, 64, trainable_tokens=tuple(range(8)))),
+                         ("checkpointing, inputs offloaded", TrainSetup(2, 64, grad_ckpt=True, ckpt_offload=True))):
+        prediction = predict(spec, setup, ddp)
+        assert levers.loc[label, "device_total_bytes"] == prediction.peak_allocated_bytes
+        assert prediction.peak_allocated_bytes > predict(spec, setup).peak_allocated_bytes  # DDP's buckets on top

@@ -80,29 +80,36 @@ def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.Da
 LORA_DEEPSPEED_STAGES = (3,)
 
 
+def _levers_modelled(layout: Layout) -> bool:
+    """Where issue 5's levers (peft's extras, checkpoint offload, the loss levers, gradient accumulation) are
+    modelled and measured: one process, or torch DDP around the whole model (tp = pp = 1; measured in
+    data/measurements/tier2_levers_ddp_cpu.csv). DDP adds its broadcast chunks and reducer buckets to the
+    single-process step, neither of which these levers change (llmsim/strategies/ddp.py)."""
+    return layout.tp * layout.pp == 1 and layout.strategy in (Strategy.SINGLE, Strategy.DDP)
+
+
+LEVERS_MODELLED = "modelled: single and ddp (tp = pp = 1)"
+
+
 def check_supported(setup, layout: Layout) -> None:
-    """Before any trace: gradient accumulation and checkpoint offload are modelled for one process, LoRA for one
-    process, DDP and ZeRO-3; DDP's no_sync, DeepSpeed's accumulation boundaries and a pipeline's own micro-batches
-    are not."""
+    """Before any trace: gradient accumulation, checkpoint offload, the loss levers and peft's extras are modelled
+    for one process and DDP, LoRA for one process, DDP and ZeRO-3; DeepSpeed's accumulation boundaries and a
+    pipeline's own micro-batches are not."""
     if setup.lora_rank:
         _check_lora(setup, layout)
+    where = f"strategy {layout.strategy.value}{' and tp/pp' if layout.tp * layout.pp > 1 else ''}"
     extras = [name for name, on in (("lora-modules-to-save", setup.lora_modules_to_save),
                                     ("trainable-tokens", setup.trainable_tokens)) if on]
-    if extras and (layout.strategy is not Strategy.SINGLE or layout.tp * layout.pp > 1):
-        raise InputError(f"{' and '.join(extras)} with strategy {layout.strategy.value}"
-                         f"{' and tp/pp' if layout.tp * layout.pp > 1 else ''} is not modelled yet; "
-                         "modelled: single (tp = pp = 1)")
-    if setup.ckpt_offload and (layout.strategy is not Strategy.SINGLE or layout.tp * layout.pp > 1):
-        raise InputError(f"ckpt-offload with strategy {layout.strategy.value}"
-                         f"{' and tp/pp' if layout.tp * layout.pp > 1 else ''} is not modelled yet; "
-                         "modelled with ckpt-offload: single (tp = pp = 1)")
-    if setup.loss.value != "hf" and (layout.strategy is not Strategy.SINGLE or layout.tp * layout.pp > 1):
-        raise InputError(f"loss {setup.loss.value} with strategy {layout.strategy.value}"
-                         f"{' and tp/pp' if layout.tp * layout.pp > 1 else ''} is not modelled yet; "
-                         "modelled: single")
-    if setup.grad_accum > 1 and (layout.strategy is not Strategy.SINGLE or layout.tp * layout.pp > 1):
-        raise InputError(f"grad-accum({setup.grad_accum}) is modelled for one process only (strategy single, "
-                         "tp = pp = 1); a pipeline accumulates over its --microbatches")
+    if extras and not _levers_modelled(layout):
+        raise InputError(f"{' and '.join(extras)} with {where} is not modelled yet; {LEVERS_MODELLED}")
+    if setup.ckpt_offload and not _levers_modelled(layout):
+        raise InputError(f"ckpt-offload with {where} is not modelled yet; {LEVERS_MODELLED}")
+    if setup.loss.value != "hf" and not _levers_modelled(layout):
+        raise InputError(f"loss {setup.loss.value} with {where} is not modelled yet; {LEVERS_MODELLED}")
+    if setup.grad_accum > 1 and not _levers_modelled(layout):
+        raise InputError(f"grad-accum({setup.grad_accum}) with {where} is not modelled yet; {LEVERS_MODELLED} "
+                         "(DDP all-reducing every backward, no no_sync); a pipeline accumulates over its "
+                         "--microbatches")
 
 
 def _check_lora(setup, layout: Layout) -> None:

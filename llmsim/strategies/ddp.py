@@ -10,12 +10,27 @@ Read from torch/nn/parallel/distributed.py and torch/csrc/distributed/c10d/reduc
   freed before the new ones are allocated, so the total does not change.
   The buckets hold only parameters that require grad (`_build_params_for_reducer`), while the broadcast
   (`_sync_module_states`) sends every parameter: with LoRA the frozen base is broadcast but not bucketed.
+Issue 5's levers add nothing of DDP's own (measured in data/measurements/tier2_levers_ddp_cpu.csv):
+- gradient accumulation without `no_sync` (`require_backward_grad_sync` stays True) all-reduces every backward
+  through the same buckets: `mark_variable_ready_dense` copies each gradient into its bucket view
+  (`at::mul_out`), and `copy_bucket_to_grad` copies the average back into the existing `.grad`, which
+  AccumulateGrad then accumulates in place; the rebuild of the buckets moves to the first forward after the
+  first backward (the second pass of the first step), freeing the old buffers before allocating the new ones;
+- peft's extras: the `ModulesToSaveWrapper`'s frozen original and the frozen base under trainable tokens are
+  broadcast, not bucketed; the trained copy, the token delta (fp32 on a bf16 base) and its buffer of original
+  rows are broadcast too (the delta bucketed). Every trainable parameter receives a gradient in every
+  backward, so `find_unused_parameters=False` holds;
+- the loss levers patch the wrapped module's forward, which DDP calls as is; their custom autograd Functions
+  (TRL's ChunkedLogProbFunction, Liger's gradient computed in the forward) hand `lm_head.weight` its gradient
+  in the backward, where AccumulateGrad's post hook fires DDP's as for any parameter;
+- checkpoint offload (`save_on_cpu`) wraps each checkpointed layer's saved inputs; the reducer never sees it.
 """
 from __future__ import annotations
 
 import pandas as pd
 
 from llmsim.enums import Category, Phase
+from llmsim.step import uses_peft
 from llmsim.strategies.events import (end_of_build, live_at_end_of_build, live_sizes_at_end_of_build, new_events,
                                      splice, trainable_names)
 
@@ -35,7 +50,7 @@ def coalesced_chunks(sizes: list[int], limit: int) -> list[int]:
 
 def _trainable_bytes(timeline: pd.DataFrame, setup) -> int:
     live = live_at_end_of_build(timeline, Category.PARAMETER)
-    if setup.lora_rank:  # the frozen base gets no gradient and no bucket slot
+    if uses_peft(setup):  # the frozen base (LoRA, or trainable tokens alone) gets no gradient and no bucket slot
         live = live[live["name"].isin(trainable_names(timeline))]
     return int(live["nbytes"].sum())
 
