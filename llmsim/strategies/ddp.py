@@ -1,9 +1,11 @@
 """torch DistributedDataParallel: every rank is the single-process step plus DDP's own buffers.
 
 Read from torch/nn/parallel/distributed.py and torch/csrc/distributed/c10d/reducer.cpp (torch 2.13):
-- construction broadcasts parameters and buffers from rank 0 with `_broadcast_coalesced`, flattening
-  them into coalesced chunks of at most `broadcast_bucket_size` = 250 MiB (each freed after its broadcast;
-  `take_tensors` closes a chunk once it reaches the limit);
+- construction broadcasts parameters and buffers from rank 0 with `_broadcast_coalesced`
+  (c10d/comm.cpp): `compute_bucket_assignment_by_size` groups them into chunks of `broadcast_bucket_size`
+  = 250 MiB (a chunk closes once it reaches the limit), each chunk is flattened into one new tensor
+  (`flatten_dense_tensors`: a chunk of one tensor is a view of it, no copy) and at most 2 broadcasts are in
+  flight: the oldest finishes, and its flat tensor is freed, before a third starts;
 - the Reducer allocates one flat gradient buffer per bucket; the buckets cover every parameter that
   requires grad, so together they hold one more copy of the gradients (gradient_as_bucket_view=False,
   the default). After the first backward the buckets are rebuilt in gradient order: the old buffers are
@@ -27,7 +29,11 @@ Issue 5's levers add nothing of DDP's own (measured in data/measurements/tier2_l
 """
 from __future__ import annotations
 
+import collections
+
 import pandas as pd
+import torch
+import torch.distributed as dist
 
 from llmsim.enums import Category, Phase
 from llmsim.step import uses_peft
@@ -35,17 +41,31 @@ from llmsim.strategies.events import (end_of_build, live_at_end_of_build, live_s
                                      splice, trainable_names)
 
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DistributedDataParallel.broadcast_bucket_size
+MAX_IN_FLIGHT = 2  # c10d broadcast_coalesced: `max_in_flight`
 
 
-def coalesced_chunks(sizes: list[int], limit: int) -> list[int]:
-    """Chunk sizes of `_broadcast_coalesced` (c10d `take_tensors`: a chunk closes once it reaches limit)."""
-    chunks, current = [], 0
-    for size in sizes:
-        current += size
-        if current >= limit:
-            chunks.append(current)
-            current = 0
-    return chunks + ([current] if current else [])
+def coalesced_chunks(sizes: list[int], limit: int) -> list[list[int]]:
+    """The tensors (their byte sizes) of each `_broadcast_coalesced` chunk, from c10d's own
+    `compute_bucket_assignment_by_size` (run on meta tensors of these sizes: one dtype, which is what the
+    timeline knows; tensors of different dtypes would go to separate chunks)."""
+    tensors = [torch.empty(size, dtype=torch.uint8, device="meta") for size in sizes]
+    buckets, _ = dist._compute_bucket_assignment_by_size(tensors, [limit])
+    return [[sizes[i] for i in bucket] for bucket in buckets]
+
+
+def broadcast_events(sizes: list[int], limit: int = BROADCAST_BUCKET_BYTES) -> list[tuple[int, int, Category]]:
+    """(serial offset, delta, category) of the flat chunks `_broadcast_coalesced` allocates and frees."""
+    deltas, in_flight = [], collections.deque()
+    for offset, chunk in enumerate(coalesced_chunks(sizes, limit)):
+        if len(in_flight) >= MAX_IN_FLIGHT:
+            done, nbytes = in_flight.popleft()
+            deltas.append((done, -nbytes, Category.TEMPORARY))
+        nbytes = sum(chunk) if len(chunk) > 1 else 0  # a single tensor is broadcast in place
+        if nbytes:
+            deltas.append((offset, nbytes, Category.TEMPORARY))
+        in_flight.append((offset, nbytes))
+    deltas += [(offset, -nbytes, Category.TEMPORARY) for offset, nbytes in in_flight if nbytes]
+    return [d for d in deltas if d[1]]
 
 
 def _trainable_bytes(timeline: pd.DataFrame, setup) -> int:
@@ -59,10 +79,8 @@ def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     params = live_sizes_at_end_of_build(timeline, Category.PARAMETER)
     buffers = live_sizes_at_end_of_build(timeline, Category.BUFFER)
     serial = int(timeline["serial"].max()) + 1
-    deltas = []
-    for offset, chunk in enumerate(coalesced_chunks(params + buffers, BROADCAST_BUCKET_BYTES)):
-        deltas += [(offset, chunk, Category.TEMPORARY), (offset, -chunk, Category.TEMPORARY)]
-    deltas.append((len(deltas), _trainable_bytes(timeline, setup), Category.REDUCE_BUCKET))
+    deltas = broadcast_events(params + buffers)
+    deltas.append((len(params) + len(buffers), _trainable_bytes(timeline, setup), Category.REDUCE_BUCKET))
     events = new_events(deltas, "DistributedDataParallel", 0, Phase.BUILD, serial)
     rank_timeline = splice(timeline, end_of_build(timeline), events)
     return {rank: rank_timeline for rank in range(layout.world_size)}
