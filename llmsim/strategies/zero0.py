@@ -22,7 +22,8 @@ from __future__ import annotations
 import pandas as pd
 
 from llmsim.enums import Category, Phase, Precision
-from llmsim.strategies.zero_common import FP32_BYTES, EventWriter, adamw, parameters, rows_of, walk_phases
+from llmsim.strategies.zero_common import (FP32_BYTES, EventWriter, adamw, own_runs, parameters, rows_of,
+                                           walk_phases)
 
 ALLREDUCE_ELEMENTS_PER_BUFFER = 500_000_000  # engine.py: buffered_allreduce_fallback default
 BF16_BYTES = 2
@@ -54,7 +55,8 @@ class _Rank:
         t = self.timeline
         optimizer = (t["phase"] == Phase.OPTIMIZER.value).to_numpy()
         gradients = ((t["phase"] == Phase.BACKWARD.value) & (t["category"] == Category.GRADIENT.value)).to_numpy()
-        walk_phases(rows_of(t), self._row, self._leave, self.w, gradients | (optimizer & self.bf16))
+        rows = rows_of(t)
+        walk_phases(rows, self._row, self._leave, self.w, own_runs(rows, gradients | (optimizer & self.bf16)))
         return self.w.frame(t)
 
     def _row(self, row: tuple) -> None:

@@ -30,7 +30,7 @@ from llmsim.strategies.events import LazyRanks
 from llmsim.tracker import GRAD_READY
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, construct_optimizer,
                                            optimizer_of, param_storages, parameters, rows_of, step_optimizer,
-                                           walk_phases)
+                                           own_runs, walk_phases)
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: the flat buffer is padded to a multiple of 2 * world size
 
@@ -246,4 +246,5 @@ def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     phase, category = timeline["phase"], timeline["category"]
     own = ((phase == Phase.OPTIMIZER.value) | ((phase == Phase.BACKWARD.value) &
                                                (category == Category.GRADIENT.value))).to_numpy()
+    own = own_runs(rows, own)  # the same runs for every rank
     return LazyRanks(layout.world_size, lambda rank: _Rank(timeline, rows, layout, setup, rank, own).run())

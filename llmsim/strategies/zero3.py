@@ -39,7 +39,7 @@ from llmsim.enums import Category, Device, Phase, Precision
 from llmsim.step import ROOT_MODULE
 from llmsim.strategies.events import trainable_names
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, construct_optimizer, optimizer_of,
-                                           parameters, rows_of, step_optimizer, walk_phases)
+                                           own_runs, parameters, rows_of, step_optimizer, walk_phases)
 from llmsim.tracker import BACKWARD_POST, BACKWARD_PRE, FORWARD_POST, FORWARD_PRE, GRAD_READY, TIED
 
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = "not_available", "inflight", "available"  # ZeroParamStatus
@@ -409,7 +409,7 @@ class _Rank:
         own = ((t["serial"] < 0) | (phase == Phase.OPTIMIZER.value)  # markers; the client optimizer's rows
                | ((category == Category.PARAMETER.value) & (phase == Phase.BUILD.value))
                | ((category == Category.GRADIENT.value) & (phase == Phase.BACKWARD.value))).to_numpy()
-        walk_phases(self.rows, self._row, self._leave, self.w, own)
+        walk_phases(self.rows, self._row, self._leave, self.w, own_runs(self.rows, own))
         return self.w.frame(t)
 
     def _row(self, row: tuple) -> None:

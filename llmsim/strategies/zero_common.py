@@ -154,23 +154,22 @@ def construct_optimizer(w: EventWriter, kind: str) -> None:
         w.alloc(FUSED_ADAM_OVERFLOW_BUF_BYTES, Category.OPTIMIZER_STATE)
 
 
-def walk_phases(rows: list[tuple], handle, leave, writer: EventWriter | None = None, own=None) -> None:
+def walk_phases(rows: list[tuple], handle, leave, writer: EventWriter | None = None,
+                runs: list[tuple[int, int, bool]] | None = None) -> None:
     """Call `handle(row)` for every row and `leave(step, phase)` when a (step, phase) ends: where a strategy
     adds what happens at the end of the build, of each backward and of each optimizer step.
-    With `own` (a boolean per row: the rows `handle` acts on), every other row is copied by `writer` in runs,
-    exactly as `handle` would have kept it one by one."""
-    if own is None:
-        runs = ((i, i + 1) for i in range(len(rows)))
-    else:
-        runs = _runs(rows, own)
+    With `runs` (`own_runs`: the rows `handle` acts on, one by one, and runs of the others), every other row is
+    copied by `writer` in runs, exactly as `handle` would have kept it one by one."""
+    if runs is None:
+        runs = [(i, i + 1, True) for i in range(len(rows))]
     previous = None
-    for start, stop in runs:
+    for start, stop, own in runs:
         row = rows[start]
         key = (row[0], row[1])
         if previous is not None and key != previous:
             leave(*previous)
         previous = key
-        if own is None or own[start]:
+        if own:
             handle(row)
         else:
             writer.keep_run(rows, start, stop)
@@ -178,8 +177,9 @@ def walk_phases(rows: list[tuple], handle, leave, writer: EventWriter | None = N
         leave(*previous)
 
 
-def _runs(rows: list[tuple], own) -> list[tuple[int, int]]:
-    """[start, stop) runs that are a single `own` row or rows none of which is `own`, all in one (step, phase)."""
+def own_runs(rows: list[tuple], own) -> list[tuple[int, int, bool]]:
+    """[start, stop) runs of `rows`, each a single row a strategy acts on (`own`, a boolean per row) or rows
+    none of which is, all in one (step, phase); computed once for all of a strategy's ranks."""
     n = len(rows)
     if n == 0:
         return []
@@ -192,7 +192,7 @@ def _runs(rows: list[tuple], own) -> list[tuple[int, int]]:
     cut[:n] |= own
     cut[1:] |= own
     edges = np.flatnonzero(cut).tolist()
-    return list(zip(edges[:-1], edges[1:]))
+    return [(start, stop, bool(own[start])) for start, stop in zip(edges[:-1], edges[1:])]
 
 
 def rows_of(timeline: pd.DataFrame) -> list[tuple]:
