@@ -18,6 +18,10 @@ data/measurements/tier2_zero3_heldout_cpu.csv: measured once the model was writt
 
 `--lora` runs LORA_RUNS (peft LoRA on a frozen base under DDP and DeepSpeed ZeRO-3: get_peft_model after the
 build, which under ZeRO-3 is zero.Init, then deepspeed.initialize) into data/measurements/tier2_lora_cpu.csv.
+
+`--lora-zero12` runs LORA_ZERO12_RUNS (peft LoRA under DeepSpeed ZeRO-1 and ZeRO-2: get_peft_model on the built
+model, then deepspeed.initialize, which casts every parameter to bf16 and flattens the adapters alone) into
+data/measurements/tier2_lora_zero12_cpu.csv.
 """
 from __future__ import annotations
 
@@ -180,6 +184,27 @@ LORA_RUNS = [
      {"stage": 3, "reduce_bucket_size": 40000, "stage3_prefetch_bucket_size": 20000}, None, (8, None)),
 ]
   # indices into ZERO3_RUNS measured a second time with the same config
+LORA_ZERO12_CSV = MEASUREMENTS_DIR / "tier2_lora_zero12_cpu.csv"
+# LoRA under DeepSpeed ZeRO-1/2, client AdamW: the adapters alone flattened and partitioned. Reduce buckets of a
+# few thousand elements (the adapters are 1-4k elements each), so that buckets flush several times a backward
+# and some adapters bypass the bucket (larger than it). Same tuple as LORA_RUNS.
+LORA_ZERO12_RUNS = [
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 3000}, None,
+     (8, None)),
+    ("llama-2-7b", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 1, "reduce_bucket_size": 1000}, None,
+     (8, None)),
+    ("gpt2", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 5000}, None, (4, None)),
+    ("gpt2", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 1, "reduce_bucket_size": 3000}, None, (4, None)),
+    ("qwen2.5-0.5b", 2, "bf16", True, 1, 2, 64, "deepspeed",
+     {"stage": 2, "reduce_bucket_size": 4000, "overlap_comm": True}, None,
+     (8, ("q_proj", "k_proj", "v_proj", "o_proj"))),
+    ("mistral-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 1, "reduce_bucket_size": 6000}, None,
+     (16, ("gate_proj", "up_proj", "down_proj"))),
+    ("opt-125m", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 2000}, None,
+     (8, None)),
+    ("qwen2.5-0.5b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 1, "reduce_bucket_size": 5000}, None,
+     (8, None)),
+]
 
 
 def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
@@ -224,11 +249,14 @@ def main() -> int:
     parser.add_argument("--ds-optimizer", action="store_true",
                         help=f"run DS_OPTIMIZER_RUNS (a DeepSpeed \"optimizer\" section) into {DS_OPTIMIZER_CSV}")
     parser.add_argument("--lora", action="store_true", help=f"run LORA_RUNS (LoRA under DDP, ZeRO-3) into {LORA_CSV}")
+    parser.add_argument("--lora-zero12", action="store_true",
+                        help=f"run LORA_ZERO12_RUNS (LoRA under ZeRO-1/2) into {LORA_ZERO12_CSV}")
     parser.add_argument("--zero3-heldout", action="store_true", help=f"run ZERO3_HELDOUT into {ZERO3_HELDOUT_CSV}")
     parser.add_argument("--zero3", action="store_true",
                         help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")
     args = parser.parse_args()
     runs, default_out = ((LORA_RUNS, LORA_CSV) if args.lora
+                         else (LORA_ZERO12_RUNS, LORA_ZERO12_CSV) if args.lora_zero12
                          else (DS_OPTIMIZER_RUNS, DS_OPTIMIZER_CSV) if args.ds_optimizer
                          else (ZERO3_HELDOUT, ZERO3_HELDOUT_CSV) if args.zero3_heldout
                          else (ZERO3_RUNS, ZERO3_CSV) if args.zero3 else (RUNS, TIER2_CSV))

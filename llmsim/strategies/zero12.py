@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from llmsim.enums import Category, Phase, Precision
-from llmsim.strategies.events import LazyRanks
+from llmsim.strategies.events import LazyRanks, live_at_end_of_build, trainable_names
 from llmsim.tracker import GRAD_READY
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, construct_optimizer,
                                            optimizer_of, param_storages, parameters, rows_of, step_optimizer,
@@ -93,7 +93,7 @@ class _Rank:
         self.zero = layout.deepspeed.zero()
         self.stage = layout.deepspeed.stage
         self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
-        self.part = Partitioning.of(parameters(timeline, self.elem), layout.world_size)
+        self.part = Partitioning.of(_trainable(parameters(timeline, self.elem), timeline, setup), layout.world_size)
         self.numel = {p.name: p.numel for p in self.part.params}
         self.mine = self.part.slices(rank)
         self.gip_bytes = sum(self.numel[name] for name in self.mine) * self.elem
@@ -104,13 +104,17 @@ class _Rank:
         self.own = own  # the rows `_row` acts on: the client optimizer's and the backward's gradients
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
         self.bw = _Backward()
+        trainable = set(self.numel)
+        live = live_at_end_of_build(timeline, Category.PARAMETER)
+        self.trainable_serials = {int(serial) for serial, name in live["name"].items() if name in trainable}
 
     # ---- initialize --------------------------------------------------------------------------------
     def initialize(self) -> None:
         construct_optimizer(self.w, self.optimizer)
         flat = self.w.alloc(self.part.flat_numel * self.elem, Category.PARAMETER)
         for serial, nbytes in param_storages(self.timeline):
-            self.w.free(serial, nbytes, Category.PARAMETER)
+            if serial in self.trainable_serials:
+                self.w.free(serial, nbytes, Category.PARAMETER)
         self.flat = flat
         p32 = self.part.partition_numel * FP32_BYTES
         if self.elem != FP32_BYTES:
@@ -239,6 +243,16 @@ class _Rank:
             self.end_backward()
         elif phase == Phase.OPTIMIZER.value:
             self.step(first=step == 0)
+
+
+def _trainable(params: list[Param], timeline: pd.DataFrame, setup) -> list[Param]:
+    """The parameters DeepSpeed flattens and partitions: those the optimizer owns (`is_optimized_parameter`:
+    requires_grad). With LoRA the frozen base keeps its own storage, outside the flat buffer, with no gradient
+    hook, bucket slot, master weights or optimizer state; the adapters are flattened alone."""
+    if not setup.lora_rank:
+        return params
+    names = trainable_names(timeline)
+    return [p for p in params if p.name in names]
 
 
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
