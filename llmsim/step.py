@@ -399,7 +399,8 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
         install_loss(base, setup)
         if uses_peft(setup):
             model = add_peft(model, setup)
-            if setup.cast_after_peft:
+            if setup.cast_after_peft:  # the fp32 adapters named (their layer known) before the cast frees them
+                hooks.label_model()
                 cast_parameters(model, setup.precision.cast_dtype)
             hooks.adopt_new_parameters()
         if setup.grad_ckpt:
