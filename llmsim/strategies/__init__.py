@@ -77,9 +77,8 @@ def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.Da
 # Where LoRA's frozen base is modelled (measured in data/measurements/tier2_lora_cpu.csv): DDP buckets only the
 # trainable gradients; ZeRO-3 partitions the frozen parameters and gathers them like any other, but gives them no
 # gradient, no fp32 master and no optimizer state. ZeRO-1/2 (tier2_lora_zero12_cpu.csv) flatten and partition the
-# adapters alone and leave the frozen base where it is, with the client AdamW in fp32 or bf16 only.
+# adapters alone and leave the frozen base where it is (measured with the client AdamW, fp32 and bf16).
 LORA_DEEPSPEED_STAGES = (1, 2, 3)
-LORA_ZERO12_PRECISIONS = ("fp32", "bf16")
 
 
 def traced_setup(setup, layout: Layout):
@@ -128,14 +127,10 @@ def _check_lora(setup, layout: Layout) -> None:
                          "not modelled yet; modelled with QLoRA: single")
     if layout.strategy is Strategy.DEEPSPEED and layout.deepspeed.stage not in LORA_DEEPSPEED_STAGES:
         raise InputError(f"LoRA with DeepSpeed ZeRO stage {layout.deepspeed.stage} is not modelled yet; {modelled}")
-    if layout.strategy is Strategy.DEEPSPEED and layout.deepspeed.stage in (1, 2):
-        if setup.precision.value not in LORA_ZERO12_PRECISIONS:
-            raise InputError(f"LoRA with DeepSpeed ZeRO-{layout.deepspeed.stage} and precision "
-                             f"{setup.precision.value} is not modelled yet; modelled: "
-                             f"{', '.join(LORA_ZERO12_PRECISIONS)}")
-        if layout.deepspeed.optimizer_kind != "client":
-            raise InputError(f"LoRA with DeepSpeed ZeRO-{layout.deepspeed.stage} and a DeepSpeed \"optimizer\" "
-                             "section is not modelled yet; modelled: the client torch.optim.AdamW")
+    if (layout.strategy is Strategy.DEEPSPEED and layout.deepspeed.stage in (1, 2)
+            and layout.deepspeed.optimizer_kind != "client"):
+        raise InputError(f"LoRA with DeepSpeed ZeRO-{layout.deepspeed.stage} and a DeepSpeed \"optimizer\" "
+                         "section is not modelled yet; modelled: the client torch.optim.AdamW")
 
 
 def _check_optimizer(plan):
