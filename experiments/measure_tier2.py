@@ -187,7 +187,8 @@ LORA_RUNS = [
 LORA_ZERO12_CSV = MEASUREMENTS_DIR / "tier2_lora_zero12_cpu.csv"
 # LoRA under DeepSpeed ZeRO-1/2, client AdamW: the adapters alone flattened and partitioned. Reduce buckets of a
 # few thousand elements (the adapters are 1-4k elements each), so that buckets flush several times a backward
-# and some adapters bypass the bucket (larger than it). Same tuple as LORA_RUNS.
+# and some adapters bypass the bucket (larger than it). Same tuple as LORA_RUNS, then optionally a dict of further
+# TrainSetup fields.
 LORA_ZERO12_RUNS = [
     ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 3000}, None,
      (8, None)),
@@ -204,6 +205,12 @@ LORA_ZERO12_RUNS = [
      (8, None)),
     ("qwen2.5-0.5b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 1, "reduce_bucket_size": 5000}, None,
      (8, None)),
+    # built in bf16 (from_pretrained(dtype=bfloat16)): peft's adapters are fp32 until DeepSpeed casts them
+    ("pythia-160m", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 3000}, None,
+     (8, None), {"build_bf16": True}),
+    ("llama-2-7b", 2, "bf16", False, 1, 2, 64, "deepspeed",
+     {"stage": 1, "reduce_bucket_size": 2000, "overlap_comm": True}, None,
+     (8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")), {"build_bf16": True}),
 ]
 
 
@@ -214,10 +221,11 @@ def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
         model, world, precision, ckpt, every, mb, seq, strategy, zero = run[:9]
         optimizer = run[9] if len(run) > 9 else None
         lora_rank, lora_targets = run[10] if len(run) > 10 else (0, None)
+        extra = run[11] if len(run) > 11 else {}  # further TrainSetup fields (build_bf16)
         spec = load_model_spec(model, shrink(model, *SHAPES[model]))
         attention = Attention.EAGER if model.startswith("bloom") else None
         setup = TrainSetup(mb, seq, Precision(precision), attention, ckpt, every, lora_rank=lora_rank,
-                           lora_targets=lora_targets)
+                           lora_targets=lora_targets, **extra)
         deepspeed = None
         if zero is not None:
             config = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": 1,

@@ -101,9 +101,10 @@ class _Rank:
         self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
         self.timeline = timeline
         self.rows = rows
-        self.own = own  # the rows `_row` acts on: the client optimizer's and the backward's gradients
+        self.own = own  # the rows `_row` acts on: the client optimizer's, the backward's gradients, the batch
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
         self.bw = _Backward()
+        self.initialized = False
         trainable = set(self.numel)
         live = live_at_end_of_build(timeline, Category.PARAMETER)
         self.trainable_serials = {int(serial) for serial, name in live["name"].items() if name in trainable}
@@ -125,6 +126,11 @@ class _Rank:
             self.master = self.w.alloc(p32, Category.MASTER_WEIGHTS)
         zeros = self.w.alloc(p32, Category.TEMPORARY)
         self.w.free(zeros, p32, Category.TEMPORARY)
+
+    def _initialize_once(self) -> None:
+        if not self.initialized:
+            self.initialized = True
+            self.initialize()
 
     # ---- backward ----------------------------------------------------------------------------------
     def on_gradient(self, name: str) -> None:
@@ -219,6 +225,11 @@ class _Rank:
     def _row(self, row: tuple) -> None:
         if row[1] == Phase.OPTIMIZER.value:
             return  # DeepSpeed's step replaces the client optimizer's
+        if row[1] == Phase.BUILD.value and row[6] == Category.INPUT.value:
+            self.w.step, self.w.phase = row[0], row[1]
+            self._initialize_once()  # the batch is made after deepspeed.initialize returns
+            self.w.keep(row)
+            return
         if row[6] == Category.GRADIENT.value and row[1] == Phase.BACKWARD.value:
             self._gradient_row(row)
         else:
@@ -238,7 +249,7 @@ class _Rank:
     def _leave(self, step: int, phase: str) -> None:
         self.w.step, self.w.phase = step, phase
         if phase == Phase.BUILD.value:
-            self.initialize()
+            self._initialize_once()
         elif phase == Phase.BACKWARD.value:
             self.end_backward()
         elif phase == Phase.OPTIMIZER.value:
@@ -258,6 +269,7 @@ def _trainable(params: list[Param], timeline: pd.DataFrame, setup) -> list[Param
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     rows = rows_of(timeline)
     phase, category = timeline["phase"], timeline["category"]
-    own = ((phase == Phase.OPTIMIZER.value) | ((phase == Phase.BACKWARD.value) &
-                                               (category == Category.GRADIENT.value))).to_numpy()
+    own = ((phase == Phase.OPTIMIZER.value)
+           | ((phase == Phase.BACKWARD.value) & (category == Category.GRADIENT.value))
+           | ((phase == Phase.BUILD.value) & (category == Category.INPUT.value))).to_numpy()
     return LazyRanks(layout.world_size, lambda rank: _Rank(timeline, rows, layout, setup, rank, own).run())
