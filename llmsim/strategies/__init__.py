@@ -92,7 +92,7 @@ def traced_setup(setup, layout: Layout):
 
 def check_supported(setup, layout: Layout) -> None:
     """Before any trace: gradient accumulation and checkpoint offload are modelled for one process, LoRA for one
-    process, DDP and ZeRO-3; DDP's no_sync, DeepSpeed's accumulation boundaries and a pipeline's own micro-batches
+    process, DDP and ZeRO-1/2/3; DDP's no_sync, DeepSpeed's accumulation boundaries and a pipeline's own micro-batches
     are not."""
     if setup.lora_rank:
         _check_lora(setup, layout)

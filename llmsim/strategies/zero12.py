@@ -17,6 +17,11 @@ Per rank, on top of the single-process forward and backward:
   (P elements, then converted to fp32 in bf16), `grads_in_partition` is freed, AdamW updates the flat fp32
   partition (single-tensor path on CPU: states 2 * P fp32 at the first step, `sqrt` and `denom` temporaries of
   P fp32 each), the fp32 gradient is freed and the parameters are all-gathered in place into the flat buffer.
+The batch is made after `deepspeed.initialize` returns, so initialize's events go before the build's input row.
+With LoRA the optimizer's groups keep only the parameters that require grad (`is_optimized_parameter`): the
+adapters alone are flattened, partitioned, bucketed and stepped; the frozen base keeps its own storage. The engine
+casts every parameter, the adapters too, to bf16 after get_peft_model (`_cast_module_mixed_precision`; the trace
+runs that cast, TrainSetup.cast_after_peft).
 """
 from __future__ import annotations
 
