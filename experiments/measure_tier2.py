@@ -22,6 +22,10 @@ modules_to_save and trainable tokens) into data/measurements/tier2_levers_ddp_cp
 
 `--lora` runs LORA_RUNS (peft LoRA on a frozen base under DDP and DeepSpeed ZeRO-3: get_peft_model after the
 build, which under ZeRO-3 is zero.Init, then deepspeed.initialize) into data/measurements/tier2_lora_cpu.csv.
+
+`--lora-zero12` runs LORA_ZERO12_RUNS (peft LoRA under DeepSpeed ZeRO-1 and ZeRO-2: get_peft_model on the built
+model, then deepspeed.initialize, which casts every parameter to bf16 and flattens the adapters alone) into
+data/measurements/tier2_lora_zero12_cpu.csv.
 """
 from __future__ import annotations
 
@@ -183,7 +187,6 @@ LORA_RUNS = [
     ("opt-125m", 2, "bf16", True, 1, 2, 64, "deepspeed",
      {"stage": 3, "reduce_bucket_size": 40000, "stage3_prefetch_bucket_size": 20000}, None, (8, None)),
 ]
-  # indices into ZERO3_RUNS measured a second time with the same config
 LEVERS_DDP_CSV = MEASUREMENTS_DIR / "tier2_levers_ddp_cpu.csv"
 # Issue 5's levers under torch DDP, alone and combined: same tuple as LORA_RUNS, then the other TrainSetup fields.
 NO_LORA = (0, None)
@@ -212,6 +215,35 @@ LEVERS_DDP_RUNS = [
      {"lora_modules_to_save": ("lm_head",), "loss": Loss.CHUNKED_NLL, "grad_accum": 2}),
     ("qwen2.5-0.5b", 2, "fp32", True, 2, 2, 64, "ddp", None, None, (4, QV),
      {"trainable_tokens": (1, 2, 3), "ckpt_offload": True, "optimizer": Optimizer.HF_ADAFACTOR, "grad_accum": 2}),
+]
+
+LORA_ZERO12_CSV = MEASUREMENTS_DIR / "tier2_lora_zero12_cpu.csv"
+# LoRA under DeepSpeed ZeRO-1/2, client AdamW: the adapters alone flattened and partitioned. Reduce buckets of a
+# few thousand elements (the adapters are 1-4k elements each), so that buckets flush several times a backward
+# and some adapters bypass the bucket (larger than it). Same tuple as LORA_RUNS, then optionally a dict of further
+# TrainSetup fields.
+LORA_ZERO12_RUNS = [
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 3000}, None,
+     (8, None)),
+    ("llama-2-7b", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 1, "reduce_bucket_size": 1000}, None,
+     (8, None)),
+    ("gpt2", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 5000}, None, (4, None)),
+    ("gpt2", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 1, "reduce_bucket_size": 3000}, None, (4, None)),
+    ("qwen2.5-0.5b", 2, "bf16", True, 1, 2, 64, "deepspeed",
+     {"stage": 2, "reduce_bucket_size": 4000, "overlap_comm": True}, None,
+     (8, ("q_proj", "k_proj", "v_proj", "o_proj"))),
+    ("mistral-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 1, "reduce_bucket_size": 6000}, None,
+     (16, ("gate_proj", "up_proj", "down_proj"))),
+    ("opt-125m", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 2000}, None,
+     (8, None)),
+    ("qwen2.5-0.5b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 1, "reduce_bucket_size": 5000}, None,
+     (8, None)),
+    # built in bf16 (from_pretrained(dtype=bfloat16)): peft's adapters are fp32 until DeepSpeed casts them
+    ("pythia-160m", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 3000}, None,
+     (8, None), {"build_bf16": True}),
+    ("llama-2-7b", 2, "bf16", False, 1, 2, 64, "deepspeed",
+     {"stage": 1, "reduce_bucket_size": 2000, "overlap_comm": True}, None,
+     (8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")), {"build_bf16": True}),
 ]
 
 
@@ -260,12 +292,15 @@ def main() -> int:
     parser.add_argument("--lora", action="store_true", help=f"run LORA_RUNS (LoRA under DDP, ZeRO-3) into {LORA_CSV}")
     parser.add_argument("--levers-ddp", action="store_true",
                         help=f"run LEVERS_DDP_RUNS (issue 5's levers under DDP) into {LEVERS_DDP_CSV}")
+    parser.add_argument("--lora-zero12", action="store_true",
+                        help=f"run LORA_ZERO12_RUNS (LoRA under ZeRO-1/2) into {LORA_ZERO12_CSV}")
     parser.add_argument("--zero3-heldout", action="store_true", help=f"run ZERO3_HELDOUT into {ZERO3_HELDOUT_CSV}")
     parser.add_argument("--zero3", action="store_true",
                         help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")
     args = parser.parse_args()
     runs, default_out = ((LORA_RUNS, LORA_CSV) if args.lora
                          else (LEVERS_DDP_RUNS, LEVERS_DDP_CSV) if args.levers_ddp
+                         else (LORA_ZERO12_RUNS, LORA_ZERO12_CSV) if args.lora_zero12
                          else (DS_OPTIMIZER_RUNS, DS_OPTIMIZER_CSV) if args.ds_optimizer
                          else (ZERO3_HELDOUT, ZERO3_HELDOUT_CSV) if args.zero3_heldout
                          else (ZERO3_RUNS, ZERO3_CSV) if args.zero3 else (RUNS, TIER2_CSV))

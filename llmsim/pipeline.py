@@ -17,7 +17,7 @@ from llmsim.offload import host_peak_bytes, split_host
 from llmsim.losses import check_loss
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
-from llmsim.strategies import STRATEGIES, Layout, Strategy, check_supported
+from llmsim.strategies import STRATEGIES, Layout, Strategy, check_supported, traced_setup
 from llmsim.strategies.events import LazyRanks
 from llmsim.pipelining import check_pipeline
 from llmsim.quantized import check_quantized
@@ -104,6 +104,7 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     check_loss(model, setup)
     if layout.deepspeed is not None and layout.deepspeed.stage == 3:
         setup = replace(setup, zero3_hooks=True)
+    setup = traced_setup(setup, layout)
     if layout.tp > 1:
         check_tensor_parallel(model.hf_config(), layout.tp)
         setup = replace(setup, tp=layout.tp)

@@ -70,6 +70,10 @@ class TrainSetup:
     # Vocabulary rows trained alone (peft's TrainableTokensLayer on the input embedding): through LoraConfig's
     # `trainable_token_indices` with a LoRA rank, else peft's own TrainableTokensConfig(token_indices=...)
     trainable_tokens: tuple[int, ...] | None = None
+    # DeepSpeed's engine (no zero.Init) casts the parameters after get_peft_model instead of the canonical cast
+    # before it: every parameter, the adapters included, to the precision's dtype, the buffers left as built
+    # (deepspeed/runtime/engine.py, `_cast_module_mixed_precision`); set for LoRA under ZeRO-1/2 (llmsim.strategies)
+    cast_after_peft: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):

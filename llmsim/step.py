@@ -348,11 +348,26 @@ def _build_for_training(build: Callable[[], nn.Module], setup: TrainSetup, track
     """The opening of both canonical steps: build, hook the layers, cast (bf16/fp16 precision), train mode."""
     model = build()
     hooks = LayerHooks(tracker, model, expected_blocks)
-    if setup.precision.cast_dtype is not None:
+    if setup.precision.cast_dtype is not None and not setup.cast_after_peft:
         model.to(setup.precision.cast_dtype)
         hooks.label_model()
     model.train()
     return model, hooks
+
+
+CASTABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # deepspeed/runtime/engine.py
+
+
+def cast_parameters(model: nn.Module, dtype) -> None:
+    """DeepSpeed's `_cast_module_mixed_precision` on a model not built in zero.Init: `p.data = p.data.to(dtype)`
+    for every floating parameter in `model.parameters()` order (each old storage freed at once), buffers left
+    alone (no `buffer_dtype` in the config). With LoRA it runs after get_peft_model, so peft's fp32 adapters
+    become bf16 too."""
+    if dtype is None:
+        return
+    for p in model.parameters():
+        if p.dtype in CASTABLE_DTYPES and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def _device_type(model: nn.Module) -> str:
@@ -384,6 +399,9 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
         install_loss(base, setup)
         if uses_peft(setup):
             model = add_peft(model, setup)
+            if setup.cast_after_peft:  # the fp32 adapters named (their layer known) before the cast frees them
+                hooks.label_model()
+                cast_parameters(model, setup.precision.cast_dtype)
             hooks.adopt_new_parameters()
         if setup.grad_ckpt:
             base.activation_checkpointing_enable(every_n_layers=setup.ckpt_every, offload=setup.ckpt_offload)

@@ -5,7 +5,7 @@ timeline per rank. Adding a strategy is one new file plus one line in STRATEGIES
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Callable
 
@@ -76,8 +76,18 @@ def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.Da
 
 # Where LoRA's frozen base is modelled (measured in data/measurements/tier2_lora_cpu.csv): DDP buckets only the
 # trainable gradients; ZeRO-3 partitions the frozen parameters and gathers them like any other, but gives them no
-# gradient, no fp32 master and no optimizer state.
-LORA_DEEPSPEED_STAGES = (3,)
+# gradient, no fp32 master and no optimizer state. ZeRO-1/2 (tier2_lora_zero12_cpu.csv) flatten and partition the
+# adapters alone and leave the frozen base where it is (measured with the client AdamW, fp32 and bf16).
+LORA_DEEPSPEED_STAGES = (1, 2, 3)
+
+
+def traced_setup(setup, layout: Layout):
+    """The setup the single-process trace runs for `layout`: under ZeRO-1/2 DeepSpeed's engine casts the model
+    after get_peft_model (adapters included), not before it as the canonical step does."""
+    if (setup.lora_rank and layout.deepspeed is not None and layout.deepspeed.stage in (1, 2)
+            and setup.precision.cast_dtype is not None):
+        return replace(setup, cast_after_peft=True)
+    return setup
 
 
 def _levers_modelled(layout: Layout) -> bool:
@@ -93,7 +103,7 @@ LEVERS_MODELLED = "modelled: single and ddp (tp = pp = 1)"
 
 def check_supported(setup, layout: Layout) -> None:
     """Before any trace: gradient accumulation, checkpoint offload, the loss levers and peft's extras are modelled
-    for one process and DDP, LoRA for one process, DDP and ZeRO-3; DeepSpeed's accumulation boundaries and a
+    for one process and DDP, LoRA for one process, DDP and ZeRO-1/2/3; DeepSpeed's accumulation boundaries and a
     pipeline's own micro-batches are not."""
     if setup.lora_rank:
         _check_lora(setup, layout)
@@ -124,6 +134,10 @@ def _check_lora(setup, layout: Layout) -> None:
                          "not modelled yet; modelled with QLoRA: single")
     if layout.strategy is Strategy.DEEPSPEED and layout.deepspeed.stage not in LORA_DEEPSPEED_STAGES:
         raise InputError(f"LoRA with DeepSpeed ZeRO stage {layout.deepspeed.stage} is not modelled yet; {modelled}")
+    if (layout.strategy is Strategy.DEEPSPEED and layout.deepspeed.stage in (1, 2)
+            and layout.deepspeed.optimizer_kind != "client"):
+        raise InputError(f"LoRA with DeepSpeed ZeRO-{layout.deepspeed.stage} and a DeepSpeed \"optimizer\" "
+                         "section is not modelled yet; modelled: the client torch.optim.AdamW")
 
 
 def _check_optimizer(plan):

@@ -17,6 +17,11 @@ Per rank, on top of the single-process forward and backward:
   (P elements, then converted to fp32 in bf16), `grads_in_partition` is freed, AdamW updates the flat fp32
   partition (single-tensor path on CPU: states 2 * P fp32 at the first step, `sqrt` and `denom` temporaries of
   P fp32 each), the fp32 gradient is freed and the parameters are all-gathered in place into the flat buffer.
+The batch is made after `deepspeed.initialize` returns, so initialize's events go before the build's input row.
+With LoRA the optimizer's groups keep only the parameters that require grad (`is_optimized_parameter`): the
+adapters alone are flattened, partitioned, bucketed and stepped; the frozen base keeps its own storage. The engine
+casts every parameter, the adapters too, to bf16 after get_peft_model (`_cast_module_mixed_precision`; the trace
+runs that cast, TrainSetup.cast_after_peft).
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from llmsim.enums import Category, Phase, Precision
-from llmsim.strategies.events import LazyRanks
+from llmsim.strategies.events import LazyRanks, live_at_end_of_build, trainable_names
 from llmsim.tracker import GRAD_READY
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, construct_optimizer,
                                            optimizer_of, param_storages, parameters, rows_of, step_optimizer,
@@ -93,7 +98,7 @@ class _Rank:
         self.zero = layout.deepspeed.zero()
         self.stage = layout.deepspeed.stage
         self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
-        self.part = Partitioning.of(parameters(timeline, self.elem), layout.world_size)
+        self.part = Partitioning.of(_trainable(parameters(timeline, self.elem), timeline, setup), layout.world_size)
         self.numel = {p.name: p.numel for p in self.part.params}
         self.mine = self.part.slices(rank)
         self.gip_bytes = sum(self.numel[name] for name in self.mine) * self.elem
@@ -101,16 +106,21 @@ class _Rank:
         self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
         self.timeline = timeline
         self.rows = rows
-        self.own = own  # the rows `_row` acts on: the client optimizer's and the backward's gradients
+        self.own = own  # the rows `_row` acts on: the client optimizer's, the backward's gradients, the batch
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
         self.bw = _Backward()
+        self.initialized = False
+        trainable = set(self.numel)
+        live = live_at_end_of_build(timeline, Category.PARAMETER)
+        self.trainable_serials = {int(serial) for serial, name in live["name"].items() if name in trainable}
 
     # ---- initialize --------------------------------------------------------------------------------
     def initialize(self) -> None:
         construct_optimizer(self.w, self.optimizer)
         flat = self.w.alloc(self.part.flat_numel * self.elem, Category.PARAMETER)
         for serial, nbytes in param_storages(self.timeline):
-            self.w.free(serial, nbytes, Category.PARAMETER)
+            if serial in self.trainable_serials:
+                self.w.free(serial, nbytes, Category.PARAMETER)
         self.flat = flat
         p32 = self.part.partition_numel * FP32_BYTES
         if self.elem != FP32_BYTES:
@@ -121,6 +131,11 @@ class _Rank:
             self.master = self.w.alloc(p32, Category.MASTER_WEIGHTS)
         zeros = self.w.alloc(p32, Category.TEMPORARY)
         self.w.free(zeros, p32, Category.TEMPORARY)
+
+    def _initialize_once(self) -> None:
+        if not self.initialized:
+            self.initialized = True
+            self.initialize()
 
     # ---- backward ----------------------------------------------------------------------------------
     def on_gradient(self, name: str) -> None:
@@ -215,6 +230,11 @@ class _Rank:
     def _row(self, row: tuple) -> None:
         if row[1] == Phase.OPTIMIZER.value:
             return  # DeepSpeed's step replaces the client optimizer's
+        if row[1] == Phase.BUILD.value and row[6] == Category.INPUT.value:
+            self.w.step, self.w.phase = row[0], row[1]
+            self._initialize_once()  # the batch is made after deepspeed.initialize returns
+            self.w.keep(row)
+            return
         if row[6] == Category.GRADIENT.value and row[1] == Phase.BACKWARD.value:
             self._gradient_row(row)
         else:
@@ -234,17 +254,28 @@ class _Rank:
     def _leave(self, step: int, phase: str) -> None:
         self.w.step, self.w.phase = step, phase
         if phase == Phase.BUILD.value:
-            self.initialize()
+            self._initialize_once()
         elif phase == Phase.BACKWARD.value:
             self.end_backward()
         elif phase == Phase.OPTIMIZER.value:
             self.step(first=step == 0)
 
 
+def _trainable(params: list[Param], timeline: pd.DataFrame, setup) -> list[Param]:
+    """The parameters DeepSpeed flattens and partitions: those the optimizer owns (`is_optimized_parameter`:
+    requires_grad). With LoRA the frozen base keeps its own storage, outside the flat buffer, with no gradient
+    hook, bucket slot, master weights or optimizer state; the adapters are flattened alone."""
+    if not setup.lora_rank:
+        return params
+    names = trainable_names(timeline)
+    return [p for p in params if p.name in names]
+
+
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     rows = rows_of(timeline)
     phase, category = timeline["phase"], timeline["category"]
-    own = ((phase == Phase.OPTIMIZER.value) | ((phase == Phase.BACKWARD.value) &
-                                               (category == Category.GRADIENT.value))).to_numpy()
+    own = ((phase == Phase.OPTIMIZER.value)
+           | ((phase == Phase.BACKWARD.value) & (category == Category.GRADIENT.value))
+           | ((phase == Phase.BUILD.value) & (category == Category.INPUT.value))).to_numpy()
     own = own_runs(rows, own)  # the same runs for every rank
     return LazyRanks(layout.world_size, lambda rank: _Rank(timeline, rows, layout, setup, rank, own).run())
