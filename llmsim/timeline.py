@@ -218,13 +218,20 @@ def _spare_copy_owner(live: dict, spare: set[int], nbytes: int, backward: bool) 
 
 
 def _renumber(modules: np.ndarray, blocks: np.ndarray, shift: np.ndarray, prefix: str) -> list[str]:
-    """Rewrite `prefix.<b>` in module names to the layer each event now stands for."""
-    names = list(modules)
-    if not prefix:
-        return names
-    for i in np.flatnonzero(shift):
-        old = f"{prefix}.{blocks[i]}"
-        name = names[i]
-        if name == old or name.startswith(old + "."):
-            names[i] = f"{prefix}.{blocks[i] + shift[i]}{name[len(old):]}"
-    return names
+    """Rewrite `prefix.<b>` in module names to the layer each event now stands for (once per distinct name,
+    layer and shift: the full depth repeats a few thousand of them over its events)."""
+    names = np.asarray(modules, dtype=object).copy()
+    rows = np.flatnonzero(shift)
+    if not prefix or not len(rows):
+        return list(names)
+    codes, uniques = pd.factorize(names[rows])
+    rows, codes = rows[codes >= 0], codes[codes >= 0]  # no module name: nothing to rewrite
+    key = np.stack([codes, blocks[rows].astype(np.int64), shift[rows].astype(np.int64)], axis=1)
+    distinct, inverse = np.unique(key, axis=0, return_inverse=True)
+    rewritten = []
+    for code, block, step in distinct.tolist():
+        name, old = uniques[code], f"{prefix}.{block}"
+        rewritten.append(f"{prefix}.{block + step}{name[len(old):]}"
+                         if name == old or name.startswith(old + ".") else name)
+    names[rows] = np.asarray(rewritten, dtype=object)[inverse.ravel()]
+    return list(names)
