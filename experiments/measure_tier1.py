@@ -240,6 +240,29 @@ def fp16_matrix():
         yield model, shapes[model], TrainSetup(mb, seq, Precision(precision), Attention(attn), ckpt)
 
 
+# The optimizers' foreach path (torch's default for CUDA parameters, and so for every --gpu prediction): one list
+# over all parameters, the embedding's, the final norm's and the LM head's among the layers'. Deeper than the
+# trace, so the expansion replicates the layers' foreach temporaries; the peak falls in the optimizer step in fp32.
+# (zoo model, (hidden, layers, vocab, heads), micro_batch, seq_len, precision, grad_ckpt, optimizer)
+FOREACH_CSV = TIER1_CSV.parent / "tier1_foreach_cpu.csv"
+FOREACH_RUNS = [
+    ("llama-2-7b", (128, 6, 2000, 4), 2, 64, "fp32", False, "adamw"),
+    ("llama-2-7b", (128, 4, 2000, 4), 2, 64, "bf16-autocast", True, "adamw"),
+    ("mistral-7b", (128, 5, 1536, 8), 1, 128, "fp32", True, "adam"),
+    ("qwen2.5-0.5b", (112, 5, 3000, 7), 2, 64, "bf16", False, "adamw"),
+    ("gpt2", (128, 5, 1024, 4), 2, 64, "fp32", True, "sgd-momentum"),
+    ("pythia-160m", (128, 6, 2048, 4), 2, 64, "fp16-autocast", False, "adamw"),
+    ("opt-125m", (96, 5, 1280, 4), 2, 64, "fp32", False, "adamw"),
+    ("llama-3.1-8b", (96, 5, 1024, 6), 2, 64, "bf16-autocast", False, "adafactor"),
+]
+
+
+def foreach_matrix():
+    for model, shape, mb, seq, precision, ckpt, optimizer in FOREACH_RUNS:
+        yield model, shape, TrainSetup(mb, seq, Precision(precision), None, ckpt, foreach=True,
+                                       optimizer=Optimizer(optimizer))
+
+
 def optimizer_matrix():
     shapes = {name: shape for name, *shape in MODELS}
     for model, optimizer, precision, ckpt in OPTIMIZER_RUNS:
@@ -278,11 +301,14 @@ def main() -> int:
                         "fused linear CE), written to tier1_loss_cpu.csv unless --out is given")
     parser.add_argument("--peft-extras", action="store_true", help="only the runs with peft's modules_to_save and "
                         "trainable tokens, written to tier1_peft_cpu.csv unless --out is given")
+    parser.add_argument("--foreach", action="store_true", help="only the optimizers' foreach runs (to "
+                        "tier1_foreach_cpu.csv unless --out is given)")
     args = parser.parse_args()
-    args.out = args.out or (TIER1_OPTIM_CSV if args.more_optimizers else OFFLOAD_CSV if args.ckpt_offload
+    args.out = args.out or (TIER1_OPTIM_CSV if args.more_optimizers else FOREACH_CSV if args.foreach
+                            else OFFLOAD_CSV if args.ckpt_offload
                             else LOSS_CSV if args.loss else PEFT_CSV if args.peft_extras else TIER1_CSV)
     extra = (lora_matrix() if args.lora else optimizer_matrix() if args.optimizers
-             else more_optimizer_matrix() if args.more_optimizers
+             else more_optimizer_matrix() if args.more_optimizers else foreach_matrix() if args.foreach
              else fp16_matrix() if args.fp16 else grad_accum_matrix() if args.grad_accum
              else qlora_matrix() if args.qlora else offload_matrix() if args.ckpt_offload
              else loss_matrix() if args.loss else peft_matrix() if args.peft_extras else None)

@@ -130,6 +130,8 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         op_blocks = self._op_blocks(args) if self.phase in (Phase.BUILD, Phase.OPTIMIZER) else None
+        if not isinstance(op_blocks, list) and self.phase in (Phase.BUILD, Phase.OPTIMIZER):
+            op_blocks = self._mixed_list_blocks(args, out) or op_blocks
         if isinstance(op_blocks, list) and isinstance(out, (list, tuple)) and len(out) == len(op_blocks):
             for tensor, (block, name) in zip(out, op_blocks):  # a foreach op: output i follows input i
                 self._see(tensor, block, name)
@@ -154,6 +156,19 @@ class StorageTracker(TorchDispatchMode):
                     self.block, self.module = found
                     return found
         return None
+
+    def _mixed_list_blocks(self, args, out) -> list[tuple[int, str]] | None:
+        """A foreach op over a list that mixes layers' tensors with others (the embedding's, the final norm's,
+        the LM head's: AdamW's foreach path steps them all in one list): output i follows input i, a layer's
+        output in its layer's block, the others in none."""
+        first = args[0] if args else None
+        if not (isinstance(first, (list, tuple)) and first and isinstance(out, (list, tuple))
+                and len(out) == len(first) and all(isinstance(t, torch.Tensor) for t in first)):
+            return None
+        found = [self._block_of(t) for t in first]
+        if not any(f is not None for f in found):
+            return None
+        return [f if f is not None else (NO_BLOCK, self.module) for f in found]
 
     def _block_of(self, tensor: torch.Tensor) -> tuple[int, str] | None:
         for storage in _storages(tensor):

@@ -1,7 +1,7 @@
 """The predictor traces 3 layers (or 3 groups) and replicates; the result must be the full-depth run."""
 import pytest
 
-from llmsim.enums import Attention, Loss, Precision
+from llmsim.enums import Attention, Loss, Optimizer, Precision
 from llmsim.offload import host_peak_bytes, split_host
 from llmsim.peaks import replay
 from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
@@ -26,12 +26,16 @@ CASES = [
     ("llama-3.1-8b", TrainSetup(2, 32, Precision.BF16_AUTOCAST)),
     ("qwen2.5-0.5b", TrainSetup(2, 32, Precision.BF16_AUTOCAST, loss=Loss.CHUNKED_NLL)),  # TRL: use_cache=False
     ("mistral-7b", TrainSetup(2, 32, Precision.BF16_AUTOCAST, grad_ckpt=True, ckpt_every=2, loss=Loss.FUSED_LINEAR_CE)),
+    # The foreach path (every --gpu prediction): one list over the layers' parameters and the others, whose
+    # outputs each belong to their own parameter's layer
+    ("llama-2-7b", TrainSetup(2, 32, foreach=True)),
+    ("gpt2", TrainSetup(2, 32, Precision.BF16_AUTOCAST, grad_ckpt=True, foreach=True, optimizer=Optimizer.ADAM)),
 ]
 
 
 def _case_id(model: str, setup: TrainSetup) -> str:
     loss = "" if setup.loss is Loss.HF else f"-{setup.loss.value}"
-    return model + loss + ("-offload" if setup.ckpt_offload else "")
+    return model + loss + ("-offload" if setup.ckpt_offload else "") + ("-foreach" if setup.foreach else "")
 
 
 def _phase_peaks(timeline):
