@@ -98,16 +98,23 @@ def _zero(spec: ModelSpec, setup: TrainSetup, world: int, stage: int, micro_batc
 
 def fits(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, micro_batch: int, gpu: GpuProfile,
          alloc_conf: AllocatorConfig = AllocatorConfig()) -> tuple:
-    prediction = predict(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
-                         alloc_conf)
-    worst = max(prediction.ranks, key=lambda r: r.device_total_bytes)
-    return all(r.fits for r in prediction.ranks), worst.device_total_bytes
+    ok, worst = _worst(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
+                       alloc_conf)
+    return ok, worst.device_total_bytes
+
+
+def _worst(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile, alloc_conf: AllocatorConfig):
+    """(whether every rank fits, the rank with the largest device total)."""
+    prediction = predict(spec, setup, layout, gpu, alloc_conf)
+    return all(r.fits for r in prediction.ranks), max(prediction.ranks, key=lambda r: r.device_total_bytes)
 
 
 def largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch: int,
-                        alloc_conf: AllocatorConfig = AllocatorConfig()) -> tuple[int, int | None]:
-    """(largest micro-batch that fits or 0, its device total)."""
-    ok, total = fits(spec, setup, candidate, 1, gpu, alloc_conf)
+                        alloc_conf: AllocatorConfig = AllocatorConfig(),
+                        first_total: int | None = None) -> tuple[int, int | None]:
+    """(largest micro-batch that fits or 0, its device total). `first_total`: micro-batch 1 is already known to
+    fit, with this device total."""
+    ok, total = (True, first_total) if first_total is not None else fits(spec, setup, candidate, 1, gpu, alloc_conf)
     if not ok:
         return 0, None
     good, good_total, bad = 1, total, None
@@ -182,9 +189,12 @@ def _evaluate(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, gpu: Gpu
               alloc_conf: AllocatorConfig, global_batch: int | None) -> dict:
     try:
         if global_batch is None:
-            micro_batch, total = largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch, alloc_conf)
-            why = "" if micro_batch else _too_big(spec, setup, candidate, 1, gpu, alloc_conf)
-            return _row(micro_batch, 1, total, gpu, why)
+            ok, worst = _worst(spec, replace(setup, micro_batch=1), candidate.layout_for(1), gpu, alloc_conf)
+            if not ok:
+                return _row(0, 1, None, gpu, _needs(1, "", worst, gpu))
+            micro_batch, total = largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch, alloc_conf,
+                                                     first_total=worst.device_total_bytes)
+            return _row(micro_batch, 1, total, gpu, "")
         return _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch)
     except InputError as error:  # a combination llmsim refuses (e.g. a lever not modelled with this layout)
         return _row(0, 1, None, gpu, f"not modelled: {error}")
@@ -212,21 +222,16 @@ def _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch: int
     for micro_batch, passes in options:  # largest micro-batch first
         trial = replace(setup, micro_batch=micro_batch, grad_accum=passes if stages == 1 else 1)
         layout = candidate.layout_for(micro_batch, m=passes) if stages > 1 else candidate.layout_for(micro_batch)
-        prediction = predict(spec, trial, layout, gpu, alloc_conf)
-        worst = max(prediction.ranks, key=lambda r: r.device_total_bytes)
-        if all(r.fits for r in prediction.ranks):
+        ok, worst = _worst(spec, trial, layout, gpu, alloc_conf)
+        if ok:
             return _row(micro_batch, passes, worst.device_total_bytes, gpu, "")
     micro_batch, passes = options[-1]
     split = f" x {passes} {'micro-batches' if stages > 1 else 'passes'}" if passes > 1 else ""
-    return _row(0, passes, None, gpu, f"micro-batch {micro_batch}{split} needs "
-                f"{human_bytes(worst.device_total_bytes)} on rank {worst.rank} of {human_bytes(gpu.capacity_bytes)}")
+    return _row(0, passes, None, gpu, _needs(micro_batch, split, worst, gpu))
 
 
-def _too_big(spec, setup, candidate, micro_batch: int, gpu, alloc_conf) -> str:
-    prediction = predict(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
-                         alloc_conf)
-    worst = max(prediction.ranks, key=lambda r: r.device_total_bytes)
-    return (f"micro-batch {micro_batch} needs {human_bytes(worst.device_total_bytes)} on rank {worst.rank} "
+def _needs(micro_batch: int, split: str, worst, gpu: GpuProfile) -> str:
+    return (f"micro-batch {micro_batch}{split} needs {human_bytes(worst.device_total_bytes)} on rank {worst.rank} "
             f"of {human_bytes(gpu.capacity_bytes)}")
 
 

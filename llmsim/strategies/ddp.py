@@ -30,6 +30,7 @@ Issue 5's levers add nothing of DDP's own (measured in data/measurements/tier2_l
 from __future__ import annotations
 
 import collections
+import functools
 
 import pandas as pd
 import torch
@@ -44,19 +45,25 @@ BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DistributedDataParallel.broadcast_
 MAX_IN_FLIGHT = 2  # c10d broadcast_coalesced: `max_in_flight`
 
 
-def coalesced_chunks(sizes: list[int], limit: int) -> list[list[int]]:
+def coalesced_chunks(sizes, limit: int) -> list[list[int]]:
     """The tensors (their byte sizes) of each `_broadcast_coalesced` chunk, from c10d's own
     `compute_bucket_assignment_by_size` (run on meta tensors of these sizes: one dtype, which is what the
     timeline knows; tensors of different dtypes would go to separate chunks)."""
+    return [list(chunk) for chunk in _chunks(tuple(sizes), limit)]
+
+
+@functools.lru_cache(maxsize=32)
+def _chunks(sizes: tuple[int, ...], limit: int) -> tuple[tuple[int, ...], ...]:
+    """Kept per model: every DDP prediction of one traced model broadcasts the same parameters."""
     tensors = [torch.empty(size, dtype=torch.uint8, device="meta") for size in sizes]
     buckets, _ = dist._compute_bucket_assignment_by_size(tensors, [limit])
-    return [[sizes[i] for i in bucket] for bucket in buckets]
+    return tuple(tuple(sizes[i] for i in bucket) for bucket in buckets)
 
 
 def broadcast_events(sizes: list[int], limit: int = BROADCAST_BUCKET_BYTES) -> list[tuple[int, int, Category]]:
     """(serial offset, delta, category) of the flat chunks `_broadcast_coalesced` allocates and frees."""
     deltas, in_flight = [], collections.deque()
-    for offset, chunk in enumerate(coalesced_chunks(sizes, limit)):
+    for offset, chunk in enumerate(_chunks(tuple(sizes), limit)):
         if len(in_flight) >= MAX_IN_FLIGHT:
             done, nbytes = in_flight.popleft()
             deltas.append((done, -nbytes, Category.TEMPORARY))

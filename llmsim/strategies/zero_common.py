@@ -154,14 +154,10 @@ def construct_optimizer(w: EventWriter, kind: str) -> None:
         w.alloc(FUSED_ADAM_OVERFLOW_BUF_BYTES, Category.OPTIMIZER_STATE)
 
 
-def walk_phases(rows: list[tuple], handle, leave, writer: EventWriter | None = None,
-                runs: list[tuple[int, int, bool]] | None = None) -> None:
-    """Call `handle(row)` for every row and `leave(step, phase)` when a (step, phase) ends: where a strategy
-    adds what happens at the end of the build, of each backward and of each optimizer step.
-    With `runs` (`own_runs`: the rows `handle` acts on, one by one, and runs of the others), every other row is
-    copied by `writer` in runs, exactly as `handle` would have kept it one by one."""
-    if runs is None:
-        runs = [(i, i + 1, True) for i in range(len(rows))]
+def walk_phases(rows: list[tuple], handle, leave, writer: EventWriter, runs: list[tuple[int, int, bool]]) -> None:
+    """Call `handle(row)` for every row the strategy acts on and `leave(step, phase)` when a (step, phase) ends:
+    where a strategy adds what happens at the end of the build, of each backward and of each optimizer step.
+    `runs` (`own_runs`) are those rows one by one and runs of the others, which `writer` copies as they are."""
     previous = None
     for start, stop, own in runs:
         row = rows[start]
