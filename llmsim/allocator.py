@@ -26,6 +26,7 @@ expandable_segments. Not modelled: garbage_collection_threshold (it acts only un
 from __future__ import annotations
 
 import bisect
+import copy
 from dataclasses import dataclass, field
 
 MIN_BLOCK_BYTES = 512  # kMinBlockSize
@@ -114,6 +115,28 @@ class CachingAllocator:
     _next_address: int = 0
     _segments: int = 0
     _tail: list["_Block | None"] = field(default_factory=lambda: [None, None])  # expandable: each pool's end
+
+    def clone(self) -> "CachingAllocator":
+        """An independent copy: every block (each one free in a pool or live under a key) and its links."""
+        twin = copy.copy(self)
+        copies: dict[int, _Block] = {}
+
+        def of(block: _Block | None) -> _Block | None:
+            if block is None:
+                return None
+            twin_block = copies.get(id(block))
+            if twin_block is None:
+                twin_block = copies[id(block)] = _Block(block.address, block.size, block.small, block.segment,
+                                                        block.allocated)
+            return twin_block
+
+        twin._pools = [[(size, address, of(block)) for size, address, block in pool] for pool in self._pools]
+        twin._live = {key: of(block) for key, block in self._live.items()}
+        twin._tail = [of(block) for block in self._tail]
+        for block in [entry[2] for pool in self._pools for entry in pool] + list(self._live.values()):
+            twin_block = copies[id(block)]
+            twin_block.prev, twin_block.next = of(block.prev), of(block.next)
+        return twin
 
     def malloc(self, key: int, size: int) -> None:
         size = round_size(int(size))  # timelines hand numpy integers; sizes stay Python ints (JSON, bytes)
@@ -252,17 +275,47 @@ class CachingAllocator:
         pool.pop(bisect.bisect_left(pool, (block.size, block.address)))
 
 
+@dataclass
+class ReplayState:
+    """A replay paused before event `position`: a stream whose first `position` events are the same resumes
+    from (a copy of) it instead of replaying them."""
+
+    position: int
+    allocator: CachingAllocator
+    sizes: dict[int, int]
+
+    def copy(self) -> "ReplayState":
+        return ReplayState(self.position, self.allocator.clone(), dict(self.sizes))
+
+
 def replay_reserved(serials, deltas, capacity_bytes: int = NO_LIMIT, config: AllocatorConfig = AllocatorConfig(),
-                    extra_allocations: tuple[int, ...] = ()) -> CachingAllocator:
+                    extra_allocations: tuple[int, ...] = (), resume: ReplayState | None = None,
+                    checkpoints: list[ReplayState] | None = None, checkpoint_every: int = 4096) -> CachingAllocator:
     """Run a timeline's allocations and frees (by storage serial) through the allocator model.
-    `extra_allocations` are made first and kept (the cuBLAS workspace)."""
-    allocator = CachingAllocator(capacity_bytes=capacity_bytes, max_split_size=config.max_split_size,
-                                 expandable=config.expandable_segments)
-    for i, size in enumerate(extra_allocations):
-        allocator.malloc(-2 - i, size)
-    sizes: dict[int, int] = {}
+    `extra_allocations` are made first and kept (the cuBLAS workspace). With `resume`, the events before its
+    position are taken as replayed (the caller has checked they are the same); with `checkpoints`, a copy of the
+    state is appended every `checkpoint_every` events."""
+    if resume is not None:
+        state = resume.copy()
+    else:
+        allocator = CachingAllocator(capacity_bytes=capacity_bytes, max_split_size=config.max_split_size,
+                                     expandable=config.expandable_segments)
+        for i, size in enumerate(extra_allocations):
+            allocator.malloc(-2 - i, size)
+        state = ReplayState(0, allocator, {})
+    serials, deltas = _ints(serials), _ints(deltas)
+    step = checkpoint_every if checkpoints is not None else max(len(serials), 1)
+    for start in range(state.position, len(serials), step):
+        if checkpoints is not None and start > 0:
+            state.position = start
+            checkpoints.append(state.copy())
+        _replay(state.allocator, state.sizes, serials[start:start + step], deltas[start:start + step])
+    return state.allocator
+
+
+def _replay(allocator: CachingAllocator, sizes: dict[int, int], serials: list[int], deltas: list[int]) -> None:
     malloc, free = allocator.malloc, allocator.free
-    for serial, delta in zip(_ints(serials), _ints(deltas)):
+    for serial, delta in zip(serials, deltas):
         if delta > 0 and serial not in sizes:
             sizes[serial] = delta
             malloc(serial, delta)
@@ -277,7 +330,6 @@ def replay_reserved(serials, deltas, capacity_bytes: int = NO_LIMIT, config: All
                 malloc(serial, sizes[serial])
             else:
                 del sizes[serial]
-    return allocator
 
 
 def _ints(values) -> list[int]:

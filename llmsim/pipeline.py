@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -10,7 +11,7 @@ import networkx as nx
 import numpy as np
 import pandas as pd
 
-from llmsim.allocator import NO_LIMIT, AllocatorConfig, OutOfMemory, replay_reserved
+from llmsim.allocator import NO_LIMIT, AllocatorConfig, OutOfMemory, ReplayState, replay_reserved
 from llmsim.gpus import GpuProfile, on_gpu
 from llmsim.graph import layer_graph
 from llmsim.offload import host_peak_bytes, split_host
@@ -22,7 +23,7 @@ from llmsim.strategies.events import LazyRanks
 from llmsim.pipelining import check_pipeline
 from llmsim.quantized import check_quantized
 from llmsim.tensor_parallel import check_tensor_parallel
-from llmsim.timeline import expand
+from llmsim.timeline import TRACED_STEPS, expand, repeat_last_step
 from llmsim.trace import trace
 
 
@@ -118,26 +119,44 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
                                                        schedule=layout.schedule.value,
                                                        n_microbatches=layout.n_microbatches, pp_split=layout.pp_split))
             if layout.strategy is not Strategy.SINGLE:  # the stage's DDP buffers, the same in every replica
-                timeline = STRATEGIES[layout.strategy](timeline, layout, setup)[0]
+                timeline = _plan(timeline, layout, setup)[0]
             per_replica = layout.pp * layout.tp
             rank_timelines.update({replica * per_replica + stage * layout.tp + t: timeline
                                    for replica in range(layout.dp) for t in range(layout.tp)})
     else:
         timeline, graph = expanded(model, setup)
-        rank_timelines = STRATEGIES[layout.strategy](timeline, layout, setup)
+        rank_timelines = _plan(timeline, layout, setup)
     ranks = []
     replayed: dict[int, RankPrediction] = {}  # ranks that share one timeline (DDP, ZeRO-0, TP) are replayed once
     lazy = isinstance(rank_timelines, LazyRanks)
     for rank in sorted(rank_timelines):
         rank_timeline = rank_timelines[rank]
         if lazy:  # built for this rank alone: predicted, then let go
-            ranks.append(replace(_predict_rank(rank, rank_timeline, gpu, alloc_conf),
+            ranks.append(replace(_predict_rank(rank, rank_timeline, gpu, alloc_conf, shared_prefix=True),
                                  frame=functools.partial(_device_timeline, rank_timelines, rank)))
             continue
         if id(rank_timeline) not in replayed:
             replayed[id(rank_timeline)] = _predict_rank(rank, rank_timeline, gpu, alloc_conf)
         ranks.append(_as_rank(replayed[id(rank_timeline)], rank))
     return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf)
+
+
+def _plan(timeline: pd.DataFrame, layout: Layout, setup: TrainSetup):
+    """The strategy's per-rank timelines, kept for the next prediction of the same layout on the same traced
+    timeline (another GPU or allocator setting of a sweep, `size` trying GPUs): a ZeRO-3 plan walks every event
+    of the step. The last few are kept; a ZeRO-1/2 plan is lazy and costs nothing to keep."""
+    key = (id(timeline), layout, setup)
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0]() is timeline:
+        return hit[1]
+    plan = STRATEGIES[layout.strategy](timeline, layout, setup)
+    if len(_PLANS) >= 8:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = (weakref.ref(timeline), plan)
+    return plan
+
+
+_PLANS: dict[tuple, tuple[weakref.ref, object]] = {}
 
 
 def _as_rank(prediction: RankPrediction, rank: int) -> RankPrediction:
@@ -149,9 +168,10 @@ def _as_rank(prediction: RankPrediction, rank: int) -> RankPrediction:
 
 
 def _predict_rank(rank: int, timeline: pd.DataFrame, gpu: GpuProfile | None,
-                  alloc_conf: AllocatorConfig) -> RankPrediction:
+                  alloc_conf: AllocatorConfig, shared_prefix: bool = False) -> RankPrediction:
     device, host = split_host(timeline)  # offloaded activations are host memory, not the GPU's
-    return replace(_on_device(rank, replay(device), device, gpu, alloc_conf), peak_host_bytes=host_peak_bytes(host))
+    return replace(_on_device(rank, replay(device), device, gpu, alloc_conf, shared_prefix),
+                   peak_host_bytes=host_peak_bytes(host))
 
 
 def _device_timeline(rank_timelines: LazyRanks, rank: int) -> pd.DataFrame:
@@ -162,14 +182,17 @@ def _device_timeline(rank_timelines: LazyRanks, rank: int) -> pd.DataFrame:
 def expanded(model: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, nx.DiGraph]:
     """The full-depth timeline of one traced process and its layer graph, kept for the next prediction with the
     same inputs (the strategies and the replay read them, never change them). With pipeline stages, the graph
-    is the last stage's."""
-    traced = trace(model, setup)
-    timeline = expand(traced)
+    is the last stage's. Two steps are traced and the steady second one repeated (`repeat_last_step`)."""
+    traced = trace(model, replace(setup, steps=min(setup.steps, TRACED_STEPS)))
+    timeline = repeat_last_step(expand(traced), setup.steps)
+    if timeline is None:  # the last traced step is not steady: trace every step
+        traced = trace(model, setup)
+        timeline = expand(traced)
     return timeline, layer_graph(timeline, traced.info)
 
 
 def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame, gpu: GpuProfile | None,
-               alloc_conf: AllocatorConfig) -> RankPrediction:
+               alloc_conf: AllocatorConfig, shared_prefix: bool = False) -> RankPrediction:
     """Reserved and device total: the caching allocator model on a GPU; the live bytes themselves on the CPU."""
     if gpu is None:
         return RankPrediction(rank, peak, peak.allocated_bytes, peak.allocated_bytes, timeline)
@@ -178,7 +201,7 @@ def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame, gpu: GpuProfile | 
     extra = (gpu.cublas_workspace_bytes,)
     # Unbounded first: when its reserved peak fits, the bounded run (whose only difference is releasing the
     # cache when a segment would not fit) is the same run; when even the live bytes cannot fit, it is an OOM.
-    reserved = _replay_reserved(serials, deltas, NO_LIMIT, alloc_conf, extra)
+    reserved = _replay_reserved(serials, deltas, NO_LIMIT, alloc_conf, extra, shared_prefix)
     fits = reserved <= usable
     if not fits and peak.allocated_bytes + sum(extra) <= usable:
         try:
@@ -192,17 +215,46 @@ def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame, gpu: GpuProfile | 
 
 
 def _replay_reserved(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int, config: AllocatorConfig,
-                     extra: tuple[int, ...]) -> int:
+                     extra: tuple[int, ...], shared_prefix: bool = False) -> int:
     """The allocator model's reserved peak, kept by the events' content: ranks and layouts that differ only in
     what the allocator does not see (DDP at any world size, ZeRO ranks alike, another GPU of the same
-    kernels) replay once."""
+    kernels) replay once. With `shared_prefix` (the ranks of one ZeRO-1/2 prediction, whose events are the same
+    until the first that depends on the rank's partition), the replay resumes from the last paused state of
+    the previous such replay that its events have reached unchanged."""
     key = (hashlib.blake2b(serials.tobytes() + b"|" + deltas.tobytes(), digest_size=16).digest(),
            capacity_bytes, config, extra)
     if key not in _RESERVED:
         if len(_RESERVED) >= 256:
             _RESERVED.pop(next(iter(_RESERVED)))
-        _RESERVED[key] = replay_reserved(serials, deltas, capacity_bytes, config, extra).peak_reserved_bytes
+        if shared_prefix:
+            allocator = _replay_shared(serials, deltas, capacity_bytes, config, extra)
+        else:
+            allocator = replay_reserved(serials, deltas, capacity_bytes, config, extra)
+        _RESERVED[key] = allocator.peak_reserved_bytes
     return _RESERVED[key]
 
 
+def _replay_shared(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int, config: AllocatorConfig,
+                   extra: tuple[int, ...]):
+    """`replay_reserved`, resumed where the reference replay (the last one that could not resume) paused last
+    before the first event that differs from it; a replay that cannot resume becomes the reference."""
+    setting = (capacity_bytes, config, extra)
+    reference = _PREFIX.get(setting)
+    if reference is not None:
+        ref_serials, ref_deltas, states = reference
+        n = min(len(ref_serials), len(serials))
+        differ = np.flatnonzero((ref_serials[:n] != serials[:n]) | (ref_deltas[:n] != deltas[:n]))
+        same = int(differ[0]) if len(differ) else n
+        usable = [state for state in states if state.position <= same]
+        if usable:
+            return replay_reserved(serials, deltas, capacity_bytes, config, extra, resume=usable[-1])
+    states: list[ReplayState] = []
+    allocator = replay_reserved(serials, deltas, capacity_bytes, config, extra, checkpoints=states,
+                                checkpoint_every=max(256, len(serials) // 32))
+    _PREFIX.clear()  # one reference at a time: its paused states hold the allocator's blocks
+    _PREFIX[setting] = (serials, deltas, states)
+    return allocator
+
+
+_PREFIX: dict[tuple, tuple[np.ndarray, np.ndarray, list[ReplayState]]] = {}
 _RESERVED: dict[tuple, int] = {}

@@ -235,3 +235,58 @@ def _renumber(modules: np.ndarray, blocks: np.ndarray, shift: np.ndarray, prefix
                          if name == old or name.startswith(old + ".") else name)
     names[rows] = np.asarray(rewritten, dtype=object)[inverse.ravel()]
     return list(names)
+
+TRACED_STEPS = 2  # the first step (lazy optimizer state, the first gradients) and one steady step
+
+
+def repeat_last_step(frame: pd.DataFrame, steps: int) -> pd.DataFrame | None:
+    """The timeline of `steps` steps from one whose last step is steady: each further step repeats the last
+    traced one event for event, on storages of its own; None when the last step is not seen to be steady.
+
+    The last step (L) starts from the state the one before it left and leaves one of the same shape when what
+    crosses its start and its end match: the storages it frees that an earlier step allocated (A: the previous
+    step's loss and whatever else a Python name kept alive into the next step) and the storages it allocates
+    that outlive it (B) pair one to one, in allocation order, byte for byte, and it touches nothing older
+    otherwise. Step L + 1 then begins where step L began, up to renaming A as B; the canonical step's code does
+    not branch on the step's index, so it makes the same events, freeing B where step L freed A. (An `.item()`
+    answered by the fake trace, llmsim.optimizer_values, is answered alike in every step.) The rows in
+    data/measurements/ were measured over every step and check the repetition against real runs."""
+    step = frame["step"].to_numpy()
+    last = int(step.max()) if len(step) else 0
+    if steps <= last + 1:
+        return frame
+    tail = int(np.searchsorted(step, last))
+    if tail == 0 or np.any(np.diff(step) < 0):
+        return None
+    serials, deltas = frame["serial"].to_numpy(), frame["delta_bytes"].to_numpy()
+    valid = serials >= 0
+    head = pd.DataFrame({"serial": serials[:tail][valid[:tail]], "delta": deltas[:tail][valid[:tail]]})
+    before = head.groupby("serial", sort=False)["delta"].sum()  # bytes of each older storage when L starts
+    last_rows = pd.DataFrame({"serial": serials[tail:], "delta": deltas[tail:]})[valid[tail:]]
+    older = last_rows["serial"].isin(before.index).to_numpy()
+    touched = last_rows[older].groupby("serial", sort=False)["delta"].agg(["sum", "size"])
+    if len(touched):
+        held = before.loc[touched.index].to_numpy()
+        # every older storage L touches, L frees whole in one event
+        if np.any(touched["sum"].to_numpy() != -held) or np.any(touched["size"].to_numpy() != 1):
+            return None
+    freed = [s for s in before.index if s in touched.index]  # A, in allocation order
+    fresh = last_rows[~older].groupby("serial", sort=False)["delta"].agg(["sum", "size"])
+    alive = (fresh["sum"] > 0) | ((fresh["sum"] == 0) & (fresh["size"] == 1))  # a 0-byte storage: one event
+    kept = fresh.loc[alive, "sum"]  # B, in allocation order
+    if len(kept) != len(freed) or np.any(kept.to_numpy() != before.loc[freed].to_numpy()):
+        return None
+    offset = int(serials.max()) + 1
+    block = frame.iloc[tail:]
+    own = block["serial"].to_numpy()
+    born = np.isin(own, fresh.index.to_numpy())
+    counterpart = pd.Series(kept.index.to_numpy(), index=freed, dtype=np.int64)  # A[i] -> B[i]
+    crossing = pd.Series(own).map(counterpart).fillna(-1).to_numpy(dtype=np.int64)
+    copies = []
+    for k in range(1, steps - last):
+        copy = block.copy()
+        copy["step"] = last + k
+        copy["serial"] = np.where(born, own + k * offset,
+                                  np.where(crossing >= 0, crossing + (k - 1) * offset, own))
+        copies.append(copy)
+    return pd.concat([frame, *copies], ignore_index=True)

@@ -72,6 +72,7 @@ class StorageTracker(TorchDispatchMode):
         self._labels: dict[int, Category] = {}
         self._phase_end: dict[tuple[int, Phase], int] = {}
         self._next_serial = 0
+        self._finished = False
         self.step = 0
         self.phase = Phase.BUILD
         self.block = NO_BLOCK
@@ -87,7 +88,10 @@ class StorageTracker(TorchDispatchMode):
         self.frees_by_owner = phase is Phase.BUILD
 
     def finish(self) -> None:
+        """The step is over: what dies afterwards (the model, the optimizer, the last loss, as the training
+        function returns) is teardown, not part of the step, and is not recorded."""
         self._phase_end[(self.step, self.phase)] = len(self._rows)
+        self._finished = True
 
     def label(self, tensors: Iterable[torch.Tensor], category: Category, names: Iterable[str] | None = None,
               blocks: Iterable[int] | None = None, retag: bool = False) -> None:
@@ -204,7 +208,7 @@ class StorageTracker(TorchDispatchMode):
 
     def _free(self, key: int, serial: int) -> None:
         live = self._live.get(key)
-        if live is None or live.serial != serial:
+        if live is None or live.serial != serial or self._finished:
             return
         del self._live[key]
         # A free belongs to the running layer: layer i's backward frees what layer i-1 saved, and the

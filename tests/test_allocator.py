@@ -128,3 +128,56 @@ def test_expandable_segment_unmaps_its_free_end_before_running_out():
     assert a.reserved_bytes == (20 + 2 + 2) * MiB
     with pytest.raises(OutOfMemory):
         a.malloc(6, 40 * MiB)
+
+
+def _stream(seed: int, n: int = 3000):
+    """A random stream of allocations (1 KiB to 300 MiB), resizes and frees, by storage serial."""
+    import random
+
+    rng = random.Random(seed)
+    live, serials, deltas, next_serial = {}, [], [], 0
+    for _ in range(n):
+        if live and rng.random() < 0.45:
+            serial = rng.choice(list(live))
+            serials.append(serial)
+            deltas.append(-live.pop(serial))
+        elif live and rng.random() < 0.05:  # a resize
+            serial = rng.choice(list(live))
+            grow = rng.randint(1, 1 << 22)
+            live[serial] += grow
+            serials.append(serial)
+            deltas.append(grow)
+        else:
+            size = rng.choice([rng.randint(1, 1 << 20), rng.randint(1 << 20, 300 << 20)])
+            live[next_serial] = size
+            serials.append(next_serial)
+            deltas.append(size)
+            next_serial += 1
+    return serials, deltas
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_replay_resumed_from_a_paused_state_is_the_whole_replay(expandable):
+    from llmsim.allocator import AllocatorConfig
+
+    config = AllocatorConfig(expandable_segments=expandable)
+    serials, deltas = _stream(1)
+    states = []
+    whole = replay_reserved(serials, deltas, config=config, extra_allocations=(4096,), checkpoints=states,
+                            checkpoint_every=256)
+    assert [s.position for s in states] == list(range(256, len(serials), 256))
+    # another stream with the same first 1,500 events (the ranks of a ZeRO-1/2 prediction)
+    other_serials, other_deltas = _stream(2)
+    other_serials = serials[:1500] + [s + 10_000 for s in other_serials[:1500]]
+    other_deltas = deltas[:1500] + other_deltas[:1500]
+    expected = replay_reserved(other_serials, other_deltas, config=config, extra_allocations=(4096,))
+    for state in states:
+        resumed = replay_reserved(serials, deltas, config=config, resume=state)
+        assert (resumed.peak_reserved_bytes, resumed.peak_allocated_bytes, resumed.reserved_bytes) == (
+            whole.peak_reserved_bytes, whole.peak_allocated_bytes, whole.reserved_bytes)
+        if state.position <= 1500:
+            other = replay_reserved(other_serials, other_deltas, config=config, resume=state)
+            assert (other.peak_reserved_bytes, other.peak_allocated_bytes) == (expected.peak_reserved_bytes,
+                                                                              expected.peak_allocated_bytes)
+    assert expected.peak_reserved_bytes != whole.peak_reserved_bytes  # the suffixes do differ
+

@@ -120,3 +120,35 @@ def test_fresh_multiprocess_run_matches_prediction(tmp_path, model, shape, setup
         predicted = prediction.ranks[row["rank"]].peak_allocated_bytes
         measured = row["peak_allocated_bytes"]
         assert abs(predicted - measured) / measured <= PEAK_ALLOCATED_TOLERANCE[2]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_ranks_resuming_a_shared_prefix_replay_like_alone(tmp_path, monkeypatch, stage):
+    """ZeRO-1/2 ranks differ from their partition's first event on: the allocator model replays what comes
+    before once and resumes from there; every rank's reserved peak is what its own whole replay gives."""
+    from llmsim import pipeline
+    from llmsim.allocator import NO_LIMIT, AllocatorConfig, replay_reserved
+    from llmsim.gpus import load_gpu
+    from llmsim.zoo import shrink
+
+    resumed_at = []
+
+    def spy(*args, resume=None, **kwargs):
+        resumed_at.append(resume.position if resume is not None else 0)
+        return replay_reserved(*args, resume=resume, **kwargs)
+
+    monkeypatch.setattr(pipeline, "replay_reserved", spy)
+    monkeypatch.setattr(pipeline, "_RESERVED", {})
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000},
+              "bf16": {"enabled": True}}
+    world = 12
+    layout = Layout(Strategy.DEEPSPEED, world, load_ds_config(_write(tmp_path, config), world, 64, 1, Precision.BF16))
+    gpu = load_gpu("h100-80gb")
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 512, 4))
+    prediction = predict(spec, TrainSetup(1, 32, Precision.BF16, grad_ckpt=True), layout, gpu)
+    assert sum(position > 0 for position in resumed_at) >= world // 2  # most ranks resumed
+    for rank in prediction.ranks:
+        timeline = rank.timeline
+        alone = replay_reserved(timeline["serial"].to_numpy(), timeline["delta_bytes"].to_numpy(), NO_LIMIT,
+                                AllocatorConfig(), (gpu.cublas_workspace_bytes,))
+        assert rank.peak_reserved_bytes == alone.peak_reserved_bytes

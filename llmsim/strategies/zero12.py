@@ -106,7 +106,7 @@ class _Rank:
         self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
         self.timeline = timeline
         self.rows = rows
-        self.own = own  # the rows `_row` acts on: the client optimizer's, the backward's gradients, the batch
+        self.own = own  # the rows `_row` acts on (the backward's gradients, the batch), the client optimizer's left out
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
         self.bw = _Backward()
         self.initialized = False
@@ -274,8 +274,7 @@ def _trainable(params: list[Param], timeline: pd.DataFrame, setup) -> list[Param
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     rows = rows_of(timeline)
     phase, category = timeline["phase"], timeline["category"]
-    own = ((phase == Phase.OPTIMIZER.value)
-           | ((phase == Phase.BACKWARD.value) & (category == Category.GRADIENT.value))
+    own = (((phase == Phase.BACKWARD.value) & (category == Category.GRADIENT.value))
            | ((phase == Phase.BUILD.value) & (category == Category.INPUT.value))).to_numpy()
-    own = own_runs(rows, own)  # the same runs for every rank
+    own = own_runs(rows, own, (phase == Phase.OPTIMIZER.value).to_numpy())  # the same runs for every rank
     return LazyRanks(layout.world_size, lambda rank: _Rank(timeline, rows, layout, setup, rank, own).run())

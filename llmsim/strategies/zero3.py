@@ -406,10 +406,11 @@ class _Rank:
     def run(self) -> pd.DataFrame:
         t = self.timeline
         phase, category = t["phase"], t["category"]
-        own = ((t["serial"] < 0) | (phase == Phase.OPTIMIZER.value)  # markers; the client optimizer's rows
+        own = ((t["serial"] < 0)  # markers
                | ((category == Category.PARAMETER.value) & (phase == Phase.BUILD.value))
                | ((category == Category.GRADIENT.value) & (phase == Phase.BACKWARD.value))).to_numpy()
-        walk_phases(self.rows, self._row, self._leave, self.w, own_runs(self.rows, own))
+        dropped = (phase == Phase.OPTIMIZER.value).to_numpy()  # the client optimizer's rows
+        walk_phases(self.rows, self._row, self._leave, self.w, own_runs(self.rows, own, dropped))
         return self.w.frame(t)
 
     def _row(self, row: tuple) -> None:

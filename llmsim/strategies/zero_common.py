@@ -17,6 +17,7 @@ from llmsim.strategies.events import live_at_end_of_build
 from llmsim.tracker import NO_BLOCK, TIMELINE_COLUMNS
 
 FP32_BYTES = 4
+OWN, KEEP, DROP = 1, 0, -1  # what a strategy's walk does with a run of rows (`own_runs`)
 FP64_BYTES = 8  # the gradient norm upcasts each gradient slice to float64 (stage_1_and_2.py, get_grad_norm_direct)
 ADAM_STEP_BYTES = 4  # AdamW's `step` is a 0-dim fp32 tensor on the host (torch/optim/adamw.py, _init_group)
 
@@ -154,41 +155,45 @@ def construct_optimizer(w: EventWriter, kind: str) -> None:
         w.alloc(FUSED_ADAM_OVERFLOW_BUF_BYTES, Category.OPTIMIZER_STATE)
 
 
-def walk_phases(rows: list[tuple], handle, leave, writer: EventWriter, runs: list[tuple[int, int, bool]]) -> None:
+def walk_phases(rows: list[tuple], handle, leave, writer: EventWriter, runs: list[tuple[int, int, int]]) -> None:
     """Call `handle(row)` for every row the strategy acts on and `leave(step, phase)` when a (step, phase) ends:
     where a strategy adds what happens at the end of the build, of each backward and of each optimizer step.
-    `runs` (`own_runs`) are those rows one by one and runs of the others, which `writer` copies as they are."""
+    `runs` (`own_runs`) are those rows one by one, runs of the others, which `writer` copies as they are, and runs
+    of rows the strategy replaces (DROP), which it skips."""
     previous = None
-    for start, stop, own in runs:
+    for start, stop, kind in runs:
         row = rows[start]
         key = (row[0], row[1])
         if previous is not None and key != previous:
             leave(*previous)
         previous = key
-        if own:
+        if kind == OWN:
             handle(row)
-        else:
+        elif kind == KEEP:
             writer.keep_run(rows, start, stop)
     if previous is not None:
         leave(*previous)
 
 
-def own_runs(rows: list[tuple], own) -> list[tuple[int, int, bool]]:
-    """[start, stop) runs of `rows`, each a single row a strategy acts on (`own`, a boolean per row) or rows
-    none of which is, all in one (step, phase); computed once for all of a strategy's ranks."""
+def own_runs(rows: list[tuple], own, drop=None) -> list[tuple[int, int, int]]:
+    """[start, stop, kind) runs of `rows`: a single row a strategy acts on (`own`, a boolean per row: OWN), or rows
+    none of which is, all in one (step, phase), copied (KEEP) or, where `drop` is set, left out (DROP: the client
+    optimizer's step, which DeepSpeed's replaces); computed once for all of a strategy's ranks."""
     n = len(rows)
     if n == 0:
         return []
     steps = np.fromiter((row[0] for row in rows), dtype=np.int64, count=n)
     phases = pd.factorize(pd.Series([row[1] for row in rows]))[0]
-    own = np.asarray(own, dtype=bool)
+    drop = np.zeros(n, dtype=bool) if drop is None else np.asarray(drop, dtype=bool)
+    own = np.asarray(own, dtype=bool) & ~drop
     cut = np.zeros(n + 1, dtype=bool)
     cut[0] = cut[n] = True
-    cut[1:n] |= (steps[1:] != steps[:-1]) | (phases[1:] != phases[:-1])
+    cut[1:n] |= (steps[1:] != steps[:-1]) | (phases[1:] != phases[:-1]) | (drop[1:] != drop[:-1])
     cut[:n] |= own
     cut[1:] |= own
+    kind = np.where(own, OWN, np.where(drop, DROP, KEEP))
     edges = np.flatnonzero(cut).tolist()
-    return [(start, stop, bool(own[start])) for start, stop in zip(edges[:-1], edges[1:])]
+    return [(start, stop, int(kind[start])) for start, stop in zip(edges[:-1], edges[1:])]
 
 
 def rows_of(timeline: pd.DataFrame) -> list[tuple]:
