@@ -26,6 +26,9 @@ build, which under ZeRO-3 is zero.Init, then deepspeed.initialize) into data/mea
 `--lora-zero12` runs LORA_ZERO12_RUNS (peft LoRA under DeepSpeed ZeRO-1 and ZeRO-2: get_peft_model on the built
 model, then deepspeed.initialize, which casts every parameter to bf16 and flattens the adapters alone) into
 data/measurements/tier2_lora_zero12_cpu.csv.
+
+`--zero0-dsopt` runs ZERO0_DSOPT_RUNS (a DeepSpeed "optimizer" section with ZeRO stage 0, LoRA with ZeRO stage 0,
+and LoRA with ZeRO-1/2 and a DeepSpeed "optimizer" section) into data/measurements/tier2_zero0_dsopt_cpu.csv.
 """
 from __future__ import annotations
 
@@ -246,6 +249,38 @@ LORA_ZERO12_RUNS = [
      (8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")), {"build_bf16": True}),
 ]
 
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ZERO0_DSOPT_CSV = MEASUREMENTS_DIR / "tier2_zero0_dsopt_cpu.csv"
+# Same tuple as LORA_RUNS. Stage 0 wraps a JSON FusedAdam in bf16 in FP16_Optimizer (flat bf16 and fp32 groups) and
+# a torch AdamW (`torch_adam`, or the client's) in FP16_UnfusedOptimizer; in fp32 it steps the optimizer as it is.
+ZERO0_DSOPT_RUNS = [
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 0}, FUSED_ADAMW, NO_LORA),
+    ("gpt2", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 0}, FUSED_ADAMW, NO_LORA),
+    ("opt-125m", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 0}, FUSED_ADAMW, NO_LORA),
+    ("qwen2.5-0.5b", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 0}, TORCH_ADAMW, NO_LORA),
+    ("pythia-160m", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 0}, TORCH_ADAMW, NO_LORA),
+    # LoRA with ZeRO stage 0: the client AdamW, then a JSON FusedAdam
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 0}, None, (8, None)),
+    ("gpt2", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 0}, None, (4, None)),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 0}, FUSED_ADAMW, (8, QV)),
+    ("mistral-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 0}, FUSED_ADAMW, (16, None)),
+    # LoRA with ZeRO-1/2 and a DeepSpeed "optimizer" section
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 3000}, FUSED_ADAMW,
+     (8, None)),
+    ("gpt2", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 1, "reduce_bucket_size": 2000}, FUSED_ADAMW,
+     (4, None)),
+    ("opt-125m", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 4000}, TORCH_ADAMW,
+     (8, None)),
+    # built in bf16, short sequences and rank-64 adapters on every linear layer: the wrappers' buffers, not the
+    # fp32 build or the activations, make the peak
+    ("llama-2-7b", 2, "bf16", False, 1, 1, 16, "deepspeed", {"stage": 0}, FUSED_ADAMW, (64, ALL_LINEAR),
+     {"build_bf16": True}),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 1, 16, "deepspeed", {"stage": 0}, None, (64, ALL_LINEAR),
+     {"build_bf16": True}),
+    ("mistral-7b", 2, "bf16", False, 1, 1, 16, "deepspeed", {"stage": 2, "reduce_bucket_size": 20000}, FUSED_ADAMW,
+     (64, ALL_LINEAR), {"build_bf16": True}),
+]
+
 
 def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
     """Measure each run (failures are reported and skipped); append the rank rows to `out`; the failures."""
@@ -294,6 +329,8 @@ def main() -> int:
                         help=f"run LEVERS_DDP_RUNS (issue 5's levers under DDP) into {LEVERS_DDP_CSV}")
     parser.add_argument("--lora-zero12", action="store_true",
                         help=f"run LORA_ZERO12_RUNS (LoRA under ZeRO-1/2) into {LORA_ZERO12_CSV}")
+    parser.add_argument("--zero0-dsopt", action="store_true",
+                        help=f"run ZERO0_DSOPT_RUNS (ZeRO-0 with a DeepSpeed optimizer, LoRA) into {ZERO0_DSOPT_CSV}")
     parser.add_argument("--zero3-heldout", action="store_true", help=f"run ZERO3_HELDOUT into {ZERO3_HELDOUT_CSV}")
     parser.add_argument("--zero3", action="store_true",
                         help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")
@@ -302,6 +339,7 @@ def main() -> int:
                          else (LEVERS_DDP_RUNS, LEVERS_DDP_CSV) if args.levers_ddp
                          else (LORA_ZERO12_RUNS, LORA_ZERO12_CSV) if args.lora_zero12
                          else (DS_OPTIMIZER_RUNS, DS_OPTIMIZER_CSV) if args.ds_optimizer
+                         else (ZERO0_DSOPT_RUNS, ZERO0_DSOPT_CSV) if args.zero0_dsopt
                          else (ZERO3_HELDOUT, ZERO3_HELDOUT_CSV) if args.zero3_heldout
                          else (ZERO3_RUNS, ZERO3_CSV) if args.zero3 else (RUNS, TIER2_CSV))
     out = args.out or default_out

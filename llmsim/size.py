@@ -38,7 +38,7 @@ from llmsim.report import human_bytes
 from llmsim.pipelining import Schedule, check_pipeline
 from llmsim.tensor_parallel import check_tensor_parallel
 from llmsim.spec import ModelSpec, TrainSetup
-from llmsim.strategies import LORA_DEEPSPEED_STAGES, Layout, Strategy
+from llmsim.strategies import Layout, Strategy
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
         if "ddp" in families:
             out.append(Candidate("ddp", world, lambda mb, w=world: Layout(Strategy.DDP, w)))
         if "zero" in families and setup.precision in (Precision.FP32, Precision.BF16):
-            for stage in LORA_DEEPSPEED_STAGES if setup.lora_rank else (1, 2, 3):
+            for stage in (1, 2, 3):
                 out.append(Candidate(f"zero{stage}", world,
                                      lambda mb, w=world, s=stage: _zero(spec, setup, w, s, mb)))
         splits = ([(world, 1)] if "tp" in families else []) + ([(1, world)] if "pp" in families else []) + \

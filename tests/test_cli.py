@@ -150,31 +150,6 @@ def test_lm_head_tied_to_the_embedding_is_not_trained_both_ways(capsys):
     assert len(err.splitlines()) == 1 and "lm_head holds the input embedding's weight" in err, err
 
 
-@pytest.mark.parametrize("stage", [0])
-def test_lora_with_unmeasured_zero_stage_is_refused(stage, tmp_path, capsys):
-    """LoRA is modelled (and measured) under DDP and ZeRO-1/2/3; ZeRO-0 with frozen parameters gets one line."""
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}))
-    assert main(["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--lora-rank", "4",
-                 "--ds-config", str(path), "--world-size", "2"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1
-    assert f"LoRA with DeepSpeed ZeRO stage {stage} is not modelled yet" in err
-
-
-@pytest.mark.parametrize("stage", [1, 2])
-def test_lora_zero12_with_a_deepspeed_optimizer_is_refused(stage, tmp_path, capsys):
-    """Under ZeRO-1/2 LoRA is measured with the client AdamW only (DeepSpeed's FusedAdam is not)."""
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
-                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}))
-    needle = f"LoRA with DeepSpeed ZeRO-{stage} and a DeepSpeed \"optimizer\" section is not modelled yet"
-    assert main(["predict", *TINY, "--seq-len", "8", "--lora-rank", "4", "--ds-config", str(path),
-                 "--world-size", "2"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and needle in err, err
-
-
 LOSS_BAD = [
     (["--loss", "chunked-nll", "--loss-chunk", "0"], "loss-chunk must be a positive integer, got 0"),
     (["--loss", "chunked-nll", "--loss-chunk", "-256"], "loss-chunk must be a positive integer, got -256"),

@@ -39,8 +39,8 @@ BAD = [
      "'Lamb' is not modelled"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
      [], "offload_optimizer"),
-    ({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 0}}, [],
-     "stage 0 is not modelled"),
+    ({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "legacy_fusion": True},
+      "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}, [], "legacy_fusion"),
     ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 2}}, [],
      "gradient_accumulation_steps(4) is not modelled yet"),
 ]

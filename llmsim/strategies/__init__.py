@@ -12,6 +12,7 @@ from typing import Callable
 import pandas as pd
 
 from llmsim.dsconfig import DeepSpeedSetup
+from llmsim.enums import Precision
 from llmsim.errors import InputError
 from llmsim.pipelining import Schedule
 from llmsim.strategies import ddp, single
@@ -68,23 +69,26 @@ def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.Da
     if layout.deepspeed.stage not in stages:
         raise InputError(f"DeepSpeed ZeRO stage {layout.deepspeed.stage} is not modelled yet; "
                          f"modelled stages: {', '.join(map(str, sorted(stages)))}")
-    if layout.deepspeed.stage == 0 and layout.deepspeed.optimizer_kind != "client":
-        raise InputError("a DeepSpeed \"optimizer\" section with ZeRO stage 0 is not modelled yet; modelled with "
-                         "it: stages 1, 2 and 3")
+    ds = layout.deepspeed
+    if (ds.stage == 0 and ds.optimizer_kind == "fused" and ds.precision is Precision.BF16
+            and ds.config["optimizer"].get("legacy_fusion")):
+        raise InputError("DeepSpeed optimizer legacy_fusion with ZeRO stage 0 and bf16 does not run: FP16_Optimizer's "
+                         "step_fused_adam calls FusedAdam.step(grads=...), which raises; drop legacy_fusion")
     return stages[layout.deepspeed.stage](timeline, layout, setup)
 
 
 # Where LoRA's frozen base is modelled (measured in data/measurements/tier2_lora_cpu.csv): DDP buckets only the
 # trainable gradients; ZeRO-3 partitions the frozen parameters and gathers them like any other, but gives them no
 # gradient, no fp32 master and no optimizer state. ZeRO-1/2 (tier2_lora_zero12_cpu.csv) flatten and partition the
-# adapters alone and leave the frozen base where it is (measured with the client AdamW, fp32 and bf16).
-LORA_DEEPSPEED_STAGES = (1, 2, 3)
+# adapters alone and leave the frozen base where it is (measured with the client AdamW, fp32 and bf16, and with a
+# DeepSpeed "optimizer" section in tier2_zero0_dsopt_cpu.csv); ZeRO-0's fp16 wrappers and reduction own the adapters
+# alone (tier2_zero0_dsopt_cpu.csv). Every ZeRO stage is modelled with LoRA.
 
 
 def traced_setup(setup, layout: Layout):
-    """The setup the single-process trace runs for `layout`: under ZeRO-1/2 DeepSpeed's engine casts the model
+    """The setup the single-process trace runs for `layout`: under ZeRO-0/1/2 DeepSpeed's engine casts the model
     after get_peft_model (adapters included), not before it as the canonical step does."""
-    if (setup.lora_rank and layout.deepspeed is not None and layout.deepspeed.stage in (1, 2)
+    if (setup.lora_rank and layout.deepspeed is not None and layout.deepspeed.stage in (0, 1, 2)
             and setup.precision.cast_dtype is not None):
         return replace(setup, cast_after_peft=True)
     return setup
@@ -123,8 +127,7 @@ def check_supported(setup, layout: Layout) -> None:
 
 
 def _check_lora(setup, layout: Layout) -> None:
-    stages = ", ".join(f"ZeRO-{s}" for s in LORA_DEEPSPEED_STAGES)
-    modelled = f"modelled with LoRA: single, ddp and DeepSpeed {stages} (tp = pp = 1)"
+    modelled = "modelled with LoRA: single, ddp and DeepSpeed ZeRO-0/1/2/3 (tp = pp = 1)"
     if layout.tp * layout.pp > 1:
         raise InputError(f"LoRA with tp/pp is not modelled yet; {modelled}")
     if layout.strategy is Strategy.SINGLE:
@@ -132,12 +135,6 @@ def _check_lora(setup, layout: Layout) -> None:
     if setup.quant is not None:
         raise InputError(f"LoRA with strategy {layout.strategy.value} and a quantized base (quant {setup.quant}) is "
                          "not modelled yet; modelled with QLoRA: single")
-    if layout.strategy is Strategy.DEEPSPEED and layout.deepspeed.stage not in LORA_DEEPSPEED_STAGES:
-        raise InputError(f"LoRA with DeepSpeed ZeRO stage {layout.deepspeed.stage} is not modelled yet; {modelled}")
-    if (layout.strategy is Strategy.DEEPSPEED and layout.deepspeed.stage in (1, 2)
-            and layout.deepspeed.optimizer_kind != "client"):
-        raise InputError(f"LoRA with DeepSpeed ZeRO-{layout.deepspeed.stage} and a DeepSpeed \"optimizer\" "
-                         "section is not modelled yet; modelled: the client torch.optim.AdamW")
 
 
 def _check_optimizer(plan):

@@ -1,14 +1,17 @@
-"""DeepSpeed ZeRO stage 0 (deepspeed/runtime/engine.py, DeepSpeed 0.19), client AdamW.
+"""DeepSpeed ZeRO stage 0 (deepspeed/runtime/engine.py, DeepSpeed 0.19): the client AdamW, or the one a JSON
+"optimizer" section builds (`_configure_basic_optimizer`: FusedAdam, or torch's AdamW with `torch_adam`).
 
-fp32: the engine uses the client optimizer as it is (`_configure_optimizer`: `self.optimizer =
+fp32: the engine uses the (client or JSON) optimizer as it is (`_configure_optimizer`: `self.optimizer =
 basic_optimizer`), so the rank runs the single-process step plus the data-parallel reduction at the end of
 every backward: `allreduce_gradients` -> `buffered_allreduce_fallback(elements_per_buffer=5e8)` walks
 `named_parameters()`, splits the gradients by dtype, and `allreduce_no_retain` closes a bucket once its numel
 exceeds 5e8 (the last tensor can overshoot); each bucket is flattened into a new copy, all-reduced and
 copied back, and the copy is freed before the next bucket. Clipping (`gradient_clipping` defaults to 1.0)
-makes only scalars.
+makes only scalars. A FusedAdam (zero_common.step_optimizer) replaces the trace's AdamW, then `engine.zero_grad`
+drops the gradients in parameter order.
 
-bf16: the client optimizer is wrapped in FP16_UnfusedOptimizer (runtime/fp16/unfused_optimizer.py):
+bf16 (`_do_optimizer_sanity_check` -> DDP_BFLOAT16 -> `_configure_fp16_optimizer`): a torch AdamW (the client's
+or `torch_adam`) is wrapped in FP16_UnfusedOptimizer (runtime/fp16/unfused_optimizer.py):
 - __init__: per parameter `p.clone().float()` -- a bf16 clone, the fp32 master, the clone freed (line 78);
   `initialize_optimizer_states` (412-434) gives every bf16 parameter a zero gradient, then every fp32
   master one, runs `optimizer.step()` (Adam's states exist from then on) and drops both sets;
@@ -16,14 +19,26 @@ bf16: the client optimizer is wrapped in FP16_UnfusedOptimizer (runtime/fp16/unf
   `get_weight_norm`), then `fp32_param.grad = bf16.grad.to(fp32)` for all parameters at once, AdamW on the
   masters, each fp32 gradient freed as its master is copied back; `engine.zero_grad` then drops the bf16
   gradients in parameter order.
+A FusedAdam is wrapped in FP16_Optimizer instead (runtime/fp16/fused_optimizer.py, `use_fused_optimizer`):
+- __init__ (81-98): `_flatten_dense_tensors([p.clone().detach() ...])` -- every bf16 clone at once, the flat bf16
+  buffer, the clones dropped (a list frees from its end) -- then `p.data = q.data` moves every parameter into
+  the flat buffer (each own storage freed in parameter order), and `flat.clone().float()` is the flat fp32
+  master (the bf16 clone freed); `initialize_optimizer_states` gives the master a zero gradient, steps
+  (FusedAdam's two states) and drops it;
+- step (273-367): `_flatten_dense_tensors([p.grad.to(fp32) ...])` -- every upcast at once, then the flat fp32
+  gradient, the upcasts dropped -- then every bf16 gradient set to None in parameter order; the norm of an
+  fp32 tensor and the in-place clip make scalars, FusedAdam steps in place, the flat gradient is dropped.
+Either wrapper owns only `is_optimized_parameter`s (requires_grad): with LoRA the adapters, which DeepSpeed has
+cast to bf16 after get_peft_model (TrainSetup.cast_after_peft); the reduction walks those alone too.
 """
 from __future__ import annotations
 
 import pandas as pd
 
 from llmsim.enums import Category, Phase, Precision
-from llmsim.strategies.zero_common import (FP32_BYTES, EventWriter, adamw, own_runs, parameters, rows_of,
-                                           walk_phases)
+from llmsim.strategies.events import live_at_end_of_build, trainable_names
+from llmsim.strategies.zero_common import (FP32_BYTES, EventWriter, adamw, construct_optimizer, optimizer_of,
+                                           own_runs, parameters, rows_of, step_optimizer, walk_phases)
 
 ALLREDUCE_ELEMENTS_PER_BUFFER = 500_000_000  # engine.py: buffered_allreduce_fallback default
 BF16_BYTES = 2
@@ -41,12 +56,21 @@ def buckets(numels: list[int], limit: int = ALLREDUCE_ELEMENTS_PER_BUFFER) -> li
 
 
 class _Rank:
-    def __init__(self, timeline: pd.DataFrame, setup) -> None:
+    def __init__(self, timeline: pd.DataFrame, layout, setup) -> None:
         self.bf16 = setup.precision is Precision.BF16
         self.elem = BF16_BYTES if self.bf16 else FP32_BYTES
         self.params = parameters(timeline, self.elem)
+        storages = live_at_end_of_build(timeline, Category.PARAMETER)
+        self.storages = [(int(serial), int(nbytes)) for serial, nbytes in storages["nbytes"].items()]
+        if setup.lora_rank:  # the wrappers and the reduction own the trainable parameters alone
+            names = trainable_names(timeline)
+            self.storages = [s for s, p in zip(self.storages, self.params) if p.name in names]
+            self.params = [p for p in self.params if p.name in names]
         self.numels = [p.numel for p in self.params]
-        self.foreach = setup.foreach
+        self.kind, self.foreach = optimizer_of(layout.deepspeed, setup)
+        self.flat = self.bf16 and self.kind == "fused"  # FP16_Optimizer, else FP16_UnfusedOptimizer
+        # the trace's AdamW step is replaced unless it is the one that runs (fp32, a torch AdamW as traced)
+        self.replace_step = self.bf16 or self.kind == "fused" or self.foreach != setup.foreach
         self.timeline = timeline
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
         self.grads: dict[str, tuple[int, int]] = {}
@@ -56,26 +80,67 @@ class _Rank:
         optimizer = (t["phase"] == Phase.OPTIMIZER.value).to_numpy()
         gradients = ((t["phase"] == Phase.BACKWARD.value) & (t["category"] == Category.GRADIENT.value)).to_numpy()
         rows = rows_of(t)
-        walk_phases(rows, self._row, self._leave, self.w, own_runs(rows, gradients | (optimizer & self.bf16)))
+        own = gradients | (optimizer & self.replace_step)
+        walk_phases(rows, self._row, self._leave, self.w, own_runs(rows, own))
         return self.w.frame(t)
 
     def _row(self, row: tuple) -> None:
-        if self.bf16 and row[1] == Phase.OPTIMIZER.value:
-            return  # FP16_UnfusedOptimizer's step replaces the client optimizer's
+        if self.replace_step and row[1] == Phase.OPTIMIZER.value:
+            return  # the wrapper's (or FusedAdam's) step replaces the traced one
         if row[1] == Phase.BACKWARD.value and row[6] == Category.GRADIENT.value and row[5] > 0:
             self.grads[row[7]] = (int(row[4]), int(row[5]))
         self.w.keep(row)
 
     def _leave(self, step: int, phase: str) -> None:
         self.w.step, self.w.phase = step, phase
-        if phase == Phase.BUILD.value and self.bf16:
-            self.unfused_init()
+        if phase == Phase.BUILD.value:
+            construct_optimizer(self.w, self.kind)
+            if self.flat:
+                self.flat_init()
+            elif self.bf16:
+                self.unfused_init()
         elif phase == Phase.BACKWARD.value:
             for numel in buckets(self.numels):
                 copy = self.w.alloc(numel * self.elem, Category.TEMPORARY)
                 self.w.free(copy, numel * self.elem, Category.TEMPORARY)
-        elif phase == Phase.OPTIMIZER.value and self.bf16:
-            self.unfused_step()
+        elif phase == Phase.OPTIMIZER.value:
+            if self.flat:
+                self.flat_step()
+            elif self.bf16:
+                self.unfused_step()
+            elif self.replace_step:
+                step_optimizer(self.w, self.numels, step == 0, self.foreach, self.kind)
+                self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            if p.name in self.grads:
+                self.w.free(*self.grads.pop(p.name), Category.GRADIENT)
+
+    def flat_init(self) -> None:
+        total = sum(self.numels)
+        clones = [(self.w.alloc(n * BF16_BYTES, Category.TEMPORARY), n) for n in self.numels]
+        self.w.alloc(total * BF16_BYTES, Category.PARAMETER)
+        for serial, numel in reversed(clones):
+            self.w.free(serial, numel * BF16_BYTES, Category.TEMPORARY)
+        for serial, nbytes in self.storages:  # p.data = q.data
+            self.w.free(serial, nbytes, Category.PARAMETER)
+        clone = self.w.alloc(total * BF16_BYTES, Category.TEMPORARY)
+        self.w.alloc(total * FP32_BYTES, Category.MASTER_WEIGHTS)
+        self.w.free(clone, total * BF16_BYTES, Category.TEMPORARY)
+        zero = self.w.alloc(total * FP32_BYTES, Category.GRADIENT)
+        step_optimizer(self.w, [total], True, self.foreach, self.kind)
+        self.w.free(zero, total * FP32_BYTES, Category.GRADIENT)
+
+    def flat_step(self) -> None:
+        total = sum(self.numels)
+        upcasts = [(self.w.alloc(n * FP32_BYTES, Category.TEMPORARY), n) for n in self.numels]
+        flat = self.w.alloc(total * FP32_BYTES, Category.GRADIENT)
+        for serial, numel in reversed(upcasts):
+            self.w.free(serial, numel * FP32_BYTES, Category.TEMPORARY)
+        self.zero_grad()  # `p.grad = None` for every bf16 parameter
+        step_optimizer(self.w, [total], False, self.foreach, self.kind)
+        self.w.free(flat, total * FP32_BYTES, Category.GRADIENT)
 
     def unfused_init(self) -> None:
         for numel in self.numels:
@@ -98,11 +163,9 @@ class _Rank:
         adamw(self.w, self.numels, first=False, foreach=self.foreach)
         for serial, numel in zip(grads32, self.numels):
             self.w.free(serial, numel * FP32_BYTES, Category.GRADIENT)
-        for p in self.params:  # engine.zero_grad
-            if p.name in self.grads:
-                self.w.free(*self.grads.pop(p.name), Category.GRADIENT)
+        self.zero_grad()  # engine.zero_grad
 
 
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
-    frame = _Rank(timeline, setup).run()
+    frame = _Rank(timeline, layout, setup).run()
     return {rank: frame for rank in range(layout.world_size)}
