@@ -16,12 +16,15 @@ bf16: the client optimizer is wrapped in FP16_UnfusedOptimizer (runtime/fp16/unf
   `get_weight_norm`), then `fp32_param.grad = bf16.grad.to(fp32)` for all parameters at once, AdamW on the
   masters, each fp32 gradient freed as its master is copied back; `engine.zero_grad` then drops the bf16
   gradients in parameter order.
+The loss levers and checkpoint offload change only the single-process forward and backward the rank keeps
+(tier2_levers_zero_cpu.csv); a gradient Liger's loss makes in the forward is dropped by `engine.zero_grad` too.
 """
 from __future__ import annotations
 
 import pandas as pd
 
 from llmsim.enums import Category, Phase, Precision
+from llmsim.strategies.zero12 import GRADIENT_PHASES
 from llmsim.strategies.zero_common import (FP32_BYTES, EventWriter, adamw, own_runs, parameters, rows_of,
                                            walk_phases)
 
@@ -54,7 +57,7 @@ class _Rank:
     def run(self) -> pd.DataFrame:
         t = self.timeline
         optimizer = (t["phase"] == Phase.OPTIMIZER.value).to_numpy()
-        gradients = ((t["phase"] == Phase.BACKWARD.value) & (t["category"] == Category.GRADIENT.value)).to_numpy()
+        gradients = (t["phase"].isin(GRADIENT_PHASES) & (t["category"] == Category.GRADIENT.value)).to_numpy()
         rows = rows_of(t)
         walk_phases(rows, self._row, self._leave, self.w, own_runs(rows, gradients | (optimizer & self.bf16)))
         return self.w.frame(t)
@@ -62,7 +65,7 @@ class _Rank:
     def _row(self, row: tuple) -> None:
         if self.bf16 and row[1] == Phase.OPTIMIZER.value:
             return  # FP16_UnfusedOptimizer's step replaces the client optimizer's
-        if row[1] == Phase.BACKWARD.value and row[6] == Category.GRADIENT.value and row[5] > 0:
+        if row[1] in GRADIENT_PHASES and row[6] == Category.GRADIENT.value and row[5] > 0:
             self.grads[row[7]] = (int(row[4]), int(row[5]))
         self.w.keep(row)
 
