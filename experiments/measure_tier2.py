@@ -280,6 +280,13 @@ LEVERS_ZERO_RUNS = [
      (8, None), {"ckpt_offload": True, "loss": Loss.CHUNKED_NLL, "loss_chunk": 700}),
     ("llama-2-7b", 2, "bf16", True, 1, 2, 128, "deepspeed", {"stage": 0}, None, NO_LORA,
      {"ckpt_offload": True, "loss": Loss.FUSED_LINEAR_CE}),
+    # Liger on an untied head at a shape whose peak is the forward/backward: its forward-made gradient is larger
+    # than the bucket (reduced alone) under ZeRO-2, kept to the end of the backward under ZeRO-1
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 256, "deepspeed", {"stage": 2, "reduce_bucket_size": 100000}, None,
+     NO_LORA, {"loss": Loss.FUSED_LINEAR_CE}),
+    ("mistral-7b", 2, "fp32", False, 1, 2, 256, "deepspeed", {"stage": 1, "reduce_bucket_size": 500000}, None,
+     NO_LORA, {"loss": Loss.FUSED_LINEAR_CE}),
+    ("gpt2", 2, "fp32", True, 2, 2, 128, "deepspeed", {"stage": 0}, None, NO_LORA, {"ckpt_offload": True}),
 ]
 
 

@@ -96,11 +96,15 @@ def traced_setup(setup, layout: Layout):
 # a loss lever changes how the LM head's gradient is made (Liger's in the forward, TRL's in its backward) and
 # checkpoint offload moves checkpoint inputs to host memory, neither of which DeepSpeed's engine sees.
 LEVER_ZERO_STAGES = {"loss": (0, 1, 2), "ckpt-offload": (0, 1, 2), "peft-extras": (), "grad-accum": ()}
-# Why a lever stays refused under a ZeRO stage where the reason is known.
+# Why a lever stays refused under a ZeRO stage where the reason is known. Both losses read `lm_head.weight` in the
+# model's forward without calling the lm_head module, whose ZeRO-3 hooks alone gather it: outside them it is the
+# numel-0 placeholder (`free_param`, deepspeed/runtime/zero/partition_parameters.py). Real 2-rank runs fail: the
+# Liger imitation in its forward ("size of tensor a (0) must match ... 128"; Liger's kernel divides by V = 0,
+# linkedin/Liger-Kernel#767), TRL's port in its backward (a [0] weight gradient); TRL's own trainers gather the
+# head with deepspeed.zero.GatheredParameters (`maybe_gather_lm_head_ctx`), which the ZeRO-3 replay does not model.
 LEVER_ZERO_REASONS = {
-    ("loss", 3): "both losses read lm_head.weight outside the lm_head module, whose ZeRO-3 hooks alone gather it "
-                 "(Liger then fails on the numel-0 shard; TRL gathers it with deepspeed.zero.GatheredParameters, "
-                 "which the ZeRO-3 replay does not model)",
+    ("loss", 3): "both losses read lm_head.weight outside the lm_head module, where ZeRO-3 leaves it a numel-0 "
+                 "shard (a run fails; TRL's GatheredParameters gather is not modelled)",
 }
 
 
