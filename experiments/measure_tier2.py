@@ -20,6 +20,9 @@ data/measurements/tier2_zero3_heldout_cpu.csv: measured once the model was writt
 checkpoint offload, TRL's chunked NLL, the Liger imitation, the Adafactors and bitsandbytes' optimizers, peft's
 modules_to_save and trainable tokens) into data/measurements/tier2_levers_ddp_cpu.csv.
 
+`--levers-zero` runs LEVERS_ZERO_RUNS (the loss levers and checkpoint offload under 2-rank DeepSpeed ZeRO-0/1/2,
+client AdamW, fp32 and bf16, alone and combined) into data/measurements/tier2_levers_zero_cpu.csv.
+
 `--lora` runs LORA_RUNS (peft LoRA on a frozen base under DDP and DeepSpeed ZeRO-3: get_peft_model after the
 build, which under ZeRO-3 is zero.Init, then deepspeed.initialize) into data/measurements/tier2_lora_cpu.csv.
 
@@ -282,6 +285,46 @@ ZERO0_DSOPT_RUNS = [
 ]
 
 
+LEVERS_ZERO_CSV = MEASUREMENTS_DIR / "tier2_levers_zero_cpu.csv"
+# Issue 5's levers under DeepSpeed ZeRO-0/1/2 with the client torch.optim.AdamW, alone and combined: same tuple as
+# LEVERS_DDP_RUNS. Small reduce buckets, so that ZeRO-1/2 flush several times a backward and the LM head's gradient
+# (made in the forward by Liger, in its own backward by TRL) bypasses the bucket or shares it.
+LEVERS_ZERO_RUNS = [
+    ("qwen2.5-0.5b", 2, "fp32", False, 1, 2, 128, "deepspeed", {"stage": 2, "reduce_bucket_size": 50000}, None,
+     NO_LORA, {"loss": Loss.FUSED_LINEAR_CE}),
+    ("llama-2-7b", 2, "bf16", False, 1, 2, 128, "deepspeed", {"stage": 2, "reduce_bucket_size": 300000}, None,
+     NO_LORA, {"loss": Loss.CHUNKED_NLL, "loss_chunk": 500}),
+    ("mistral-7b", 2, "fp32", True, 2, 2, 128, "deepspeed", {"stage": 2, "reduce_bucket_size": 100000}, None,
+     NO_LORA, {"ckpt_offload": True}),
+    ("llama-2-7b", 2, "bf16", True, 1, 2, 128, "deepspeed", {"stage": 1, "reduce_bucket_size": 100000}, None,
+     NO_LORA, {"loss": Loss.FUSED_LINEAR_CE}),
+    ("qwen2.5-0.5b", 2, "fp32", False, 1, 2, 128, "deepspeed", {"stage": 1, "reduce_bucket_size": 400000}, None,
+     NO_LORA, {"loss": Loss.CHUNKED_NLL, "loss_chunk": 1000}),
+    ("gpt2", 2, "bf16", True, 1, 2, 128, "deepspeed", {"stage": 1, "reduce_bucket_size": 60000}, None, NO_LORA,
+     {"ckpt_offload": True}),
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 128, "deepspeed", {"stage": 0}, None, NO_LORA,
+     {"loss": Loss.FUSED_LINEAR_CE}),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 2, 128, "deepspeed", {"stage": 0}, None, NO_LORA,
+     {"loss": Loss.CHUNKED_NLL}),
+    ("mistral-7b", 2, "bf16", True, 1, 2, 128, "deepspeed", {"stage": 0}, None, NO_LORA, {"ckpt_offload": True}),
+    # combinations
+    ("llama-2-7b", 2, "bf16", True, 1, 2, 128, "deepspeed",
+     {"stage": 2, "reduce_bucket_size": 200000, "overlap_comm": True}, None, NO_LORA,
+     {"ckpt_offload": True, "loss": Loss.FUSED_LINEAR_CE}),
+    ("mistral-7b", 2, "fp32", True, 1, 2, 128, "deepspeed", {"stage": 1, "reduce_bucket_size": 3000}, None,
+     (8, None), {"ckpt_offload": True, "loss": Loss.CHUNKED_NLL, "loss_chunk": 700}),
+    ("llama-2-7b", 2, "bf16", True, 1, 2, 128, "deepspeed", {"stage": 0}, None, NO_LORA,
+     {"ckpt_offload": True, "loss": Loss.FUSED_LINEAR_CE}),
+    # Liger on an untied head at a shape whose peak is the forward/backward: its forward-made gradient is larger
+    # than the bucket (reduced alone) under ZeRO-2, kept to the end of the backward under ZeRO-1
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 256, "deepspeed", {"stage": 2, "reduce_bucket_size": 100000}, None,
+     NO_LORA, {"loss": Loss.FUSED_LINEAR_CE}),
+    ("mistral-7b", 2, "fp32", False, 1, 2, 256, "deepspeed", {"stage": 1, "reduce_bucket_size": 500000}, None,
+     NO_LORA, {"loss": Loss.FUSED_LINEAR_CE}),
+    ("gpt2", 2, "fp32", True, 2, 2, 128, "deepspeed", {"stage": 0}, None, NO_LORA, {"ckpt_offload": True}),
+]
+
+
 def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
     """Measure each run (failures are reported and skipped); append the rank rows to `out`; the failures."""
     failures = 0
@@ -327,6 +370,8 @@ def main() -> int:
     parser.add_argument("--lora", action="store_true", help=f"run LORA_RUNS (LoRA under DDP, ZeRO-3) into {LORA_CSV}")
     parser.add_argument("--levers-ddp", action="store_true",
                         help=f"run LEVERS_DDP_RUNS (issue 5's levers under DDP) into {LEVERS_DDP_CSV}")
+    parser.add_argument("--levers-zero", action="store_true",
+                        help=f"run LEVERS_ZERO_RUNS (issue 5's levers under ZeRO-0/1/2) into {LEVERS_ZERO_CSV}")
     parser.add_argument("--lora-zero12", action="store_true",
                         help=f"run LORA_ZERO12_RUNS (LoRA under ZeRO-1/2) into {LORA_ZERO12_CSV}")
     parser.add_argument("--zero0-dsopt", action="store_true",
@@ -338,6 +383,7 @@ def main() -> int:
     runs, default_out = ((LORA_RUNS, LORA_CSV) if args.lora
                          else (LEVERS_DDP_RUNS, LEVERS_DDP_CSV) if args.levers_ddp
                          else (LORA_ZERO12_RUNS, LORA_ZERO12_CSV) if args.lora_zero12
+                         else (LEVERS_ZERO_RUNS, LEVERS_ZERO_CSV) if args.levers_zero
                          else (DS_OPTIMIZER_RUNS, DS_OPTIMIZER_CSV) if args.ds_optimizer
                          else (ZERO0_DSOPT_RUNS, ZERO0_DSOPT_CSV) if args.zero0_dsopt
                          else (ZERO3_HELDOUT, ZERO3_HELDOUT_CSV) if args.zero3_heldout

@@ -20,10 +20,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmsim.enums import Attention, Category, Loss, Optimizer, Phase, Precision
-from llmsim.offload import host_peak_bytes, split_host
+from llmsim.losses import compute_loss, install_loss
+from llmsim.offload import host_peak_bytes, offloading, split_host
 from llmsim.peaks import replay
 from llmsim.spec import ModelSpec, TrainSetup
-from llmsim.step import LayerHooks, add_lora, import_peft, run_canonical_step, run_pipeline_step
+from llmsim.step import LayerHooks, add_peft, import_peft, run_canonical_step, run_pipeline_step, uses_peft
 from llmsim.tensor_parallel import parallel_mesh
 from llmsim.trace import model_builder
 from llmsim.tracker import StorageTracker
@@ -42,22 +43,27 @@ def _build(job: dict):
 
 
 def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
+    """The canonical step's levers as a DeepSpeed script pulls them: the loss lever patches the model's forward
+    and peft wraps it before `deepspeed.initialize`, checkpointing (with its offload) is enabled on the base
+    model, and the engine's forward takes the lever's arguments (llmsim/losses.py, `compute_loss`)."""
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
     ds_config = job["ds_config"]
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    import_peft(_setup(job))
-    with tracker:
+    setup = _setup(job)
+    import_peft(setup)
+    with tracker, offloading(tracker, setup.ckpt_offload):
         keep_alive = HfDeepSpeedConfig(ds_config) if stage == 3 else None  # zero.Init inside from_config
         base = model = _build(job)
         hooks = LayerHooks(tracker, model, None)
         model.train()
-        if job.get("lora_rank"):  # as a Trainer script does: get_peft_model outside zero.Init, then initialize
-            model = add_lora(model, _setup(job))
+        install_loss(base, setup)
+        if uses_peft(setup):  # as a Trainer script does: get_peft_model outside zero.Init, then initialize
+            model = add_peft(model, setup)
             hooks.adopt_new_parameters()
         if job["grad_ckpt"]:
-            base.activation_checkpointing_enable(every_n_layers=job["ckpt_every"])
+            base.activation_checkpointing_enable(every_n_layers=job["ckpt_every"], offload=setup.ckpt_offload)
         optimizer = None if "optimizer" in ds_config else torch.optim.AdamW(model.parameters())
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         hooks.label_model()
@@ -66,7 +72,7 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
         tracker.label([batch], Category.INPUT)
         for step in range(job["steps"]):
             tracker.set_phase(step, Phase.FORWARD)
-            loss = engine(input_ids=batch, labels=batch).loss
+            loss = compute_loss(engine, batch, setup)
             tracker.set_phase(step, Phase.BACKWARD)
             hooks.enter_backward()
             engine.backward(loss)

@@ -177,19 +177,51 @@ def test_fused_linear_ce_refused_for_a_model_liger_does_not_patch(capsys):
     assert len(err.splitlines()) == 1 and "no fused linear cross-entropy for model_type 'gpt2'" in err, err
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (["--grad-accum", "2"], "grad-accum(2) with strategy deepspeed is not modelled yet; modelled: single and ddp"),
-    (["--grad-ckpt", "--ckpt-offload"], "ckpt-offload with strategy deepspeed is not modelled yet"),
-    (["--loss", "chunked-nll"], "loss chunked-nll with strategy deepspeed is not modelled yet"),
+@pytest.mark.parametrize("stage,extra,needle", [
+    (2, ["--grad-accum", "2"], "grad-accum(2) with DeepSpeed ZeRO-2 is not modelled yet; modelled: single and ddp "
+     "(tp = pp = 1)"),
+    (1, ["--lora-rank", "4", "--trainable-tokens", "1,2"],
+     "trainable-tokens with DeepSpeed ZeRO-1 is not modelled yet; modelled: single and ddp (tp = pp = 1)"),
+    (3, ["--grad-ckpt", "--ckpt-offload"], "ckpt-offload with DeepSpeed ZeRO-3 is not modelled yet; modelled: single "
+     "and ddp, and DeepSpeed ZeRO-0/1/2 with the client optimizer (tp = pp = 1)"),
+    (3, ["--loss", "fused-linear-ce"], "loss fused-linear-ce with DeepSpeed ZeRO-3 is not modelled: both losses read "
+     "lm_head.weight outside the lm_head module"),
+    (3, ["--loss", "chunked-nll"], "loss chunked-nll with DeepSpeed ZeRO-3 is not modelled: both losses"),
 ])
-def test_levers_with_deepspeed_are_refused(extra, needle, tmp_path, capsys):
-    """Issue 5's levers are modelled for one process and DDP (tier2_levers_ddp_cpu.csv), not yet under ZeRO."""
+def test_levers_with_deepspeed_are_refused(stage, extra, needle, tmp_path, capsys):
+    """Gradient accumulation and peft's extras are modelled for one process and DDP (tier2_levers_ddp_cpu.csv);
+    checkpoint offload and the loss levers also under ZeRO-0/1/2 (tier2_levers_zero_cpu.csv), not ZeRO-3."""
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}))
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}))
     assert main(["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--ds-config", str(path),
                  "--world-size", "2", *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_levers_with_a_deepspeed_optimizer_section_are_refused(tmp_path, capsys):
+    """The levers under ZeRO-1/2 are measured with the client torch.optim.AdamW only."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+                                "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}))
+    assert main(["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--ds-config", str(path),
+                 "--world-size", "2", "--loss", "chunked-nll"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and ('loss chunked-nll with DeepSpeed ZeRO-2 and a DeepSpeed "optimizer" '
+                                           "section is not modelled yet") in err, err
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_levers_under_zero_are_predicted(stage, tmp_path, capsys):
+    """Checkpoint offload and the Liger loss under ZeRO-0/1/2: the host holds what one process offloads."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}}))
+    assert main(["predict", *TINY, "--seq-len", "16", "--micro-batch", "2", "--ds-config", str(path),
+                 "--world-size", "2", "--grad-ckpt", "--ckpt-offload", "--loss", "fused-linear-ce",
+                 "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["ranks"]) == 2
+    assert [r["peak_host_bytes"] for r in out["ranks"]] == [2 * 2 * 16 * 64 * 4] * 2  # two layers' fp32 inputs
 
 
 def test_levers_under_ddp_are_predicted(capsys):

@@ -94,36 +94,79 @@ def traced_setup(setup, layout: Layout):
     return setup
 
 
-def _levers_modelled(layout: Layout) -> bool:
+# Issue 5's levers under DeepSpeed (tp = pp = 1, the client torch.optim.AdamW): the ZeRO stages where each is
+# modelled and measured (data/measurements/tier2_levers_zero_cpu.csv). ZeRO-0/1/2 keep the single-process forward
+# and backward and replace only what follows each gradient hook and the step (strategies/zero0.py, zero12.py):
+# a loss lever changes how the LM head's gradient is made (Liger's in the forward, TRL's in its backward) and
+# checkpoint offload moves checkpoint inputs to host memory, neither of which DeepSpeed's engine sees.
+LEVER_ZERO_STAGES = {"loss": (0, 1, 2), "ckpt-offload": (0, 1, 2), "peft-extras": (), "grad-accum": ()}
+# Why a lever stays refused under a ZeRO stage where the reason is known. Both losses read `lm_head.weight` in the
+# model's forward without calling the lm_head module, whose ZeRO-3 hooks alone gather it: outside them it is the
+# numel-0 placeholder (`free_param`, deepspeed/runtime/zero/partition_parameters.py). Real 2-rank runs fail: the
+# Liger imitation in its forward ("size of tensor a (0) must match ... 128"; Liger's kernel divides by V = 0,
+# linkedin/Liger-Kernel#767), TRL's port in its backward (a [0] weight gradient); TRL's own trainers gather the
+# head with deepspeed.zero.GatheredParameters (`maybe_gather_lm_head_ctx`), which the ZeRO-3 replay does not model.
+LEVER_ZERO_REASONS = {
+    ("loss", 3): "both losses read lm_head.weight outside the lm_head module, where ZeRO-3 leaves it a numel-0 "
+                 "shard (a run fails; TRL's GatheredParameters gather is not modelled)",
+}
+
+
+def _levers_modelled(layout: Layout, lever: str) -> bool:
     """Where issue 5's levers (peft's extras, checkpoint offload, the loss levers, gradient accumulation) are
-    modelled and measured: one process, or torch DDP around the whole model (tp = pp = 1; measured in
-    data/measurements/tier2_levers_ddp_cpu.csv). DDP adds its broadcast chunks and reducer buckets to the
-    single-process step, neither of which these levers change (llmsim/strategies/ddp.py)."""
-    return layout.tp * layout.pp == 1 and layout.strategy in (Strategy.SINGLE, Strategy.DDP)
+    modelled and measured: one process, torch DDP around the whole model (tp = pp = 1; measured in
+    data/measurements/tier2_levers_ddp_cpu.csv; DDP adds its broadcast chunks and reducer buckets to the
+    single-process step, neither of which these levers change, llmsim/strategies/ddp.py), and the DeepSpeed ZeRO
+    stages of LEVER_ZERO_STAGES with the client optimizer."""
+    if layout.tp * layout.pp > 1:
+        return False
+    if layout.strategy in (Strategy.SINGLE, Strategy.DDP):
+        return True
+    return (layout.deepspeed.stage in LEVER_ZERO_STAGES[lever]
+            and layout.deepspeed.optimizer_kind == "client")
 
 
-LEVERS_MODELLED = "modelled: single and ddp (tp = pp = 1)"
+def levers_modelled_text(lever: str) -> str:
+    stages = "/".join(map(str, LEVER_ZERO_STAGES[lever]))
+    zero = f", and DeepSpeed ZeRO-{stages} with the client optimizer" if stages else ""
+    return f"modelled: single and ddp{zero} (tp = pp = 1)"
+
+
+LEVERS_MODELLED = levers_modelled_text("peft-extras")  # the text for a lever modelled for single and ddp alone
+
+
+def _refuse_lever(lever: str, what: str, layout: Layout, note: str = "") -> None:
+    if _levers_modelled(layout, lever):
+        return
+    where = f"strategy {layout.strategy.value}{' and tp/pp' if layout.tp * layout.pp > 1 else ''}"
+    if layout.deepspeed is not None and layout.tp * layout.pp == 1:
+        where = f"DeepSpeed ZeRO-{layout.deepspeed.stage}"
+        if layout.deepspeed.stage in LEVER_ZERO_STAGES[lever]:
+            where += " and a DeepSpeed \"optimizer\" section"
+        reason = LEVER_ZERO_REASONS.get((lever, layout.deepspeed.stage))
+        if reason:
+            raise InputError(f"{what} with {where} is not modelled: {reason}; {levers_modelled_text(lever)}")
+    raise InputError(f"{what} with {where} is not modelled yet; {levers_modelled_text(lever)}{note}")
 
 
 def check_supported(setup, layout: Layout) -> None:
-    """Before any trace: gradient accumulation, checkpoint offload, the loss levers and peft's extras are modelled
-    for one process and DDP, LoRA for one process, DDP and ZeRO-1/2/3; DeepSpeed's accumulation boundaries and a
-    pipeline's own micro-batches are not."""
+    """Before any trace: gradient accumulation and peft's extras are modelled for one process and DDP, checkpoint
+    offload and the loss levers also for DeepSpeed ZeRO-0/1/2 (LEVER_ZERO_STAGES), LoRA for one process, DDP and
+    ZeRO-0/1/2/3; DeepSpeed's accumulation boundaries and a pipeline's own micro-batches are not."""
     if setup.lora_rank:
         _check_lora(setup, layout)
-    where = f"strategy {layout.strategy.value}{' and tp/pp' if layout.tp * layout.pp > 1 else ''}"
     extras = [name for name, on in (("lora-modules-to-save", setup.lora_modules_to_save),
                                     ("trainable-tokens", setup.trainable_tokens)) if on]
-    if extras and not _levers_modelled(layout):
-        raise InputError(f"{' and '.join(extras)} with {where} is not modelled yet; {LEVERS_MODELLED}")
-    if setup.ckpt_offload and not _levers_modelled(layout):
-        raise InputError(f"ckpt-offload with {where} is not modelled yet; {LEVERS_MODELLED}")
-    if setup.loss.value != "hf" and not _levers_modelled(layout):
-        raise InputError(f"loss {setup.loss.value} with {where} is not modelled yet; {LEVERS_MODELLED}")
-    if setup.grad_accum > 1 and not _levers_modelled(layout):
-        raise InputError(f"grad-accum({setup.grad_accum}) with {where} is not modelled yet; {LEVERS_MODELLED} "
-                         "(DDP all-reducing every backward, no no_sync); a pipeline accumulates over its "
-                         "--microbatches")
+    if extras:
+        _refuse_lever("peft-extras", " and ".join(extras), layout)
+    if setup.ckpt_offload:
+        _refuse_lever("ckpt-offload", "ckpt-offload", layout)
+    if setup.loss.value != "hf":
+        _refuse_lever("loss", f"loss {setup.loss.value}", layout)
+    if setup.grad_accum > 1:
+        _refuse_lever("grad-accum", f"grad-accum({setup.grad_accum})", layout,
+                      " (DDP all-reducing every backward, no no_sync; DeepSpeed's gradient_accumulation_steps "
+                      "boundaries are not); a pipeline accumulates over its --microbatches")
 
 
 def _check_lora(setup, layout: Layout) -> None:

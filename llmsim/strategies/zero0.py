@@ -30,6 +30,8 @@ A FusedAdam is wrapped in FP16_Optimizer instead (runtime/fp16/fused_optimizer.p
   fp32 tensor and the in-place clip make scalars, FusedAdam steps in place, the flat gradient is dropped.
 Either wrapper owns only `is_optimized_parameter`s (requires_grad): with LoRA the adapters, which DeepSpeed has
 cast to bf16 after get_peft_model (TrainSetup.cast_after_peft); the reduction walks those alone too.
+The loss levers and checkpoint offload change only the single-process forward and backward the rank keeps
+(tier2_levers_zero_cpu.csv); a gradient Liger's loss makes in the forward is dropped by `engine.zero_grad` too.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import pandas as pd
 
 from llmsim.enums import Category, Phase, Precision
 from llmsim.strategies.events import live_at_end_of_build, trainable_names
+from llmsim.strategies.zero12 import GRADIENT_PHASES
 from llmsim.strategies.zero_common import (FP32_BYTES, EventWriter, adamw, construct_optimizer, optimizer_of,
                                            own_runs, parameters, rows_of, step_optimizer, walk_phases)
 
@@ -78,7 +81,7 @@ class _Rank:
     def run(self) -> pd.DataFrame:
         t = self.timeline
         optimizer = (t["phase"] == Phase.OPTIMIZER.value).to_numpy()
-        gradients = ((t["phase"] == Phase.BACKWARD.value) & (t["category"] == Category.GRADIENT.value)).to_numpy()
+        gradients = (t["phase"].isin(GRADIENT_PHASES) & (t["category"] == Category.GRADIENT.value)).to_numpy()
         rows = rows_of(t)
         own = gradients | (optimizer & self.replace_step)
         walk_phases(rows, self._row, self._leave, self.w, own_runs(rows, own))
@@ -87,7 +90,7 @@ class _Rank:
     def _row(self, row: tuple) -> None:
         if self.replace_step and row[1] == Phase.OPTIMIZER.value:
             return  # the wrapper's (or FusedAdam's) step replaces the traced one
-        if row[1] == Phase.BACKWARD.value and row[6] == Category.GRADIENT.value and row[5] > 0:
+        if row[1] in GRADIENT_PHASES and row[6] == Category.GRADIENT.value and row[5] > 0:
             self.grads[row[7]] = (int(row[4]), int(row[5]))
         self.w.keep(row)
 

@@ -22,6 +22,12 @@ With LoRA the optimizer's groups keep only the parameters that require grad (`is
 adapters alone are flattened, partitioned, bucketed and stepped; the frozen base keeps its own storage. The engine
 casts every parameter, the adapters too, to bf16 after get_peft_model (`_cast_module_mixed_precision`; the trace
 runs that cast, TrainSetup.cast_after_peft).
+Issue 5's loss levers and checkpoint offload (measured in data/measurements/tier2_levers_zero_cpu.csv) change the
+single-process forward and backward that every rank keeps, not DeepSpeed's part: Liger's fused linear
+cross-entropy makes the LM head's weight gradient in the forward and hands that storage to autograd in the
+backward, where the gradient hook buckets and frees it like any other (a gradient row of the forward is one of the
+rows a rank acts on); TRL's chunked NLL makes it in its own backward; save_on_cpu's host copies of the
+checkpointed inputs are host memory, reported apart on every rank.
 """
 from __future__ import annotations
 
@@ -37,6 +43,9 @@ from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, 
                                            optimizer_of, param_storages, parameters, rows_of, step_optimizer,
                                            own_runs, walk_phases)
 
+# Where a gradient's storage is made: in the backward, or in the forward by a loss that computes the LM head's
+# weight gradient there (Liger's fused linear cross-entropy keeps it for the backward, which hands it to autograd)
+GRADIENT_PHASES = (Phase.FORWARD.value, Phase.BACKWARD.value)
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: the flat buffer is padded to a multiple of 2 * world size
 
 
@@ -235,7 +244,7 @@ class _Rank:
             self._initialize_once()  # the batch is made after deepspeed.initialize returns
             self.w.keep(row)
             return
-        if row[6] == Category.GRADIENT.value and row[1] == Phase.BACKWARD.value:
+        if row[6] == Category.GRADIENT.value and row[1] in GRADIENT_PHASES:
             self._gradient_row(row)
         else:
             self.w.keep(row)
@@ -274,7 +283,7 @@ def _trainable(params: list[Param], timeline: pd.DataFrame, setup) -> list[Param
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     rows = rows_of(timeline)
     phase, category = timeline["phase"], timeline["category"]
-    own = (((phase == Phase.BACKWARD.value) & (category == Category.GRADIENT.value))
+    own = ((phase.isin(GRADIENT_PHASES) & (category == Category.GRADIENT.value))
            | ((phase == Phase.BUILD.value) & (category == Category.INPUT.value))).to_numpy()
     own = own_runs(rows, own, (phase == Phase.OPTIMIZER.value).to_numpy())  # the same runs for every rank
     return LazyRanks(layout.world_size, lambda rank: _Rank(timeline, rows, layout, setup, rank, own).run())
