@@ -88,7 +88,8 @@ def _setup(job: dict) -> TrainSetup:
                       grad_accum=job.get("grad_accum", 1), ckpt_offload=bool(job.get("ckpt_offload")),
                       loss=Loss(job.get("loss", Loss.HF.value)), loss_chunk=job.get("loss_chunk"),
                       lora_modules_to_save=_tuple(job.get("lora_modules_to_save")),
-                      trainable_tokens=_tuple(job.get("trainable_tokens")))
+                      trainable_tokens=_tuple(job.get("trainable_tokens")), foreach=bool(job.get("foreach")),
+                      fused=bool(job.get("fused")))
 
 
 def _tuple(values: list | None) -> tuple | None:
