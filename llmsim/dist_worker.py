@@ -58,7 +58,8 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
             hooks.adopt_new_parameters()
         if job["grad_ckpt"]:
             base.activation_checkpointing_enable(every_n_layers=job["ckpt_every"])
-        optimizer = None if "optimizer" in ds_config else torch.optim.AdamW(model.parameters())
+        client = {"foreach": job.get("foreach") or None, **({"fused": True} if job.get("fused") else {})}
+        optimizer = None if "optimizer" in ds_config else torch.optim.AdamW(model.parameters(), **client)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         hooks.label_model()
         vocab_size = base.get_input_embeddings().num_embeddings

@@ -46,7 +46,7 @@ class _Rank:
         self.elem = BF16_BYTES if self.bf16 else FP32_BYTES
         self.params = parameters(timeline, self.elem)
         self.numels = [p.numel for p in self.params]
-        self.foreach = setup.foreach
+        self.foreach, self.fused = setup.foreach, setup.fused
         self.timeline = timeline
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
         self.grads: dict[str, tuple[int, int]] = {}
@@ -84,7 +84,7 @@ class _Rank:
             self.w.free(clone, numel * BF16_BYTES, Category.TEMPORARY)
         zero16 = [self.w.alloc(n * BF16_BYTES, Category.GRADIENT) for n in self.numels]
         zero32 = [self.w.alloc(n * FP32_BYTES, Category.GRADIENT) for n in self.numels]
-        adamw(self.w, self.numels, first=True, foreach=self.foreach)
+        adamw(self.w, self.numels, first=True, foreach=self.foreach, fused=self.fused)
         for serial, numel in zip(zero16, self.numels):
             self.w.free(serial, numel * BF16_BYTES, Category.GRADIENT)
         for serial, numel in zip(zero32, self.numels):
@@ -95,7 +95,7 @@ class _Rank:
             upcast = self.w.alloc(numel * FP32_BYTES, Category.TEMPORARY)
             self.w.free(upcast, numel * FP32_BYTES, Category.TEMPORARY)
         grads32 = [self.w.alloc(n * FP32_BYTES, Category.GRADIENT) for n in self.numels]
-        adamw(self.w, self.numels, first=False, foreach=self.foreach)
+        adamw(self.w, self.numels, first=False, foreach=self.foreach, fused=self.fused)
         for serial, numel in zip(grads32, self.numels):
             self.w.free(serial, numel * FP32_BYTES, Category.GRADIENT)
         for p in self.params:  # engine.zero_grad
