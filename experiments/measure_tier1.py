@@ -263,6 +263,34 @@ def foreach_matrix():
                                        optimizer=Optimizer(optimizer))
 
 
+# torch.optim's fused kernels (`fused=True`: `_fused_adamw_`, `_fused_adam_`, `_fused_sgd_`, which run on the CPU
+# too): states created at the first step (AdamW's `step` a 0-dim fp32 tensor on the parameters' device), updated
+# in place with no temporaries; under fp16-autocast the GradScaler hands the kernel `grad_scale` and `found_inf`
+# instead of unscaling first. 1-3 steps, so the peak falls before, in and after the states' creation.
+# (zoo model, (hidden, layers, vocab, heads), micro_batch, seq_len, precision, grad_ckpt, optimizer, steps)
+FUSED_CSV = TIER1_CSV.parent / "tier1_fused_adamw_cpu.csv"
+FUSED_RUNS = [
+    ("llama-2-7b", (128, 6, 2000, 4), 2, 64, "fp32", False, "adamw", 3),
+    ("llama-2-7b", (128, 4, 2000, 4), 2, 64, "bf16-autocast", True, "adamw", 3),
+    ("qwen2.5-0.5b", (112, 5, 3000, 7), 2, 64, "bf16", False, "adamw", 3),
+    ("llama-3.1-8b", (96, 5, 1024, 6), 2, 64, "fp32", False, "adamw", 1),
+    ("mistral-7b", (128, 5, 1536, 8), 1, 128, "fp32", True, "adam", 3),
+    ("opt-125m", (96, 5, 1280, 4), 2, 64, "bf16", True, "adam", 2),
+    ("pythia-160m", (128, 6, 2048, 4), 2, 64, "fp16-autocast", False, "adamw", 3),
+    ("bloom-560m", (64, 4, 2048, 4), 2, 64, "bf16-autocast", False, "adamw", 2),
+    ("codegen-350m-mono", (128, 4, 1024, 4), 2, 64, "fp16", False, "adamw", 3),
+    ("gpt2", (128, 5, 1024, 4), 2, 64, "fp32", True, "sgd-momentum", 3),
+    ("gpt2", (128, 4, 1024, 4), 2, 64, "bf16", False, "sgd", 2),
+]
+
+
+def fused_matrix():
+    for model, shape, mb, seq, precision, ckpt, optimizer, steps in FUSED_RUNS:
+        attention = Attention.EAGER if model.startswith("bloom") else None  # BLOOM has no SDPA path
+        yield model, shape, TrainSetup(mb, seq, Precision(precision), attention, ckpt, steps=steps, fused=True,
+                                       optimizer=Optimizer(optimizer))
+
+
 def optimizer_matrix():
     shapes = {name: shape for name, *shape in MODELS}
     for model, optimizer, precision, ckpt in OPTIMIZER_RUNS:
@@ -303,12 +331,16 @@ def main() -> int:
                         "trainable tokens, written to tier1_peft_cpu.csv unless --out is given")
     parser.add_argument("--foreach", action="store_true", help="only the optimizers' foreach runs (to "
                         "tier1_foreach_cpu.csv unless --out is given)")
+    parser.add_argument("--fused", action="store_true", help="only the optimizers' fused runs (to "
+                        "tier1_fused_adamw_cpu.csv unless --out is given)")
     args = parser.parse_args()
     args.out = args.out or (TIER1_OPTIM_CSV if args.more_optimizers else FOREACH_CSV if args.foreach
+                            else FUSED_CSV if args.fused
                             else OFFLOAD_CSV if args.ckpt_offload
                             else LOSS_CSV if args.loss else PEFT_CSV if args.peft_extras else TIER1_CSV)
     extra = (lora_matrix() if args.lora else optimizer_matrix() if args.optimizers
              else more_optimizer_matrix() if args.more_optimizers else foreach_matrix() if args.foreach
+             else fused_matrix() if args.fused
              else fp16_matrix() if args.fp16 else grad_accum_matrix() if args.grad_accum
              else qlora_matrix() if args.qlora else offload_matrix() if args.ckpt_offload
              else loss_matrix() if args.loss else peft_matrix() if args.peft_extras else None)

@@ -26,6 +26,9 @@ client AdamW, fp32 and bf16, alone and combined) into data/measurements/tier2_le
 `--lora` runs LORA_RUNS (peft LoRA on a frozen base under DDP and DeepSpeed ZeRO-3: get_peft_model after the
 build, which under ZeRO-3 is zero.Init, then deepspeed.initialize) into data/measurements/tier2_lora_cpu.csv.
 
+`--fused` runs FUSED_RUNS (torch.optim's fused AdamW/Adam under DDP, and as DeepSpeed's client or `torch_adam`
+optimizer under ZeRO-0..3) into data/measurements/tier2_fused_adamw_cpu.csv.
+
 `--lora-zero12` runs LORA_ZERO12_RUNS (peft LoRA under DeepSpeed ZeRO-1 and ZeRO-2: get_peft_model on the built
 model, then deepspeed.initialize, which casts every parameter to bf16 and flattens the adapters alone) into
 data/measurements/tier2_lora_zero12_cpu.csv.
@@ -223,6 +226,43 @@ LEVERS_DDP_RUNS = [
      {"trainable_tokens": (1, 2, 3), "ckpt_offload": True, "optimizer": Optimizer.HF_ADAFACTOR, "grad_accum": 2}),
 ]
 
+FUSED_CSV = MEASUREMENTS_DIR / "tier2_fused_adamw_cpu.csv"
+# torch.optim's fused kernels (`fused=True`) under DDP, and as the client AdamW of DeepSpeed ZeRO-0..3 (or a
+# `torch_adam` "optimizer" section with `"fused": true`): the states are created at the first step and updated in
+# place, no temporaries. Same tuple as LEVERS_DDP_RUNS.
+FUSED = {"fused": True}
+def small_buckets(stage: int) -> dict:  # buckets of 20k elements: the optimizer step, not a bucket, is the peak
+    return {"stage": stage, "reduce_bucket_size": 20000, "allgather_bucket_size": 20000} if stage < 3 else \
+        {"stage": 3, "reduce_bucket_size": 20000, "stage3_prefetch_bucket_size": 20000,
+         "stage3_param_persistence_threshold": 0}
+
+
+WIDE_VOCAB = (128, 2, 16000, 4)
+TORCH_FUSED_ADAMW = {"type": "AdamW", "params": {"torch_adam": True, "fused": True}}
+FUSED_RUNS = [
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "ddp", None, None, NO_LORA, FUSED),
+    ("qwen2.5-0.5b", 2, "bf16", True, 1, 2, 64, "ddp", None, None, NO_LORA, {**FUSED, "optimizer": Optimizer.ADAM}),
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 1}, None, NO_LORA, FUSED),
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", small_buckets(1), None, NO_LORA, FUSED),
+    ("gpt2", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 2}, None, NO_LORA, FUSED),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 2, 64, "deepspeed", small_buckets(2), None, NO_LORA, FUSED),
+    ("mistral-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", small_buckets(2), TORCH_FUSED_ADAMW, NO_LORA),
+    ("opt-125m", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 3}, None, NO_LORA, FUSED),
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", small_buckets(3), None, NO_LORA, FUSED),
+    ("pythia-160m", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 0}, None, NO_LORA, FUSED),
+    ("llama-2-7b", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 0}, None, NO_LORA, FUSED),
+    # a wide vocabulary, one short sequence and checkpointing: the optimizer step is the peak, and the fused
+    # path's missing temporaries are what the prediction must get right (a 13th field: the shape)
+    ("llama-2-7b", 2, "fp32", True, 1, 1, 16, "ddp", None, None, NO_LORA, FUSED, WIDE_VOCAB),
+    ("llama-2-7b", 2, "bf16", True, 1, 1, 16, "deepspeed", small_buckets(1), None, NO_LORA, FUSED, WIDE_VOCAB),
+    ("llama-2-7b", 2, "fp32", True, 1, 1, 16, "deepspeed", small_buckets(2), None, NO_LORA, FUSED, WIDE_VOCAB),
+    ("qwen2.5-0.5b", 2, "bf16", True, 1, 1, 16, "deepspeed", small_buckets(2), None, NO_LORA, FUSED,
+     (112, 2, 12000, 7)),
+    ("qwen2.5-0.5b", 2, "bf16", True, 1, 1, 16, "deepspeed", small_buckets(1), TORCH_FUSED_ADAMW, NO_LORA, {},
+     (112, 2, 12000, 7)),
+    ("llama-2-7b", 2, "bf16", True, 1, 1, 16, "deepspeed", small_buckets(3), None, NO_LORA, FUSED, WIDE_VOCAB),
+]
+
 LORA_ZERO12_CSV = MEASUREMENTS_DIR / "tier2_lora_zero12_cpu.csv"
 # LoRA under DeepSpeed ZeRO-1/2, client AdamW: the adapters alone flattened and partitioned. Reduce buckets of a
 # few thousand elements (the adapters are 1-4k elements each), so that buckets flush several times a backward
@@ -333,7 +373,8 @@ def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
         optimizer = run[9] if len(run) > 9 else None
         lora_rank, lora_targets = run[10] if len(run) > 10 else (0, None)
         levers = run[11] if len(run) > 11 else {}
-        spec = load_model_spec(model, shrink(model, *SHAPES[model]))
+        shape = run[12] if len(run) > 12 else SHAPES[model]  # (hidden, layers, vocab, heads) other than SHAPES'
+        spec = load_model_spec(model, shrink(model, *shape))
         attention = Attention.EAGER if model.startswith("bloom") else None
         setup = TrainSetup(mb, seq, Precision(precision), attention, ckpt, every, lora_rank=lora_rank,
                            lora_targets=lora_targets, **levers)
@@ -345,7 +386,7 @@ def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
                 config["optimizer"] = optimizer
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(config, f)
-            deepspeed = load_ds_config(f.name, world, SHAPES[model][0], mb, Precision(precision))
+            deepspeed = load_ds_config(f.name, world, shape[0], mb, Precision(precision))
         layout = Layout(Strategy(strategy), world, deepspeed)
         try:
             rows = measure_distributed(spec, setup, layout, timeout)
@@ -376,6 +417,8 @@ def main() -> int:
                         help=f"run LORA_ZERO12_RUNS (LoRA under ZeRO-1/2) into {LORA_ZERO12_CSV}")
     parser.add_argument("--zero0-dsopt", action="store_true",
                         help=f"run ZERO0_DSOPT_RUNS (ZeRO-0 with a DeepSpeed optimizer, LoRA) into {ZERO0_DSOPT_CSV}")
+    parser.add_argument("--fused", action="store_true",
+                        help=f"run FUSED_RUNS (torch.optim fused=True under DDP and ZeRO) into {FUSED_CSV}")
     parser.add_argument("--zero3-heldout", action="store_true", help=f"run ZERO3_HELDOUT into {ZERO3_HELDOUT_CSV}")
     parser.add_argument("--zero3", action="store_true",
                         help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")
@@ -386,6 +429,7 @@ def main() -> int:
                          else (LEVERS_ZERO_RUNS, LEVERS_ZERO_CSV) if args.levers_zero
                          else (DS_OPTIMIZER_RUNS, DS_OPTIMIZER_CSV) if args.ds_optimizer
                          else (ZERO0_DSOPT_RUNS, ZERO0_DSOPT_CSV) if args.zero0_dsopt
+                         else (FUSED_RUNS, FUSED_CSV) if args.fused
                          else (ZERO3_HELDOUT, ZERO3_HELDOUT_CSV) if args.zero3_heldout
                          else (ZERO3_RUNS, ZERO3_CSV) if args.zero3 else (RUNS, TIER2_CSV))
     out = args.out or default_out

@@ -48,6 +48,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "host memory: activation_checkpointing_enable(offload=True); needs --grad-ckpt")
     p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd-momentum | adafactor (torch.optim) "
                    "| hf-adafactor (transformers) | adamw8bit | paged-adamw | paged-adamw8bit (bitsandbytes)")
+    p.add_argument("--foreach", action="store_true", help="the optimizer's foreach path (foreach=True; the default "
+                   "with --gpu, as torch's for CUDA parameters; else the for-loop path, the CPU's default)")
+    p.add_argument("--fused", action="store_true", help="the optimizer's fused kernel (fused=True): adamw, adam, "
+                   "sgd, sgd-momentum; not with --foreach")
     p.add_argument("--build-dtype", default="fp32", help="fp32 (build, then cast: the canonical step) | bf16 "
                    "(build in bf16, as from_pretrained(dtype=bfloat16) loads; needs --precision bf16)")
     p.add_argument("--lora-rank", type=int, default=0, help="peft LoRA adapters of this rank on a frozen base")
@@ -138,7 +142,7 @@ def _inputs(args):
         grad_ckpt=args.grad_ckpt, ckpt_every=args.ckpt_every, grad_accum=args.grad_accum,
         ckpt_offload=args.ckpt_offload,
         device=parse_enum(Device, args.device, "device"),
-        optimizer=parse_enum(Optimizer, args.optimizer, "optimizer"),
+        optimizer=parse_enum(Optimizer, args.optimizer, "optimizer"), foreach=args.foreach, fused=args.fused,
         build_bf16=_build_bf16(args.build_dtype), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets else None,
         quant=args.quant, double_quant=args.double_quant, loss=parse_enum(Loss, args.loss, "loss"),

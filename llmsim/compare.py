@@ -27,6 +27,7 @@ LEVERS: list[tuple[str, dict]] = [
     ("checkpointing every 2 layers", {"grad_ckpt": True, "ckpt_every": 2}),
     ("checkpointing", {"grad_ckpt": True}),
     ("checkpointing, inputs offloaded", {"grad_ckpt": True, "ckpt_offload": True}),
+    ("fused AdamW (fused=True)", {"fused": True, "foreach": False}),
     ("SGD with momentum", {"optimizer": Optimizer.SGD_MOMENTUM}),
     ("Adafactor (transformers)", {"optimizer": Optimizer.HF_ADAFACTOR}),
     ("8-bit AdamW (bitsandbytes)", {"optimizer": Optimizer.ADAMW_8BIT}),
@@ -55,7 +56,7 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
     rows = []
     base = replace(base, precision=Precision.FP32, grad_ckpt=False, ckpt_every=1, build_bf16=False, lora_rank=0,
                    lora_targets=None, optimizer=Optimizer.ADAMW, quant=None, double_quant=False, grad_accum=1,
-                   ckpt_offload=False,
+                   ckpt_offload=False, fused=False,
                    loss=Loss.HF, loss_chunk=None, lora_modules_to_save=None, trainable_tokens=None)
     for label, overrides in LEVERS:
         setup = replace(base, **overrides)
@@ -65,6 +66,8 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
             continue  # peft's extras: an HF model whose module names are known
         if overrides.get("optimizer", Optimizer.ADAMW) is not Optimizer.ADAMW and layout.deepspeed is not None:
             continue  # DeepSpeed is modelled with AdamW only
+        if overrides.get("fused") and layout.tp * layout.pp > 1:
+            continue  # the fused kernels are modelled for tp = pp = 1
         if overrides.get("quant") and model.config_json is None:
             continue  # a module factory has no checkpoint to quantize
         if "loss" in overrides and not _loss_modelled(model, setup, layout, gpu):

@@ -64,7 +64,8 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
             hooks.adopt_new_parameters()
         if job["grad_ckpt"]:
             base.activation_checkpointing_enable(every_n_layers=job["ckpt_every"], offload=setup.ckpt_offload)
-        optimizer = None if "optimizer" in ds_config else torch.optim.AdamW(model.parameters())
+        client = {"foreach": job.get("foreach") or None, **({"fused": True} if job.get("fused") else {})}
+        optimizer = None if "optimizer" in ds_config else torch.optim.AdamW(model.parameters(), **client)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         hooks.label_model()
         vocab_size = base.get_input_embeddings().num_embeddings
@@ -94,7 +95,8 @@ def _setup(job: dict) -> TrainSetup:
                       grad_accum=job.get("grad_accum", 1), ckpt_offload=bool(job.get("ckpt_offload")),
                       loss=Loss(job.get("loss", Loss.HF.value)), loss_chunk=job.get("loss_chunk"),
                       lora_modules_to_save=_tuple(job.get("lora_modules_to_save")),
-                      trainable_tokens=_tuple(job.get("trainable_tokens")))
+                      trainable_tokens=_tuple(job.get("trainable_tokens")), foreach=bool(job.get("foreach")),
+                      fused=bool(job.get("fused")))
 
 
 def _tuple(values: list | None) -> tuple | None:

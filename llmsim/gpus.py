@@ -35,5 +35,6 @@ def load_gpu(name: str) -> GpuProfile:
 
 def on_gpu(setup, gpu: GpuProfile):
     """The canonical step as it runs on this GPU: the kernels CUDA picks for its compute capability
-    (llmsim.kernels) and torch's CUDA defaults (AdamW takes its foreach path for CUDA parameters)."""
-    return replace(setup, device=Device.CUDA, cuda_capability=gpu.compute_capability, foreach=True)
+    (llmsim.kernels) and torch's CUDA defaults (AdamW takes its foreach path for CUDA parameters, unless the
+    fused kernel is asked for: `_default_to_fused_or_foreach` is not consulted when `fused=True`)."""
+    return replace(setup, device=Device.CUDA, cuda_capability=gpu.compute_capability, foreach=not setup.fused)

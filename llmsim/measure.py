@@ -57,7 +57,7 @@ def setup_columns(spec: ModelSpec, setup: TrainSetup) -> dict:
             "ckpt_offload": setup.ckpt_offload,
             "loss": setup.loss.value, "loss_chunk": setup.loss_chunk or "",
             "lora_modules_to_save": ",".join(setup.lora_modules_to_save or ()),
-            "trainable_tokens": ",".join(map(str, setup.trainable_tokens or ()))}
+            "trainable_tokens": ",".join(map(str, setup.trainable_tokens or ())), "fused": setup.fused}
 
 
 def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> dict:
@@ -117,6 +117,7 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
            "loss": setup.loss.value, "loss_chunk": setup.loss_chunk,
            "lora_modules_to_save": list(setup.lora_modules_to_save) if setup.lora_modules_to_save else None,
            "trainable_tokens": list(setup.trainable_tokens) if setup.trainable_tokens else None,
+           "foreach": setup.foreach, "fused": setup.fused,
            "ds_config": layout.deepspeed.config if layout.deepspeed else None}
     start = time.perf_counter()
     results = run_ranks(job, layout.world_size, timeout_s)

@@ -26,6 +26,9 @@ LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt", "gpt_neo", "biogpt"})
 NOT_WITH_TP = frozenset({Optimizer.ADAFACTOR, Optimizer.HF_ADAFACTOR, Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW,
                          Optimizer.PAGED_ADAMW_8BIT})
 
+# torch.optim classes with a `fused` argument among the optimizers llmsim models (torch 2.13: Adam, AdamW, SGD)
+FUSED_OPTIMIZERS = (Optimizer.ADAMW, Optimizer.ADAM, Optimizer.SGD, Optimizer.SGD_MOMENTUM)
+
 
 def zoo_names() -> list[str]:
     return sorted(p.stem for p in ZOO_DIR.glob("*.json"))
@@ -74,6 +77,9 @@ class TrainSetup:
     # before it: every parameter, the adapters included, to the precision's dtype, the buffers left as built
     # (deepspeed/runtime/engine.py, `_cast_module_mixed_precision`); set for LoRA under ZeRO-1/2 (llmsim.strategies)
     cast_after_peft: bool = False
+    # torch.optim's `fused=True`: the optimizer's fused kernel (`_fused_adamw_`, `_fused_adam_`, `_fused_sgd_`),
+    # which updates every state in place (no temporaries) and keeps AdamW's `step` on the parameters' device
+    fused: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):
@@ -103,11 +109,25 @@ class TrainSetup:
         if self.tp > 1 and self.optimizer in NOT_WITH_TP:
             raise InputError(f"optimizer {self.optimizer.value} with tp({self.tp}) is not modelled yet; modelled "
                              "with tp: adamw, adam, sgd, sgd-momentum")
+        self._check_fused()
         if self.ckpt_every != 1 and not self.grad_ckpt:
             raise InputError(f"ckpt-every({self.ckpt_every}) needs activation checkpointing (--grad-ckpt)")
         if self.ckpt_offload and not self.grad_ckpt:
             raise InputError("ckpt-offload offloads the checkpointed layers' inputs: it needs activation "
                              "checkpointing (--grad-ckpt)")
+
+    def _check_fused(self) -> None:
+        if not self.fused:
+            return
+        if self.foreach:  # torch/optim/adam.py, sgd.py: the constructors raise this
+            raise InputError("fused and foreach cannot both be on (torch.optim raises \"`fused` and `foreach` "
+                             "cannot be `True` together\"); pick one")
+        if self.optimizer not in FUSED_OPTIMIZERS:
+            raise InputError(f"optimizer {self.optimizer.value} has no fused path; fused: "
+                             f"{', '.join(o.value for o in FUSED_OPTIMIZERS)}")
+        if self.tp > 1 or self.pp > 1:
+            raise InputError(f"fused optimizer with tp({self.tp}) / pp({self.pp}) is not modelled yet; modelled: "
+                             "one process and ddp (tp = pp = 1)")
 
     def _check_peft_extras(self) -> None:
         if self.lora_modules_to_save is not None:

@@ -9,7 +9,7 @@ The loop, exactly:
     model.train()                             # fine-tuning runs in train mode: dropout masks are real memory
     model.activation_checkpointing_enable(every_n_layers=n)   # --grad-ckpt only (offload=True: --ckpt-offload,
                                               # llmsim/offload.py: its inputs copied to host memory)
-    opt = torch.optim.AdamW(model.parameters())
+    opt = torch.optim.AdamW(model.parameters())   # foreach=True (--foreach) or fused=True (--fused) if asked
     x = torch.randint(0, vocab, (micro_batch, seq_len))
     3 times: loss = model(input_ids=x, labels=x).loss   # under torch.autocast(bfloat16) for bf16-autocast
              loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
@@ -243,14 +243,15 @@ def optimizer_class(optimizer: Optimizer) -> type:
 
 def make_optimizer(params, setup: TrainSetup) -> torch.optim.Optimizer:
     foreach = setup.foreach or None
+    fused = {"fused": True} if setup.fused else {}  # torch.optim.Adafactor takes no `fused`
     if foreach:
         params = by_mesh(params)
     cls = optimizer_class(setup.optimizer)
     if setup.optimizer in (Optimizer.ADAMW, Optimizer.ADAM, Optimizer.ADAFACTOR):
-        return cls(params, foreach=foreach)
+        return cls(params, foreach=foreach, **fused)
     if setup.optimizer in (Optimizer.SGD, Optimizer.SGD_MOMENTUM):
         momentum = 0.9 if setup.optimizer is Optimizer.SGD_MOMENTUM else 0.0
-        return cls(params, lr=SGD_LR, momentum=momentum, foreach=foreach)
+        return cls(params, lr=SGD_LR, momentum=momentum, foreach=foreach, **fused)
     # transformers' Adafactor: lr=None, scale_parameter=True, relative_step=True, warmup_init=False;
     # bitsandbytes: lr=1e-3, betas=(0.9, 0.999), weight_decay=1e-2, min_8bit_size=4096. No foreach path.
     return cls(params)

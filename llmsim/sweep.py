@@ -33,7 +33,8 @@ OPTIONS = {"model": "--model", "seq_len": "--seq-len", "micro_batch": "--micro-b
            "tp": "--tp", "pp": "--pp", "dp": "--dp", "pp_split": "--pp-split", "schedule": "--schedule",
            "microbatches": "--microbatches", "grad_accum": "--grad-accum", "quant": "--quant",
            "ds_config": "--ds-config", "gpu": "--gpu", "alloc_conf": "--alloc-conf"}
-FLAGS = {"grad_ckpt": "--grad-ckpt", "double_quant": "--double-quant", "ckpt_offload": "--ckpt-offload"}
+FLAGS = {"grad_ckpt": "--grad-ckpt", "double_quant": "--double-quant", "ckpt_offload": "--ckpt-offload",
+         "foreach": "--foreach", "fused": "--fused"}
 
 
 def load_grid(path: str | Path) -> list[dict]:

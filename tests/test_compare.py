@@ -27,6 +27,8 @@ def test_each_lever_is_the_prediction_of_its_setup():
     assert frame.set_index("lever").loc["fused linear CE (Liger)", "device_total_bytes"] == liger
     adamw8bit = predict(spec, TrainSetup(2, 64, optimizer=Optimizer.ADAMW_8BIT)).peak_allocated_bytes
     assert frame.set_index("lever").loc["8-bit AdamW (bitsandbytes)", "device_total_bytes"] == adamw8bit
+    fused = predict(spec, TrainSetup(2, 64, fused=True)).peak_allocated_bytes
+    assert frame.set_index("lever").loc["fused AdamW (fused=True)", "device_total_bytes"] == fused
     to_save = predict(spec, TrainSetup(2, 64, lora_rank=16, lora_modules_to_save=("lm_head",))).peak_allocated_bytes
     tokens = predict(spec, TrainSetup(2, 64, trainable_tokens=tuple(range(8)))).peak_allocated_bytes
     levers = frame.set_index("lever")["device_total_bytes"]

@@ -41,7 +41,8 @@ from llmsim.enums import Category, Phase, Precision
 from llmsim.strategies.events import live_at_end_of_build, trainable_names
 from llmsim.strategies.zero12 import GRADIENT_PHASES
 from llmsim.strategies.zero_common import (FP32_BYTES, EventWriter, adamw, construct_optimizer, optimizer_of,
-                                           own_runs, parameters, rows_of, step_optimizer, walk_phases)
+                                           own_runs, parameters, rows_of, step_optimizer, torch_fused,
+                                           walk_phases)
 
 ALLREDUCE_ELEMENTS_PER_BUFFER = 500_000_000  # engine.py: buffered_allreduce_fallback default
 BF16_BYTES = 2
@@ -71,9 +72,11 @@ class _Rank:
             self.params = [p for p in self.params if p.name in names]
         self.numels = [p.numel for p in self.params]
         self.kind, self.foreach = optimizer_of(layout.deepspeed, setup)
+        self.fused = torch_fused(layout.deepspeed, setup)
         self.flat = self.bf16 and self.kind == "fused"  # FP16_Optimizer, else FP16_UnfusedOptimizer
         # the trace's AdamW step is replaced unless it is the one that runs (fp32, a torch AdamW as traced)
-        self.replace_step = self.bf16 or self.kind == "fused" or self.foreach != setup.foreach
+        self.replace_step = (self.bf16 or self.kind == "fused" or self.foreach != setup.foreach
+                             or self.fused != setup.fused)
         self.timeline = timeline
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
         self.grads: dict[str, tuple[int, int]] = {}
@@ -112,7 +115,7 @@ class _Rank:
             elif self.bf16:
                 self.unfused_step()
             elif self.replace_step:
-                step_optimizer(self.w, self.numels, step == 0, self.foreach, self.kind)
+                step_optimizer(self.w, self.numels, step == 0, self.foreach, self.kind, self.fused)
                 self.zero_grad()
 
     def zero_grad(self) -> None:
@@ -132,7 +135,7 @@ class _Rank:
         self.w.alloc(total * FP32_BYTES, Category.MASTER_WEIGHTS)
         self.w.free(clone, total * BF16_BYTES, Category.TEMPORARY)
         zero = self.w.alloc(total * FP32_BYTES, Category.GRADIENT)
-        step_optimizer(self.w, [total], True, self.foreach, self.kind)
+        step_optimizer(self.w, [total], True, self.foreach, self.kind, self.fused)
         self.w.free(zero, total * FP32_BYTES, Category.GRADIENT)
 
     def flat_step(self) -> None:
@@ -142,7 +145,7 @@ class _Rank:
         for serial, numel in reversed(upcasts):
             self.w.free(serial, numel * FP32_BYTES, Category.TEMPORARY)
         self.zero_grad()  # `p.grad = None` for every bf16 parameter
-        step_optimizer(self.w, [total], False, self.foreach, self.kind)
+        step_optimizer(self.w, [total], False, self.foreach, self.kind, self.fused)
         self.w.free(flat, total * FP32_BYTES, Category.GRADIENT)
 
     def unfused_init(self) -> None:
@@ -152,7 +155,7 @@ class _Rank:
             self.w.free(clone, numel * BF16_BYTES, Category.TEMPORARY)
         zero16 = [self.w.alloc(n * BF16_BYTES, Category.GRADIENT) for n in self.numels]
         zero32 = [self.w.alloc(n * FP32_BYTES, Category.GRADIENT) for n in self.numels]
-        adamw(self.w, self.numels, first=True, foreach=self.foreach)
+        adamw(self.w, self.numels, first=True, foreach=self.foreach, fused=self.fused)
         for serial, numel in zip(zero16, self.numels):
             self.w.free(serial, numel * BF16_BYTES, Category.GRADIENT)
         for serial, numel in zip(zero32, self.numels):
@@ -163,7 +166,7 @@ class _Rank:
             upcast = self.w.alloc(numel * FP32_BYTES, Category.TEMPORARY)
             self.w.free(upcast, numel * FP32_BYTES, Category.TEMPORARY)
         grads32 = [self.w.alloc(n * FP32_BYTES, Category.GRADIENT) for n in self.numels]
-        adamw(self.w, self.numels, first=False, foreach=self.foreach)
+        adamw(self.w, self.numels, first=False, foreach=self.foreach, fused=self.fused)
         for serial, numel in zip(grads32, self.numels):
             self.w.free(serial, numel * FP32_BYTES, Category.GRADIENT)
         self.zero_grad()  # engine.zero_grad

@@ -41,7 +41,7 @@ from llmsim.strategies.events import LazyRanks, live_at_end_of_build, trainable_
 from llmsim.tracker import GRAD_READY
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, construct_optimizer,
                                            optimizer_of, param_storages, parameters, rows_of, step_optimizer,
-                                           own_runs, walk_phases)
+                                           own_runs, torch_fused, walk_phases)
 
 # Where a gradient's storage is made: in the backward, or in the forward by a loss that computes the LM head's
 # weight gradient there (Liger's fused linear cross-entropy keeps it for the backward, which hands it to autograd)
@@ -113,6 +113,7 @@ class _Rank:
         self.gip_bytes = sum(self.numel[name] for name in self.mine) * self.elem
         self.rank = rank
         self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
+        self.fused = torch_fused(layout.deepspeed, setup)
         self.timeline = timeline
         self.rows = rows
         self.own = own  # the rows `_row` acts on (the backward's gradients, the batch), the client optimizer's left out
@@ -228,7 +229,7 @@ class _Rank:
             self.w.free(self.gip, self.gip_bytes, Category.GRADIENT)
         if self.padding is not None:
             self.w.free(self.padding, (p - sum(self.mine.values())) * self.elem, Category.GRADIENT)
-        step_optimizer(self.w, [self.part.partition_numel], first, self.foreach, self.optimizer)
+        step_optimizer(self.w, [self.part.partition_numel], first, self.foreach, self.optimizer, self.fused)
         self.w.free(flat_grad, p * FP32_BYTES, Category.GRADIENT)
 
     # ---- the walk --------------------------------------------------------------------------------------

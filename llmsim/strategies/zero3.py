@@ -39,7 +39,8 @@ from llmsim.enums import Category, Device, Phase, Precision
 from llmsim.step import ROOT_MODULE
 from llmsim.strategies.events import trainable_names
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, construct_optimizer, optimizer_of,
-                                           own_runs, parameters, rows_of, step_optimizer, walk_phases)
+                                           own_runs, parameters, rows_of, step_optimizer, torch_fused,
+                                           walk_phases)
 from llmsim.tracker import BACKWARD_POST, BACKWARD_PRE, FORWARD_POST, FORWARD_PRE, GRAD_READY, TIED
 
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = "not_available", "inflight", "available"  # ZeroParamStatus
@@ -78,6 +79,7 @@ class _Rank:
         self.world = layout.world_size
         self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
         self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
+        self.fused = torch_fused(layout.deepspeed, setup)
         self.gloo = setup.device is Device.CPU  # the process group's backend: gloo on the CPU, NCCL on GPUs
         self.timeline = timeline
         self.rows = rows
@@ -394,7 +396,7 @@ class _Rank:
                 fp32 = self.w.alloc(numel * FP32_BYTES, Category.GRADIENT)
                 self.w.free(flat, numel * self.elem, Category.GRADIENT)
                 flat = fp32
-            step_optimizer(self.w, [numel], first, self.foreach, self.optimizer)
+            step_optimizer(self.w, [numel], first, self.foreach, self.optimizer, self.fused)
             self.w.free(flat, numel * FP32_BYTES, Category.GRADIENT)
         persistent = [p for p in self.params if p.persist]  # _post_step: one buffer each
         for p in persistent:

@@ -94,17 +94,21 @@ class EventWriter:
         return both.take(at).reset_index(drop=True)
 
 
-def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool) -> None:
+def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool, fused: bool = False) -> None:
     """torch.optim.AdamW's step over fp32 parameters of `numels` elements (torch/optim/adam.py):
     `_init_group` creates `step`, `exp_avg` and `exp_avg_sq` for every parameter at the first step; then
     `_single_tensor_adam` (CPU default) makes `sqrt` and `denom` per parameter, the previous `denom` freed when
     the next replaces it, while `_multi_tensor_adam` (foreach, CUDA default) makes one `_foreach_sqrt` list
-    that lives until the step ends. Scalar temporaries are left out."""
+    that lives until the step ends. `_fused_adam` (fused=True) adds 1 to the steps in place and runs
+    `torch._fused_adamw_`, which updates parameters and states in place: no temporaries (its `step` lives on
+    the parameters' device, 4 bytes as well). Scalar temporaries are left out."""
     if first:
         for numel in numels:
             w.alloc(ADAM_STEP_BYTES, Category.OPTIMIZER_STATE)
             w.alloc(numel * FP32_BYTES, Category.OPTIMIZER_STATE)
             w.alloc(numel * FP32_BYTES, Category.OPTIMIZER_STATE)
+    if fused:
+        return
     if foreach:
         sqrts = [(w.alloc(n * FP32_BYTES, Category.TEMPORARY), n) for n in numels]
         for serial, numel in reversed(sqrts):  # a Python list drops its items from the end
@@ -125,13 +129,14 @@ def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool) -> None
 FUSED_ADAM_OVERFLOW_BUF_BYTES = 4  # FusedAdam.__init__: `_dummy_overflow_buf = IntTensor([0])`
 
 
-def step_optimizer(w: EventWriter, numels: list[int], first: bool, foreach: bool, kind: str) -> None:
+def step_optimizer(w: EventWriter, numels: list[int], first: bool, foreach: bool, kind: str,
+                   fused: bool = False) -> None:
     """The optimizer step a ZeRO stage runs on its fp32 partitions: a torch AdamW (the client's, or `torch_adam`)
     or DeepSpeed's FusedAdam (deepspeed/ops/adam/fused_adam.py), which creates `exp_avg` and `exp_avg_sq` with
     `zeros_like` at the first step (`step` is a Python int) and updates them in place in one compiled
     multi-tensor kernel: no temporaries."""
     if kind != "fused":
-        adamw(w, numels, first, foreach)
+        adamw(w, numels, first, foreach, fused)
         return
     if first:
         for numel in numels:
@@ -147,6 +152,24 @@ def optimizer_of(deepspeed, setup) -> tuple[str, bool]:
         requested = deepspeed.config["optimizer"].get("params", {}).get("foreach")
         foreach = setup.foreach if requested is None else bool(requested)
     return kind, foreach
+
+
+def torch_fused(deepspeed, setup) -> bool:
+    """Whether the torch AdamW DeepSpeed steps takes its fused path: the client's `fused=True` (--fused), or
+    `"fused": true` among a `torch_adam` optimizer's params (engine.py passes them to torch.optim.AdamW)."""
+    from llmsim.errors import InputError
+
+    kind = deepspeed.optimizer_kind
+    if setup.fused and kind != "client":
+        raise InputError("--fused sets the client torch.optim.AdamW, which a DeepSpeed \"optimizer\" section "
+                         "replaces; put \"torch_adam\": true, \"fused\": true in its params instead")
+    if kind != "torch":
+        return kind == "client" and setup.fused
+    params = deepspeed.config["optimizer"].get("params", {})
+    if params.get("fused") and params.get("foreach"):
+        raise InputError("the DeepSpeed optimizer's params set both fused and foreach (torch.optim raises "
+                         "\"`fused` and `foreach` cannot be `True` together\"); pick one")
+    return bool(params.get("fused"))
 
 
 def construct_optimizer(w: EventWriter, kind: str) -> None:
