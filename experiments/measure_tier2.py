@@ -26,6 +26,11 @@ build, which under ZeRO-3 is zero.Init, then deepspeed.initialize) into data/mea
 `--lora-zero12` runs LORA_ZERO12_RUNS (peft LoRA under DeepSpeed ZeRO-1 and ZeRO-2: get_peft_model on the built
 model, then deepspeed.initialize, which casts every parameter to bf16 and flattens the adapters alone) into
 data/measurements/tier2_lora_zero12_cpu.csv.
+
+`--optim-zero` runs OPTIM_ZERO_RUNS (the client optimizers other than AdamW under DeepSpeed ZeRO-1/2/3: torch's
+Adam, SGD and Adafactor, transformers' Adafactor, bitsandbytes' 8-bit and paged AdamW, stepped by DeepSpeed on its
+flat fp32 partitions; the JSON sets zero_allow_untested_optimizer for those DeepSpeed has not tested) into
+data/measurements/tier2_optim_zero_cpu.csv.
 """
 from __future__ import annotations
 
@@ -246,6 +251,57 @@ LORA_ZERO12_RUNS = [
      (8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")), {"build_bf16": True}),
 ]
 
+OPTIM_ZERO_CSV = MEASUREMENTS_DIR / "tier2_optim_zero_cpu.csv"
+# Same tuple as LEVERS_DDP_RUNS, DeepSpeed ZeRO-1/2/3 with the client optimizer of the levers' "optimizer".
+OPTIM_ZERO_RUNS = [
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 50000}, None,
+     NO_LORA, {"optimizer": Optimizer.ADAM}),
+    ("gpt2", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 1}, None, NO_LORA, {"optimizer": Optimizer.ADAM}),
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 1}, None, NO_LORA,
+     {"optimizer": Optimizer.SGD}),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 40000}, None,
+     NO_LORA, {"optimizer": Optimizer.SGD}),
+    ("opt-125m", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 2, "overlap_comm": True}, None, NO_LORA,
+     {"optimizer": Optimizer.SGD_MOMENTUM}),
+    ("pythia-160m", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 1}, None, NO_LORA,
+     {"optimizer": Optimizer.SGD_MOMENTUM}),
+    ("gpt2", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 2}, None, NO_LORA, {"optimizer": Optimizer.ADAFACTOR}),
+    ("llama-2-7b", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 1, "reduce_bucket_size": 50000}, None,
+     NO_LORA, {"optimizer": Optimizer.ADAFACTOR}),
+    ("qwen2.5-0.5b", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 2}, None, NO_LORA,
+     {"optimizer": Optimizer.HF_ADAFACTOR}),
+    ("mistral-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 1}, None, NO_LORA,
+     {"optimizer": Optimizer.HF_ADAFACTOR}),
+    ("llama-2-7b", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 30000}, None,
+     NO_LORA, {"optimizer": Optimizer.ADAMW_8BIT}),
+    ("opt-125m", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 1}, None, NO_LORA,
+     {"optimizer": Optimizer.ADAMW_8BIT}),
+    ("gpt2", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 2}, None, NO_LORA,
+     {"optimizer": Optimizer.PAGED_ADAMW}),
+    ("pythia-160m", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 2}, None, NO_LORA,
+     {"optimizer": Optimizer.PAGED_ADAMW_8BIT}),
+    # ZeRO-3: one fp32 vector per sub-group (sub_group_size 5000: sub-groups under bitsandbytes' min_8bit_size)
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 50000, "stage3_prefetch_bucket_size": 20000}, None, NO_LORA,
+     {"optimizer": Optimizer.ADAFACTOR}),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "sub_group_size": 50000, "reduce_bucket_size": 50000}, None, NO_LORA,
+     {"optimizer": Optimizer.HF_ADAFACTOR}),
+    ("gpt2", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 3, "reduce_bucket_size": 50000}, None, NO_LORA,
+     {"optimizer": Optimizer.ADAMW_8BIT}),
+    ("opt-125m", 2, "fp32", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "sub_group_size": 40000, "reduce_bucket_size": 50000}, None, NO_LORA,
+     {"optimizer": Optimizer.SGD_MOMENTUM}),
+    ("pythia-160m", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 3, "reduce_bucket_size": 50000}, None,
+     NO_LORA, {"optimizer": Optimizer.ADAM}),
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed",
+     {"stage": 3, "sub_group_size": 5000, "reduce_bucket_size": 50000}, None, NO_LORA,
+     {"optimizer": Optimizer.PAGED_ADAMW_8BIT}),
+    ("mistral-7b", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 3, "reduce_bucket_size": 30000}, None,
+     NO_LORA, {"optimizer": Optimizer.SGD}),
+]
+DEEPSPEED_TESTED = (Optimizer.ADAMW, Optimizer.ADAM)  # deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS
+
 
 def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
     """Measure each run (failures are reported and skipped); append the rank rows to `out`; the failures."""
@@ -265,6 +321,8 @@ def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
                       "zero_optimization": zero, "bf16": {"enabled": precision == "bf16"}}
             if optimizer is not None:
                 config["optimizer"] = optimizer
+            if zero.get("stage", 0) > 0 and setup.optimizer not in DEEPSPEED_TESTED:
+                config["zero_allow_untested_optimizer"] = True  # else DeepSpeed refuses it (engine.py)
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(config, f)
             deepspeed = load_ds_config(f.name, world, SHAPES[model][0], mb, Precision(precision))
@@ -294,6 +352,8 @@ def main() -> int:
                         help=f"run LEVERS_DDP_RUNS (issue 5's levers under DDP) into {LEVERS_DDP_CSV}")
     parser.add_argument("--lora-zero12", action="store_true",
                         help=f"run LORA_ZERO12_RUNS (LoRA under ZeRO-1/2) into {LORA_ZERO12_CSV}")
+    parser.add_argument("--optim-zero", action="store_true",
+                        help=f"run OPTIM_ZERO_RUNS (other client optimizers under ZeRO-1/2/3) into {OPTIM_ZERO_CSV}")
     parser.add_argument("--zero3-heldout", action="store_true", help=f"run ZERO3_HELDOUT into {ZERO3_HELDOUT_CSV}")
     parser.add_argument("--zero3", action="store_true",
                         help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")
@@ -301,6 +361,7 @@ def main() -> int:
     runs, default_out = ((LORA_RUNS, LORA_CSV) if args.lora
                          else (LEVERS_DDP_RUNS, LEVERS_DDP_CSV) if args.levers_ddp
                          else (LORA_ZERO12_RUNS, LORA_ZERO12_CSV) if args.lora_zero12
+                         else (OPTIM_ZERO_RUNS, OPTIM_ZERO_CSV) if args.optim_zero
                          else (DS_OPTIMIZER_RUNS, DS_OPTIMIZER_CSV) if args.ds_optimizer
                          else (ZERO3_HELDOUT, ZERO3_HELDOUT_CSV) if args.zero3_heldout
                          else (ZERO3_RUNS, ZERO3_CSV) if args.zero3 else (RUNS, TIER2_CSV))

@@ -23,7 +23,8 @@ from llmsim.enums import Attention, Category, Loss, Optimizer, Phase, Precision
 from llmsim.offload import host_peak_bytes, split_host
 from llmsim.peaks import replay
 from llmsim.spec import ModelSpec, TrainSetup
-from llmsim.step import LayerHooks, add_lora, import_peft, run_canonical_step, run_pipeline_step
+from llmsim.step import (LayerHooks, add_lora, import_peft, make_optimizer, optimizer_class, run_canonical_step,
+                         run_pipeline_step)
 from llmsim.tensor_parallel import parallel_mesh
 from llmsim.trace import model_builder
 from llmsim.tracker import StorageTracker
@@ -47,18 +48,21 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
 
     ds_config = job["ds_config"]
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    import_peft(_setup(job))
+    setup = _setup(job)
+    import_peft(setup)
+    optimizer_class(setup.optimizer)  # imported before the step, as a training script does
     with tracker:
         keep_alive = HfDeepSpeedConfig(ds_config) if stage == 3 else None  # zero.Init inside from_config
         base = model = _build(job)
         hooks = LayerHooks(tracker, model, None)
         model.train()
         if job.get("lora_rank"):  # as a Trainer script does: get_peft_model outside zero.Init, then initialize
-            model = add_lora(model, _setup(job))
+            model = add_lora(model, setup)
             hooks.adopt_new_parameters()
         if job["grad_ckpt"]:
             base.activation_checkpointing_enable(every_n_layers=job["ckpt_every"])
-        optimizer = None if "optimizer" in ds_config else torch.optim.AdamW(model.parameters())
+        # the client optimizer, built as the canonical step builds it (torch.optim.AdamW unless --optimizer)
+        optimizer = None if "optimizer" in ds_config else make_optimizer(model.parameters(), setup)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         hooks.label_model()
         vocab_size = base.get_input_embeddings().num_embeddings

@@ -105,6 +105,8 @@ def check_supported(setup, layout: Layout) -> None:
     """Before any trace: gradient accumulation, checkpoint offload, the loss levers and peft's extras are modelled
     for one process and DDP, LoRA for one process, DDP and ZeRO-1/2/3; DeepSpeed's accumulation boundaries and a
     pipeline's own micro-batches are not."""
+    if layout.deepspeed is not None:
+        check_deepspeed_optimizer(setup, layout.deepspeed)
     if setup.lora_rank:
         _check_lora(setup, layout)
     where = f"strategy {layout.strategy.value}{' and tp/pp' if layout.tp * layout.pp > 1 else ''}"
@@ -140,19 +142,40 @@ def _check_lora(setup, layout: Layout) -> None:
                          "section is not modelled yet; modelled: the client torch.optim.AdamW")
 
 
-def _check_optimizer(plan):
-    """DeepSpeed is modelled with a (client or JSON) AdamW only."""
-    def checked(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.DataFrame]:
-        if setup.optimizer.value != "adamw":
-            raise InputError(f"DeepSpeed with optimizer {setup.optimizer.value} is not modelled yet; "
-                             "modelled: adamw")
-        return plan(timeline, layout, setup)
-    return checked
+# Where DeepSpeed is modelled with a client optimizer other than torch.optim.AdamW (measured in
+# data/measurements/tier2_optim_zero_cpu.csv): ZeRO-1/2 and ZeRO-3 step it on their flat fp32 partitions
+# (llmsim/strategies/flat_optimizer.py). ZeRO-0 is not: in bf16 it wraps the client optimizer in
+# FP16_UnfusedOptimizer (per-parameter fp32 masters, an initial step), modelled for AdamW only.
+CLIENT_OPTIMIZER_STAGES = (1, 2, 3)
+ZERO_ALLOW_UNTESTED_OPTIMIZER = "zero_allow_untested_optimizer"  # deepspeed/runtime/constants.py, default False
+
+
+def check_deepspeed_optimizer(setup, deepspeed: DeepSpeedSetup) -> None:
+    """The client optimizer `--optimizer` names, as DeepSpeed takes it: replaced by a JSON "optimizer" section
+    (modelled with adamw only), refused by `_do_optimizer_sanity_check` under ZeRO (stage >= 1) when it is not a
+    type in ZERO_SUPPORTED_OPTIMIZERS and the JSON does not set zero_allow_untested_optimizer (engine.py)."""
+    if setup.optimizer.value == "adamw":
+        return
+    if deepspeed.optimizer_kind != "client":
+        raise InputError(f"optimizer {setup.optimizer.value} is a client optimizer, which the DeepSpeed config's "
+                         "\"optimizer\" section replaces; modelled with it: adamw")
+    if deepspeed.stage not in CLIENT_OPTIMIZER_STAGES:
+        raise InputError(f"DeepSpeed ZeRO stage {deepspeed.stage} with optimizer {setup.optimizer.value} is not "
+                         f"modelled yet; modelled: adamw, or stages {', '.join(map(str, CLIENT_OPTIMIZER_STAGES))}")
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    from llmsim.step import optimizer_class
+
+    if (optimizer_class(setup.optimizer) not in ZERO_SUPPORTED_OPTIMIZERS
+            and not deepspeed.config.get(ZERO_ALLOW_UNTESTED_OPTIMIZER, False)):
+        raise InputError(f"DeepSpeed refuses optimizer {setup.optimizer.value} under ZeRO: 'You are using an "
+                         f"untested ZeRO Optimizer. Please add <\"{ZERO_ALLOW_UNTESTED_OPTIMIZER}\": true> in the "
+                         "configuration file to use it.'")
 
 
 # strategy -> function(full-depth single-process timeline, layout, setup) -> {rank: timeline}
 STRATEGIES: dict[Strategy, Callable[[pd.DataFrame, Layout, object], dict[int, pd.DataFrame]]] = {
     Strategy.SINGLE: single.plan,
     Strategy.DDP: ddp.plan,
-    Strategy.DEEPSPEED: _check_optimizer(_deepspeed),
+    Strategy.DEEPSPEED: _deepspeed,
 }
