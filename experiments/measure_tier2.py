@@ -288,7 +288,7 @@ OPTIM_ZERO_RUNS = [
     # LoRA: the optimizer steps the adapters' flat partition (8-bit states under min_8bit_size: 32-bit)
     ("llama-2-7b", 2, "bf16", False, 1, 1, 32, "deepspeed", {"stage": 2, "reduce_bucket_size": 3000}, None,
      (8, None), {OPT: Optimizer.HF_ADAFACTOR}),
-    # ZeRO-3: one fp32 vector per sub-group (sub_group_size 5000: sub-groups under bitsandbytes' min_8bit_size)
+    # ZeRO-3: one fp32 vector per sub-group
     ("llama-2-7b", 2, "fp32", False, 1, 1, 32, "deepspeed",
      {"stage": 3, "reduce_bucket_size": 50000, "stage3_prefetch_bucket_size": 20000}, None, NO_LORA,
      {OPT: Optimizer.ADAFACTOR}),
@@ -309,6 +309,10 @@ OPTIM_ZERO_RUNS = [
      (8, None), {OPT: Optimizer.ADAMW_8BIT}),
     ("llama-2-7b", 2, "fp32", True, 1, 1, 32, "deepspeed",
      {"stage": 3, "sub_group_size": 40000, "reduce_bucket_size": 50000}, None, NO_LORA, {OPT: Optimizer.SGD_MOMENTUM}),
+    # LoRA adapters of 512-element partitions in sub-groups of 3,072: under min_8bit_size, bitsandbytes' 32-bit states
+    ("llama-2-7b", 2, "bf16", False, 1, 1, 32, "deepspeed",
+     {"stage": 3, "sub_group_size": 3000, "reduce_bucket_size": 50000}, None, (8, None),
+     {OPT: Optimizer.PAGED_ADAMW_8BIT}),
 ]
 # Measured twice, its rows are in data/measurements/pending/tier2_optim_zero_gloo_timing_cpu.csv: one rank holds
 # gloo's reduce-scatter clone (112,512 B) at its peak, rank 0 in one run and rank 1 in the other (pending/README.md).

@@ -68,12 +68,12 @@ def test_zero12_steps_the_optimizer_on_the_flat_partition(optimizer, state_bytes
 
 
 def test_zero3_steps_one_vector_per_sub_group():
-    """ZeRO-3, 2 ranks, sub_group_size 5,000: sub-groups of whole parameters; 8-bit states for a sub-group
+    """ZeRO-3, 2 ranks, sub_group_size 2,000: sub-groups of whole parameters; 8-bit states for a sub-group
     partition of at least min_8bit_size = 4,096 elements, 32-bit states below."""
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 2, 256, 4))
     deepspeed = _deepspeed(3, zero_allow_untested_optimizer=True)
     config = json.loads(deepspeed.config_json)
-    config["zero_optimization"]["sub_group_size"] = 5000
+    config["zero_optimization"]["sub_group_size"] = 2000
     layout = Layout(Strategy.DEEPSPEED, 2, DeepSpeedSetup(json.dumps(config), 2))
     timeline = predict(spec, TrainSetup(1, 8, optimizer=Optimizer.ADAMW_8BIT), layout).ranks[0].timeline
     ours = timeline[(timeline["module"] == "deepspeed") & (timeline["phase"] == Phase.OPTIMIZER.value)
