@@ -150,6 +150,17 @@ CLIENT_OPTIMIZER_STAGES = (1, 2, 3)
 ZERO_ALLOW_UNTESTED_OPTIMIZER = "zero_allow_untested_optimizer"  # deepspeed/runtime/constants.py, default False
 
 
+def deepspeed_tested(optimizer) -> bool:
+    """Whether DeepSpeed takes this client optimizer under ZeRO without zero_allow_untested_optimizer: its type is
+    in ZERO_SUPPORTED_OPTIMIZERS (deepspeed/runtime/zero/utils.py, `is_zero_supported_optimizer`: torch's Adam,
+    AdamW and Adagrad, DeepSpeed's own)."""
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    from llmsim.step import optimizer_class
+
+    return optimizer_class(optimizer) in ZERO_SUPPORTED_OPTIMIZERS
+
+
 def check_deepspeed_optimizer(setup, deepspeed: DeepSpeedSetup) -> None:
     """The client optimizer `--optimizer` names, as DeepSpeed takes it: replaced by a JSON "optimizer" section
     (modelled with adamw only), refused by `_do_optimizer_sanity_check` under ZeRO (stage >= 1) when it is not a
@@ -162,12 +173,7 @@ def check_deepspeed_optimizer(setup, deepspeed: DeepSpeedSetup) -> None:
     if deepspeed.stage not in CLIENT_OPTIMIZER_STAGES:
         raise InputError(f"DeepSpeed ZeRO stage {deepspeed.stage} with optimizer {setup.optimizer.value} is not "
                          f"modelled yet; modelled: adamw, or stages {', '.join(map(str, CLIENT_OPTIMIZER_STAGES))}")
-    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
-
-    from llmsim.step import optimizer_class
-
-    if (optimizer_class(setup.optimizer) not in ZERO_SUPPORTED_OPTIMIZERS
-            and not deepspeed.config.get(ZERO_ALLOW_UNTESTED_OPTIMIZER, False)):
+    if not deepspeed_tested(setup.optimizer) and not deepspeed.config.get(ZERO_ALLOW_UNTESTED_OPTIMIZER, False):
         raise InputError(f"DeepSpeed refuses optimizer {setup.optimizer.value} under ZeRO: 'You are using an "
                          f"untested ZeRO Optimizer. Please add <\"{ZERO_ALLOW_UNTESTED_OPTIMIZER}\": true> in the "
                          "configuration file to use it.'")
