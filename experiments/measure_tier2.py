@@ -35,6 +35,11 @@ data/measurements/tier2_lora_zero12_cpu.csv.
 
 `--zero0-dsopt` runs ZERO0_DSOPT_RUNS (a DeepSpeed "optimizer" section with ZeRO stage 0, LoRA with ZeRO stage 0,
 and LoRA with ZeRO-1/2 and a DeepSpeed "optimizer" section) into data/measurements/tier2_zero0_dsopt_cpu.csv.
+
+`--optim-zero` runs OPTIM_ZERO_RUNS (the client optimizers other than AdamW under DeepSpeed ZeRO-1/2/3: torch's
+Adam, SGD and Adafactor, transformers' Adafactor, bitsandbytes' 8-bit and paged AdamW, stepped by DeepSpeed on its
+flat fp32 partitions; the JSON sets zero_allow_untested_optimizer for those DeepSpeed has not tested) into
+data/measurements/tier2_optim_zero_cpu.csv.
 """
 from __future__ import annotations
 
@@ -363,6 +368,76 @@ LEVERS_ZERO_RUNS = [
      NO_LORA, {"loss": Loss.FUSED_LINEAR_CE}),
     ("gpt2", 2, "fp32", True, 2, 2, 128, "deepspeed", {"stage": 0}, None, NO_LORA, {"ckpt_offload": True}),
 ]
+OPTIM_ZERO_CSV = MEASUREMENTS_DIR / "tier2_optim_zero_cpu.csv"
+# Same tuple as LEVERS_DDP_RUNS, DeepSpeed ZeRO-1/2/3 with the client optimizer of the levers' "optimizer". Short
+# sequences and small reduce buckets, so that the optimizer step, not DeepSpeed's default 5e8-element bucket or the
+# activations, makes or comes near each rank's peak.
+OPT = "optimizer"
+OPTIM_ZERO_RUNS = [
+    ("llama-2-7b", 2, "fp32", False, 1, 1, 32, "deepspeed", {"stage": 2, "reduce_bucket_size": 50000}, None,
+     NO_LORA, {OPT: Optimizer.ADAM}),
+    ("gpt2", 2, "bf16", False, 1, 1, 32, "deepspeed", {"stage": 1, "reduce_bucket_size": 20000}, None, NO_LORA,
+     {OPT: Optimizer.ADAM}),
+    ("llama-2-7b", 2, "fp32", False, 1, 1, 32, "deepspeed", {"stage": 1, "reduce_bucket_size": 30000}, None, NO_LORA,
+     {OPT: Optimizer.SGD}),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 1, 32, "deepspeed", {"stage": 2, "reduce_bucket_size": 40000}, None,
+     NO_LORA, {OPT: Optimizer.SGD}),
+    ("opt-125m", 2, "fp32", False, 1, 1, 32, "deepspeed",
+     {"stage": 2, "reduce_bucket_size": 20000, "overlap_comm": True}, None, NO_LORA, {OPT: Optimizer.SGD_MOMENTUM}),
+    ("pythia-160m", 2, "bf16", True, 1, 1, 32, "deepspeed", {"stage": 1, "reduce_bucket_size": 30000}, None,
+     NO_LORA, {OPT: Optimizer.SGD_MOMENTUM}),
+    ("gpt2", 2, "fp32", False, 1, 1, 32, "deepspeed", {"stage": 2, "reduce_bucket_size": 20000}, None, NO_LORA,
+     {OPT: Optimizer.ADAFACTOR}),
+    ("llama-2-7b", 2, "bf16", False, 1, 2, 32, "deepspeed", {"stage": 1, "reduce_bucket_size": 50000}, None,
+     NO_LORA, {OPT: Optimizer.ADAFACTOR}),
+    ("qwen2.5-0.5b", 2, "bf16", True, 1, 1, 32, "deepspeed", {"stage": 2, "reduce_bucket_size": 30000}, None,
+     NO_LORA, {OPT: Optimizer.HF_ADAFACTOR}),
+    ("mistral-7b", 2, "fp32", False, 1, 1, 32, "deepspeed", {"stage": 1, "reduce_bucket_size": 40000}, None,
+     NO_LORA, {OPT: Optimizer.HF_ADAFACTOR}),
+    ("llama-2-7b", 2, "bf16", False, 1, 1, 32, "deepspeed", {"stage": 2, "reduce_bucket_size": 30000}, None,
+     NO_LORA, {OPT: Optimizer.ADAMW_8BIT}),
+    ("opt-125m", 2, "fp32", True, 1, 1, 32, "deepspeed", {"stage": 1, "reduce_bucket_size": 20000}, None, NO_LORA,
+     {OPT: Optimizer.ADAMW_8BIT}),
+    ("gpt2", 2, "fp32", False, 1, 1, 32, "deepspeed", {"stage": 2, "reduce_bucket_size": 25000}, None, NO_LORA,
+     {OPT: Optimizer.PAGED_ADAMW}),
+    ("pythia-160m", 2, "bf16", False, 1, 1, 32, "deepspeed", {"stage": 2, "reduce_bucket_size": 20000}, None,
+     NO_LORA, {OPT: Optimizer.PAGED_ADAMW_8BIT}),
+    # LoRA: the optimizer steps the adapters' flat partition (8-bit states under min_8bit_size: 32-bit)
+    ("llama-2-7b", 2, "bf16", False, 1, 1, 32, "deepspeed", {"stage": 2, "reduce_bucket_size": 3000}, None,
+     (8, None), {OPT: Optimizer.HF_ADAFACTOR}),
+    # ZeRO-3: one fp32 vector per sub-group
+    ("llama-2-7b", 2, "fp32", False, 1, 1, 32, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 50000, "stage3_prefetch_bucket_size": 20000}, None, NO_LORA,
+     {OPT: Optimizer.ADAFACTOR}),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 1, 32, "deepspeed",
+     {"stage": 3, "sub_group_size": 50000, "reduce_bucket_size": 50000}, None, NO_LORA, {OPT: Optimizer.HF_ADAFACTOR}),
+    ("gpt2", 2, "bf16", True, 1, 1, 32, "deepspeed", {"stage": 3, "reduce_bucket_size": 50000}, None, NO_LORA,
+     {OPT: Optimizer.ADAMW_8BIT}),
+    ("pythia-160m", 2, "bf16", False, 1, 1, 32, "deepspeed", {"stage": 3, "reduce_bucket_size": 50000}, None,
+     NO_LORA, {OPT: Optimizer.ADAM}),
+    ("llama-2-7b", 2, "fp32", False, 1, 1, 32, "deepspeed",
+     {"stage": 3, "sub_group_size": 5000, "reduce_bucket_size": 50000}, None, NO_LORA,
+     {OPT: Optimizer.PAGED_ADAMW_8BIT}),
+    ("mistral-7b", 2, "bf16", False, 1, 1, 32, "deepspeed", {"stage": 3, "reduce_bucket_size": 30000}, None,
+     NO_LORA, {OPT: Optimizer.SGD}),
+    ("gpt2", 2, "fp32", False, 1, 1, 32, "deepspeed", {"stage": 3, "reduce_bucket_size": 20000}, None, NO_LORA,
+     {OPT: Optimizer.PAGED_ADAMW}),
+    ("qwen2.5-0.5b", 2, "fp32", False, 1, 1, 32, "deepspeed", {"stage": 3, "reduce_bucket_size": 20000}, None,
+     (8, None), {OPT: Optimizer.ADAMW_8BIT}),
+    ("llama-2-7b", 2, "fp32", True, 1, 1, 32, "deepspeed",
+     {"stage": 3, "sub_group_size": 40000, "reduce_bucket_size": 50000}, None, NO_LORA, {OPT: Optimizer.SGD_MOMENTUM}),
+    # LoRA adapters of 512-element partitions in sub-groups of 3,072: under min_8bit_size, bitsandbytes' 32-bit states
+    ("llama-2-7b", 2, "bf16", False, 1, 1, 32, "deepspeed",
+     {"stage": 3, "sub_group_size": 3000, "reduce_bucket_size": 50000}, None, (8, None),
+     {OPT: Optimizer.PAGED_ADAMW_8BIT}),
+]
+# Measured twice, its rows are in data/measurements/pending/tier2_optim_zero_gloo_timing_cpu.csv: one rank holds
+# gloo's reduce-scatter clone (112,512 B) at its peak, rank 0 in one run and rank 1 in the other (pending/README.md).
+OPTIM_ZERO_PENDING = [
+    ("opt-125m", 2, "fp32", False, 1, 1, 32, "deepspeed",
+     {"stage": 3, "sub_group_size": 40000, "reduce_bucket_size": 50000}, None, NO_LORA, {OPT: Optimizer.SGD_MOMENTUM}),
+]
+DEEPSPEED_TESTED = (Optimizer.ADAMW, Optimizer.ADAM)  # deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS
 
 
 def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
@@ -384,6 +459,8 @@ def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
                       "zero_optimization": zero, "bf16": {"enabled": precision == "bf16"}}
             if optimizer is not None:
                 config["optimizer"] = optimizer
+            if zero.get("stage", 0) > 0 and setup.optimizer not in DEEPSPEED_TESTED:
+                config["zero_allow_untested_optimizer"] = True  # else DeepSpeed refuses it (engine.py)
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(config, f)
             deepspeed = load_ds_config(f.name, world, shape[0], mb, Precision(precision))
@@ -419,6 +496,8 @@ def main() -> int:
                         help=f"run ZERO0_DSOPT_RUNS (ZeRO-0 with a DeepSpeed optimizer, LoRA) into {ZERO0_DSOPT_CSV}")
     parser.add_argument("--fused", action="store_true",
                         help=f"run FUSED_RUNS (torch.optim fused=True under DDP and ZeRO) into {FUSED_CSV}")
+    parser.add_argument("--optim-zero", action="store_true",
+                        help=f"run OPTIM_ZERO_RUNS (other client optimizers under ZeRO-1/2/3) into {OPTIM_ZERO_CSV}")
     parser.add_argument("--zero3-heldout", action="store_true", help=f"run ZERO3_HELDOUT into {ZERO3_HELDOUT_CSV}")
     parser.add_argument("--zero3", action="store_true",
                         help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")
@@ -427,6 +506,7 @@ def main() -> int:
                          else (LEVERS_DDP_RUNS, LEVERS_DDP_CSV) if args.levers_ddp
                          else (LORA_ZERO12_RUNS, LORA_ZERO12_CSV) if args.lora_zero12
                          else (LEVERS_ZERO_RUNS, LEVERS_ZERO_CSV) if args.levers_zero
+                         else (OPTIM_ZERO_RUNS, OPTIM_ZERO_CSV) if args.optim_zero
                          else (DS_OPTIMIZER_RUNS, DS_OPTIMIZER_CSV) if args.ds_optimizer
                          else (ZERO0_DSOPT_RUNS, ZERO0_DSOPT_CSV) if args.zero0_dsopt
                          else (FUSED_RUNS, FUSED_CSV) if args.fused

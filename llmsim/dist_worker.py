@@ -24,7 +24,8 @@ from llmsim.losses import compute_loss, install_loss
 from llmsim.offload import host_peak_bytes, offloading, split_host
 from llmsim.peaks import replay
 from llmsim.spec import ModelSpec, TrainSetup
-from llmsim.step import LayerHooks, add_peft, import_peft, run_canonical_step, run_pipeline_step, uses_peft
+from llmsim.step import (LayerHooks, add_peft, import_peft, make_optimizer, optimizer_class,
+                         run_canonical_step, run_pipeline_step, uses_peft)
 from llmsim.tensor_parallel import parallel_mesh
 from llmsim.trace import model_builder
 from llmsim.tracker import StorageTracker
@@ -53,6 +54,7 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     setup = _setup(job)
     import_peft(setup)
+    optimizer_class(setup.optimizer)  # imported before the step, as a training script does
     with tracker, offloading(tracker, setup.ckpt_offload):
         keep_alive = HfDeepSpeedConfig(ds_config) if stage == 3 else None  # zero.Init inside from_config
         base = model = _build(job)
@@ -64,8 +66,9 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
             hooks.adopt_new_parameters()
         if job["grad_ckpt"]:
             base.activation_checkpointing_enable(every_n_layers=job["ckpt_every"], offload=setup.ckpt_offload)
-        client = {"foreach": job.get("foreach") or None, **({"fused": True} if job.get("fused") else {})}
-        optimizer = None if "optimizer" in ds_config else torch.optim.AdamW(model.parameters(), **client)
+        # the client optimizer, built as the canonical step builds it (torch.optim.AdamW unless --optimizer,
+        # with --foreach / --fused)
+        optimizer = None if "optimizer" in ds_config else make_optimizer(model.parameters(), setup)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         hooks.label_model()
         vocab_size = base.get_input_embeddings().num_embeddings

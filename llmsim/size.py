@@ -38,7 +38,7 @@ from llmsim.report import human_bytes
 from llmsim.pipelining import Schedule, check_pipeline
 from llmsim.tensor_parallel import check_tensor_parallel
 from llmsim.spec import ModelSpec, TrainSetup
-from llmsim.strategies import Layout, Strategy
+from llmsim.strategies import ZERO_ALLOW_UNTESTED_OPTIMIZER, Layout, Strategy, deepspeed_tested
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,8 @@ def _model_parallel_ok(spec: ModelSpec, setup: TrainSetup, tp: int, pp: int) -> 
 def _zero(spec: ModelSpec, setup: TrainSetup, world: int, stage: int, micro_batch: int) -> Layout:
     config = {"train_micro_batch_size_per_gpu": micro_batch, "zero_optimization": {"stage": stage},
               "bf16": {"enabled": setup.precision is Precision.BF16}}
+    if not deepspeed_tested(setup.optimizer):  # as a user running it must (llmsim.strategies.check_deepspeed_optimizer)
+        config[ZERO_ALLOW_UNTESTED_OPTIMIZER] = True
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(config, f)
     deepspeed = load_ds_config(f.name, world, int(spec.hf_config().hidden_size), micro_batch, setup.precision)

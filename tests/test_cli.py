@@ -64,14 +64,23 @@ BAD = [
 ]
 
 
-def test_deepspeed_with_another_client_optimizer_is_refused(tmp_path, capsys):
-    config = tmp_path / "ds.json"
-    config.write_text('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}')
-    argv = ["predict", *TINY, "--seq-len", "8", "--optimizer", "adamw8bit", "--ds-config", str(config),
+@pytest.mark.parametrize("config,optimizer,needle", [
+    ('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}', "adamw8bit",
+     "DeepSpeed refuses optimizer adamw8bit under ZeRO: 'You are using an untested ZeRO Optimizer"),
+    ('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}}', "sgd",
+     "DeepSpeed ZeRO stage 0 with optimizer sgd is not modelled yet"),
+    ('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": true, '
+     '"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}', "hf-adafactor",
+     "optimizer hf-adafactor is a client optimizer, which the DeepSpeed config's \"optimizer\" section replaces"),
+])
+def test_deepspeed_with_another_client_optimizer_is_refused(config, optimizer, needle, tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(config)
+    argv = ["predict", *TINY, "--seq-len", "8", "--optimizer", optimizer, "--ds-config", str(path),
             "--world-size", "2"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "DeepSpeed with optimizer adamw8bit is not modelled yet" in err, err
+    assert len(err.splitlines()) == 1 and needle in err, err
 
 
 @pytest.mark.parametrize("argv,needle", BAD, ids=[b[1] for b in BAD])

@@ -153,6 +153,8 @@ def check_supported(setup, layout: Layout) -> None:
     """Before any trace: gradient accumulation and peft's extras are modelled for one process and DDP, checkpoint
     offload and the loss levers also for DeepSpeed ZeRO-0/1/2 (LEVER_ZERO_STAGES), LoRA for one process, DDP and
     ZeRO-0/1/2/3; DeepSpeed's accumulation boundaries and a pipeline's own micro-batches are not."""
+    if layout.deepspeed is not None:
+        check_deepspeed_optimizer(setup, layout.deepspeed)
     if setup.lora_rank:
         _check_lora(setup, layout)
     extras = [name for name, on in (("lora-modules-to-save", setup.lora_modules_to_save),
@@ -180,19 +182,46 @@ def _check_lora(setup, layout: Layout) -> None:
                          "not modelled yet; modelled with QLoRA: single")
 
 
-def _check_optimizer(plan):
-    """DeepSpeed is modelled with a (client or JSON) AdamW only."""
-    def checked(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.DataFrame]:
-        if setup.optimizer.value != "adamw":
-            raise InputError(f"DeepSpeed with optimizer {setup.optimizer.value} is not modelled yet; "
-                             "modelled: adamw")
-        return plan(timeline, layout, setup)
-    return checked
+# Where DeepSpeed is modelled with a client optimizer other than torch.optim.AdamW (measured in
+# data/measurements/tier2_optim_zero_cpu.csv): ZeRO-1/2 and ZeRO-3 step it on their flat fp32 partitions
+# (llmsim/strategies/flat_optimizer.py). ZeRO-0 is not: in bf16 it wraps the client optimizer in
+# FP16_UnfusedOptimizer (per-parameter fp32 masters, an initial step), modelled for AdamW only.
+CLIENT_OPTIMIZER_STAGES = (1, 2, 3)
+ZERO_ALLOW_UNTESTED_OPTIMIZER = "zero_allow_untested_optimizer"  # deepspeed/runtime/constants.py, default False
+
+
+def deepspeed_tested(optimizer) -> bool:
+    """Whether DeepSpeed takes this client optimizer under ZeRO without zero_allow_untested_optimizer: its type is
+    in ZERO_SUPPORTED_OPTIMIZERS (deepspeed/runtime/zero/utils.py, `is_zero_supported_optimizer`: torch's Adam,
+    AdamW and Adagrad, DeepSpeed's own)."""
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    from llmsim.step import optimizer_class
+
+    return optimizer_class(optimizer) in ZERO_SUPPORTED_OPTIMIZERS
+
+
+def check_deepspeed_optimizer(setup, deepspeed: DeepSpeedSetup) -> None:
+    """The client optimizer `--optimizer` names, as DeepSpeed takes it: replaced by a JSON "optimizer" section
+    (modelled with adamw only), refused by `_do_optimizer_sanity_check` under ZeRO (stage >= 1) when it is not a
+    type in ZERO_SUPPORTED_OPTIMIZERS and the JSON does not set zero_allow_untested_optimizer (engine.py)."""
+    if setup.optimizer.value == "adamw":
+        return
+    if deepspeed.optimizer_kind != "client":
+        raise InputError(f"optimizer {setup.optimizer.value} is a client optimizer, which the DeepSpeed config's "
+                         "\"optimizer\" section replaces; modelled with it: adamw")
+    if deepspeed.stage not in CLIENT_OPTIMIZER_STAGES:
+        raise InputError(f"DeepSpeed ZeRO stage {deepspeed.stage} with optimizer {setup.optimizer.value} is not "
+                         f"modelled yet; modelled: adamw, or stages {', '.join(map(str, CLIENT_OPTIMIZER_STAGES))}")
+    if not deepspeed_tested(setup.optimizer) and not deepspeed.config.get(ZERO_ALLOW_UNTESTED_OPTIMIZER, False):
+        raise InputError(f"DeepSpeed refuses optimizer {setup.optimizer.value} under ZeRO: 'You are using an "
+                         f"untested ZeRO Optimizer. Please add <\"{ZERO_ALLOW_UNTESTED_OPTIMIZER}\": true> in the "
+                         "configuration file to use it.'")
 
 
 # strategy -> function(full-depth single-process timeline, layout, setup) -> {rank: timeline}
 STRATEGIES: dict[Strategy, Callable[[pd.DataFrame, Layout, object], dict[int, pd.DataFrame]]] = {
     Strategy.SINGLE: single.plan,
     Strategy.DDP: ddp.plan,
-    Strategy.DEEPSPEED: _check_optimizer(_deepspeed),
+    Strategy.DEEPSPEED: _deepspeed,
 }

@@ -17,6 +17,8 @@ Per rank, on top of the single-process forward and backward:
   (P elements, then converted to fp32 in bf16), `grads_in_partition` is freed, AdamW updates the flat fp32
   partition (single-tensor path on CPU: states 2 * P fp32 at the first step, `sqrt` and `denom` temporaries of
   P fp32 each), the fp32 gradient is freed and the parameters are all-gathered in place into the flat buffer.
+  Another client optimizer (SGD, Adafactor, bitsandbytes...) runs its own step on the flat partition: a vector
+  (llmsim/strategies/flat_optimizer.py).
 The batch is made after `deepspeed.initialize` returns, so initialize's events go before the build's input row.
 With LoRA the optimizer's groups keep only the parameters that require grad (`is_optimized_parameter`): the
 adapters alone are flattened, partitioned, bucketed and stepped; the frozen base keeps its own storage. The engine
@@ -36,8 +38,9 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from llmsim.enums import Category, Phase, Precision
+from llmsim.enums import Category, Optimizer, Phase, Precision
 from llmsim.strategies.events import LazyRanks, live_at_end_of_build, trainable_names
+from llmsim.strategies.flat_optimizer import FlatOptimizer
 from llmsim.tracker import GRAD_READY
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, construct_optimizer,
                                            optimizer_of, param_storages, parameters, rows_of, step_optimizer,
@@ -114,6 +117,10 @@ class _Rank:
         self.rank = rank
         self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
         self.fused = torch_fused(layout.deepspeed, setup)
+        # another client optimizer: its own step on the flat fp32 partition (llmsim/strategies/flat_optimizer.py)
+        self.client = (FlatOptimizer(setup.optimizer, [self.part.partition_numel], setup.steps, self.foreach,
+                                     self.fused)
+                       if self.optimizer == "client" and setup.optimizer is not Optimizer.ADAMW else None)
         self.timeline = timeline
         self.rows = rows
         self.own = own  # the rows `_row` acts on (the backward's gradients, the batch), the client optimizer's left out
@@ -215,7 +222,7 @@ class _Rank:
         self.gip, self.bw = self.bw.gip, _Backward()
 
     # ---- step ----------------------------------------------------------------------------------------
-    def step(self, first: bool) -> None:
+    def step(self, step: int) -> None:
         for numel in self.mine.values():  # get_grad_norm_direct: g.to(float64) per slice
             upcast = self.w.alloc(numel * FP64_BYTES, Category.TEMPORARY)
             self.w.free(upcast, numel * FP64_BYTES, Category.TEMPORARY)
@@ -229,7 +236,11 @@ class _Rank:
             self.w.free(self.gip, self.gip_bytes, Category.GRADIENT)
         if self.padding is not None:
             self.w.free(self.padding, (p - sum(self.mine.values())) * self.elem, Category.GRADIENT)
-        step_optimizer(self.w, [self.part.partition_numel], first, self.foreach, self.optimizer, self.fused)
+        if self.client is not None:
+            self.client.step(self.w, step, 0)
+        else:
+            step_optimizer(self.w, [self.part.partition_numel], step == 0, self.foreach, self.optimizer,
+                           self.fused)
         self.w.free(flat_grad, p * FP32_BYTES, Category.GRADIENT)
 
     # ---- the walk --------------------------------------------------------------------------------------
@@ -268,7 +279,7 @@ class _Rank:
         elif phase == Phase.BACKWARD.value:
             self.end_backward()
         elif phase == Phase.OPTIMIZER.value:
-            self.step(first=step == 0)
+            self.step(step)
 
 
 def _trainable(params: list[Param], timeline: pd.DataFrame, setup) -> list[Param]:

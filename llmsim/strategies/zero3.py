@@ -21,7 +21,8 @@ backward with a marker wherever DeepSpeed fetches or releases a module's paramet
   rank's slices copied into the gradient partitions and the gradients dropped;
 - step: every gathered parameter released; the norm upcasts each gradient partition to float64 one at a time;
   per sub-group the partitions are flattened (then converted to fp32 in bf16), AdamW updates the fp32 master
-  (states at the first step), the fp32 gradient is freed; the persistent parameters are gathered again.
+  (states at the first step), the fp32 gradient is freed; the persistent parameters are gathered again. Another
+  client optimizer runs its own step on each sub-group's fp32 vector (llmsim/strategies/flat_optimizer.py).
 With LoRA (peft's get_peft_model after the zero.Init build): the frozen base is partitioned and gathered like
 any parameter but has no gradient hook, bucket slot, fp32 master, gradient partition or optimizer state (the
 trainable groups are filtered, `is_optimized_parameter`), and its partitions stay out of the defragmented flat
@@ -35,9 +36,10 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from llmsim.enums import Category, Device, Phase, Precision
+from llmsim.enums import Category, Device, Optimizer, Phase, Precision
 from llmsim.step import ROOT_MODULE
 from llmsim.strategies.events import trainable_names
+from llmsim.strategies.flat_optimizer import FlatOptimizer
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, construct_optimizer, optimizer_of,
                                            own_runs, parameters, rows_of, step_optimizer, torch_fused,
                                            walk_phases)
@@ -94,6 +96,10 @@ class _Rank:
         for p in self.params:
             self.module_params[_module_of(p.name)].append(p)
         self.sub_groups = self._sub_groups()
+        # another client optimizer: its own step on each sub-group's fp32 partition (strategies/flat_optimizer.py)
+        self.client = (FlatOptimizer(setup.optimizer, [sum(p.partition for p in group) for group in self.sub_groups],
+                                     setup.steps, self.foreach, self.fused)
+                       if self.optimizer == "client" and setup.optimizer is not Optimizer.ADAMW else None)
         # coordinator state
         self.mode = "invalid"  # `_register_deepspeed_module` invalidates the trace; the first forward records
         self.module_order: list[str] = []
@@ -384,19 +390,22 @@ class _Rank:
         self.w.free(serial, nbytes, Category.GRADIENT)
 
     # ---- step ------------------------------------------------------------------------------------------
-    def step(self, first: bool) -> None:
+    def step(self, step: int) -> None:
         self.release_all()
         for p in self.trainable:  # get_grad_norm_direct: g.to(float64) per partition
             upcast = self.w.alloc(p.partition * FP64_BYTES, Category.TEMPORARY)
             self.w.free(upcast, p.partition * FP64_BYTES, Category.TEMPORARY)
-        for group in self.sub_groups:
+        for index, group in enumerate(self.sub_groups):
             numel = sum(p.partition for p in group)
             flat = self.w.alloc(numel * self.elem, Category.GRADIENT)
             if self.elem != FP32_BYTES:
                 fp32 = self.w.alloc(numel * FP32_BYTES, Category.GRADIENT)
                 self.w.free(flat, numel * self.elem, Category.GRADIENT)
                 flat = fp32
-            step_optimizer(self.w, [numel], first, self.foreach, self.optimizer, self.fused)
+            if self.client is not None:
+                self.client.step(self.w, step, index)
+            else:
+                step_optimizer(self.w, [numel], step == 0, self.foreach, self.optimizer, self.fused)
             self.w.free(flat, numel * FP32_BYTES, Category.GRADIENT)
         persistent = [p for p in self.params if p.persist]  # _post_step: one buffer each
         for p in persistent:
@@ -474,7 +483,7 @@ class _Rank:
             self.flush()  # independent_gradient_partition_epilogue
             self.release_backward_leftovers()
         elif phase == Phase.OPTIMIZER.value:
-            self.step(first=step == 0)
+            self.step(step)
 
 
 def _module_of(param: str) -> str:
