@@ -38,7 +38,7 @@ import pandas as pd
 
 from llmsim.enums import Category, Device, Optimizer, Phase, Precision
 from llmsim.step import ROOT_MODULE
-from llmsim.strategies.events import trainable_names
+from llmsim.strategies.events import per_timeline, trainable_names
 from llmsim.strategies.flat_optimizer import FlatOptimizer
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, construct_optimizer, optimizer_of,
                                            own_runs, parameters, rows_of, step_optimizer, torch_fused,
@@ -415,14 +415,8 @@ class _Rank:
 
     # ---- the walk --------------------------------------------------------------------------------------
     def run(self) -> pd.DataFrame:
-        t = self.timeline
-        phase, category = t["phase"], t["category"]
-        own = ((t["serial"] < 0)  # markers
-               | ((category == Category.PARAMETER.value) & (phase == Phase.BUILD.value))
-               | ((category == Category.GRADIENT.value) & (phase == Phase.BACKWARD.value))).to_numpy()
-        dropped = (phase == Phase.OPTIMIZER.value).to_numpy()  # the client optimizer's rows
-        walk_phases(self.rows, self._row, self._leave, self.w, own_runs(self.rows, own, dropped))
-        return self.w.frame(t)
+        walk_phases(self.rows, self._row, self._leave, self.w, _runs(self.timeline))
+        return self.w.frame(self.timeline)
 
     def _row(self, row: tuple) -> None:
         self.w.step, self.w.phase = row[0], row[1]  # what a marker row makes DeepSpeed allocate happens here
@@ -484,6 +478,18 @@ class _Rank:
             self.release_backward_leftovers()
         elif phase == Phase.OPTIMIZER.value:
             self.step(step)
+
+
+@per_timeline
+def _runs(t: pd.DataFrame) -> list[tuple[int, int, int]]:
+    """The rows a ZeRO-3 rank acts on (markers, the build's parameters, the backward's gradients), those it copies
+    and the client optimizer's, which it leaves out: the same for every layout of one traced timeline."""
+    phase, category = t["phase"], t["category"]
+    own = ((t["serial"] < 0)  # markers
+           | ((category == Category.PARAMETER.value) & (phase == Phase.BUILD.value))
+           | ((category == Category.GRADIENT.value) & (phase == Phase.BACKWARD.value))).to_numpy()
+    dropped = (phase == Phase.OPTIMIZER.value).to_numpy()  # the client optimizer's rows
+    return own_runs(rows_of(t), own, dropped)
 
 
 def _module_of(param: str) -> str:

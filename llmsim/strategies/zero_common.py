@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from llmsim.enums import Category, Phase
-from llmsim.strategies.events import live_at_end_of_build
+from llmsim.strategies.events import live_at_end_of_build, per_timeline
 from llmsim.tracker import NO_BLOCK, TIMELINE_COLUMNS
 
 FP32_BYTES = 4
@@ -219,6 +219,8 @@ def own_runs(rows: list[tuple], own, drop=None) -> list[tuple[int, int, int]]:
     return [(start, stop, int(kind[start])) for start, stop in zip(edges[:-1], edges[1:])]
 
 
+@per_timeline
 def rows_of(timeline: pd.DataFrame) -> list[tuple]:
-    """The timeline as plain tuples (in TIMELINE_COLUMNS order), read once for all ranks."""
+    """The timeline as plain tuples (in TIMELINE_COLUMNS order), read once for all ranks and layouts (callers
+    must not change the list)."""
     return list(zip(*(timeline[column].tolist() for column in TIMELINE_COLUMNS)))
