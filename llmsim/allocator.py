@@ -139,7 +139,8 @@ class CachingAllocator:
         return twin
 
     def malloc(self, key: int, size: int) -> None:
-        size = round_size(int(size))  # timelines hand numpy integers; sizes stay Python ints (JSON, bytes)
+        # round_size, inline (the replay's hottest line); timelines hand numpy integers, sizes stay Python ints
+        size = ((int(size) + MIN_BLOCK_BYTES - 1) // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES or MIN_BLOCK_BYTES
         small = size <= SMALL_SIZE_BYTES
         block = self._take_free_block(size, small) or self._new_segment(size, small)
         remaining = block.size - size  # `should_split`
