@@ -63,7 +63,7 @@ class Prediction:
     setup: TrainSetup
     layout: Layout
     ranks: list[RankPrediction]
-    graph: nx.DiGraph = field(repr=False)
+    graph_of: Callable[[], nx.DiGraph] = field(repr=False)  # the layer graph, built when first asked for
     gpu: GpuProfile | None = None
     alloc_conf: AllocatorConfig = AllocatorConfig()
 
@@ -74,6 +74,11 @@ class Prediction:
     @property
     def peak_host_bytes(self) -> int:
         return max(r.peak_host_bytes for r in self.ranks)
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The layer graph (llmsim/graph.py) of the traced process (with pipeline stages, the last stage's)."""
+        return self.graph_of()
 
     def breakdown(self) -> pd.DataFrame:
         """Bytes by category at each rank's peak: one row per rank."""
@@ -179,16 +184,17 @@ def _device_timeline(rank_timelines: LazyRanks, rank: int) -> pd.DataFrame:
 
 
 @functools.lru_cache(maxsize=16)
-def expanded(model: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, nx.DiGraph]:
-    """The full-depth timeline of one traced process and its layer graph, kept for the next prediction with the
-    same inputs (the strategies and the replay read them, never change them). With pipeline stages, the graph
-    is the last stage's. Two steps are traced and the steady second one repeated (`repeat_last_step`)."""
+def expanded(model: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, Callable[[], nx.DiGraph]]:
+    """The full-depth timeline of one traced process and its layer graph (built when first asked for), kept for
+    the next prediction with the same inputs (the strategies and the replay read them, never change them). With
+    pipeline stages, the graph is the last stage's. Two steps are traced and the steady second one repeated
+    (`repeat_last_step`)."""
     traced = trace(model, replace(setup, steps=min(setup.steps, TRACED_STEPS)))
     timeline = repeat_last_step(expand(traced), setup.steps)
     if timeline is None:  # the last traced step is not steady: trace every step
         traced = trace(model, setup)
         timeline = expand(traced)
-    return timeline, layer_graph(timeline, traced.info)
+    return timeline, functools.cache(functools.partial(layer_graph, timeline, traced.info))
 
 
 def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame, gpu: GpuProfile | None,

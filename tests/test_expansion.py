@@ -84,3 +84,17 @@ def test_pipeline_stage_expansion_matches_full_stage_trace(model, heads, setup):
     full, _ = run_fake(spec, setup, None)
     assert replay(predicted).allocated_bytes == replay(full).allocated_bytes
     assert len(predicted) == len(full)
+
+
+def test_layer_graph_follows_the_full_depth_forward():
+    """The layer graph (built on demand): every decoder layer in forward order between the embedding and the head,
+    each with its parameters and what its forward saves."""
+    from llmsim.pipeline import predict
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 6, 512, 4))
+    graph = predict(spec, TrainSetup(1, 32)).graph
+    layers = [f"model.layers.{i}" for i in range(6)]
+    path = [node for node in graph.nodes if node in layers]
+    assert path == layers and all(graph.has_edge(a, b) for a, b in zip(layers, layers[1:]))
+    assert len({graph.nodes[n]["param_bytes"] for n in layers}) == 1 and graph.nodes[layers[0]]["param_bytes"] > 0
+    assert all(graph.nodes[n]["saved_bytes"] > 0 for n in layers)
