@@ -38,7 +38,7 @@ import pandas as pd
 from llmsim.enums import Category, Device, Phase, Precision
 from llmsim.step import ROOT_MODULE
 from llmsim.strategies.events import trainable_names
-from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, construct_optimizer, optimizer_of,
+from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, construct_optimizer, optimizer_of, rank_writer,
                                            own_runs, parameters, rows_of, step_optimizer, torch_fused,
                                            walk_phases)
 from llmsim.tracker import BACKWARD_POST, BACKWARD_PRE, FORWARD_POST, FORWARD_PRE, GRAD_READY, TIED
@@ -83,7 +83,7 @@ class _Rank:
         self.gloo = setup.device is Device.CPU  # the process group's backend: gloo on the CPU, NCCL on GPUs
         self.timeline = timeline
         self.rows = rows
-        self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
+        self.w = rank_writer(timeline, setup)
         self.params = self._parameters(timeline, setup)
         self.trainable = [p for p in self.params if not p.frozen]
         self.by_name = {p.name: p for p in self.params}
