@@ -18,7 +18,7 @@ def test_zero0_flattens_no_lone_gradient():
     """`_flatten_dense_tensors` of one tensor is a view: only buckets of two or more gradients are copied."""
     assert buckets([1024]) == []
     assert buckets([3, 5]) == [8]
-    assert buckets([6, 5, 7, 2], limit=10) == [11]  # [6, 5] closes past the limit; [7, 2] flat; nothing left
+    assert buckets([6, 5, 7, 2], limit=10) == [11, 9]  # [6, 5] closes past the limit, [7, 2] is what is left
     assert buckets([6, 5, 20], limit=10) == [11]  # the 20-element gradient alone: a view
 
 
