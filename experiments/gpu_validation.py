@@ -69,6 +69,11 @@ MATRIX = [
     ("qwen2.5-0.5b", 2, 512, "fp32", True, 1, 0, "fused"),
     ("qwen2.5-1.5b", 1, 512, "bf16", True, 1),
     ("qwen2.5-1.5b", 1, 512, "bf16", True, 1, 0, "fused"),
+    # torch Adam/AdamW's for-loop and foreach paths keep each parameter's 0-d `step` on the host (torch/optim/adam.py,
+    # `_init_group`): predicted as host memory (Category.HOST_OPTIMIZER_STATE), 4 B per parameter tensor in
+    # peak_host_bytes and none in the device's allocator (512 B a block); the worker's tracker sees them on the CPU.
+    # Not run on a GPU yet. The fused rows above are the counter-check: their `step` is on the device, host 0.
+    ("gpt2", 1, 128, "fp32", False, 1, 0, "adam"),
 ]
 FUSED = "fused"  # the lever that turns on the optimizer's fused kernel (AdamW's `fused=True`)
 

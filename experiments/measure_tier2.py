@@ -33,6 +33,10 @@ optimizer under ZeRO-0..3) into data/measurements/tier2_fused_adamw_cpu.csv.
 model, then deepspeed.initialize, which casts every parameter to bf16 and flattens the adapters alone) into
 data/measurements/tier2_lora_zero12_cpu.csv.
 
+`--zero-extras` runs ZERO_EXTRAS_RUNS (peft's modules_to_save and trainable tokens under ZeRO-0/1/2, checkpoint
+offload under ZeRO-3, and the loss levers, offload and peft's extras with a DeepSpeed "optimizer" section) into
+data/measurements/tier2_zero_extras_cpu.csv.
+
 `--zero0-dsopt` runs ZERO0_DSOPT_RUNS (a DeepSpeed "optimizer" section with ZeRO stage 0, LoRA with ZeRO stage 0,
 and LoRA with ZeRO-1/2 and a DeepSpeed "optimizer" section) into data/measurements/tier2_zero0_dsopt_cpu.csv.
 
@@ -440,6 +444,51 @@ OPTIM_ZERO_PENDING = [
 DEEPSPEED_TESTED = (Optimizer.ADAMW, Optimizer.ADAM)  # deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS
 
 
+ZERO_EXTRAS_CSV = MEASUREMENTS_DIR / "tier2_zero_extras_cpu.csv"
+LM_HEAD = {"lora_modules_to_save": ("lm_head",)}
+# Issue 5's levers DeepSpeed still refused (same tuple as LEVERS_DDP_RUNS): peft's modules_to_save and trainable
+# tokens under ZeRO-0/1/2 (the copy and the delta are the only trainable parameters besides LoRA's: flattened,
+# bucketed and stepped alone), checkpoint offload under ZeRO-3, and the loss levers, offload and peft's extras with
+# a DeepSpeed "optimizer" section (FusedAdam, `torch_adam`).
+ZERO_EXTRAS_RUNS = [
+    # peft's extras, client AdamW
+    ("gpt2", 2, "bf16", False, 1, 2, 64, "deepspeed", small_buckets(2), None, (4, None), LM_HEAD),
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", small_buckets(1), None, NO_LORA,
+     {"trainable_tokens": (0, 1, 2)}),
+    ("qwen2.5-0.5b", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 2, "reduce_bucket_size": 4000}, None,
+     (8, None), {"trainable_tokens": (5, 7)}),
+    ("llama-2-7b", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 0}, None, (8, None), LM_HEAD),
+    ("gpt2", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 0}, None, NO_LORA, {"trainable_tokens": (0, 1)}),
+    ("mistral-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 1, "reduce_bucket_size": 3000}, None,
+     (8, None), {"lora_modules_to_save": ("input_layernorm",)}),
+    ("opt-125m", 2, "bf16", False, 1, 2, 64, "deepspeed", small_buckets(1), None, NO_LORA,
+     {"trainable_tokens": (3, 4, 5)}),
+    ("llama-2-7b", 2, "bf16", True, 1, 2, 64, "deepspeed",
+     {"stage": 2, "reduce_bucket_size": 50000, "overlap_comm": True}, None, (8, None),
+     {"lora_modules_to_save": ("embed_tokens",)}),
+    # checkpoint offload under ZeRO-3
+    ("llama-2-7b", 2, "fp32", True, 1, 2, 128, "deepspeed", small_buckets(3), None, NO_LORA, {"ckpt_offload": True}),
+    ("qwen2.5-0.5b", 2, "bf16", True, 2, 2, 128, "deepspeed", small_buckets(3), None, NO_LORA,
+     {"ckpt_offload": True}),
+    ("qwen2.5-0.5b", 2, "bf16", True, 1, 2, 64, "deepspeed",
+     {"stage": 3, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0}, None,
+     (8, ("q_proj", "k_proj", "v_proj", "o_proj")), {"ckpt_offload": True}),
+    ("gpt2", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 3, "reduce_bucket_size": 50000}, None, (4, None),
+     {"ckpt_offload": True}),
+    # a DeepSpeed "optimizer" section
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 128, "deepspeed", {"stage": 2, "reduce_bucket_size": 100000},
+     FUSED_ADAMW, NO_LORA, {"loss": Loss.FUSED_LINEAR_CE}),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 2, 128, "deepspeed", {"stage": 1, "reduce_bucket_size": 400000},
+     TORCH_ADAMW, NO_LORA, {"loss": Loss.CHUNKED_NLL, "loss_chunk": 1000}),
+    ("mistral-7b", 2, "bf16", True, 1, 2, 128, "deepspeed", {"stage": 0}, FUSED_ADAMW, NO_LORA,
+     {"ckpt_offload": True}),
+    ("gpt2", 2, "bf16", False, 1, 2, 64, "deepspeed", small_buckets(2), FUSED_ADAMW, (4, None), LM_HEAD),
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 0}, TORCH_ADAMW, NO_LORA,
+     {"trainable_tokens": (0, 1, 2)}),
+    ("llama-2-7b", 2, "bf16", True, 1, 2, 128, "deepspeed", {"stage": 1, "reduce_bucket_size": 100000},
+     FUSED_ADAMW, NO_LORA, {"ckpt_offload": True, "loss": Loss.FUSED_LINEAR_CE}),
+]
+
 def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
     """Measure each run (failures are reported and skipped); append the rank rows to `out`; the failures."""
     failures = 0
@@ -498,6 +547,9 @@ def main() -> int:
                         help=f"run FUSED_RUNS (torch.optim fused=True under DDP and ZeRO) into {FUSED_CSV}")
     parser.add_argument("--optim-zero", action="store_true",
                         help=f"run OPTIM_ZERO_RUNS (other client optimizers under ZeRO-1/2/3) into {OPTIM_ZERO_CSV}")
+    parser.add_argument("--zero-extras", action="store_true",
+                        help=f"run ZERO_EXTRAS_RUNS (peft's extras, ZeRO-3 offload, levers with a DeepSpeed "
+                             f"optimizer) into {ZERO_EXTRAS_CSV}")
     parser.add_argument("--zero3-heldout", action="store_true", help=f"run ZERO3_HELDOUT into {ZERO3_HELDOUT_CSV}")
     parser.add_argument("--zero3", action="store_true",
                         help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")
@@ -510,6 +562,7 @@ def main() -> int:
                          else (DS_OPTIMIZER_RUNS, DS_OPTIMIZER_CSV) if args.ds_optimizer
                          else (ZERO0_DSOPT_RUNS, ZERO0_DSOPT_CSV) if args.zero0_dsopt
                          else (FUSED_RUNS, FUSED_CSV) if args.fused
+                         else (ZERO_EXTRAS_RUNS, ZERO_EXTRAS_CSV) if args.zero_extras
                          else (ZERO3_HELDOUT, ZERO3_HELDOUT_CSV) if args.zero3_heldout
                          else (ZERO3_RUNS, ZERO3_CSV) if args.zero3 else (RUNS, TIER2_CSV))
     out = args.out or default_out

@@ -61,6 +61,7 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
         hooks = LayerHooks(tracker, model, None)
         model.train()
         install_loss(base, setup)
+        vocab_size = base.get_input_embeddings().num_embeddings  # before peft wraps it (trainable tokens)
         if uses_peft(setup):  # as a Trainer script does: get_peft_model outside zero.Init, then initialize
             model = add_peft(model, setup)
             hooks.adopt_new_parameters()
@@ -71,7 +72,6 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
         optimizer = None if "optimizer" in ds_config else make_optimizer(model.parameters(), setup)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         hooks.label_model()
-        vocab_size = base.get_input_embeddings().num_embeddings
         batch = torch.randint(0, vocab_size, (job["micro_batch"], job["seq_len"]))
         tracker.label([batch], Category.INPUT)
         for step in range(job["steps"]):

@@ -19,6 +19,9 @@ class Category(str, Enum):
     INPUT = "input"  # the batch: input_ids and labels
     BUFFER = "buffer"  # module buffers (rotary inv_freq, position ids, ...)
     OFFLOADED = "offloaded"  # host memory: checkpoint inputs offloaded by save_on_cpu (llmsim/offload.py)
+    # host memory: torch Adam/AdamW's 0-d `step` counters, which their for-loop and foreach paths keep on the host
+    # while the parameters are on a GPU (torch/optim/adam.py, `_init_group`); the fused path puts them on the device
+    HOST_OPTIMIZER_STATE = "host_optimizer_state"
     OTHER = "other"
 
 

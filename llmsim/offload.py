@@ -45,7 +45,8 @@ import torch
 from llmsim.enums import Category
 from llmsim.tracker import StorageTracker
 
-HOST_CATEGORIES = frozenset({Category.OFFLOADED.value})  # timeline categories that live in host memory
+# timeline categories that live in host memory: offloaded checkpoint inputs, and AdamW's host `step` counters on a GPU
+HOST_CATEGORIES = frozenset({Category.OFFLOADED.value, Category.HOST_OPTIMIZER_STATE.value})
 
 
 def host_offload(tracker: StorageTracker, pin_memory: bool = False, device_type: str = "cuda"):
@@ -94,5 +95,6 @@ def split_host(timeline: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def host_peak_bytes(host: pd.DataFrame) -> int:
-    """The most host bytes offloaded at once (0 without offload)."""
+    """The most host bytes the step holds at once: offloaded checkpoint inputs and, on a GPU, AdamW's host `step`
+    counters (0 without either)."""
     return int(host["delta_bytes"].cumsum().max()) if len(host) else 0

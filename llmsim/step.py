@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 from llmsim import zero3_hooks
 from llmsim.offload import offloading
 from llmsim.losses import compute_loss, install_loss
-from llmsim.enums import Category, Optimizer, Phase, Precision
+from llmsim.enums import Category, Device, Optimizer, Phase, Precision
 from llmsim.spec import TrainSetup
 from llmsim.tracker import NO_BLOCK, StorageTracker
 
@@ -106,7 +106,9 @@ class LayerHooks:
                 param.register_post_accumulate_grad_hook(self._grad_ready(name))
                 self._hooked.add(name)
 
-    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+    def watch(self, optimizer: torch.optim.Optimizer, gpu: bool = False) -> None:
+        """Label the gradients before each step and the optimizer's states after it; `gpu`: the trace stands in
+        for a GPU run (the CPU device plays CUDA), where some states live on the host (`host_state`)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
 
         def grads(opt, args, kwargs):
@@ -115,8 +117,12 @@ class LayerHooks:
                                [self.block_of(names[id(p)]) for p in params])
 
         def states(opt, args, kwargs):
-            tensors = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-            self.tracker.label(tensors, Category.OPTIMIZER_STATE)
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    items = [(key, t) for key, t in opt.state.get(p, {}).items() if isinstance(t, torch.Tensor)]
+                    for key, t in items:
+                        host = host_state(opt, group, p, key, t, gpu)
+                        self.tracker.label([t], Category.HOST_OPTIMIZER_STATE if host else Category.OPTIMIZER_STATE)
 
         optimizer.register_step_pre_hook(grads)
         optimizer.register_step_post_hook(states)
@@ -255,6 +261,18 @@ def make_optimizer(params, setup: TrainSetup) -> torch.optim.Optimizer:
     # transformers' Adafactor: lr=None, scale_parameter=True, relative_step=True, warmup_init=False;
     # bitsandbytes: lr=1e-3, betas=(0.9, 0.999), weight_decay=1e-2, min_8bit_size=4096. No foreach path.
     return cls(params)
+
+
+def host_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor, key: str, state: torch.Tensor,
+               gpu: bool) -> bool:
+    """Whether an optimizer state lives in host memory while the parameters are on a GPU. In a real GPU run its
+    device says so. In a trace for a GPU (every tensor on the CPU standing in for CUDA) it is torch Adam/AdamW's
+    0-d `step`, which `_init_group` makes with `torch.tensor(0.0, device="cpu")` unless the group is fused or
+    capturable (torch/optim/adam.py: "Deliberately host `step` on CPU if both capturable and fused are off")."""
+    if state.device.type != param.device.type:
+        return state.device.type == "cpu"
+    return (gpu and key == "step" and isinstance(optimizer, torch.optim.Adam)
+            and not (group.get("fused") or group.get("capturable")))
 
 
 def uses_peft(setup: TrainSetup) -> bool:
@@ -411,7 +429,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
         if wrap is not None:
             model = wrap(model)
         optimizer = make_optimizer(model.parameters(), setup)
-        hooks.watch(optimizer)
+        hooks.watch(optimizer, gpu=setup.device is Device.CUDA)
         batch = torch.randint(0, vocab_size, (setup.micro_batch, setup.seq_len))
         tracker.label([batch], Category.INPUT)
         for step in range(setup.steps):
@@ -470,7 +488,7 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
             stage, setup.n_microbatches, loss_fn=lambda logits, labels: model.loss_function(logits, labels,
                                                                                              vocab_size))
         optimizer = make_optimizer(stage_module.parameters(), setup)
-        hooks.watch(optimizer)
+        hooks.watch(optimizer, gpu=setup.device is Device.CUDA)
         batch = torch.randint(0, vocab_size, (setup.micro_batch * setup.n_microbatches, setup.seq_len))
         tracker.label([batch], Category.INPUT)
         for step in range(setup.steps):

@@ -133,7 +133,8 @@ PEFT_BAD = [
     (["--lora-rank", "4", "--lora-modules-to-save", "embed_tokens", "--trainable-tokens", "3"],
      "model.embed_tokens holds the input embedding's weight"),
     (["--trainable-tokens", "1", "--strategy", "ddp", "--pp", "2", "--world-size", "4"],
-     "trainable-tokens with strategy ddp and tp/pp is not modelled yet; modelled: single and ddp (tp = pp = 1)"),
+     "trainable-tokens with strategy ddp and tp/pp is not modelled yet; modelled: single and ddp, and DeepSpeed "
+     "ZeRO-0/1/2 (tp = pp = 1)"),
     (["--lora-rank", "4", "--lora-modules-to-save", "lm_head", "--strategy", "ddp", "--pp", "2", "--world-size", "4"],
      "LoRA with tp/pp is not modelled yet"),
     (["--trainable-tokens", "1", "--tp", "2"], "trainable-tokens with strategy single and tp/pp is not modelled yet"),
@@ -189,10 +190,10 @@ def test_fused_linear_ce_refused_for_a_model_liger_does_not_patch(capsys):
 @pytest.mark.parametrize("stage,extra,needle", [
     (2, ["--grad-accum", "2"], "grad-accum(2) with DeepSpeed ZeRO-2 is not modelled yet; modelled: single and ddp "
      "(tp = pp = 1)"),
-    (1, ["--lora-rank", "4", "--trainable-tokens", "1,2"],
-     "trainable-tokens with DeepSpeed ZeRO-1 is not modelled yet; modelled: single and ddp (tp = pp = 1)"),
-    (3, ["--grad-ckpt", "--ckpt-offload"], "ckpt-offload with DeepSpeed ZeRO-3 is not modelled yet; modelled: single "
-     "and ddp, and DeepSpeed ZeRO-0/1/2 with the client optimizer (tp = pp = 1)"),
+    (3, ["--lora-rank", "4", "--trainable-tokens", "1,2"],
+     "trainable-tokens with DeepSpeed ZeRO-3 is not modelled: peft gathers the module's partitions"),
+    (3, ["--lora-rank", "4", "--lora-modules-to-save", "lm_head"], "lora-modules-to-save with DeepSpeed ZeRO-3 is "
+     "not modelled: peft gathers the module's partitions to deep-copy it"),
     (3, ["--loss", "fused-linear-ce"], "loss fused-linear-ce with DeepSpeed ZeRO-3 is not modelled: both losses read "
      "lm_head.weight outside the lm_head module"),
     (3, ["--loss", "chunked-nll"], "loss chunked-nll with DeepSpeed ZeRO-3 is not modelled: both losses"),
@@ -208,16 +209,27 @@ def test_levers_with_deepspeed_are_refused(stage, extra, needle, tmp_path, capsy
     assert len(err.splitlines()) == 1 and needle in err, err
 
 
-def test_levers_with_a_deepspeed_optimizer_section_are_refused(tmp_path, capsys):
-    """The levers under ZeRO-1/2 are measured with the client torch.optim.AdamW only."""
+def test_levers_with_a_deepspeed_optimizer_section_are_predicted(tmp_path, capsys):
+    """The loss levers, offload and peft's extras under ZeRO-0/1/2 with a DeepSpeed "optimizer" section
+    (tier2_zero_extras_cpu.csv): DeepSpeed's step is the only part the optimizer changes."""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
                                 "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}))
     assert main(["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--ds-config", str(path),
-                 "--world-size", "2", "--loss", "chunked-nll"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and ('loss chunked-nll with DeepSpeed ZeRO-2 and a DeepSpeed "optimizer" '
-                                           "section is not modelled yet") in err, err
+                 "--world-size", "2", "--loss", "chunked-nll", "--grad-ckpt", "--ckpt-offload", "--lora-rank", "4",
+                 "--lora-modules-to-save", "lm_head", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["peak_host_bytes"] for r in out["ranks"]] == [2 * 1 * 8 * 64 * 4] * 2  # two layers' fp32 inputs
+
+
+def test_ckpt_offload_under_zero3_is_predicted(tmp_path, capsys):
+    """Checkpoint offload under ZeRO-3 (tier2_zero_extras_cpu.csv): the host holds what one process offloads."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}))
+    assert main(["predict", *TINY, "--seq-len", "16", "--micro-batch", "2", "--ds-config", str(path),
+                 "--world-size", "2", "--grad-ckpt", "--ckpt-offload", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["peak_host_bytes"] for r in out["ranks"]] == [2 * 2 * 16 * 64 * 4] * 2
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -28,3 +28,18 @@ def test_real_gpu_run_is_within_tier4_tolerances():
     assert proc.returncode == 0
     rows = load_measurements([KIT.parent.parent / "data" / "measurements" / "tier4_gpu.csv"])
     assert validate(rows)["ok"].all()
+
+
+def test_host_step_entry_predicts_one_host_step_per_parameter():
+    """The kit's Adam entry: `step` counters are host memory on a GPU, 4 B per parameter tensor, none on the
+    device; the kit's worker labels them host because its tracker sees them on the CPU (llmsim.step.host_state)."""
+    from experiments.gpu_validation import _setup
+    from llmsim.gpus import load_gpu
+    from llmsim.pipeline import predict
+
+    entry = next(e for e in MATRIX if e[-1] == "adam")
+    spec, setup = _setup(entry)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+        tensors = len(list(AutoModelForCausalLM.from_config(spec.hf_config()).parameters()))
+    assert predict(spec, setup, gpu=load_gpu("h100-80gb")).ranks[0].peak_host_bytes == 4 * tensors

@@ -87,8 +87,11 @@ def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.Da
 
 def traced_setup(setup, layout: Layout):
     """The setup the single-process trace runs for `layout`: under ZeRO-0/1/2 DeepSpeed's engine casts the model
-    after get_peft_model (adapters included), not before it as the canonical step does."""
-    if (setup.lora_rank and layout.deepspeed is not None and layout.deepspeed.stage in (0, 1, 2)
+    after get_peft_model (adapters, a modules_to_save copy and trainable tokens' delta included), not before it as
+    the canonical step does."""
+    from llmsim.step import uses_peft
+
+    if (uses_peft(setup) and layout.deepspeed is not None and layout.deepspeed.stage in (0, 1, 2)
             and setup.precision.cast_dtype is not None):
         return replace(setup, cast_after_peft=True)
     return setup
@@ -99,16 +102,31 @@ def traced_setup(setup, layout: Layout):
 # and backward and replace only what follows each gradient hook and the step (strategies/zero0.py, zero12.py):
 # a loss lever changes how the LM head's gradient is made (Liger's in the forward, TRL's in its backward) and
 # checkpoint offload moves checkpoint inputs to host memory, neither of which DeepSpeed's engine sees.
-LEVER_ZERO_STAGES = {"loss": (0, 1, 2), "ckpt-offload": (0, 1, 2), "peft-extras": (), "grad-accum": ()}
+LEVER_ZERO_STAGES = {
+    "loss": (0, 1, 2),
+    "ckpt-offload": (0, 1, 2, 3),
+    "peft-extras": (0, 1, 2),
+    "grad-accum": (),
+}
+# The levers also modelled with a DeepSpeed JSON "optimizer" section (FusedAdam or `torch_adam`) under those stages
+# (data/measurements/tier2_zero_extras_cpu.csv): the optimizer is built and stepped by DeepSpeed's part alone
+# (zero_common.step_optimizer), which none of these levers touches.
+LEVER_ZERO_DS_OPTIMIZER = frozenset({"loss", "ckpt-offload", "peft-extras"})
 # Why a lever stays refused under a ZeRO stage where the reason is known. Both losses read `lm_head.weight` in the
 # model's forward without calling the lm_head module, whose ZeRO-3 hooks alone gather it: outside them it is the
 # numel-0 placeholder (`free_param`, deepspeed/runtime/zero/partition_parameters.py). Real 2-rank runs fail: the
 # Liger imitation in its forward ("size of tensor a (0) must match ... 128"; Liger's kernel divides by V = 0,
 # linkedin/Liger-Kernel#767), TRL's port in its backward (a [0] weight gradient); TRL's own trainers gather the
 # head with deepspeed.zero.GatheredParameters (`maybe_gather_lm_head_ctx`), which the ZeRO-3 replay does not model.
+# peft's own ZeRO-3 paths: `ModulesToSaveWrapper.update` gathers the module's partitions (GatheredParameters) to
+# deep-copy it, which makes a trainable copy in the base's dtype outside zero.Init (not the fp32 adapters zero3.py
+# models); `TrainableTokensLayer._collect_token_weights` builds the rows on CUDA on every rank but 0 (a CPU run
+# fails: "Torch not compiled with CUDA enabled").
 LEVER_ZERO_REASONS = {
     ("loss", 3): "both losses read lm_head.weight outside the lm_head module, where ZeRO-3 leaves it a numel-0 "
                  "shard (a run fails; TRL's GatheredParameters gather is not modelled)",
+    ("peft-extras", 3): "peft gathers the module's partitions to deep-copy it (a base-dtype copy outside zero.Init, "
+                        "not modelled) and builds trainable tokens' rows on CUDA only (no CPU run measures it)",
 }
 
 
@@ -123,12 +141,13 @@ def _levers_modelled(layout: Layout, lever: str) -> bool:
     if layout.strategy in (Strategy.SINGLE, Strategy.DDP):
         return True
     return (layout.deepspeed.stage in LEVER_ZERO_STAGES[lever]
-            and layout.deepspeed.optimizer_kind == "client")
+            and (layout.deepspeed.optimizer_kind == "client" or lever in LEVER_ZERO_DS_OPTIMIZER))
 
 
 def levers_modelled_text(lever: str) -> str:
     stages = "/".join(map(str, LEVER_ZERO_STAGES[lever]))
-    zero = f", and DeepSpeed ZeRO-{stages} with the client optimizer" if stages else ""
+    optimizer = "" if lever in LEVER_ZERO_DS_OPTIMIZER else " with the client optimizer"
+    zero = f", and DeepSpeed ZeRO-{stages}{optimizer}" if stages else ""
     return f"modelled: single and ddp{zero} (tp = pp = 1)"
 
 

@@ -38,9 +38,10 @@ from __future__ import annotations
 import pandas as pd
 
 from llmsim.enums import Category, Phase, Precision
+from llmsim.step import uses_peft
 from llmsim.strategies.events import live_at_end_of_build, trainable_names
 from llmsim.strategies.zero12 import GRADIENT_PHASES
-from llmsim.strategies.zero_common import (FP32_BYTES, EventWriter, adamw, construct_optimizer, optimizer_of,
+from llmsim.strategies.zero_common import (FP32_BYTES, adamw, construct_optimizer, optimizer_of, rank_writer,
                                            own_runs, parameters, rows_of, step_optimizer, torch_fused,
                                            walk_phases)
 
@@ -49,14 +50,18 @@ BF16_BYTES = 2
 
 
 def buckets(numels: list[int], limit: int = ALLREDUCE_ELEMENTS_PER_BUFFER) -> list[int]:
-    """Bucket numels of `allreduce_no_retain`."""
-    out, current = [], 0
+    """Numels of the flat copies `allreduce_no_retain` makes, one per bucket of two or more gradients: torch's
+    `_flatten_dense_tensors` returns a view of a lone tensor (`flatten_dense_tensors` in
+    torch/csrc/utils/tensor_flatten.h), which `allreduce_bucket` then reduces in place (trainable tokens alone
+    have a single trainable parameter)."""
+    out, current, count = [], 0, 0
     for numel in numels:
-        current += numel
+        current, count = current + numel, count + 1
         if current > limit:
-            out.append(current)
-            current = 0
-    return out + ([current] if current else [])
+            out.append((current, count))
+            current, count = 0, 0
+    out += [(current, count)] if count else []
+    return [numel for numel, count in out if count > 1]
 
 
 class _Rank:
@@ -66,7 +71,7 @@ class _Rank:
         self.params = parameters(timeline, self.elem)
         storages = live_at_end_of_build(timeline, Category.PARAMETER)
         self.storages = [(int(serial), int(nbytes)) for serial, nbytes in storages["nbytes"].items()]
-        if setup.lora_rank:  # the wrappers and the reduction own the trainable parameters alone
+        if uses_peft(setup):  # the wrappers and the reduction own the trainable parameters alone
             names = trainable_names(timeline)
             self.storages = [s for s, p in zip(self.storages, self.params) if p.name in names]
             self.params = [p for p in self.params if p.name in names]
@@ -78,7 +83,7 @@ class _Rank:
         self.replace_step = (self.bf16 or self.kind == "fused" or self.foreach != setup.foreach
                              or self.fused != setup.fused)
         self.timeline = timeline
-        self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
+        self.w = rank_writer(timeline, setup)
         self.grads: dict[str, tuple[int, int]] = {}
 
     def run(self) -> pd.DataFrame:

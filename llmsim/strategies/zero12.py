@@ -39,10 +39,11 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from llmsim.enums import Category, Optimizer, Phase, Precision
+from llmsim.step import uses_peft
 from llmsim.strategies.events import LazyRanks, live_at_end_of_build, trainable_names
 from llmsim.strategies.flat_optimizer import FlatOptimizer
 from llmsim.tracker import GRAD_READY
-from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, construct_optimizer,
+from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, Param, construct_optimizer, rank_writer,
                                            optimizer_of, param_storages, parameters, rows_of, step_optimizer,
                                            own_runs, torch_fused, walk_phases)
 
@@ -127,7 +128,7 @@ class _Rank:
         self.timeline = timeline
         self.rows = rows
         self.own = own  # the rows `_row` acts on (the backward's gradients, the batch), the client optimizer's left out
-        self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
+        self.w = rank_writer(timeline, setup)
         self.bw = _Backward()
         self.initialized = False
         trainable = set(self.numel)
@@ -287,9 +288,10 @@ class _Rank:
 
 def _trainable(params: list[Param], timeline: pd.DataFrame, setup) -> list[Param]:
     """The parameters DeepSpeed flattens and partitions: those the optimizer owns (`is_optimized_parameter`:
-    requires_grad). With LoRA the frozen base keeps its own storage, outside the flat buffer, with no gradient
-    hook, bucket slot, master weights or optimizer state; the adapters are flattened alone."""
-    if not setup.lora_rank:
+    requires_grad). With peft (LoRA, trainable tokens) the frozen base keeps its own storage, outside the flat
+    buffer, with no gradient hook, bucket slot, master weights or optimizer state; the adapters, a modules_to_save
+    copy and trainable tokens' delta are flattened alone."""
+    if not uses_peft(setup):
         return params
     names = trainable_names(timeline)
     return [p for p in params if p.name in names]

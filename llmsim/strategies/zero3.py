@@ -40,7 +40,7 @@ from llmsim.enums import Category, Device, Optimizer, Phase, Precision
 from llmsim.step import ROOT_MODULE
 from llmsim.strategies.events import per_timeline, trainable_names
 from llmsim.strategies.flat_optimizer import FlatOptimizer
-from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, construct_optimizer, optimizer_of,
+from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, construct_optimizer, optimizer_of, rank_writer,
                                            own_runs, parameters, rows_of, step_optimizer, torch_fused,
                                            walk_phases)
 from llmsim.tracker import BACKWARD_POST, BACKWARD_PRE, FORWARD_POST, FORWARD_PRE, GRAD_READY, TIED
@@ -85,7 +85,7 @@ class _Rank:
         self.gloo = setup.device is Device.CPU  # the process group's backend: gloo on the CPU, NCCL on GPUs
         self.timeline = timeline
         self.rows = rows
-        self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
+        self.w = rank_writer(timeline, setup)
         self.params = self._parameters(timeline, setup)
         self.trainable = [p for p in self.params if not p.frozen]
         self.by_name = {p.name: p for p in self.params}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from llmsim.enums import Category, Phase
+from llmsim.enums import Category, Device, Phase
 from llmsim.strategies.events import live_at_end_of_build, per_timeline
 from llmsim.tracker import NO_BLOCK, TIMELINE_COLUMNS
 
@@ -20,6 +20,12 @@ FP32_BYTES = 4
 OWN, KEEP, DROP = 1, 0, -1  # what a strategy's walk does with a run of rows (`own_runs`)
 FP64_BYTES = 8  # the gradient norm upcasts each gradient slice to float64 (stage_1_and_2.py, get_grad_norm_direct)
 ADAM_STEP_BYTES = 4  # AdamW's `step` is a 0-dim fp32 tensor on the host (torch/optim/adamw.py, _init_group)
+
+
+def rank_writer(timeline: pd.DataFrame, setup, module: str = "deepspeed") -> "EventWriter":
+    """The writer of a rank's timeline, serials after the single-process trace's; on a GPU a torch AdamW's `step`
+    counters it writes are host memory (`EventWriter.steps_on_host`)."""
+    return EventWriter(int(timeline["serial"].max()) + 1, module=module, steps_on_host=setup.device is Device.CUDA)
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,8 @@ class EventWriter:
     phase: str = Phase.BUILD.value
     module: str = ""
     order: list[int] = field(default_factory=list)  # the output: >= 0 a source row, < 0 `rows[-1 - i]`
+    # the rank's parameters are on a GPU, where torch AdamW's for-loop and foreach paths keep `step` on the host
+    steps_on_host: bool = False
 
     def keep(self, row: tuple) -> None:
         self.step, self.phase = row[0], row[1]
@@ -101,10 +109,12 @@ def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool, fused: 
     the next replaces it, while `_multi_tensor_adam` (foreach, CUDA default) makes one `_foreach_sqrt` list
     that lives until the step ends. `_fused_adam` (fused=True) adds 1 to the steps in place and runs
     `torch._fused_adamw_`, which updates parameters and states in place: no temporaries (its `step` lives on
-    the parameters' device, 4 bytes as well). Scalar temporaries are left out."""
+    the parameters' device, 4 bytes as well; the other paths' on the host, which a GPU rank's writer marks,
+    `EventWriter.steps_on_host`). Scalar temporaries are left out."""
+    step_category = Category.HOST_OPTIMIZER_STATE if w.steps_on_host and not fused else Category.OPTIMIZER_STATE
     if first:
         for numel in numels:
-            w.alloc(ADAM_STEP_BYTES, Category.OPTIMIZER_STATE)
+            w.alloc(ADAM_STEP_BYTES, step_category)
             w.alloc(numel * FP32_BYTES, Category.OPTIMIZER_STATE)
             w.alloc(numel * FP32_BYTES, Category.OPTIMIZER_STATE)
     if fused:
