@@ -33,6 +33,10 @@ optimizer under ZeRO-0..3) into data/measurements/tier2_fused_adamw_cpu.csv.
 model, then deepspeed.initialize, which casts every parameter to bf16 and flattens the adapters alone) into
 data/measurements/tier2_lora_zero12_cpu.csv.
 
+`--ga-zero` runs GA_ZERO_RUNS (gradient accumulation, 2 and 3 micro-steps, under 2-rank DeepSpeed ZeRO-1/2 with the
+client AdamW, fp32 and bf16; the JSON's gradient_accumulation_steps set to it) into
+data/measurements/tier2_ga_zero_cpu.csv.
+
 `--zero0-dsopt` runs ZERO0_DSOPT_RUNS (a DeepSpeed "optimizer" section with ZeRO stage 0, LoRA with ZeRO stage 0,
 and LoRA with ZeRO-1/2 and a DeepSpeed "optimizer" section) into data/measurements/tier2_zero0_dsopt_cpu.csv.
 """
@@ -364,6 +368,30 @@ LEVERS_ZERO_RUNS = [
     ("gpt2", 2, "fp32", True, 2, 2, 128, "deepspeed", {"stage": 0}, None, NO_LORA, {"ckpt_offload": True}),
 ]
 
+GA_ZERO_CSV = MEASUREMENTS_DIR / "tier2_ga_zero_cpu.csv"
+# Gradient accumulation under DeepSpeed ZeRO-1/2 with the client torch.optim.AdamW: the JSON's
+# gradient_accumulation_steps = grad_accum, and the script calls forward, engine.backward and engine.step every
+# micro-step (the engine steps at the boundary). Same tuple as LEVERS_DDP_RUNS. Default and small reduce buckets,
+# overlap_comm (stage 1 reduces in its hooks at the boundary only), and shapes whose peak is the step or the
+# backward's second grads_in_partition (stage 2).
+GA2, GA3 = {"grad_accum": 2}, {"grad_accum": 3}
+GA_ZERO_RUNS = [
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 2}, None, NO_LORA, GA2),
+    ("gpt2", 2, "bf16", True, 1, 2, 64, "deepspeed", small_buckets(2), None, NO_LORA, GA3),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 1}, None, NO_LORA, GA2),
+    ("opt-125m", 2, "fp32", False, 1, 2, 64, "deepspeed", {**small_buckets(1), "overlap_comm": True}, None, NO_LORA,
+     GA3),
+    ("mistral-7b", 2, "fp32", True, 1, 2, 64, "deepspeed", small_buckets(1), None, NO_LORA, GA2),
+    ("pythia-160m", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 2, "overlap_comm": True}, None, NO_LORA,
+     GA2),
+    ("llama-2-7b", 2, "bf16", True, 1, 1, 16, "deepspeed", small_buckets(2), None, NO_LORA, GA3, WIDE_VOCAB),
+    ("llama-2-7b", 2, "fp32", True, 1, 1, 16, "deepspeed", small_buckets(1), None, NO_LORA, GA2, WIDE_VOCAB),
+    ("qwen2.5-0.5b", 2, "fp32", True, 1, 1, 16, "deepspeed", {**small_buckets(2), "overlap_comm": True}, None,
+     NO_LORA, GA2, (112, 2, 12000, 7)),
+    ("qwen2.5-0.5b", 2, "bf16", True, 1, 1, 16, "deepspeed", {**small_buckets(1), "overlap_comm": True}, None,
+     NO_LORA, GA3, (112, 2, 12000, 7)),
+]
+
 
 def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
     """Measure each run (failures are reported and skipped); append the rank rows to `out`; the failures."""
@@ -380,7 +408,7 @@ def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
                            lora_targets=lora_targets, **levers)
         deepspeed = None
         if zero is not None:
-            config = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": 1,
+            config = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": setup.grad_accum,
                       "zero_optimization": zero, "bf16": {"enabled": precision == "bf16"}}
             if optimizer is not None:
                 config["optimizer"] = optimizer
@@ -419,6 +447,8 @@ def main() -> int:
                         help=f"run ZERO0_DSOPT_RUNS (ZeRO-0 with a DeepSpeed optimizer, LoRA) into {ZERO0_DSOPT_CSV}")
     parser.add_argument("--fused", action="store_true",
                         help=f"run FUSED_RUNS (torch.optim fused=True under DDP and ZeRO) into {FUSED_CSV}")
+    parser.add_argument("--ga-zero", action="store_true",
+                        help=f"run GA_ZERO_RUNS (gradient accumulation under ZeRO-1/2) into {GA_ZERO_CSV}")
     parser.add_argument("--zero3-heldout", action="store_true", help=f"run ZERO3_HELDOUT into {ZERO3_HELDOUT_CSV}")
     parser.add_argument("--zero3", action="store_true",
                         help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")
@@ -430,6 +460,7 @@ def main() -> int:
                          else (DS_OPTIMIZER_RUNS, DS_OPTIMIZER_CSV) if args.ds_optimizer
                          else (ZERO0_DSOPT_RUNS, ZERO0_DSOPT_CSV) if args.zero0_dsopt
                          else (FUSED_RUNS, FUSED_CSV) if args.fused
+                         else (GA_ZERO_RUNS, GA_ZERO_CSV) if args.ga_zero
                          else (ZERO3_HELDOUT, ZERO3_HELDOUT_CSV) if args.zero3_heldout
                          else (ZERO3_RUNS, ZERO3_CSV) if args.zero3 else (RUNS, TIER2_CSV))
     out = args.out or default_out

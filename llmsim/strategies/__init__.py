@@ -87,10 +87,13 @@ def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.Da
 
 def traced_setup(setup, layout: Layout):
     """The setup the single-process trace runs for `layout`: under ZeRO-0/1/2 DeepSpeed's engine casts the model
-    after get_peft_model (adapters included), not before it as the canonical step does."""
+    after get_peft_model (adapters included), not before it as the canonical step does; under ZeRO-2 with gradient
+    accumulation each micro-step's own gradients are named (TrainSetup.label_micro_grads)."""
     if (setup.lora_rank and layout.deepspeed is not None and layout.deepspeed.stage in (0, 1, 2)
             and setup.precision.cast_dtype is not None):
-        return replace(setup, cast_after_peft=True)
+        setup = replace(setup, cast_after_peft=True)
+    if setup.grad_accum > 1 and layout.deepspeed is not None and layout.deepspeed.stage == 2:
+        setup = replace(setup, label_micro_grads=True)
     return setup
 
 
@@ -99,7 +102,7 @@ def traced_setup(setup, layout: Layout):
 # and backward and replace only what follows each gradient hook and the step (strategies/zero0.py, zero12.py):
 # a loss lever changes how the LM head's gradient is made (Liger's in the forward, TRL's in its backward) and
 # checkpoint offload moves checkpoint inputs to host memory, neither of which DeepSpeed's engine sees.
-LEVER_ZERO_STAGES = {"loss": (0, 1, 2), "ckpt-offload": (0, 1, 2), "peft-extras": (), "grad-accum": ()}
+LEVER_ZERO_STAGES = {"loss": (0, 1, 2), "ckpt-offload": (0, 1, 2), "peft-extras": (), "grad-accum": (1, 2)}
 # Why a lever stays refused under a ZeRO stage where the reason is known. Both losses read `lm_head.weight` in the
 # model's forward without calling the lm_head module, whose ZeRO-3 hooks alone gather it: outside them it is the
 # numel-0 placeholder (`free_param`, deepspeed/runtime/zero/partition_parameters.py). Real 2-rank runs fail: the
@@ -163,6 +166,9 @@ def check_supported(setup, layout: Layout) -> None:
         _refuse_lever("ckpt-offload", "ckpt-offload", layout)
     if setup.loss.value != "hf":
         _refuse_lever("loss", f"loss {setup.loss.value}", layout)
+    if layout.deepspeed is not None and setup.grad_accum != layout.deepspeed.gradient_accumulation_steps:
+        raise InputError(f"grad-accum({setup.grad_accum}) contradicts the DeepSpeed config's "
+                         f"gradient_accumulation_steps({layout.deepspeed.gradient_accumulation_steps})")
     if setup.grad_accum > 1:
         _refuse_lever("grad-accum", f"grad-accum({setup.grad_accum})", layout,
                       " (DDP all-reducing every backward, no no_sync; DeepSpeed's gradient_accumulation_steps "

@@ -119,6 +119,8 @@ class _Rank:
         self.own = own  # the rows `_row` acts on (the backward's gradients, the batch), the client optimizer's left out
         self.w = EventWriter(int(timeline["serial"].max()) + 1, module="deepspeed")
         self.bw = _Backward()
+        self.grad_accum = setup.grad_accum
+        self.micro = 0  # the micro-step of the optimizer step whose backward runs (engine.micro_steps % n)
         self.initialized = False
         trainable = set(self.numel)
         live = live_at_end_of_build(timeline, Category.PARAMETER)
@@ -154,8 +156,13 @@ class _Rank:
             count = 2 if self.zero.overlap_comm else 1
             self.bw.buffers = [self.w.alloc(self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
                                for _ in range(count)]
-        if self.stage == 2 or self.zero.overlap_comm:
+        if self.stage == 2 or (self.zero.overlap_comm and self.boundary):  # `reduce_ready_partitions_and_...`
             self.reduce(name)
+
+    @property
+    def boundary(self) -> bool:
+        """`engine.is_gradient_accumulation_boundary`: the last micro-step of an optimizer step."""
+        return self.micro == self.grad_accum - 1
 
     def reduce(self, name: str) -> None:
         """`reduce_independent_p_g_buckets_and_remove_grads`."""
@@ -201,6 +208,13 @@ class _Rank:
         self.w.free(serial, nbytes, Category.GRADIENT)
 
     def end_backward(self) -> None:
+        """`engine.allreduce_gradients`. Stage 1 reduces at the accumulation boundary only: before it the
+        gradients stay on the parameters (autograd accumulates into them) and the buffers the first hook made
+        stay allocated. Stage 2 reduces every micro-step (`independent_gradient_partition_epilogue`): the first
+        micro-step's `grads_in_partition` lives on in `all_grad_tensors` until the step, each later one's is added
+        into it and freed as the epilogue returns; every `param.grad` is set to None."""
+        if self.stage == 1 and not self.boundary:
+            return
         if self.stage == 1:  # engine.allreduce_gradients -> reduce_gradients, in parameter order
             for p in self.part.params:
                 if p.name in self.bw.grads:
@@ -210,9 +224,14 @@ class _Rank:
             self._free_grad(name)
         for serial in self.bw.buffers:
             self.w.free(serial, self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
-        padding = self.part.partition_numel - sum(self.mine.values())
-        self.padding = self.w.alloc(padding * self.elem, Category.GRADIENT) if padding else None
-        self.gip, self.bw = self.bw.gip, _Backward()
+        if self.boundary:  # get_flat_partition pads the partition at the boundary
+            padding = self.part.partition_numel - sum(self.mine.values())
+            self.padding = self.w.alloc(padding * self.elem, Category.GRADIENT) if padding else None
+        if self.micro == 0 or self.stage == 1:  # the window's first reduction
+            self.gip = self.bw.gip
+        elif self.bw.gip is not None:
+            self.w.free(self.bw.gip, self.gip_bytes, Category.GRADIENT)
+        self.bw = _Backward()
 
     # ---- step ----------------------------------------------------------------------------------------
     def step(self, first: bool) -> None:
@@ -258,6 +277,9 @@ class _Rank:
             self.w.keep(row)
             self.bw.grads[name] = (serial, delta)
         elif name in self.bw.grads and self.bw.grads[name][0] == serial:
+            if self.micro > 0:  # a later micro-step's own gradient (TrainSetup.label_micro_grads), which the trace
+                return          # adds into `.grad` and drops: under ZeRO-2, whose epilogue set `.grad` to None,
+                                # autograd keeps it as `.grad` and the reduction frees it
             self.w.keep(row)  # autograd replaced the gradient storage itself
             del self.bw.grads[name]
 
@@ -267,8 +289,10 @@ class _Rank:
             self._initialize_once()
         elif phase == Phase.BACKWARD.value:
             self.end_backward()
+            self.micro += 1
         elif phase == Phase.OPTIMIZER.value:
             self.step(first=step == 0)
+            self.micro = 0
 
 
 def _trainable(params: list[Param], timeline: pd.DataFrame, setup) -> list[Param]:
