@@ -102,7 +102,7 @@ def traced_setup(setup, layout: Layout):
 # and backward and replace only what follows each gradient hook and the step (strategies/zero0.py, zero12.py):
 # a loss lever changes how the LM head's gradient is made (Liger's in the forward, TRL's in its backward) and
 # checkpoint offload moves checkpoint inputs to host memory, neither of which DeepSpeed's engine sees.
-LEVER_ZERO_STAGES = {"loss": (0, 1, 2), "ckpt-offload": (0, 1, 2), "peft-extras": (), "grad-accum": (1, 2)}
+LEVER_ZERO_STAGES = {"loss": (0, 1, 2), "ckpt-offload": (0, 1, 2), "peft-extras": (), "grad-accum": (0, 1, 2)}
 # Why a lever stays refused under a ZeRO stage where the reason is known. Both losses read `lm_head.weight` in the
 # model's forward without calling the lm_head module, whose ZeRO-3 hooks alone gather it: outside them it is the
 # numel-0 placeholder (`free_param`, deepspeed/runtime/zero/partition_parameters.py). Real 2-rank runs fail: the

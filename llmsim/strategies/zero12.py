@@ -215,8 +215,8 @@ class _Rank:
         into it and freed as the epilogue returns; every `param.grad` is set to None."""
         if self.stage == 1 and not self.boundary:
             return
-        if self.stage == 1:  # engine.allreduce_gradients -> reduce_gradients, in parameter order
-            for p in self.part.params:
+        if self.stage == 1 and not self.zero.overlap_comm:  # engine.allreduce_gradients -> reduce_gradients, in
+            for p in self.part.params:                         # parameter order (with overlap_comm the hooks did)
                 if p.name in self.bw.grads:
                     self.reduce(p.name)
         self.flush()
