@@ -33,7 +33,7 @@ optimizer under ZeRO-0..3) into data/measurements/tier2_fused_adamw_cpu.csv.
 model, then deepspeed.initialize, which casts every parameter to bf16 and flattens the adapters alone) into
 data/measurements/tier2_lora_zero12_cpu.csv.
 
-`--ga-zero` runs GA_ZERO_RUNS (gradient accumulation, 2 and 3 micro-steps, under 2-rank DeepSpeed ZeRO-0/1/2 with the
+`--ga-zero` runs GA_ZERO_RUNS (gradient accumulation, 2 and 3 micro-steps, under 2-rank DeepSpeed ZeRO-0/1/2/3 with the
 client AdamW, fp32 and bf16; the JSON's gradient_accumulation_steps set to it) into
 data/measurements/tier2_ga_zero_cpu.csv.
 
@@ -369,7 +369,7 @@ LEVERS_ZERO_RUNS = [
 ]
 
 GA_ZERO_CSV = MEASUREMENTS_DIR / "tier2_ga_zero_cpu.csv"
-# Gradient accumulation under DeepSpeed ZeRO-0/1/2 with the client torch.optim.AdamW: the JSON's
+# Gradient accumulation under DeepSpeed ZeRO-0/1/2/3 with the client torch.optim.AdamW: the JSON's
 # gradient_accumulation_steps = grad_accum, and the script calls forward, engine.backward and engine.step every
 # micro-step (the engine steps at the boundary). Same tuple as LEVERS_DDP_RUNS. Default and small reduce buckets,
 # overlap_comm (stage 1 reduces in its hooks at the boundary only), and shapes whose peak is the step or the
@@ -395,6 +395,13 @@ GA_ZERO_RUNS = [
     ("gpt2", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 0}, None, NO_LORA, GA3),
     ("qwen2.5-0.5b", 2, "bf16", False, 1, 1, 16, "deepspeed", {"stage": 0}, None, NO_LORA, GA2, (112, 2, 12000, 7)),
     ("mistral-7b", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 0}, None, NO_LORA, GA3),
+    # ZeRO-3: every backward reduce-scatters into the persistent grad_partitions_flat_buffer (copied at the first
+    # micro-step, added into after it) and sets `.grad` to None
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", small_buckets(3), None, NO_LORA, GA2),
+    ("gpt2", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 3}, None, NO_LORA, GA3),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 2, 64, "deepspeed", small_buckets(3), None, NO_LORA, GA2),
+    ("opt-125m", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 3, "reduce_bucket_size": 40000}, None, NO_LORA,
+     GA3),
 ]
 
 
@@ -453,7 +460,7 @@ def main() -> int:
     parser.add_argument("--fused", action="store_true",
                         help=f"run FUSED_RUNS (torch.optim fused=True under DDP and ZeRO) into {FUSED_CSV}")
     parser.add_argument("--ga-zero", action="store_true",
-                        help=f"run GA_ZERO_RUNS (gradient accumulation under ZeRO-0/1/2) into {GA_ZERO_CSV}")
+                        help=f"run GA_ZERO_RUNS (gradient accumulation under ZeRO-0/1/2/3) into {GA_ZERO_CSV}")
     parser.add_argument("--zero3-heldout", action="store_true", help=f"run ZERO3_HELDOUT into {ZERO3_HELDOUT_CSV}")
     parser.add_argument("--zero3", action="store_true",
                         help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")

@@ -88,21 +88,23 @@ def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.Da
 def traced_setup(setup, layout: Layout):
     """The setup the single-process trace runs for `layout`: under ZeRO-0/1/2 DeepSpeed's engine casts the model
     after get_peft_model (adapters included), not before it as the canonical step does; under ZeRO-2 with gradient
-    accumulation each micro-step's own gradients are named (TrainSetup.label_micro_grads)."""
+    accumulation (ZeRO-2 and 3 set every `.grad` to None after each backward's reduction) each micro-step's own
+    gradients are named (TrainSetup.label_micro_grads)."""
     if (setup.lora_rank and layout.deepspeed is not None and layout.deepspeed.stage in (0, 1, 2)
             and setup.precision.cast_dtype is not None):
         setup = replace(setup, cast_after_peft=True)
-    if setup.grad_accum > 1 and layout.deepspeed is not None and layout.deepspeed.stage == 2:
+    if setup.grad_accum > 1 and layout.deepspeed is not None and layout.deepspeed.stage in (2, 3):
         setup = replace(setup, label_micro_grads=True)
     return setup
 
 
 # Issue 5's levers under DeepSpeed (tp = pp = 1, the client torch.optim.AdamW): the ZeRO stages where each is
-# modelled and measured (data/measurements/tier2_levers_zero_cpu.csv). ZeRO-0/1/2 keep the single-process forward
+# modelled and measured (data/measurements/tier2_levers_zero_cpu.csv; gradient accumulation, the JSON's
+# gradient_accumulation_steps, in tier2_ga_zero_cpu.csv). ZeRO-0/1/2 keep the single-process forward
 # and backward and replace only what follows each gradient hook and the step (strategies/zero0.py, zero12.py):
 # a loss lever changes how the LM head's gradient is made (Liger's in the forward, TRL's in its backward) and
 # checkpoint offload moves checkpoint inputs to host memory, neither of which DeepSpeed's engine sees.
-LEVER_ZERO_STAGES = {"loss": (0, 1, 2), "ckpt-offload": (0, 1, 2), "peft-extras": (), "grad-accum": (0, 1, 2)}
+LEVER_ZERO_STAGES = {"loss": (0, 1, 2), "ckpt-offload": (0, 1, 2), "peft-extras": (), "grad-accum": (0, 1, 2, 3)}
 # Why a lever stays refused under a ZeRO stage where the reason is known. Both losses read `lm_head.weight` in the
 # model's forward without calling the lm_head module, whose ZeRO-3 hooks alone gather it: outside them it is the
 # numel-0 placeholder (`free_param`, deepspeed/runtime/zero/partition_parameters.py). Real 2-rank runs fail: the
@@ -153,9 +155,10 @@ def _refuse_lever(lever: str, what: str, layout: Layout, note: str = "") -> None
 
 
 def check_supported(setup, layout: Layout) -> None:
-    """Before any trace: gradient accumulation and peft's extras are modelled for one process and DDP, checkpoint
-    offload and the loss levers also for DeepSpeed ZeRO-0/1/2 (LEVER_ZERO_STAGES), LoRA for one process, DDP and
-    ZeRO-0/1/2/3; DeepSpeed's accumulation boundaries and a pipeline's own micro-batches are not."""
+    """Before any trace: peft's extras are modelled for one process and DDP, checkpoint offload and the loss levers
+    also for DeepSpeed ZeRO-0/1/2, gradient accumulation for ZeRO-0/1/2/3 (LEVER_ZERO_STAGES), where it must be the
+    JSON's gradient_accumulation_steps; LoRA for one process, DDP and ZeRO-0/1/2/3; a pipeline's own micro-batches
+    are not."""
     if setup.lora_rank:
         _check_lora(setup, layout)
     extras = [name for name, on in (("lora-modules-to-save", setup.lora_modules_to_save),
@@ -171,8 +174,8 @@ def check_supported(setup, layout: Layout) -> None:
                          f"gradient_accumulation_steps({layout.deepspeed.gradient_accumulation_steps})")
     if setup.grad_accum > 1:
         _refuse_lever("grad-accum", f"grad-accum({setup.grad_accum})", layout,
-                      " (DDP all-reducing every backward, no no_sync; DeepSpeed's gradient_accumulation_steps "
-                      "boundaries are not); a pipeline accumulates over its --microbatches")
+                      " (DDP all-reducing every backward, no no_sync); a pipeline accumulates over its "
+                      "--microbatches")
 
 
 def _check_lora(setup, layout: Layout) -> None:

@@ -17,6 +17,13 @@ Per rank, on top of the single-process forward and backward:
   (P elements, then converted to fp32 in bf16), `grads_in_partition` is freed, AdamW updates the flat fp32
   partition (single-tensor path on CPU: states 2 * P fp32 at the first step, `sqrt` and `denom` temporaries of
   P fp32 each), the fp32 gradient is freed and the parameters are all-gathered in place into the flat buffer.
+Gradient accumulation (gradient_accumulation_steps n; engine.step() steps at every n-th micro-step): stage 1 keeps
+the gradients on the parameters until the boundary (autograd accumulates into them, as in one process) and the
+buffers the window's first hook allocated until the boundary's epilogue; stage 2 reduces every backward and sets
+every `.grad` to None after it, so each later micro-step's gradients are new storages (the trace names them,
+TrainSetup.label_micro_grads) and its epilogue allocates a second `grads_in_partition`, adds it into the first
+(kept alive in `all_grad_tensors`) and frees it; the partition is padded at the boundary only
+(`independent_gradient_partition_epilogue`, `get_flat_partition`).
 The batch is made after `deepspeed.initialize` returns, so initialize's events go before the build's input row.
 With LoRA the optimizer's groups keep only the parameters that require grad (`is_optimized_parameter`): the
 adapters alone are flattened, partitioned, bucketed and stepped; the frozen base keeps its own storage. The engine
