@@ -185,6 +185,8 @@ def test_fused_linear_ce_refused_for_a_model_liger_does_not_patch(capsys):
     (3, ["--loss", "fused-linear-ce"], "loss fused-linear-ce with DeepSpeed ZeRO-3 is not modelled: both losses read "
      "lm_head.weight outside the lm_head module"),
     (3, ["--loss", "chunked-nll"], "loss chunked-nll with DeepSpeed ZeRO-3 is not modelled: both losses"),
+    (2, ["--grad-accum", "2", "--lora-rank", "4"], "grad-accum(2) with LoRA under DeepSpeed is not modelled yet"),
+    (1, ["--grad-accum", "2", "--loss", "chunked-nll"], "grad-accum(2) with loss chunked-nll under DeepSpeed"),
 ])
 def test_levers_with_deepspeed_are_refused(stage, extra, needle, tmp_path, capsys):
     """peft's extras are modelled for one process and DDP (tier2_levers_ddp_cpu.csv); checkpoint offload and the loss
