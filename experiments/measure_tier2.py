@@ -37,6 +37,10 @@ data/measurements/tier2_lora_zero12_cpu.csv.
 offload under ZeRO-3, and the loss levers, offload and peft's extras with a DeepSpeed "optimizer" section) into
 data/measurements/tier2_zero_extras_cpu.csv.
 
+`--ga-zero` runs GA_ZERO_RUNS (gradient accumulation, 2 and 3 micro-steps, under 2-rank DeepSpeed ZeRO-0/1/2/3 with the
+client AdamW, fp32 and bf16; the JSON's gradient_accumulation_steps set to it) into
+data/measurements/tier2_ga_zero_cpu.csv.
+
 `--zero0-dsopt` runs ZERO0_DSOPT_RUNS (a DeepSpeed "optimizer" section with ZeRO stage 0, LoRA with ZeRO stage 0,
 and LoRA with ZeRO-1/2 and a DeepSpeed "optimizer" section) into data/measurements/tier2_zero0_dsopt_cpu.csv.
 
@@ -443,6 +447,42 @@ OPTIM_ZERO_PENDING = [
 ]
 DEEPSPEED_TESTED = (Optimizer.ADAMW, Optimizer.ADAM)  # deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS
 
+GA_ZERO_CSV = MEASUREMENTS_DIR / "tier2_ga_zero_cpu.csv"
+# Gradient accumulation under DeepSpeed ZeRO-0/1/2/3 with the client torch.optim.AdamW: the JSON's
+# gradient_accumulation_steps = grad_accum, and the script calls forward, engine.backward and engine.step every
+# micro-step (the engine steps at the boundary). Same tuple as LEVERS_DDP_RUNS. Default and small reduce buckets,
+# overlap_comm (stage 1 reduces in its hooks at the boundary only), and shapes whose peak is the step or the
+# backward's second grads_in_partition (stage 2).
+GA2, GA3 = {"grad_accum": 2}, {"grad_accum": 3}
+GA_ZERO_RUNS = [
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 2}, None, NO_LORA, GA2),
+    ("gpt2", 2, "bf16", True, 1, 2, 64, "deepspeed", small_buckets(2), None, NO_LORA, GA3),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 1}, None, NO_LORA, GA2),
+    ("opt-125m", 2, "fp32", False, 1, 2, 64, "deepspeed", {**small_buckets(1), "overlap_comm": True}, None, NO_LORA,
+     GA3),
+    ("mistral-7b", 2, "fp32", True, 1, 2, 64, "deepspeed", small_buckets(1), None, NO_LORA, GA2),
+    ("pythia-160m", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 2, "overlap_comm": True}, None, NO_LORA,
+     GA2),
+    ("llama-2-7b", 2, "bf16", True, 1, 1, 16, "deepspeed", small_buckets(2), None, NO_LORA, GA3, WIDE_VOCAB),
+    ("llama-2-7b", 2, "fp32", True, 1, 1, 16, "deepspeed", small_buckets(1), None, NO_LORA, GA2, WIDE_VOCAB),
+    ("qwen2.5-0.5b", 2, "fp32", True, 1, 1, 16, "deepspeed", {**small_buckets(2), "overlap_comm": True}, None,
+     NO_LORA, GA2, (112, 2, 12000, 7)),
+    ("qwen2.5-0.5b", 2, "bf16", True, 1, 1, 16, "deepspeed", {**small_buckets(1), "overlap_comm": True}, None,
+     NO_LORA, GA3, (112, 2, 12000, 7)),
+    # ZeRO-0: the gradients accumulate on the parameters; the engine all-reduces at the boundary only
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", {"stage": 0}, None, NO_LORA, GA2),
+    ("gpt2", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 0}, None, NO_LORA, GA3),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 1, 16, "deepspeed", {"stage": 0}, None, NO_LORA, GA2, (112, 2, 12000, 7)),
+    ("mistral-7b", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 0}, None, NO_LORA, GA3),
+    # ZeRO-3: every backward reduce-scatters into the persistent grad_partitions_flat_buffer (copied at the first
+    # micro-step, added into after it) and sets `.grad` to None
+    ("llama-2-7b", 2, "fp32", False, 1, 2, 64, "deepspeed", small_buckets(3), None, NO_LORA, GA2),
+    ("gpt2", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 3}, None, NO_LORA, GA3),
+    ("qwen2.5-0.5b", 2, "bf16", False, 1, 2, 64, "deepspeed", small_buckets(3), None, NO_LORA, GA2),
+    ("opt-125m", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 3, "reduce_bucket_size": 40000}, None, NO_LORA,
+     GA3),
+]
+
 
 ZERO_EXTRAS_CSV = MEASUREMENTS_DIR / "tier2_zero_extras_cpu.csv"
 LM_HEAD = {"lora_modules_to_save": ("lm_head",)}
@@ -504,7 +544,7 @@ def measure(runs: list[tuple], out: Path, timeout: int, label: str = "") -> int:
                            lora_targets=lora_targets, **levers)
         deepspeed = None
         if zero is not None:
-            config = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": 1,
+            config = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": setup.grad_accum,
                       "zero_optimization": zero, "bf16": {"enabled": precision == "bf16"}}
             if optimizer is not None:
                 config["optimizer"] = optimizer
@@ -550,6 +590,8 @@ def main() -> int:
     parser.add_argument("--zero-extras", action="store_true",
                         help=f"run ZERO_EXTRAS_RUNS (peft's extras, ZeRO-3 offload, levers with a DeepSpeed "
                              f"optimizer) into {ZERO_EXTRAS_CSV}")
+    parser.add_argument("--ga-zero", action="store_true",
+                        help=f"run GA_ZERO_RUNS (gradient accumulation under ZeRO-0/1/2/3) into {GA_ZERO_CSV}")
     parser.add_argument("--zero3-heldout", action="store_true", help=f"run ZERO3_HELDOUT into {ZERO3_HELDOUT_CSV}")
     parser.add_argument("--zero3", action="store_true",
                         help="run ZERO3_RUNS and then ZERO3_REPEATS again (DeepSpeed ZeRO stage 3) instead of RUNS")
@@ -563,6 +605,7 @@ def main() -> int:
                          else (ZERO0_DSOPT_RUNS, ZERO0_DSOPT_CSV) if args.zero0_dsopt
                          else (FUSED_RUNS, FUSED_CSV) if args.fused
                          else (ZERO_EXTRAS_RUNS, ZERO_EXTRAS_CSV) if args.zero_extras
+                         else (GA_ZERO_RUNS, GA_ZERO_CSV) if args.ga_zero
                          else (ZERO3_HELDOUT, ZERO3_HELDOUT_CSV) if args.zero3_heldout
                          else (ZERO3_RUNS, ZERO3_CSV) if args.zero3 else (RUNS, TIER2_CSV))
     out = args.out or default_out

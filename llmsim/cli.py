@@ -41,8 +41,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "(default fp32, or the DeepSpeed config's)")
     p.add_argument("--attn", default=None, help="sdpa | eager (default: transformers' choice for the model)")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
-    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation: forward/backward passes per "
-                   "optimizer step (one process only, for now)")
+    p.add_argument("--grad-accum", type=int, default=None, help="gradient accumulation: forward/backward passes per "
+                   "optimizer step (default 1, or the DeepSpeed config's gradient_accumulation_steps, which it fills "
+                   "where \"auto\" and must equal otherwise)")
     p.add_argument("--ckpt-every", type=int, default=1, help="checkpoint every N-th layer (every_n_layers)")
     p.add_argument("--ckpt-offload", action="store_true", help="hold the checkpointed layers' inputs in (pinned) "
                    "host memory: activation_checkpointing_enable(offload=True); needs --grad-ckpt")
@@ -127,19 +128,21 @@ def _inputs(args):
             raise InputError(f"--strategy {strategy.value} contradicts --ds-config (a DeepSpeed run)")
         strategy = Strategy.DEEPSPEED
         deepspeed = load_ds_config(args.ds_config, world_size, int(spec.hf_config().hidden_size),
-                                   args.micro_batch, precision)
+                                   args.micro_batch, precision, args.grad_accum)
         micro_batch, precision = deepspeed.micro_batch, deepspeed.precision
+        grad_accum = deepspeed.gradient_accumulation_steps
     else:
         if args.micro_batch is None:
             raise InputError("--micro-batch is required (or a DeepSpeed config that sets it)")
         micro_batch = args.micro_batch
+        grad_accum = 1 if args.grad_accum is None else args.grad_accum
     layout = Layout(strategy or (Strategy.DDP if world_size > args.tp * args.pp else Strategy.SINGLE), world_size,
                     deepspeed, tp=args.tp, pp=args.pp, schedule=parse_enum(Schedule, args.schedule, "schedule"),
                     n_microbatches=args.microbatches, pp_split=_split(args.pp_split))
     setup = TrainSetup(
         micro_batch=micro_batch, seq_len=args.seq_len, precision=precision or Precision.FP32,
         attention=parse_enum(Attention, args.attn, "attention") if args.attn else None,
-        grad_ckpt=args.grad_ckpt, ckpt_every=args.ckpt_every, grad_accum=args.grad_accum,
+        grad_ckpt=args.grad_ckpt, ckpt_every=args.ckpt_every, grad_accum=grad_accum,
         ckpt_offload=args.ckpt_offload,
         device=parse_enum(Device, args.device, "device"),
         optimizer=parse_enum(Optimizer, args.optimizer, "optimizer"), foreach=args.foreach, fused=args.fused,

@@ -1,6 +1,7 @@
 """One rank of a measured multi-process canonical step (tier 2), launched by `llmsim.launch` via torchrun.
 
-    loss = engine(input_ids=x, labels=x).loss; engine.backward(loss); engine.step()     # DeepSpeed
+    loss = engine(input_ids=x, labels=x).loss; engine.backward(loss); engine.step()     # DeepSpeed (every
+                                                      # micro-step: the engine steps at gradient_accumulation_steps)
     loss = ddp(input_ids=x, labels=x).loss; loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
     loss = model(input_ids=x, labels=x).loss; ...       # tensor parallel: the model is this rank's TP shards
 
@@ -75,13 +76,15 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
         batch = torch.randint(0, vocab_size, (job["micro_batch"], job["seq_len"]))
         tracker.label([batch], Category.INPUT)
         for step in range(job["steps"]):
-            tracker.set_phase(step, Phase.FORWARD)
-            loss = compute_loss(engine, batch, setup)
-            tracker.set_phase(step, Phase.BACKWARD)
-            hooks.enter_backward()
-            engine.backward(loss)
-            tracker.set_phase(step, Phase.OPTIMIZER)
-            engine.step()
+            for _ in range(setup.grad_accum):  # gradient_accumulation_steps micro-steps, each ending in step()
+                tracker.set_phase(step, Phase.FORWARD)
+                loss = compute_loss(engine, batch, setup)
+                tracker.set_phase(step, Phase.BACKWARD)
+                hooks.enter_backward()
+                engine.backward(loss)  # divides the loss by gradient_accumulation_steps itself
+                if engine.is_gradient_accumulation_boundary():  # else step() only counts the micro-step
+                    tracker.set_phase(step, Phase.OPTIMIZER)
+                engine.step()
         tracker.finish()
     del keep_alive
 

@@ -46,6 +46,13 @@ class DeepSpeedSetup:
         return int(self.config["train_micro_batch_size_per_gpu"])
 
     @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step: `engine.step()` steps at every n-th call (engine.py,
+        `is_gradient_accumulation_boundary`); the script calls forward, `engine.backward` and `engine.step` each
+        micro-step, and `engine.backward` divides the loss by n."""
+        return int(self.config.get("gradient_accumulation_steps", 1))  # rows measured before it was resolved: 1
+
+    @property
     def precision(self) -> Precision:
         return Precision.BF16 if self.config.get("bf16", {}).get("enabled") else Precision.FP32
 
@@ -67,8 +74,8 @@ class DeepSpeedSetup:
 
 
 def load_ds_config(path: str | Path, world_size: int, hidden_size: int, micro_batch: int | None,
-                   precision: Precision | None) -> DeepSpeedSetup:
-    """Read, resolve and validate; `micro_batch`/`precision` are the CLI's, None when not given."""
+                   precision: Precision | None, grad_accum: int | None = None) -> DeepSpeedSetup:
+    """Read, resolve and validate; `micro_batch`/`precision`/`grad_accum` are the CLI's, None when not given."""
     if world_size < 1:
         raise InputError(f"world-size({world_size}) must be >= 1")
     try:
@@ -77,20 +84,36 @@ def load_ds_config(path: str | Path, world_size: int, hidden_size: int, micro_ba
         raise InputError(f"cannot read DeepSpeed config {str(path)!r}: {one_line(exc)}") from None
     if not isinstance(config, dict):
         raise InputError(f"DeepSpeed config {str(path)!r} is not a JSON object")
-    _resolve_batch(config, world_size, micro_batch)
+    _resolve_batch(config, world_size, micro_batch, grad_accum)
     _resolve_precision(config, precision)
     _resolve_hidden_size_autos(config, hidden_size)
     _validate(config)
     return DeepSpeedSetup(json.dumps(config, sort_keys=True), world_size)
 
 
-def _resolve_batch(config: dict, world_size: int, micro_batch: int | None) -> None:
-    accumulation = config.get("gradient_accumulation_steps", 1)
-    if accumulation == AUTO:
-        accumulation = config["gradient_accumulation_steps"] = 1
+def _resolve_batch(config: dict, world_size: int, micro_batch: int | None, grad_accum: int | None) -> None:
+    """train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size. `--grad-accum`
+    is the JSON's gradient_accumulation_steps: "auto" takes it (1 when not given), as transformers resolves "auto"
+    from TrainingArguments.gradient_accumulation_steps; a number must equal it. With no gradient_accumulation_steps
+    DeepSpeed derives it from train_batch_size and the micro-batch (config.py, `_set_batch_related_parameters`),
+    else takes 1."""
+    if grad_accum is not None and grad_accum < 1:
+        raise InputError(f"grad-accum must be a positive integer, got {grad_accum!r}")
+    accumulation = config.get("gradient_accumulation_steps")
     mb = config.get("train_micro_batch_size_per_gpu")
+    total = config.get("train_batch_size")
+    if accumulation is None and isinstance(total, int) and isinstance(mb, int) and grad_accum is None:
+        accumulation = total // (mb * world_size)  # DeepSpeed's derivation
+    if accumulation is None or accumulation == AUTO:
+        accumulation = grad_accum or 1
+    if not isinstance(accumulation, int) or isinstance(accumulation, bool) or accumulation < 1:
+        raise InputError(f"the DeepSpeed config's gradient_accumulation_steps({accumulation!r}) must be a positive "
+                         "integer or \"auto\"")
+    if grad_accum is not None and grad_accum != accumulation:
+        raise InputError(f"--grad-accum({grad_accum}) contradicts the DeepSpeed config's "
+                         f"gradient_accumulation_steps({accumulation})")
+    config["gradient_accumulation_steps"] = accumulation
     if mb == AUTO or mb is None:
-        total = config.get("train_batch_size")
         if isinstance(total, int):
             mb = total // (accumulation * world_size)
         elif micro_batch is not None:
@@ -142,9 +165,6 @@ def _validate(config: dict) -> None:
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise InputError("DeepSpeed config: zero_optimization must be an object")
-    if config.get("gradient_accumulation_steps", 1) != 1:  # engine.step() would then step every n-th micro-batch
-        raise InputError(f"DeepSpeed gradient_accumulation_steps({config['gradient_accumulation_steps']}) is not "
-                         "modelled yet; modelled: 1 (or \"auto\")")
     try:
         DeepSpeedZeroConfig(**zero)
     except Exception as exc:  # pydantic.ValidationError: the message names the key and the valid inputs

@@ -80,6 +80,12 @@ class TrainSetup:
     # torch.optim's `fused=True`: the optimizer's fused kernel (`_fused_adamw_`, `_fused_adam_`, `_fused_sgd_`),
     # which updates every state in place (no temporaries) and keeps AdamW's `step` on the parameters' device
     fused: bool = False
+    # Name each micro-step's own gradient (what autograd hands a parameter's AccumulateGrad) a GRADIENT of that
+    # parameter, where it is added in place into the accumulated one: DeepSpeed ZeRO-2 sets every `param.grad` to
+    # None at the end of each backward (stage_1_and_2.py, `_clear_param_grad_only`), so there autograd keeps that
+    # storage as the new `.grad` and the reduction takes it over (llmsim.strategies, `traced_setup`). The events
+    # are those of the canonical step; only their names change.
+    label_micro_grads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):

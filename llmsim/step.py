@@ -127,6 +127,19 @@ class LayerHooks:
         optimizer.register_step_pre_hook(grads)
         optimizer.register_step_post_hook(states)
 
+    def label_micro_grads(self) -> None:
+        """From the second micro-step of gradient accumulation on, name the gradient autograd is about to add into
+        a parameter's `.grad` (a tensor hook runs just before its AccumulateGrad) after that parameter."""
+        for name, param in self.model.named_parameters():
+            if param.requires_grad:
+                param.register_hook(self._incoming_grad(name, param))
+
+    def _incoming_grad(self, name: str, param: torch.Tensor):
+        def hook(grad):
+            if param.grad is not None:
+                self.tracker.label([grad], Category.GRADIENT, [name], [self.block_of(name)])
+        return hook
+
     def enter_backward(self) -> None:
         self.tracker.block, self.tracker.module = NO_BLOCK, self.leaf_order[-1] if self.leaf_order else ""
 
@@ -424,6 +437,8 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
             hooks.adopt_new_parameters()
         if setup.grad_ckpt:
             base.activation_checkpointing_enable(every_n_layers=setup.ckpt_every, offload=setup.ckpt_offload)
+        if setup.label_micro_grads:
+            hooks.label_micro_grads()
         if setup.zero3_hooks:  # deepspeed.initialize registers them last
             zero3_hooks.install(model, tracker, base_fqn, hooks.block_of)
         if wrap is not None:

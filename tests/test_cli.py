@@ -188,8 +188,6 @@ def test_fused_linear_ce_refused_for_a_model_liger_does_not_patch(capsys):
 
 
 @pytest.mark.parametrize("stage,extra,needle", [
-    (2, ["--grad-accum", "2"], "grad-accum(2) with DeepSpeed ZeRO-2 is not modelled yet; modelled: single and ddp "
-     "(tp = pp = 1)"),
     (3, ["--lora-rank", "4", "--trainable-tokens", "1,2"],
      "trainable-tokens with DeepSpeed ZeRO-3 is not modelled: peft gathers the module's partitions"),
     (3, ["--lora-rank", "4", "--lora-modules-to-save", "lm_head"], "lora-modules-to-save with DeepSpeed ZeRO-3 is "
@@ -197,10 +195,13 @@ def test_fused_linear_ce_refused_for_a_model_liger_does_not_patch(capsys):
     (3, ["--loss", "fused-linear-ce"], "loss fused-linear-ce with DeepSpeed ZeRO-3 is not modelled: both losses read "
      "lm_head.weight outside the lm_head module"),
     (3, ["--loss", "chunked-nll"], "loss chunked-nll with DeepSpeed ZeRO-3 is not modelled: both losses"),
+    (2, ["--grad-accum", "2", "--lora-rank", "4"], "grad-accum(2) with LoRA under DeepSpeed is not modelled yet"),
+    (1, ["--grad-accum", "2", "--loss", "chunked-nll"], "grad-accum(2) with loss chunked-nll under DeepSpeed"),
 ])
 def test_levers_with_deepspeed_are_refused(stage, extra, needle, tmp_path, capsys):
-    """Gradient accumulation and peft's extras are modelled for one process and DDP (tier2_levers_ddp_cpu.csv);
-    checkpoint offload and the loss levers also under ZeRO-0/1/2 (tier2_levers_zero_cpu.csv), not ZeRO-3."""
+    """peft's extras are modelled for one process and DDP (tier2_levers_ddp_cpu.csv); checkpoint offload and the loss
+    levers also under ZeRO-0/1/2 (tier2_levers_zero_cpu.csv), not ZeRO-3; gradient accumulation under ZeRO-0/1/2/3
+    (tier2_ga_zero_cpu.csv) is refused only with a DeepSpeed "optimizer" section (test_distributed.py)."""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}))
     assert main(["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--ds-config", str(path),

@@ -41,8 +41,14 @@ BAD = [
      [], "offload_optimizer"),
     ({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "legacy_fusion": True},
       "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}, [], "legacy_fusion"),
-    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 2}}, [],
-     "gradient_accumulation_steps(4) is not modelled yet"),
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3},
+      "optimizer": {"type": "AdamW"}}, [], 'grad-accum(4) with DeepSpeed ZeRO-3 and a DeepSpeed "optimizer" section'),
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 2}},
+     ["--grad-accum", "2"], "--grad-accum(2) contradicts the DeepSpeed config's gradient_accumulation_steps(4)"),
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 0, "zero_optimization": {"stage": 2}}, [],
+     "gradient_accumulation_steps(0) must be a positive integer"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}, ["--grad-accum", "0"],
+     "grad-accum must be a positive integer"),
 ]
 
 
@@ -69,6 +75,39 @@ def test_auto_values_resolve_like_transformers(tmp_path):
     assert zero["reduce_bucket_size"] == 4096 * 4096
     assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 4096 * 4096)
     assert zero["stage3_param_persistence_threshold"] == 40960
+
+
+@pytest.mark.parametrize("config,grad_accum,expected", [
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto"}, 3, 3),  # transformers' "auto"
+    ({"train_micro_batch_size_per_gpu": 2}, 3, 3),
+    ({"train_micro_batch_size_per_gpu": 2}, None, 1),
+    ({"train_micro_batch_size_per_gpu": 2, "train_batch_size": 16}, None, 4),  # DeepSpeed derives it: 16 / (2 x 2)
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, None, 3),
+    ({"train_batch_size": 24, "gradient_accumulation_steps": 3}, 3, 3),
+])
+def test_gradient_accumulation_steps_is_grad_accum(tmp_path, config, grad_accum, expected):
+    """--grad-accum is the JSON's gradient_accumulation_steps; train_batch_size = micro-batch x it x world size."""
+    ds = load_ds_config(_write(tmp_path, {**config, "zero_optimization": {"stage": 2}}), 2, 64, None, None, grad_accum)
+    assert ds.gradient_accumulation_steps == expected
+    assert ds.config["train_batch_size"] == ds.micro_batch * expected * 2
+
+
+def test_grad_accum_and_the_json_predict_alike(tmp_path, capsys):
+    """--grad-accum 2 with "auto" and gradient_accumulation_steps 2 without the flag are one setup. Under ZeRO-2 the
+    second micro-step's backward holds a second grads_in_partition at its peak: on rank 0 the whole numel of every
+    parameter overlapping its 57,504-element partition (embedding 16,384, layer 0's 41,088, layer 1's q_proj
+    4,096), 4 bytes each."""
+    peaks = []
+    for config, extra in (({"gradient_accumulation_steps": "auto"}, ["--grad-accum", "2"]),
+                          ({"gradient_accumulation_steps": 2}, []), ({}, [])):
+        path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 1, **config,
+                                 "zero_optimization": {"stage": 2, "reduce_bucket_size": 2000}})
+        assert main(["predict", *TINY, "--seq-len", "128", "--ds-config", path, "--world-size", "2",
+                     "--format", "json", *extra]) == 0
+        rank0 = json.loads(capsys.readouterr().out)["ranks"][0]
+        assert rank0["peak_phase"] == "backward"
+        peaks.append(rank0["peak_allocated_bytes"])
+    assert peaks[0] == peaks[1] == peaks[2] + (16384 + 41088 + 4096) * 4
 
 
 def test_single_strategy_needs_one_rank(capsys):

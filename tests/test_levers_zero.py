@@ -7,6 +7,7 @@ from llmsim.validate import load_measurements, row_inputs
 
 LEVERS_ZERO_CSV = MEASUREMENTS_DIR / "tier2_levers_zero_cpu.csv"
 ZERO_EXTRAS_CSV = MEASUREMENTS_DIR / "tier2_zero_extras_cpu.csv"  # peft's extras, ZeRO-3 offload
+GA_ZERO_CSV = MEASUREMENTS_DIR / "tier2_ga_zero_cpu.csv"  # gradient accumulation
 
 
 def _levers(setup) -> set[str]:
@@ -16,7 +17,7 @@ def _levers(setup) -> set[str]:
 
 
 def test_every_lifted_lever_and_stage_is_measured_in_fp32_and_bf16():
-    rows = load_measurements([LEVERS_ZERO_CSV, ZERO_EXTRAS_CSV])
+    rows = load_measurements([LEVERS_ZERO_CSV, ZERO_EXTRAS_CSV, GA_ZERO_CSV])
     seen: dict[tuple[str, int], set[str]] = {}
     for _, row in rows.iterrows():
         _, setup, layout = row_inputs(row)
@@ -29,4 +30,16 @@ def test_every_lifted_lever_and_stage_is_measured_in_fp32_and_bf16():
     assert set(seen) == lifted
     assert all(precisions == {"fp32", "bf16"} for (lever, stage), precisions in seen.items()
                if lever != "peft-extras"), seen  # peft's extras on a bf16 base only where measured so
-    assert (pd.read_csv(LEVERS_ZERO_CSV).groupby("ds_config")["rank"].nunique() == 2).all()
+    for csv in (LEVERS_ZERO_CSV, GA_ZERO_CSV):
+        assert (pd.read_csv(csv).groupby("ds_config")["rank"].nunique() == 2).all()
+
+
+def test_every_ga_row_runs_the_json_accumulation():
+    """The measured script stepped at the JSON's gradient_accumulation_steps, which is the row's grad_accum, and
+    every lifted stage is measured with 2 and 3 micro-steps."""
+    seen: dict[int, set[int]] = {}
+    for _, row in load_measurements([GA_ZERO_CSV]).iterrows():
+        _, setup, layout = row_inputs(row)
+        assert setup.grad_accum == layout.deepspeed.gradient_accumulation_steps > 1
+        seen.setdefault(layout.deepspeed.stage, set()).add(setup.grad_accum)
+    assert seen == {stage: {2, 3} for stage in LEVER_ZERO_STAGES["grad-accum"]}

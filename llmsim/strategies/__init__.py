@@ -88,17 +88,21 @@ def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.Da
 def traced_setup(setup, layout: Layout):
     """The setup the single-process trace runs for `layout`: under ZeRO-0/1/2 DeepSpeed's engine casts the model
     after get_peft_model (adapters, a modules_to_save copy and trainable tokens' delta included), not before it as
-    the canonical step does."""
+    the canonical step does; under ZeRO-2/3 with gradient accumulation (they set every `.grad` to None after each
+    backward's reduction) each micro-step's own gradients are named (TrainSetup.label_micro_grads)."""
     from llmsim.step import uses_peft
 
     if (uses_peft(setup) and layout.deepspeed is not None and layout.deepspeed.stage in (0, 1, 2)
             and setup.precision.cast_dtype is not None):
-        return replace(setup, cast_after_peft=True)
+        setup = replace(setup, cast_after_peft=True)
+    if setup.grad_accum > 1 and layout.deepspeed is not None and layout.deepspeed.stage in (2, 3):
+        setup = replace(setup, label_micro_grads=True)
     return setup
 
 
 # Issue 5's levers under DeepSpeed (tp = pp = 1, the client torch.optim.AdamW): the ZeRO stages where each is
-# modelled and measured (data/measurements/tier2_levers_zero_cpu.csv). ZeRO-0/1/2 keep the single-process forward
+# modelled and measured (data/measurements/tier2_levers_zero_cpu.csv; gradient accumulation, the JSON's
+# gradient_accumulation_steps, in tier2_ga_zero_cpu.csv). ZeRO-0/1/2 keep the single-process forward
 # and backward and replace only what follows each gradient hook and the step (strategies/zero0.py, zero12.py):
 # a loss lever changes how the LM head's gradient is made (Liger's in the forward, TRL's in its backward) and
 # checkpoint offload moves checkpoint inputs to host memory, neither of which DeepSpeed's engine sees.
@@ -106,7 +110,7 @@ LEVER_ZERO_STAGES = {
     "loss": (0, 1, 2),
     "ckpt-offload": (0, 1, 2, 3),
     "peft-extras": (0, 1, 2),
-    "grad-accum": (),
+    "grad-accum": (0, 1, 2, 3),
 }
 # The levers also modelled with a DeepSpeed JSON "optimizer" section (FusedAdam or `torch_adam`) under those stages
 # (data/measurements/tier2_zero_extras_cpu.csv): the optimizer is built and stepped by DeepSpeed's part alone
@@ -169,9 +173,10 @@ def _refuse_lever(lever: str, what: str, layout: Layout, note: str = "") -> None
 
 
 def check_supported(setup, layout: Layout) -> None:
-    """Before any trace: gradient accumulation and peft's extras are modelled for one process and DDP, checkpoint
-    offload and the loss levers also for DeepSpeed ZeRO-0/1/2 (LEVER_ZERO_STAGES), LoRA for one process, DDP and
-    ZeRO-0/1/2/3; DeepSpeed's accumulation boundaries and a pipeline's own micro-batches are not."""
+    """Before any trace: peft's extras, checkpoint offload, the loss levers and gradient accumulation are modelled
+    for one process and DDP, and under the DeepSpeed ZeRO stages of LEVER_ZERO_STAGES (gradient accumulation as the
+    JSON's gradient_accumulation_steps); LoRA for one process, DDP and ZeRO-0/1/2/3; a pipeline's own micro-batches
+    are not."""
     if layout.deepspeed is not None:
         check_deepspeed_optimizer(setup, layout.deepspeed)
     if setup.lora_rank:
@@ -184,10 +189,20 @@ def check_supported(setup, layout: Layout) -> None:
         _refuse_lever("ckpt-offload", "ckpt-offload", layout)
     if setup.loss.value != "hf":
         _refuse_lever("loss", f"loss {setup.loss.value}", layout)
+    if layout.deepspeed is not None and setup.grad_accum != layout.deepspeed.gradient_accumulation_steps:
+        raise InputError(f"grad-accum({setup.grad_accum}) contradicts the DeepSpeed config's "
+                         f"gradient_accumulation_steps({layout.deepspeed.gradient_accumulation_steps})")
+    if setup.grad_accum > 1 and layout.deepspeed is not None:
+        others = [name for name, on in (("LoRA", setup.lora_rank), (" and ".join(extras), extras),
+                                        ("ckpt-offload", setup.ckpt_offload),
+                                        (f"loss {setup.loss.value}", setup.loss.value != "hf")) if on]
+        if others:  # each is measured under ZeRO without accumulation only (tier2_ga_zero_cpu.csv: full fine-tuning)
+            raise InputError(f"grad-accum({setup.grad_accum}) with {' and '.join(others)} under DeepSpeed is not "
+                             "modelled yet; measured: with full fine-tuning and transformers' loss")
     if setup.grad_accum > 1:
         _refuse_lever("grad-accum", f"grad-accum({setup.grad_accum})", layout,
-                      " (DDP all-reducing every backward, no no_sync; DeepSpeed's gradient_accumulation_steps "
-                      "boundaries are not); a pipeline accumulates over its --microbatches")
+                      " (DDP all-reducing every backward, no no_sync); a pipeline accumulates over its "
+                      "--microbatches")
 
 
 def _check_lora(setup, layout: Layout) -> None:

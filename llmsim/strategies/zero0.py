@@ -30,6 +30,9 @@ A FusedAdam is wrapped in FP16_Optimizer instead (runtime/fp16/fused_optimizer.p
   fp32 tensor and the in-place clip make scalars, FusedAdam steps in place, the flat gradient is dropped.
 Either wrapper owns only `is_optimized_parameter`s (requires_grad): with LoRA the adapters, which DeepSpeed has
 cast to bf16 after get_peft_model (TrainSetup.cast_after_peft); the reduction walks those alone too.
+Gradient accumulation (gradient_accumulation_steps n): the gradients accumulate on the parameters as in the
+single-process step, and `allreduce_gradients` runs at the accumulation boundary only (n-th backward); the
+wrappers step there, as without it.
 The loss levers and checkpoint offload change only the single-process forward and backward the rank keeps
 (tier2_levers_zero_cpu.csv); a gradient Liger's loss makes in the forward is dropped by `engine.zero_grad` too.
 """
@@ -85,6 +88,8 @@ class _Rank:
         self.timeline = timeline
         self.w = rank_writer(timeline, setup)
         self.grads: dict[str, tuple[int, int]] = {}
+        self.grad_accum = setup.grad_accum
+        self.micro = 0  # the micro-step of the optimizer step whose backward runs
 
     def run(self) -> pd.DataFrame:
         t = self.timeline
@@ -111,10 +116,13 @@ class _Rank:
             elif self.bf16:
                 self.unfused_init()
         elif phase == Phase.BACKWARD.value:
-            for numel in buckets(self.numels):
-                copy = self.w.alloc(numel * self.elem, Category.TEMPORARY)
-                self.w.free(copy, numel * self.elem, Category.TEMPORARY)
+            self.micro += 1
+            if self.micro == self.grad_accum:  # allreduce_gradients at the accumulation boundary only
+                for numel in buckets(self.numels):
+                    copy = self.w.alloc(numel * self.elem, Category.TEMPORARY)
+                    self.w.free(copy, numel * self.elem, Category.TEMPORARY)
         elif phase == Phase.OPTIMIZER.value:
+            self.micro = 0
             if self.flat:
                 self.flat_step()
             elif self.bf16:

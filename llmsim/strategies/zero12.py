@@ -19,6 +19,13 @@ Per rank, on top of the single-process forward and backward:
   P fp32 each), the fp32 gradient is freed and the parameters are all-gathered in place into the flat buffer.
   Another client optimizer (SGD, Adafactor, bitsandbytes...) runs its own step on the flat partition: a vector
   (llmsim/strategies/flat_optimizer.py).
+Gradient accumulation (gradient_accumulation_steps n; engine.step() steps at every n-th micro-step): stage 1 keeps
+the gradients on the parameters until the boundary (autograd accumulates into them, as in one process) and the
+buffers the window's first hook allocated until the boundary's epilogue; stage 2 reduces every backward and sets
+every `.grad` to None after it, so each later micro-step's gradients are new storages (the trace names them,
+TrainSetup.label_micro_grads) and its epilogue allocates a second `grads_in_partition`, adds it into the first
+(kept alive in `all_grad_tensors`) and frees it; the partition is padded at the boundary only
+(`independent_gradient_partition_epilogue`, `get_flat_partition`).
 The batch is made after `deepspeed.initialize` returns, so initialize's events go before the build's input row.
 With LoRA the optimizer's groups keep only the parameters that require grad (`is_optimized_parameter`): the
 adapters alone are flattened, partitioned, bucketed and stepped; the frozen base keeps its own storage. The engine
@@ -130,6 +137,8 @@ class _Rank:
         self.own = own  # the rows `_row` acts on (the backward's gradients, the batch), the client optimizer's left out
         self.w = rank_writer(timeline, setup)
         self.bw = _Backward()
+        self.grad_accum = setup.grad_accum
+        self.micro = 0  # the micro-step of the optimizer step whose backward runs (engine.micro_steps % n)
         self.initialized = False
         trainable = set(self.numel)
         live = live_at_end_of_build(timeline, Category.PARAMETER)
@@ -165,8 +174,13 @@ class _Rank:
             count = 2 if self.zero.overlap_comm else 1
             self.bw.buffers = [self.w.alloc(self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
                                for _ in range(count)]
-        if self.stage == 2 or self.zero.overlap_comm:
+        if self.stage == 2 or (self.zero.overlap_comm and self.boundary):  # `reduce_ready_partitions_and_...`
             self.reduce(name)
+
+    @property
+    def boundary(self) -> bool:
+        """`engine.is_gradient_accumulation_boundary`: the last micro-step of an optimizer step."""
+        return self.micro == self.grad_accum - 1
 
     def reduce(self, name: str) -> None:
         """`reduce_independent_p_g_buckets_and_remove_grads`."""
@@ -212,8 +226,15 @@ class _Rank:
         self.w.free(serial, nbytes, Category.GRADIENT)
 
     def end_backward(self) -> None:
-        if self.stage == 1:  # engine.allreduce_gradients -> reduce_gradients, in parameter order
-            for p in self.part.params:
+        """`engine.allreduce_gradients`. Stage 1 reduces at the accumulation boundary only: before it the
+        gradients stay on the parameters (autograd accumulates into them) and the buffers the first hook made
+        stay allocated. Stage 2 reduces every micro-step (`independent_gradient_partition_epilogue`): the first
+        micro-step's `grads_in_partition` lives on in `all_grad_tensors` until the step, each later one's is added
+        into it and freed as the epilogue returns; every `param.grad` is set to None."""
+        if self.stage == 1 and not self.boundary:
+            return
+        if self.stage == 1 and not self.zero.overlap_comm:  # engine.allreduce_gradients -> reduce_gradients, in
+            for p in self.part.params:                         # parameter order (with overlap_comm the hooks did)
                 if p.name in self.bw.grads:
                     self.reduce(p.name)
         self.flush()
@@ -221,9 +242,14 @@ class _Rank:
             self._free_grad(name)
         for serial in self.bw.buffers:
             self.w.free(serial, self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
-        padding = self.part.partition_numel - sum(self.mine.values())
-        self.padding = self.w.alloc(padding * self.elem, Category.GRADIENT) if padding else None
-        self.gip, self.bw = self.bw.gip, _Backward()
+        if self.boundary:  # get_flat_partition pads the partition at the boundary
+            padding = self.part.partition_numel - sum(self.mine.values())
+            self.padding = self.w.alloc(padding * self.elem, Category.GRADIENT) if padding else None
+        if self.micro == 0 or self.stage == 1:  # the window's first reduction
+            self.gip = self.bw.gip
+        elif self.bw.gip is not None:
+            self.w.free(self.bw.gip, self.gip_bytes, Category.GRADIENT)
+        self.bw = _Backward()
 
     # ---- step ----------------------------------------------------------------------------------------
     def step(self, step: int) -> None:
@@ -273,6 +299,9 @@ class _Rank:
             self.w.keep(row)
             self.bw.grads[name] = (serial, delta)
         elif name in self.bw.grads and self.bw.grads[name][0] == serial:
+            if self.micro > 0:  # a later micro-step's own gradient (TrainSetup.label_micro_grads), which the trace
+                return          # adds into `.grad` and drops: under ZeRO-2, whose epilogue set `.grad` to None,
+                                # autograd keeps it as `.grad` and the reduction frees it
             self.w.keep(row)  # autograd replaced the gradient storage itself
             del self.bw.grads[name]
 
@@ -282,8 +311,10 @@ class _Rank:
             self._initialize_once()
         elif phase == Phase.BACKWARD.value:
             self.end_backward()
+            self.micro += 1
         elif phase == Phase.OPTIMIZER.value:
             self.step(step)
+            self.micro = 0
 
 
 def _trainable(params: list[Param], timeline: pd.DataFrame, setup) -> list[Param]:

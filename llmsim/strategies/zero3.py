@@ -27,6 +27,10 @@ With LoRA (peft's get_peft_model after the zero.Init build): the frozen base is 
 any parameter but has no gradient hook, bucket slot, fp32 master, gradient partition or optimizer state (the
 trainable groups are filtered, `is_optimized_parameter`), and its partitions stay out of the defragmented flat
 buffer; the adapters are created whole (fp32) and partitioned by `_convert_to_zero_parameters` at initialize.
+Gradient accumulation (gradient_accumulation_steps n): every micro-step's backward reduces as above into the same
+gradient-partition buffer (`partition_grads`: copied at the first micro-step, added into in place after it) and
+sets `.grad` to None, so each later backward makes its gradients anew, as the first does (the trace names them,
+TrainSetup.label_micro_grads); the coordinator's `reset_step` runs at every forward; the step runs at the n-th.
 """
 from __future__ import annotations
 
@@ -88,6 +92,7 @@ class _Rank:
         self.w = rank_writer(timeline, setup)
         self.params = self._parameters(timeline, setup)
         self.trainable = [p for p in self.params if not p.frozen]
+        self.micro = 0  # the micro-step of the optimizer step whose backward runs (gradient accumulation)
         self.by_name = {p.name: p for p in self.params}
         self.built = False  # zero.Init's partitions emitted (before the first adapter is created)
         self.whole: dict[str, tuple[int, int]] = {}  # adapter -> its whole storage until initialize partitions it
@@ -464,6 +469,9 @@ class _Rank:
             self.w.keep(row)
             self.grads[name] = (serial, delta)
         elif name in self.grads and self.grads[name][0] == serial:
+            if self.micro > 0:  # a later micro-step's own gradient (TrainSetup.label_micro_grads), which the trace
+                return          # adds into `.grad` and drops: here `.grad` is None after every partition_grads, so
+                                # autograd keeps it as `.grad` and the reduction frees it
             self.w.keep(row)  # autograd replaced the gradient storage itself
             del self.grads[name]
 
@@ -476,8 +484,10 @@ class _Rank:
         elif phase == Phase.BACKWARD.value:
             self.flush()  # independent_gradient_partition_epilogue
             self.release_backward_leftovers()
+            self.micro += 1
         elif phase == Phase.OPTIMIZER.value:
             self.step(step)
+            self.micro = 0
 
 
 @per_timeline
