@@ -366,7 +366,8 @@ def main() -> int:
              else more_optimizer_matrix() if args.more_optimizers else foreach_matrix() if args.foreach
              else fused_matrix() if args.fused
              else fp16_matrix() if args.fp16 else grad_accum_matrix() if args.grad_accum
-             else qlora_matrix() if args.qlora else int8_matrix() if args.int8 else offload_matrix() if args.ckpt_offload
+             else qlora_matrix() if args.qlora else int8_matrix() if args.int8
+             else offload_matrix() if args.ckpt_offload
              else loss_matrix() if args.loss else peft_matrix() if args.peft_extras else None)
     if extra is not None:
         for model, shape, setup in extra:

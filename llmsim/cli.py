@@ -149,7 +149,8 @@ def _inputs(args):
         optimizer=parse_enum(Optimizer, args.optimizer, "optimizer"), foreach=args.foreach, fused=args.fused,
         build_bf16=_build_bf16(args.build_dtype), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets else None,
-        quant=args.quant, double_quant=args.double_quant, int8_threshold=args.int8_threshold, loss=parse_enum(Loss, args.loss, "loss"),
+        quant=args.quant, double_quant=args.double_quant, int8_threshold=args.int8_threshold,
+        loss=parse_enum(Loss, args.loss, "loss"),
         loss_chunk=args.loss_chunk, lora_modules_to_save=_names(args.lora_modules_to_save),
         trainable_tokens=_token_indices(args.trainable_tokens))
     return spec, setup, layout
