@@ -127,6 +127,28 @@ QLORA_RUNS = [
 ]
 
 
+# An 8-bit (LLM.int8) base: BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold), prepare_model_for_kbit_training,
+# LoRA; to data/measurements/tier1_int8_cpu.csv. The threshold varied (6.0: bitsandbytes' default; 0.0: no outlier
+# split) and two runs differ by it alone: a CPU training step runs MatMul8bitFp, which never reads it.
+# (zoo model, micro_batch, seq_len, precision, grad_ckpt, lora_rank, llm_int8_threshold)
+INT8_CSV = TIER1_CSV.parent / "tier1_int8_cpu.csv"
+INT8_RUNS = [
+    ("llama-2-7b", 2, 128, "fp32", False, 8, 6.0), ("llama-2-7b", 2, 128, "fp32", False, 8, 0.0),
+    ("llama-2-7b", 2, 128, "bf16-autocast", True, 16, 0.0), ("mistral-7b", 1, 256, "fp32", True, 8, 6.0),
+    ("qwen2.5-0.5b", 2, 96, "bf16-autocast", False, 8, 6.0), ("gpt2", 3, 64, "fp32", True, 16, 0.0),
+    ("opt-125m", 4, 64, "fp32", False, 8, 6.0), ("pythia-160m", 2, 128, "bf16-autocast", True, 8, 6.0),
+    ("llama-3.1-8b", 2, 64, "bf16-autocast", True, 16, 6.0), ("bloom-560m", 2, 96, "fp32", False, 8, 0.0),
+    ("codegen-350m-mono", 2, 64, "fp32", True, 16, 6.0), ("gpt2", 2, 128, "bf16-autocast", False, 8, 6.0),
+]
+
+
+def int8_matrix():
+    shapes = {name: shape for name, *shape in MODELS}
+    for model, mb, seq, precision, ckpt, rank, threshold in INT8_RUNS:
+        yield model, shapes[model], TrainSetup(mb, seq, Precision(precision), None, ckpt, lora_rank=rank,
+                                               quant="int8", int8_threshold=threshold)
+
+
 # Checkpointing with offload (`activation_checkpointing_enable(every_n_layers, offload=True)`, llmsim/offload.py):
 # device and host peaks, to data/measurements/tier1_offload_cpu.csv.
 # (zoo model, micro_batch, seq_len, precision, attention, ckpt_every, lora_rank)
@@ -323,6 +345,8 @@ def main() -> int:
     parser.add_argument("--fp16", action="store_true", help="only the float16 runs")
     parser.add_argument("--grad-accum", action="store_true", help="only the gradient-accumulation runs")
     parser.add_argument("--qlora", action="store_true", help="only the QLoRA (4-bit base) runs")
+    parser.add_argument("--int8", action="store_true", help="only the 8-bit (LLM.int8) base runs (to "
+                        "tier1_int8_cpu.csv unless --out is given)")
     parser.add_argument("--ckpt-offload", action="store_true", help="only the checkpointing-with-offload runs "
                         "(to tier1_offload_cpu.csv unless --out is given)")
     parser.add_argument("--loss", action="store_true", help="only the loss-lever runs (TRL chunked NLL, Liger "
@@ -335,14 +359,15 @@ def main() -> int:
                         "tier1_fused_adamw_cpu.csv unless --out is given)")
     args = parser.parse_args()
     args.out = args.out or (TIER1_OPTIM_CSV if args.more_optimizers else FOREACH_CSV if args.foreach
-                            else FUSED_CSV if args.fused
+                            else FUSED_CSV if args.fused else INT8_CSV if args.int8
                             else OFFLOAD_CSV if args.ckpt_offload
                             else LOSS_CSV if args.loss else PEFT_CSV if args.peft_extras else TIER1_CSV)
     extra = (lora_matrix() if args.lora else optimizer_matrix() if args.optimizers
              else more_optimizer_matrix() if args.more_optimizers else foreach_matrix() if args.foreach
              else fused_matrix() if args.fused
              else fp16_matrix() if args.fp16 else grad_accum_matrix() if args.grad_accum
-             else qlora_matrix() if args.qlora else offload_matrix() if args.ckpt_offload
+             else qlora_matrix() if args.qlora else int8_matrix() if args.int8
+             else offload_matrix() if args.ckpt_offload
              else loss_matrix() if args.loss else peft_matrix() if args.peft_extras else None)
     if extra is not None:
         for model, shape, setup in extra:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from llmsim.enums import Attention, Loss, Optimizer, Precision, parse_enum
 from llmsim.errors import InputError
+from llmsim.spec import LLM_INT8_THRESHOLD
 
 EXIT_BAD_INPUT = 2
 EXIT_OUT_OF_TOLERANCE = 1
@@ -58,7 +59,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=int, default=0, help="peft LoRA adapters of this rank on a frozen base")
     p.add_argument("--lora-alpha", type=int, default=16)
     p.add_argument("--quant", default=None, help="nf4 | fp4: QLoRA, a bitsandbytes 4-bit base under the LoRA "
-                   "adapters (needs --lora-rank)")
+                   "adapters | int8: an LLM.int8 8-bit base (load_in_8bit; CPU only) (needs --lora-rank)")
+    p.add_argument("--int8-threshold", type=float, default=LLM_INT8_THRESHOLD, help="with --quant int8: "
+                   "llm_int8_threshold, LLM.int8's outlier threshold (0: no outlier split); a CPU training step "
+                   "never reads it")
     p.add_argument("--double-quant", action="store_true", help="bitsandbytes double quantization of the 4-bit "
                    "absmax (bnb_4bit_use_double_quant)")
     p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: peft's for the "
@@ -148,7 +152,8 @@ def _inputs(args):
         optimizer=parse_enum(Optimizer, args.optimizer, "optimizer"), foreach=args.foreach, fused=args.fused,
         build_bf16=_build_bf16(args.build_dtype), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets else None,
-        quant=args.quant, double_quant=args.double_quant, loss=parse_enum(Loss, args.loss, "loss"),
+        quant=args.quant, double_quant=args.double_quant, int8_threshold=args.int8_threshold,
+        loss=parse_enum(Loss, args.loss, "loss"),
         loss_chunk=args.loss_chunk, lora_modules_to_save=_names(args.lora_modules_to_save),
         trainable_tokens=_token_indices(args.trainable_tokens))
     return spec, setup, layout

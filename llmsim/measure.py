@@ -54,7 +54,7 @@ def setup_columns(spec: ModelSpec, setup: TrainSetup) -> dict:
             "build_bf16": setup.build_bf16, "lora_rank": setup.lora_rank, "lora_alpha": setup.lora_alpha,
             "lora_targets": ",".join(setup.lora_targets) if setup.lora_targets else "",
             "grad_accum": setup.grad_accum, "quant": setup.quant or "", "double_quant": setup.double_quant,
-            "ckpt_offload": setup.ckpt_offload,
+            "int8_threshold": setup.int8_threshold, "ckpt_offload": setup.ckpt_offload,
             "loss": setup.loss.value, "loss_chunk": setup.loss_chunk or "",
             "lora_modules_to_save": ",".join(setup.lora_modules_to_save or ()),
             "trainable_tokens": ",".join(map(str, setup.trainable_tokens or ())), "fused": setup.fused}

@@ -1,4 +1,5 @@
-"""QLoRA: a 4-bit base (bitsandbytes nf4/fp4, optionally double-quantized) under peft LoRA adapters.
+"""QLoRA: a 4-bit base (bitsandbytes nf4/fp4, optionally double-quantized) or an 8-bit one (LLM.int8) under peft
+LoRA adapters.
 
 The canonical QLoRA build (what `--quant nf4 --lora-rank r` predicts and what a measured run does):
 
@@ -12,8 +13,18 @@ The canonical QLoRA build (what `--quant nf4 --lora-rank r` predicts and what a 
 Every linear layer of the decoder becomes a `bnb.nn.Linear4bit` whose weight packs two 4-bit codes per byte, with
 one absmax per 64-element block (double quantization: those absmax in 8 bits, plus one fp32 absmax per 256 of them
 and a 256-entry code book, per layer). The LM head stays in fp32. `bnb_4bit_compute_dtype` is bf16, the QLoRA
-recipe's. 8-bit (LLM.int8) is not modelled yet: the outlier columns it splits off depend on the activations'
-values, which a fake run does not have.
+recipe's.
+
+8-bit (`--quant int8`: BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=--int8-threshold)): every linear
+layer of the decoder becomes a `bnb.nn.Linear8bitLt` whose `Int8Params` weight is quantized while it loads
+(`Int8Params._quantize`: an fp16 copy of the fp32 weight, then `int8_vectorwise_quant`: int8 CB of the weight's shape
+and one fp32 absmax per output row, SCB). In a training step on the CPU bitsandbytes 0.50 never takes LLM.int8's
+outlier decomposition: `bnb.matmul` sends a module in train mode on a CPU to `MatMul8bitFp`
+(bitsandbytes/autograd/_functions.py, "MatMul8bitLt is slower because no fast kernel for quant/dequant 8bit in
+CPU/XPU"), which dequantizes CB to the input's dtype, runs `F.linear`, saves the input for the backward and
+dequantizes CB again there; the threshold is read by `MatMul8bitLt` only. So on the CPU every allocation is
+independent of the values, for any threshold, and the prediction is exact. On a GPU the step runs `MatMul8bitLt`,
+whose outlier columns (|x| > threshold) are a data-dependent size: refused there (`check_quantized`).
 
 The predictor loads a *header-only* checkpoint (the safetensors header of the fp32 state dict over a sparse file:
 no bytes written, any model size) under FakeTensorMode, with four patches that make bitsandbytes and transformers'
@@ -30,9 +41,12 @@ from unittest import mock
 
 import torch
 
+from llmsim.enums import Device
 from llmsim.errors import InputError
 
-QUANT_TYPES = ("nf4", "fp4")
+FOUR_BIT_TYPES = ("nf4", "fp4")
+INT8 = "int8"
+QUANT_TYPES = (*FOUR_BIT_TYPES, INT8)
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -40,21 +54,33 @@ def check_quantized(spec, setup) -> None:
     if setup.quant is None:
         return
     if setup.quant not in QUANT_TYPES:
-        raise InputError(f"unknown quantization {setup.quant!r}; valid choices: {', '.join(QUANT_TYPES)} "
-                         "(8-bit is not modelled yet)")
+        raise InputError(f"unknown quantization {setup.quant!r}; valid choices: {', '.join(QUANT_TYPES)}")
     if not setup.lora_rank:
         raise InputError(f"quant {setup.quant} freezes a quantized base: it needs LoRA adapters (--lora-rank)")
     if spec.config_json is None:
         raise InputError("quantization needs an HF config (transformers loads the quantized checkpoint)")
     if setup.precision.value not in ("fp32", "bf16-autocast") or setup.build_bf16:
         raise InputError(f"quant {setup.quant} with precision {setup.precision.value} is not modelled; modelled: "
-                         "fp32, bf16-autocast (a 4-bit model cannot be cast; prepare_model_for_kbit_training keeps "
-                         "the other weights in fp32)")
+                         "fp32, bf16-autocast (a quantized model cannot be cast; prepare_model_for_kbit_training "
+                         "keeps the other weights in fp32)")
+    if setup.quant == INT8:
+        _check_int8(setup)
+
+
+def _check_int8(setup) -> None:
+    if setup.double_quant:
+        raise InputError("double-quant is bnb_4bit_use_double_quant: it needs a 4-bit quant (nf4, fp4), not int8")
+    if setup.device is not Device.CPU:
+        raise InputError("quant int8 on a GPU is not modelled: its training matmul (bitsandbytes MatMul8bitLt) "
+                         "splits off the input columns with |x| > llm_int8_threshold, a size set by the activations' "
+                         "values; on the CPU (MatMul8bitFp) no column is split and the prediction is exact")
 
 
 def quantization_config(setup):
     from transformers import BitsAndBytesConfig
 
+    if setup.quant == INT8:
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=setup.int8_threshold)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=setup.quant,
                               bnb_4bit_use_double_quant=setup.double_quant,
                               bnb_4bit_compute_dtype=torch.bfloat16)
@@ -132,7 +158,12 @@ def fake_loading():
     - `Params4bit` wraps its data with `Tensor._make_subclass`, which refuses a FakeTensor: the fake tensor gets a
       class that is both FakeTensor and Params4bit instead;
     - `create_dynamic_map` builds double quantization's code book with `.tolist()`: it is built for real and
-      handed back as a fake tensor of its shape (256 fp32 values per layer, as in a real run)."""
+      handed back as a fake tensor of its shape (256 fp32 values per layer, as in a real run).
+    An 8-bit weight's `int8_vectorwise_quant` needs no patch: bitsandbytes registers a fake for it (bitsandbytes/
+    _ops.py) that allocates its two outputs, CB and SCB, which is what the tracker sees of the real op too. Its CPU
+    kernel (backends/default/ops.py) also makes weight-sized temporaries (|A| in fp16, `A * (127 / absmax)` and its
+    rounding in fp32) inside the one custom-op call, below the tracker's TorchDispatchMode: neither side counts them
+    (README, "What stays out")."""
     import bitsandbytes.functional as bnb_functional
     from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
     from transformers import core_model_loading

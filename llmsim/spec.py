@@ -29,6 +29,8 @@ NOT_WITH_TP = frozenset({Optimizer.ADAFACTOR, Optimizer.HF_ADAFACTOR, Optimizer.
 # torch.optim classes with a `fused` argument among the optimizers llmsim models (torch 2.13: Adam, AdamW, SGD)
 FUSED_OPTIMIZERS = (Optimizer.ADAMW, Optimizer.ADAM, Optimizer.SGD, Optimizer.SGD_MOMENTUM)
 
+LLM_INT8_THRESHOLD = 6.0  # BitsAndBytesConfig's llm_int8_threshold default (transformers/utils/quantization_config.py)
+
 
 def zoo_names() -> list[str]:
     return sorted(p.stem for p in ZOO_DIR.glob("*.json"))
@@ -62,7 +64,7 @@ class TrainSetup:
     n_microbatches: int = 1  # micro-batches per step through the pipeline (each `micro_batch` samples)
     pp_split: tuple[int, ...] | None = None  # layers per stage; None: transformers' balanced split
     grad_accum: int = 1  # forward/backward passes per optimizer step (the loss divided by it)
-    quant: str | None = None  # "nf4" | "fp4": a bitsandbytes 4-bit base under the LoRA adapters (llmsim/quantized.py)
+    quant: str | None = None  # "nf4" | "fp4" | "int8": a bitsandbytes 4-/8-bit base under LoRA (llmsim/quantized.py)
     double_quant: bool = False  # bnb_4bit_use_double_quant
     ckpt_offload: bool = False  # activation_checkpointing_enable(offload=True): checkpoint inputs held in host memory
     loss: Loss = Loss.HF  # transformers' loss, TRL's chunked NLL or Liger's fused linear CE (llmsim/losses.py)
@@ -86,6 +88,9 @@ class TrainSetup:
     # storage as the new `.grad` and the reduction takes it over (llmsim.strategies, `traced_setup`). The events
     # are those of the canonical step; only their names change.
     label_micro_grads: bool = False
+    # BitsAndBytesConfig(llm_int8_threshold=...) with quant int8: LLM.int8's outlier threshold (bitsandbytes' default
+    # 6.0); a CPU training step never reads it (llmsim/quantized.py), so it changes no byte there
+    int8_threshold: float = LLM_INT8_THRESHOLD
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):
@@ -116,6 +121,12 @@ class TrainSetup:
             raise InputError(f"optimizer {self.optimizer.value} with tp({self.tp}) is not modelled yet; modelled "
                              "with tp: adamw, adam, sgd, sgd-momentum")
         self._check_fused()
+        if not isinstance(self.int8_threshold, (int, float)) or not self.int8_threshold >= 0:
+            raise InputError(f"int8-threshold must be a number >= 0 (0 turns LLM.int8's outlier split off), "
+                             f"got {self.int8_threshold!r}")
+        if self.int8_threshold != LLM_INT8_THRESHOLD and self.quant != "int8":
+            raise InputError(f"int8-threshold({self.int8_threshold}) is LLM.int8's outlier threshold: it needs "
+                             "--quant int8")
         if self.ckpt_every != 1 and not self.grad_ckpt:
             raise InputError(f"ckpt-every({self.ckpt_every}) needs activation checkpointing (--grad-ckpt)")
         if self.ckpt_offload and not self.grad_ckpt:

@@ -202,8 +202,12 @@ class LayerHooks:
 
 def _quantization_states(model: nn.Module):
     """(name, tensor) of every bitsandbytes 4-bit weight's quantization state: absmax, code book, offset, and the
-    double quantization's second-level absmax and code book. They are part of the layer's weights."""
+    double quantization's second-level absmax and code book; of every 8-bit weight (`Int8Params`) its row scales
+    SCB, held by the weight until the first forward hands them to the module's `MatmulLtState` (CB, the int8
+    data, is the parameter's own storage). They are part of the layer's weights."""
     for name, param in model.named_parameters():
+        if isinstance(getattr(param, "SCB", None), torch.Tensor):
+            yield f"{name}.SCB", param.SCB
         state = getattr(param, "quant_state", None)
         while state is not None:
             for key, value in vars(state).items():

@@ -32,6 +32,7 @@ OPTIONS = {"model": "--model", "seq_len": "--seq-len", "micro_batch": "--micro-b
            "trainable_tokens": "--trainable-tokens", "strategy": "--strategy", "world_size": "--world-size",
            "tp": "--tp", "pp": "--pp", "dp": "--dp", "pp_split": "--pp-split", "schedule": "--schedule",
            "microbatches": "--microbatches", "grad_accum": "--grad-accum", "quant": "--quant",
+           "int8_threshold": "--int8-threshold",
            "ds_config": "--ds-config", "gpu": "--gpu", "alloc_conf": "--alloc-conf"}
 FLAGS = {"grad_ckpt": "--grad-ckpt", "double_quant": "--double-quant", "ckpt_offload": "--ckpt-offload",
          "foreach": "--foreach", "fused": "--fused"}

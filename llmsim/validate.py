@@ -12,7 +12,7 @@ import pandas as pd
 from llmsim.enums import Attention, Loss, Optimizer, Precision
 from llmsim.measure import MEASUREMENTS_DIR
 from llmsim.pipeline import predict
-from llmsim.spec import ModelSpec, TrainSetup, load_model_spec
+from llmsim.spec import LLM_INT8_THRESHOLD, ModelSpec, TrainSetup, load_model_spec
 from llmsim.dsconfig import DeepSpeedSetup
 from llmsim.pipelining import Schedule
 from llmsim.strategies import Layout, Strategy
@@ -30,7 +30,9 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
                        optimizer=Optimizer(row["optimizer"]) if isinstance(row.get("optimizer"), str)
                        else Optimizer.ADAMW, grad_accum=_int(row, "grad_accum", 1),
                        quant=row["quant"] if isinstance(row.get("quant"), str) and row["quant"] else None,
-                       double_quant=_flag(row, "double_quant"), ckpt_offload=_flag(row, "ckpt_offload"),
+                       double_quant=_flag(row, "double_quant"),
+                       int8_threshold=_float(row, "int8_threshold", LLM_INT8_THRESHOLD),
+                       ckpt_offload=_flag(row, "ckpt_offload"),
                        loss=Loss(row["loss"]) if isinstance(row.get("loss"), str) and row["loss"] else Loss.HF,
                        loss_chunk=_int(row, "loss_chunk", None),
                        lora_modules_to_save=_names(row, "lora_modules_to_save"),
@@ -143,6 +145,11 @@ def _split(row: pd.Series) -> tuple[int, ...] | None:
 def _int(row: pd.Series, column: str, default: int | None) -> int | None:
     value = row.get(column)
     return default if value is None or pd.isna(value) else int(value)
+
+
+def _float(row: pd.Series, column: str, default: float) -> float:
+    value = row.get(column)
+    return default if value is None or pd.isna(value) else float(value)
 
 
 def _flag(row: pd.Series, column: str) -> bool:

@@ -104,7 +104,13 @@ def test_unreadable_or_invalid_config_file(tmp_path, content):
 
 QUANT_BAD = [
     (["--quant", "nf4"], "needs LoRA adapters"),
-    (["--quant", "int8", "--lora-rank", "8"], "unknown quantization 'int8'; valid choices: nf4, fp4"),
+    (["--quant", "int4", "--lora-rank", "8"], "unknown quantization 'int4'; valid choices: nf4, fp4, int8"),
+    (["--quant", "int8", "--lora-rank", "8", "--double-quant"], "it needs a 4-bit quant (nf4, fp4), not int8"),
+    (["--quant", "int8", "--lora-rank", "8", "--gpu", "h100-80gb"], "quant int8 on a GPU is not modelled"),
+    (["--quant", "int8", "--lora-rank", "8", "--int8-threshold", "-1"], "int8-threshold must be a number >= 0"),
+    (["--quant", "int8", "--lora-rank", "8", "--int8-threshold", "nan"], "int8-threshold must be a number >= 0"),
+    (["--quant", "nf4", "--lora-rank", "8", "--int8-threshold", "0"], "int8-threshold(0.0) is LLM.int8's outlier"),
+    (["--quant", "int8", "--lora-rank", "8", "--precision", "bf16"], "quant int8 with precision bf16 is not modelled"),
     (["--quant", "nf4", "--lora-rank", "8", "--precision", "bf16"], "quant nf4 with precision bf16 is not modelled"),
     (["--quant", "fp4", "--lora-rank", "8", "--strategy", "ddp", "--world-size", "2"], "LoRA with strategy ddp"),
 ]
