@@ -10,8 +10,6 @@ from llmsim.measure import MEASUREMENTS_DIR
 from llmsim.pipeline import predict
 from llmsim.spec import TrainSetup, load_model_spec
 from llmsim.strategies import Layout, Strategy
-from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
-from llmsim.validate import load_measurements, validate
 from llmsim.zoo import shrink
 
 LORA_ZERO12_CSV = MEASUREMENTS_DIR / "tier2_lora_zero12_cpu.csv"
@@ -45,7 +43,8 @@ def test_only_the_adapters_are_flattened_and_partitioned(stage, precision, elem)
         assert params == base_bytes + 2048 * elem
 
 
-def test_lora_zero12_rows_cover_the_matrix_and_are_within_tolerance():
+def test_lora_zero12_rows_cover_the_matrix():
+    """(Their errors: tests/test_validate.py re-predicts every committed row.)"""
     rows = pd.read_csv(LORA_ZERO12_CSV)
     stages = rows["ds_config"].map(lambda c: json.loads(c)["zero_optimization"]["stage"])
     assert set(stages) == {1, 2} and set(rows["precision"]) == {"fp32", "bf16"}
@@ -53,5 +52,3 @@ def test_lora_zero12_rows_cover_the_matrix_and_are_within_tolerance():
     assert {"gpt2", "qwen2.5-0.5b", "opt-125m"} <= set(rows["model"])  # tied embeddings
     assert rows["lora_targets"].notna().any() and rows["lora_targets"].isna().any()  # explicit and peft's default
     assert set(rows.groupby(["model", "measured_at"])["rank"].apply(frozenset)) == {frozenset({0, 1})}  # all ranks
-    results = validate(load_measurements([LORA_ZERO12_CSV]))
-    assert len(results) == len(rows) and (results["rel_error"].abs() <= PEAK_ALLOCATED_TOLERANCE[2]).all()

@@ -15,8 +15,6 @@ from llmsim.spec import TrainSetup, load_model_spec
 from llmsim.strategies import Layout, Strategy, check_deepspeed_optimizer
 from llmsim.strategies.flat_optimizer import recorded_steps
 from llmsim.strategies.zero_common import EventWriter, adamw
-from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
-from llmsim.validate import load_measurements, validate
 from llmsim.zoo import shrink
 
 OPTIM_ZERO_CSV = MEASUREMENTS_DIR / "tier2_optim_zero_cpu.csv"
@@ -97,11 +95,10 @@ def test_deepspeed_refuses_an_untested_optimizer_without_the_flag(optimizer):
     check_deepspeed_optimizer(TrainSetup(1, 8, optimizer=Optimizer.ADAM), _deepspeed(2))  # a tested type
 
 
-def test_optim_zero_rows_cover_the_matrix_and_are_within_tolerance():
+def test_optim_zero_rows_cover_the_matrix():
+    """(Their errors: tests/test_validate.py re-predicts every committed row.)"""
     rows = pd.read_csv(OPTIM_ZERO_CSV)
     stages = rows["ds_config"].map(lambda c: json.loads(c)["zero_optimization"]["stage"])
     assert set(stages) == {1, 2, 3} and set(rows["precision"]) == {"fp32", "bf16"}
     assert set(rows["optimizer"]) == {o.value for o in Optimizer} - {"adamw"}
     assert set(rows.groupby(["model", "measured_at"])["rank"].apply(frozenset)) == {frozenset({0, 1})}  # all ranks
-    results = validate(load_measurements([OPTIM_ZERO_CSV]))
-    assert len(results) == len(rows) and (results["rel_error"].abs() <= PEAK_ALLOCATED_TOLERANCE[2]).all()
