@@ -50,6 +50,9 @@ from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, construct_opt
 from llmsim.tracker import BACKWARD_POST, BACKWARD_PRE, FORWARD_POST, FORWARD_PRE, GRAD_READY, TIED
 
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = "not_available", "inflight", "available"  # ZeroParamStatus
+# the values `_row` compares every row with (an enum's `.value` is a property lookup)
+_OPTIMIZER, _BUILD, _BACKWARD = Phase.OPTIMIZER.value, Phase.BUILD.value, Phase.BACKWARD.value
+_PARAMETER, _GRADIENT = Category.PARAMETER.value, Category.GRADIENT.value
 GATHERED = Category.ALLGATHER_BUFFER
 
 
@@ -426,7 +429,7 @@ class _Rank:
     def _row(self, row: tuple) -> None:
         self.w.step, self.w.phase = row[0], row[1]  # what a marker row makes DeepSpeed allocate happens here
         phase, serial, category, name = row[1], int(row[4]), row[6], row[7]
-        if phase == Phase.OPTIMIZER.value:
+        if phase == _OPTIMIZER:
             return  # DeepSpeed's step replaces the client optimizer's
         if serial == TIED:
             module = self.module_params[_module_of(row[3])]
@@ -444,9 +447,9 @@ class _Rank:
             self.release(name, forward=False)
         elif serial == GRAD_READY:
             self.on_gradient(name)
-        elif category == Category.PARAMETER.value and phase == Phase.BUILD.value:
+        elif category == _PARAMETER and phase == _BUILD:
             self._build_row(row)
-        elif category == Category.GRADIENT.value and phase == Phase.BACKWARD.value:
+        elif category == _GRADIENT and phase == _BACKWARD:
             self._gradient_row(row)
         else:
             self.w.keep(row)
