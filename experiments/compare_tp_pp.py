@@ -12,7 +12,7 @@ Setup, the closest each side has to the other:
   formula, with or without sequence parallelism) for the weights + optimizer and activations columns.
 - Korthikanti: activations only, no recompute or full recompute to match llmsim's checkpointing, no sequence
   parallelism (transformers' TP plan has none), first stage with pp micro-batches in flight.
-Run: python experiments/compare_tp_pp.py  (about 15 minutes on 2 cores; writes experiments/compare_tp_pp.csv)
+Run: python experiments/compare_tp_pp.py  (about 4 minutes on 2 cores; writes experiments/compare_tp_pp.csv)
 """
 from __future__ import annotations
 
