@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -19,7 +18,7 @@ from llmsim.losses import check_loss
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
 from llmsim.strategies import STRATEGIES, Layout, Strategy, check_supported, traced_setup
-from llmsim.strategies.events import LazyRanks
+from llmsim.strategies.events import LazyRanks, per_timeline
 from llmsim.pipelining import check_pipeline
 from llmsim.quantized import check_quantized
 from llmsim.tensor_parallel import check_tensor_parallel
@@ -146,22 +145,12 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf)
 
 
+@per_timeline(maxsize=8)
 def _plan(timeline: pd.DataFrame, layout: Layout, setup: TrainSetup):
     """The strategy's per-rank timelines, kept for the next prediction of the same layout on the same traced
     timeline (another GPU or allocator setting of a sweep, `size` trying GPUs): a ZeRO-3 plan walks every event
     of the step. The last few are kept; a ZeRO-1/2 plan is lazy and costs nothing to keep."""
-    key = (id(timeline), layout, setup)
-    hit = _PLANS.get(key)
-    if hit is not None and hit[0]() is timeline:
-        return hit[1]
-    plan = STRATEGIES[layout.strategy](timeline, layout, setup)
-    if len(_PLANS) >= 8:
-        _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[key] = (weakref.ref(timeline), plan)
-    return plan
-
-
-_PLANS: dict[tuple, tuple[weakref.ref, object]] = {}
+    return STRATEGIES[layout.strategy](timeline, layout, setup)
 
 
 def _as_rank(prediction: RankPrediction, rank: int) -> RankPrediction:

@@ -270,7 +270,7 @@ def repeat_last_step(frame: pd.DataFrame, steps: int) -> pd.DataFrame | None:
         # every older storage L touches, L frees whole in one event
         if np.any(touched["sum"].to_numpy() != -held) or np.any(touched["size"].to_numpy() != 1):
             return None
-    freed = [s for s in before.index if s in touched.index]  # A, in allocation order
+    freed = before.index[before.index.isin(touched.index)].tolist()  # A, in allocation order
     fresh = last_rows[~older].groupby("serial", sort=False)["delta"].agg(["sum", "size"])
     alive = (fresh["sum"] > 0) | ((fresh["sum"] == 0) & (fresh["size"] == 1))  # a 0-byte storage: one event
     kept = fresh.loc[alive, "sum"]  # B, in allocation order

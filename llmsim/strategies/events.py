@@ -31,9 +31,12 @@ class LazyRanks(Mapping):
         return self.world_size
 
 
-def per_timeline(function):
+def per_timeline(function=None, *, maxsize: int | None = None):
     """Keep `function(timeline, *args)` for as long as that timeline object lives: the traced timelines are
-    cached and read, never changed, by every prediction of a sweep (callers must not change the result)."""
+    cached and read, never changed, by every prediction of a sweep (callers must not change the result).
+    With `maxsize`, only the latest `maxsize` results are kept (for results as large as a timeline)."""
+    if function is None:
+        return functools.partial(per_timeline, maxsize=maxsize)
     results: dict[tuple, tuple[weakref.ref, object]] = {}
 
     @functools.wraps(function)
@@ -45,6 +48,8 @@ def per_timeline(function):
         for stale in [k for k, (ref, _) in results.items() if ref() is None]:
             del results[stale]
         value = function(timeline, *args)
+        if maxsize is not None and len(results) >= maxsize:
+            results.pop(next(iter(results)))
         results[key] = (weakref.ref(timeline), value)
         return value
     return cached

@@ -58,8 +58,7 @@ from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, Param, constr
 # weight gradient there (Liger's fused linear cross-entropy keeps it for the backward, which hands it to autograd)
 GRADIENT_PHASES = (Phase.FORWARD.value, Phase.BACKWARD.value)
 # the values `_row` compares every row with (an enum's `.value` is a property lookup)
-_OPTIMIZER, _BUILD, _INPUT, _GRADIENT = (Phase.OPTIMIZER.value, Phase.BUILD.value, Category.INPUT.value,
-                                         Category.GRADIENT.value)
+_BUILD, _INPUT, _GRADIENT = Phase.BUILD.value, Category.INPUT.value, Category.GRADIENT.value
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: the flat buffer is padded to a multiple of 2 * world size
 
 
@@ -279,8 +278,6 @@ class _Rank:
         return self.w.frame(self.timeline)
 
     def _row(self, row: tuple) -> None:
-        if row[1] == _OPTIMIZER:
-            return  # DeepSpeed's step replaces the client optimizer's
         if row[1] == _BUILD and row[6] == _INPUT:
             self.w.step, self.w.phase = row[0], row[1]
             self._initialize_once()  # the batch is made after deepspeed.initialize returns

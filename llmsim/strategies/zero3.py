@@ -51,7 +51,7 @@ from llmsim.tracker import BACKWARD_POST, BACKWARD_PRE, FORWARD_POST, FORWARD_PR
 
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = "not_available", "inflight", "available"  # ZeroParamStatus
 # the values `_row` compares every row with (an enum's `.value` is a property lookup)
-_OPTIMIZER, _BUILD, _BACKWARD = Phase.OPTIMIZER.value, Phase.BUILD.value, Phase.BACKWARD.value
+_BUILD, _BACKWARD = Phase.BUILD.value, Phase.BACKWARD.value
 _PARAMETER, _GRADIENT = Category.PARAMETER.value, Category.GRADIENT.value
 GATHERED = Category.ALLGATHER_BUFFER
 
@@ -429,8 +429,6 @@ class _Rank:
     def _row(self, row: tuple) -> None:
         self.w.step, self.w.phase = row[0], row[1]  # what a marker row makes DeepSpeed allocate happens here
         phase, serial, category, name = row[1], int(row[4]), row[6], row[7]
-        if phase == _OPTIMIZER:
-            return  # DeepSpeed's step replaces the client optimizer's
         if serial == TIED:
             module = self.module_params[_module_of(row[3])]
             if self.by_name[name] not in module:  # each module lists a parameter once (`iter_params`)
