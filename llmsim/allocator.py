@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import bisect
 import copy
+import os
 from dataclasses import dataclass, field
+
+import numpy as np
 
 MIN_BLOCK_BYTES = 512  # kMinBlockSize
 SMALL_SIZE_BYTES = 1 << 20  # kSmallSize: largest "small" request
@@ -115,6 +118,7 @@ class CachingAllocator:
     _next_address: int = 0
     _segments: int = 0
     _tail: list["_Block | None"] = field(default_factory=lambda: [None, None])  # expandable: each pool's end
+    _sizes: dict[int, int] = field(default_factory=dict)  # `replay`: each live storage's bytes, by serial
 
     def clone(self) -> "CachingAllocator":
         """An independent copy: every block (each one free in a pool or live under a key) and its links."""
@@ -133,6 +137,7 @@ class CachingAllocator:
         twin._pools = [[(size, address, of(block)) for size, address, block in pool] for pool in self._pools]
         twin._live = {key: of(block) for key, block in self._live.items()}
         twin._tail = [of(block) for block in self._tail]
+        twin._sizes = dict(self._sizes)
         for block in [entry[2] for pool in self._pools for entry in pool] + list(self._live.values()):
             twin_block = copies[id(block)]
             twin_block.prev, twin_block.next = of(block.prev), of(block.next)
@@ -167,6 +172,26 @@ class CachingAllocator:
                 self._remove(neighbour)
                 block = self._merge(block, neighbour)
         bisect.insort(self._pools[block.small], (block.size, block.address, block))
+
+    def replay(self, serials, deltas, start: int = 0, stop: int | None = None) -> None:
+        """A timeline's events `start:stop`, by storage serial: a positive delta makes a storage (or grows one: it
+        is reallocated at its new size), a negative one frees it (or shrinks it)."""
+        malloc, free, sizes = self.malloc, self.free, self._sizes
+        for serial, delta in zip(_ints(serials[start:stop]), _ints(deltas[start:stop])):
+            if delta > 0 and serial not in sizes:
+                sizes[serial] = delta
+                malloc(serial, delta)
+            elif delta > 0:  # a resize: the storage is reallocated at its new size
+                free(serial)
+                sizes[serial] += delta
+                malloc(serial, sizes[serial])
+            elif delta < 0 and serial in sizes:
+                sizes[serial] += delta
+                free(serial)
+                if sizes[serial] > 0:
+                    malloc(serial, sizes[serial])
+                else:
+                    del sizes[serial]
 
     # ---- the pool ------------------------------------------------------------------------------------
     def _take_free_block(self, size: int, small: bool) -> _Block | None:
@@ -276,6 +301,27 @@ class CachingAllocator:
         pool.pop(bisect.bisect_left(pool, (block.size, block.address)))
 
 
+try:  # the same model compiled (llmsim/_allocator.c, built by `pip install`): replays ~30x faster
+    from llmsim import _allocator
+except ImportError:  # no C compiler where llmsim was installed: this module's Python model
+    _allocator = None
+else:
+    _allocator.set_out_of_memory(OutOfMemory)
+
+
+def compiled() -> bool:
+    """Whether replays run the compiled model (LLMSIM_ALLOCATOR=python picks the Python one)."""
+    return _allocator is not None and os.environ.get("LLMSIM_ALLOCATOR", "compiled") != "python"
+
+
+def new_allocator(capacity_bytes: int = NO_LIMIT, config: AllocatorConfig = AllocatorConfig()):
+    """A `CachingAllocator`, or its compiled twin (the same methods and byte counters)."""
+    if compiled():
+        return _allocator.Allocator(capacity_bytes, min(config.max_split_size, NO_LIMIT), config.expandable_segments)
+    return CachingAllocator(capacity_bytes=capacity_bytes, max_split_size=config.max_split_size,
+                            expandable=config.expandable_segments)
+
+
 @dataclass
 class ReplayState:
     """A replay paused before event `position`: a stream whose first `position` events are the same resumes
@@ -283,10 +329,9 @@ class ReplayState:
 
     position: int
     allocator: CachingAllocator
-    sizes: dict[int, int]
 
     def copy(self) -> "ReplayState":
-        return ReplayState(self.position, self.allocator.clone(), dict(self.sizes))
+        return ReplayState(self.position, self.allocator.clone())
 
 
 def replay_reserved(serials, deltas, capacity_bytes: int = NO_LIMIT, config: AllocatorConfig = AllocatorConfig(),
@@ -299,38 +344,21 @@ def replay_reserved(serials, deltas, capacity_bytes: int = NO_LIMIT, config: All
     if resume is not None:
         state = resume.copy()
     else:
-        allocator = CachingAllocator(capacity_bytes=capacity_bytes, max_split_size=config.max_split_size,
-                                     expandable=config.expandable_segments)
+        allocator = new_allocator(capacity_bytes, config)
         for i, size in enumerate(extra_allocations):
             allocator.malloc(-2 - i, size)
-        state = ReplayState(0, allocator, {})
-    serials, deltas = _ints(serials), _ints(deltas)
+        state = ReplayState(0, allocator)
+    if isinstance(state.allocator, CachingAllocator):
+        serials, deltas = _ints(serials), _ints(deltas)
+    else:
+        serials, deltas = np.ascontiguousarray(serials, np.int64), np.ascontiguousarray(deltas, np.int64)
     step = checkpoint_every if checkpoints is not None else max(len(serials), 1)
     for start in range(state.position, len(serials), step):
         if checkpoints is not None and start > 0:
             state.position = start
             checkpoints.append(state.copy())
-        _replay(state.allocator, state.sizes, serials[start:start + step], deltas[start:start + step])
+        state.allocator.replay(serials, deltas, start, start + step)
     return state.allocator
-
-
-def _replay(allocator: CachingAllocator, sizes: dict[int, int], serials: list[int], deltas: list[int]) -> None:
-    malloc, free = allocator.malloc, allocator.free
-    for serial, delta in zip(serials, deltas):
-        if delta > 0 and serial not in sizes:
-            sizes[serial] = delta
-            malloc(serial, delta)
-        elif delta > 0:  # a resize: the storage is reallocated at its new size
-            free(serial)
-            sizes[serial] += delta
-            malloc(serial, sizes[serial])
-        elif delta < 0 and serial in sizes:
-            sizes[serial] += delta
-            free(serial)
-            if sizes[serial] > 0:
-                malloc(serial, sizes[serial])
-            else:
-                del sizes[serial]
 
 
 def _ints(values) -> list[int]:

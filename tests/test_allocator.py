@@ -1,10 +1,21 @@
-"""The caching-allocator model against the rules of c10/cuda/CUDACachingAllocator.cpp, by hand."""
+"""The caching-allocator model against the rules of c10/cuda/CUDACachingAllocator.cpp, by hand; its compiled twin
+(llmsim/_allocator.c) against the Python model, on the same hand cases and on random streams."""
 import pytest
 
-from llmsim.allocator import (CachingAllocator, OutOfMemory, allocation_size, replay_reserved, round_size)
+from llmsim import allocator as allocator_module
+from llmsim.allocator import (AllocatorConfig, CachingAllocator, OutOfMemory, allocation_size, replay_reserved,
+                              round_size)
 from llmsim.cli import main
 
 MiB = 1 << 20
+COMPILED = allocator_module._allocator
+needs_compiled = pytest.mark.skipif(COMPILED is None, reason="llmsim._allocator was not built (no C compiler)")
+IMPLEMENTATIONS = [CachingAllocator, pytest.param(COMPILED and COMPILED.Allocator, marks=needs_compiled)]
+
+
+@pytest.fixture(params=IMPLEMENTATIONS, ids=["python", "compiled"])
+def Allocator(request):
+    return request.param
 
 
 def test_round_size_and_segment_sizes():
@@ -15,15 +26,15 @@ def test_round_size_and_segment_sizes():
     assert allocation_size(11 * MiB + 512) == 12 * MiB
 
 
-def test_small_requests_pack_into_one_segment():
-    a = CachingAllocator()
+def test_small_requests_pack_into_one_segment(Allocator):
+    a = Allocator()
     a.malloc(1, 100)
     a.malloc(2, 600)
     assert a.reserved_bytes == 2 * MiB and a.allocated_bytes == 512 + 1024
 
 
-def test_medium_request_splits_a_20_mib_segment_and_reuses_it_after_free():
-    a = CachingAllocator()
+def test_medium_request_splits_a_20_mib_segment_and_reuses_it_after_free(Allocator):
+    a = Allocator()
     a.malloc(1, 3 * MiB // 2)
     a.malloc(2, 4 * MiB)  # served from the 18.5 MiB remainder: no new segment
     assert a.reserved_bytes == 20 * MiB
@@ -33,8 +44,8 @@ def test_medium_request_splits_a_20_mib_segment_and_reuses_it_after_free():
     assert a.reserved_bytes == 20 * MiB
 
 
-def test_large_block_is_not_split_when_remainder_is_at_most_1_mib():
-    a = CachingAllocator()
+def test_large_block_is_not_split_when_remainder_is_at_most_1_mib(Allocator):
+    a = Allocator()
     a.malloc(1, 11 * MiB + 512)  # 12 MiB segment, 1 MiB - 512 left: the block is handed out whole
     assert a.reserved_bytes == 12 * MiB and a.allocated_bytes == 12 * MiB
     a.free(1)
@@ -42,8 +53,8 @@ def test_large_block_is_not_split_when_remainder_is_at_most_1_mib():
     assert a.reserved_bytes == 12 * MiB and a.allocated_bytes == 3 * MiB
 
 
-def test_cache_is_released_before_out_of_memory():
-    a = CachingAllocator(capacity_bytes=30 * MiB)
+def test_cache_is_released_before_out_of_memory(Allocator):
+    a = Allocator(capacity_bytes=30 * MiB)
     a.malloc(1, 12 * MiB)
     a.free(1)
     a.malloc(2, 20 * MiB)  # 12 + 20 > 30: the cached 12 MiB segment goes back first
@@ -52,8 +63,8 @@ def test_cache_is_released_before_out_of_memory():
         a.malloc(3, 12 * MiB)
 
 
-def test_oversize_blocks_serve_only_oversize_requests():
-    a = CachingAllocator(max_split_size=50 * MiB)
+def test_oversize_blocks_serve_only_oversize_requests(Allocator):
+    a = Allocator(max_split_size=50 * MiB)
     a.malloc(1, 60 * MiB)
     a.free(1)
     a.malloc(2, 12 * MiB)  # must not take the 60 MiB oversize block
@@ -98,10 +109,10 @@ def test_alloc_conf_parsing_and_bad_keys(capsys):
         assert rc == 2 and len(err.splitlines()) == 1 and bad.split(":")[0] in err
 
 
-def test_expandable_segment_grows_at_its_end_in_pages():
+def test_expandable_segment_grows_at_its_end_in_pages(Allocator):
     """expandable_segments: no 20 MiB segment per 1-10 MiB request; pages of 20 MiB (large) / 2 MiB (small)
     mapped at the end, a free block at the end grown instead of mapping a whole request again."""
-    a = CachingAllocator(expandable=True)
+    a = Allocator(expandable=True)
     a.malloc(1, 3 * MiB)
     assert a.reserved_bytes == 20 * MiB  # one large page
     a.malloc(2, 30 * MiB)  # 17 MiB free at the end: grown by 20 MiB (pages), no new segment
@@ -111,14 +122,14 @@ def test_expandable_segment_grows_at_its_end_in_pages():
     a.free(2)
     a.malloc(4, 35 * MiB)  # the free 37 MiB block at the end takes it
     assert a.reserved_bytes == 42 * MiB
-    plain = CachingAllocator()
+    plain = Allocator()
     for key, size in ((1, 3 * MiB), (2, 30 * MiB), (3, 1000)):
         plain.malloc(key, size)
     assert plain.reserved_bytes == (20 + 30 + 2) * MiB
 
 
-def test_expandable_segment_unmaps_its_free_end_before_running_out():
-    a = CachingAllocator(capacity_bytes=62 * MiB, expandable=True)
+def test_expandable_segment_unmaps_its_free_end_before_running_out(Allocator):
+    a = Allocator(capacity_bytes=62 * MiB, expandable=True)
     a.malloc(1, 20 * MiB)
     a.malloc(2, 40 * MiB)
     a.free(2)  # 60 MiB mapped, a free 40 MiB at the end of the large pool's segment
@@ -156,10 +167,10 @@ def _stream(seed: int, n: int = 3000):
     return serials, deltas
 
 
+@pytest.mark.parametrize("implementation", ["python", pytest.param("compiled", marks=needs_compiled)])
 @pytest.mark.parametrize("expandable", [False, True])
-def test_a_replay_resumed_from_a_paused_state_is_the_whole_replay(expandable):
-    from llmsim.allocator import AllocatorConfig
-
+def test_a_replay_resumed_from_a_paused_state_is_the_whole_replay(expandable, implementation, monkeypatch):
+    monkeypatch.setenv("LLMSIM_ALLOCATOR", implementation)
     config = AllocatorConfig(expandable_segments=expandable)
     serials, deltas = _stream(1)
     states = []
@@ -181,3 +192,56 @@ def test_a_replay_resumed_from_a_paused_state_is_the_whole_replay(expandable):
                                                                               expected.peak_allocated_bytes)
     assert expected.peak_reserved_bytes != whole.peak_reserved_bytes  # the suffixes do differ
 
+
+
+def _counters(allocator) -> tuple[int, int, int, int]:
+    return (allocator.reserved_bytes, allocator.allocated_bytes, allocator.peak_reserved_bytes,
+            allocator.peak_allocated_bytes)
+
+
+@needs_compiled
+@pytest.mark.parametrize("config", [dict(), dict(max_split_size=128 * MiB), dict(expandable=True),
+                                    dict(capacity_bytes=3 << 30), dict(capacity_bytes=6 << 30),
+                                    dict(capacity_bytes=3 << 30, expandable=True),
+                                    dict(capacity_bytes=2 << 30, max_split_size=64 * MiB)],
+                         ids=["default", "max-split", "expandable", "capacity", "capacity-6g", "capacity-expandable",
+                              "capacity-max-split"])
+def test_the_compiled_allocator_is_the_python_model_event_by_event(config):
+    """Both replay the same random streams (allocations of 1 B to 300 MiB, resizes, frees): the same four counters
+    after every event, and an out-of-memory at the same event."""
+    import numpy as np
+
+    for seed in range(4):
+        serials, deltas = _stream(seed, 1500)
+        serials, deltas = np.array(serials, np.int64), np.array(deltas, np.int64)
+        python, compiled = CachingAllocator(**config), COMPILED.Allocator(**config)
+        python.malloc(-2, 4096)
+        compiled.malloc(-2, 4096)
+        for i in range(len(serials)):
+            outcomes = []
+            for allocator in (python, compiled):
+                try:
+                    allocator.replay(serials, deltas, i, i + 1)
+                    outcomes.append(_counters(allocator))
+                except OutOfMemory:
+                    outcomes.append("out of memory")
+            assert outcomes[0] == outcomes[1], (seed, i)
+            if outcomes[0] == "out of memory":
+                break
+            if i % 500 == 499:  # a copy goes on alone
+                python, compiled = python.clone(), compiled.clone()
+
+
+@needs_compiled
+def test_the_compiled_allocator_takes_int64_buffers_only_and_unknown_keys_fail_as_in_python():
+    import numpy as np
+
+    a = COMPILED.Allocator()
+    with pytest.raises(TypeError, match="int64"):
+        a.replay(np.array([1], np.int32), np.array([5], np.int32))
+    a.replay(np.array([1], np.int64), np.array([12 * MiB + 1], np.int64))
+    assert type(a.peak_reserved_bytes) is int and a.peak_reserved_bytes == 14 * MiB
+    with pytest.raises(KeyError):
+        a.free(7)
+    with pytest.raises(KeyError):
+        CachingAllocator().free(7)

@@ -1,0 +1,607 @@
+/* llmsim/allocator.py's CachingAllocator, compiled: the same model of PyTorch's CUDA caching allocator
+ * (c10/cuda/CUDACachingAllocator.cpp), rule for rule and in the same order, so that every replay gives the same
+ * bytes as the Python model (tests/test_allocator.py replays both on the same streams). The Python class is the
+ * reference and documents the rules; this file only follows it. Blocks live in one array and link by index, so a
+ * paused replay is copied with memcpy (`clone`).
+ *
+ * Allocator(capacity_bytes, max_split_size, expandable)
+ *   .malloc(key, size) / .free(key) / .clone() / .replay(serials, deltas, start, stop)
+ *   .reserved_bytes, .allocated_bytes, .peak_reserved_bytes, .peak_allocated_bytes
+ * `replay` takes int64 buffers (numpy arrays) of storage serials and byte deltas, as `CachingAllocator.replay`. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MIN_BLOCK_BYTES 512LL
+#define SMALL_SIZE_BYTES (1LL << 20)
+#define SMALL_BUFFER_BYTES (2LL << 20)
+#define LARGE_BUFFER_BYTES (20LL << 20)
+#define MIN_LARGE_ALLOC_BYTES (10LL << 20)
+#define ROUND_LARGE_BYTES (2LL << 20)
+#define NONE (-1)
+
+typedef struct {
+    int64_t address, size;
+    int32_t prev, next; /* neighbours in the segment; for a dead block, `next` links the list of dead blocks */
+    uint8_t small, allocated;
+} Block;
+
+typedef struct {
+    int64_t size, address;
+    int32_t block;
+} Entry; /* a free block in its pool, sorted by (size, address) */
+
+typedef struct {
+    Entry *e;
+    Py_ssize_t n, cap;
+} Pool;
+
+typedef struct {
+    int64_t key, size; /* size: the storage's bytes while `tracked` (the replay's `sizes`) */
+    int32_t block;     /* the live block under this key, or NONE */
+    uint8_t used, tracked;
+} Slot;
+
+static PyObject *out_of_memory = NULL; /* llmsim.allocator.OutOfMemory, set at import */
+
+typedef struct {
+    PyObject_HEAD
+    int64_t capacity_bytes, max_split_size;
+    int expandable;
+    int64_t reserved_bytes, allocated_bytes, peak_reserved_bytes, peak_allocated_bytes;
+    int64_t next_address;
+    int32_t tail[2];
+    Block *blocks;
+    int32_t n_blocks, cap_blocks, dead;
+    Pool pools[2]; /* [0]: large, [1]: small */
+    Slot *slots;
+    int64_t n_slots, used_slots; /* n_slots: a power of two */
+} Allocator;
+
+/* ---- memory helpers ------------------------------------------------------------------------------------ */
+static int grow(void **array, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
+    if (need <= *cap) return 0;
+    Py_ssize_t cap2 = *cap ? *cap : 64;
+    while (cap2 < need) cap2 *= 2;
+    void *p = PyMem_Realloc(*array, (size_t)cap2 * item);
+    if (!p) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *array = p;
+    *cap = cap2;
+    return 0;
+}
+
+static int32_t new_block(Allocator *a, int64_t address, int64_t size, uint8_t small, int32_t prev, int32_t next) {
+    int32_t i;
+    if (a->dead != NONE) {
+        i = a->dead;
+        a->dead = a->blocks[i].next;
+    } else {
+        if (a->n_blocks == a->cap_blocks) {
+            Py_ssize_t cap = a->cap_blocks;
+            if (grow((void **)&a->blocks, &cap, a->n_blocks + 1, sizeof(Block)) < 0) return NONE;
+            a->cap_blocks = (int32_t)cap;
+        }
+        i = a->n_blocks++;
+    }
+    Block *b = &a->blocks[i];
+    b->address = address;
+    b->size = size;
+    b->small = small;
+    b->allocated = 0;
+    b->prev = prev;
+    b->next = next;
+    return i;
+}
+
+static void kill_block(Allocator *a, int32_t i) {
+    a->blocks[i].next = a->dead;
+    a->dead = i;
+}
+
+/* ---- pools ---------------------------------------------------------------------------------------------- */
+static Py_ssize_t pool_lower(Pool *p, int64_t size, int64_t address) { /* first entry >= (size, address) */
+    Py_ssize_t lo = 0, hi = p->n;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        Entry *e = &p->e[mid];
+        if (e->size < size || (e->size == size && e->address < address)) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static int pool_insert(Allocator *a, int32_t i) {
+    Block *b = &a->blocks[i];
+    Pool *p = &a->pools[b->small];
+    if (grow((void **)&p->e, &p->cap, p->n + 1, sizeof(Entry)) < 0) return -1;
+    Py_ssize_t at = pool_lower(p, b->size, b->address);
+    memmove(&p->e[at + 1], &p->e[at], (size_t)(p->n - at) * sizeof(Entry));
+    p->e[at].size = b->size;
+    p->e[at].address = b->address;
+    p->e[at].block = i;
+    p->n++;
+    return 0;
+}
+
+static void pool_pop(Pool *p, Py_ssize_t at) {
+    memmove(&p->e[at], &p->e[at + 1], (size_t)(p->n - at - 1) * sizeof(Entry));
+    p->n--;
+}
+
+static void pool_remove(Allocator *a, int32_t i) {
+    Block *b = &a->blocks[i];
+    Pool *p = &a->pools[b->small];
+    pool_pop(p, pool_lower(p, b->size, b->address));
+}
+
+/* ---- key -> live block (and the replay's storage sizes) --------------------------------------------------- */
+static inline uint64_t mix(int64_t key) { /* splitmix64's finalizer */
+    uint64_t z = (uint64_t)key + 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static Slot *slot_find(Allocator *a, int64_t key) {
+    uint64_t mask = (uint64_t)a->n_slots - 1;
+    for (uint64_t h = mix(key) & mask;; h = (h + 1) & mask) {
+        Slot *s = &a->slots[h];
+        if (!s->used) return NULL;
+        if (s->key == key) return s;
+    }
+}
+
+static int slots_resize(Allocator *a, int64_t n) {
+    Slot *old = a->slots;
+    int64_t old_n = a->n_slots;
+    Slot *fresh = PyMem_Calloc((size_t)n, sizeof(Slot));
+    if (!fresh) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    a->slots = fresh;
+    a->n_slots = n;
+    uint64_t mask = (uint64_t)n - 1;
+    for (int64_t i = 0; i < old_n; i++) {
+        if (!old[i].used) continue;
+        uint64_t h = mix(old[i].key) & mask;
+        while (fresh[h].used) h = (h + 1) & mask;
+        fresh[h] = old[i];
+    }
+    PyMem_Free(old);
+    return 0;
+}
+
+static Slot *slot_get(Allocator *a, int64_t key) { /* find, or add an empty slot */
+    Slot *s = slot_find(a, key);
+    if (s) return s;
+    if (2 * (a->used_slots + 1) > a->n_slots && slots_resize(a, 2 * a->n_slots) < 0) return NULL;
+    uint64_t mask = (uint64_t)a->n_slots - 1;
+    uint64_t h = mix(key) & mask;
+    while (a->slots[h].used) h = (h + 1) & mask;
+    s = &a->slots[h];
+    s->used = 1;
+    s->key = key;
+    s->size = 0;
+    s->block = NONE;
+    s->tracked = 0;
+    a->used_slots++;
+    return s;
+}
+
+static void slot_drop(Allocator *a, Slot *s) { /* linear probing: shift the following run back */
+    uint64_t mask = (uint64_t)a->n_slots - 1;
+    uint64_t i = (uint64_t)(s - a->slots);
+    a->slots[i].used = 0;
+    a->used_slots--;
+    for (uint64_t j = (i + 1) & mask; a->slots[j].used; j = (j + 1) & mask) {
+        uint64_t home = mix(a->slots[j].key) & mask;
+        /* move j to i when its home is not in the cyclic range (i, j] */
+        if ((j > i && (home <= i || home > j)) || (j < i && (home <= i && home > j))) {
+            a->slots[i] = a->slots[j];
+            a->slots[j].used = 0;
+            i = j;
+        }
+    }
+}
+
+/* ---- the allocator -------------------------------------------------------------------------------------- */
+static int64_t allocation_size(int64_t size) {
+    if (size <= SMALL_SIZE_BYTES) return SMALL_BUFFER_BYTES;
+    if (size < MIN_LARGE_ALLOC_BYTES) return LARGE_BUFFER_BYTES;
+    return (size + ROUND_LARGE_BYTES - 1) / ROUND_LARGE_BYTES * ROUND_LARGE_BYTES;
+}
+
+static inline void add_reserved(Allocator *a, int64_t bytes) {
+    a->reserved_bytes += bytes;
+    if (a->reserved_bytes > a->peak_reserved_bytes) a->peak_reserved_bytes = a->reserved_bytes;
+}
+
+static int32_t take_free_block(Allocator *a, int64_t size, int small) {
+    Pool *p = &a->pools[small];
+    Py_ssize_t i = pool_lower(p, size, -1);
+    if (i == p->n) return NONE;
+    int32_t b = p->e[i].block;
+    int64_t bsize = a->blocks[b].size;
+    if (size < a->max_split_size && a->max_split_size <= bsize) return NONE;
+    if (size >= a->max_split_size && bsize >= size + LARGE_BUFFER_BYTES) return NONE;
+    pool_pop(p, i);
+    return b;
+}
+
+#define OOM (-2)
+
+static int32_t map_at_end(Allocator *a, int64_t size, int small) {
+    int64_t page = small ? SMALL_BUFFER_BYTES : LARGE_BUFFER_BYTES;
+    int32_t tail = a->tail[small];
+    int grow_free_tail = tail != NONE && !a->blocks[tail].allocated;
+    int64_t needed = grow_free_tail ? size - a->blocks[tail].size : size;
+    int64_t mapped = (needed + page - 1) / page * page;
+    if (a->reserved_bytes + mapped > a->capacity_bytes) {
+        PyErr_Format(out_of_memory, "mapping %lld B more does not fit: %lld B reserved of %lld B",
+                     (long long)mapped, (long long)a->reserved_bytes, (long long)a->capacity_bytes);
+        return OOM;
+    }
+    add_reserved(a, mapped);
+    if (grow_free_tail) {
+        pool_remove(a, tail);
+        a->blocks[tail].size += mapped;
+        return tail;
+    }
+    int64_t address = tail != NONE ? a->blocks[tail].address + a->blocks[tail].size
+                                   : (small ? 0 : (LARGE_BUFFER_BYTES << 32));
+    int32_t b = new_block(a, address, mapped, (uint8_t)small, tail, NONE);
+    if (b == NONE) return OOM;
+    if (tail != NONE) a->blocks[tail].next = b;
+    a->tail[small] = b;
+    return b;
+}
+
+static int unmap_free_tails(Allocator *a) {
+    for (int k = 0; k < 2; k++) {
+        int small = k == 0; /* the small pool first, as the Python model */
+        int32_t tail = a->tail[small];
+        if (tail == NONE || a->blocks[tail].allocated) continue;
+        int64_t page = small ? SMALL_BUFFER_BYTES : LARGE_BUFFER_BYTES;
+        Block *t = &a->blocks[tail];
+        int64_t end = t->address + t->size;
+        int64_t unmapped = end - (t->address + page - 1) / page * page;
+        if (unmapped <= 0) continue;
+        pool_remove(a, tail);
+        a->reserved_bytes -= unmapped;
+        t->size -= unmapped;
+        if (t->size) {
+            if (pool_insert(a, tail) < 0) return -1;
+        } else {
+            a->tail[small] = t->prev;
+            if (t->prev != NONE) a->blocks[t->prev].next = NONE;
+            kill_block(a, tail);
+        }
+    }
+    return 0;
+}
+
+static inline int is_split(Allocator *a, int32_t b) {
+    return a->blocks[b].prev != NONE || a->blocks[b].next != NONE;
+}
+
+static int release_cached(Allocator *a, int64_t needed) {
+    /* the candidates, listed before any is released: the first unsplit large block that fits, or every unsplit
+       large block; then every unsplit small block */
+    Pool *large = &a->pools[0], *small = &a->pools[1];
+    Entry *chosen = PyMem_Malloc((size_t)(large->n + small->n + 1) * sizeof(Entry));
+    if (!chosen) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < large->n; i++) {
+        if (!is_split(a, large->e[i].block) && large->e[i].size >= needed) {
+            chosen[n++] = large->e[i];
+            break;
+        }
+    }
+    if (n == 0)
+        for (Py_ssize_t i = 0; i < large->n; i++)
+            if (!is_split(a, large->e[i].block)) chosen[n++] = large->e[i];
+    for (Py_ssize_t i = 0; i < small->n; i++)
+        if (!is_split(a, small->e[i].block)) chosen[n++] = small->e[i];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Block *b = &a->blocks[chosen[i].block];
+        pool_remove(a, chosen[i].block);
+        a->reserved_bytes -= b->size;
+        kill_block(a, chosen[i].block);
+        if (a->reserved_bytes + needed <= a->capacity_bytes) break;
+    }
+    PyMem_Free(chosen);
+    return 0;
+}
+
+static int32_t new_segment(Allocator *a, int64_t size, int small) {
+    if (a->expandable) {
+        int32_t b = map_at_end(a, size, small);
+        if (b != OOM || !PyErr_ExceptionMatches(out_of_memory)) return b;
+        PyErr_Clear();
+        if (unmap_free_tails(a) < 0) return OOM;
+        return map_at_end(a, size, small);
+    }
+    int64_t segment = allocation_size(size);
+    if (a->reserved_bytes + segment > a->capacity_bytes && release_cached(a, segment) < 0) return OOM;
+    if (a->reserved_bytes + segment > a->capacity_bytes) {
+        PyErr_Format(out_of_memory, "a %lld-byte segment does not fit: %lld B reserved of %lld B",
+                     (long long)segment, (long long)a->reserved_bytes, (long long)a->capacity_bytes);
+        return OOM;
+    }
+    int32_t b = new_block(a, a->next_address, segment, (uint8_t)small, NONE, NONE);
+    if (b == NONE) return OOM;
+    a->next_address += segment;
+    add_reserved(a, segment);
+    return b;
+}
+
+static int do_malloc(Allocator *a, int64_t key, int64_t size) {
+    size = size > 0 ? (size + MIN_BLOCK_BYTES - 1) / MIN_BLOCK_BYTES * MIN_BLOCK_BYTES : 0;
+    if (size == 0) size = MIN_BLOCK_BYTES;
+    int small = size <= SMALL_SIZE_BYTES;
+    int32_t b = take_free_block(a, size, small);
+    if (b == NONE) b = new_segment(a, size, small);
+    if (b < 0) return -1;
+    int64_t remaining = a->blocks[b].size - size;
+    int split = small ? remaining >= MIN_BLOCK_BYTES : (size < a->max_split_size && remaining > SMALL_SIZE_BYTES);
+    if (split) {
+        int32_t rest = new_block(a, a->blocks[b].address + size, remaining, (uint8_t)small, b, a->blocks[b].next);
+        if (rest == NONE) return -1;
+        Block *blk = &a->blocks[b];
+        if (blk->next != NONE) a->blocks[blk->next].prev = rest;
+        blk->next = rest;
+        blk->size = size;
+        if (a->tail[small] == b) a->tail[small] = rest;
+        if (pool_insert(a, rest) < 0) return -1;
+    }
+    a->blocks[b].allocated = 1;
+    Slot *s = slot_get(a, key);
+    if (!s) return -1;
+    s->block = b;
+    a->allocated_bytes += a->blocks[b].size;
+    if (a->allocated_bytes > a->peak_allocated_bytes) a->peak_allocated_bytes = a->allocated_bytes;
+    return 0;
+}
+
+static int32_t merge(Allocator *a, int32_t block, int32_t neighbour) {
+    int32_t first = block, second = neighbour;
+    if (a->blocks[neighbour].address < a->blocks[block].address) {
+        first = neighbour;
+        second = block;
+    }
+    Block *f = &a->blocks[first], *s = &a->blocks[second];
+    f->size += s->size;
+    f->next = s->next;
+    if (a->tail[f->small] == second) a->tail[f->small] = first;
+    if (s->next != NONE) a->blocks[s->next].prev = first;
+    kill_block(a, second);
+    return first;
+}
+
+static int do_free(Allocator *a, int64_t key) {
+    Slot *s = slot_find(a, key);
+    if (!s || s->block == NONE) {
+        PyObject *k = PyLong_FromLongLong(key);
+        if (k) {
+            PyErr_SetObject(PyExc_KeyError, k);
+            Py_DECREF(k);
+        }
+        return -1;
+    }
+    int32_t block = s->block;
+    s->block = NONE;
+    if (!s->tracked) slot_drop(a, s);
+    Block *b = &a->blocks[block];
+    b->allocated = 0;
+    a->allocated_bytes -= b->size;
+    int32_t neighbours[2] = {b->prev, b->next};
+    for (int k = 0; k < 2; k++) {
+        int32_t n = neighbours[k];
+        if (n != NONE && !a->blocks[n].allocated) {
+            pool_remove(a, n);
+            block = merge(a, block, n);
+        }
+    }
+    return pool_insert(a, block);
+}
+
+static int do_replay(Allocator *a, const int64_t *serials, const int64_t *deltas, Py_ssize_t start, Py_ssize_t stop) {
+    for (Py_ssize_t i = start; i < stop; i++) {
+        int64_t serial = serials[i], delta = deltas[i];
+        if (delta > 0) {
+            Slot *s = slot_get(a, serial);
+            if (!s) return -1;
+            if (!s->tracked) {
+                s->tracked = 1;
+                s->size = delta;
+                if (do_malloc(a, serial, delta) < 0) return -1;
+            } else {
+                s->size += delta;
+                int64_t size = s->size;
+                if (do_free(a, serial) < 0 || do_malloc(a, serial, size) < 0) return -1;
+            }
+        } else if (delta < 0) {
+            Slot *s = slot_find(a, serial);
+            if (!s || !s->tracked) continue;
+            s->size += delta;
+            int64_t size = s->size;
+            if (size <= 0) s->tracked = 0; /* do_free drops the slot */
+            if (do_free(a, serial) < 0) return -1;
+            if (size > 0 && do_malloc(a, serial, size) < 0) return -1;
+        }
+    }
+    return 0;
+}
+
+/* ---- Python ---------------------------------------------------------------------------------------------- */
+static int Allocator_init(Allocator *a, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"capacity_bytes", "max_split_size", "expandable", NULL};
+    long long capacity = 1LL << 62, max_split = 1LL << 62;
+    int expandable = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|LLp", kwlist, &capacity, &max_split, &expandable)) return -1;
+    a->capacity_bytes = capacity;
+    a->max_split_size = max_split;
+    a->expandable = expandable;
+    a->tail[0] = a->tail[1] = NONE;
+    a->dead = NONE;
+    if (!a->slots) {
+        a->slots = PyMem_Calloc(64, sizeof(Slot));
+        if (!a->slots) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        a->n_slots = 64;
+    }
+    return 0;
+}
+
+static void Allocator_dealloc(Allocator *a) {
+    PyMem_Free(a->blocks);
+    PyMem_Free(a->pools[0].e);
+    PyMem_Free(a->pools[1].e);
+    PyMem_Free(a->slots);
+    Py_TYPE(a)->tp_free((PyObject *)a);
+}
+
+static PyObject *Allocator_malloc(Allocator *a, PyObject *args) {
+    long long key, size;
+    if (!PyArg_ParseTuple(args, "LL", &key, &size)) return NULL;
+    if (do_malloc(a, key, size) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Allocator_free(Allocator *a, PyObject *args) {
+    long long key;
+    if (!PyArg_ParseTuple(args, "L", &key)) return NULL;
+    if (do_free(a, key) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static int int64_buffer(PyObject *object, Py_buffer *view) {
+    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *format = view->format ? view->format : "";
+    char code = format[0] ? format[strlen(format) - 1] : 0;
+    if (view->itemsize != 8 || view->ndim != 1 || (code != 'q' && code != 'l')) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "replay takes one-dimensional int64 buffers");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Allocator_replay(Allocator *a, PyObject *args) {
+    PyObject *serials_object, *deltas_object;
+    Py_ssize_t start = 0, stop = PY_SSIZE_T_MAX;
+    if (!PyArg_ParseTuple(args, "OO|nn", &serials_object, &deltas_object, &start, &stop)) return NULL;
+    Py_buffer serials, deltas;
+    if (int64_buffer(serials_object, &serials) < 0) return NULL;
+    if (int64_buffer(deltas_object, &deltas) < 0) {
+        PyBuffer_Release(&serials);
+        return NULL;
+    }
+    Py_ssize_t n = serials.shape[0] < deltas.shape[0] ? serials.shape[0] : deltas.shape[0];
+    if (stop > n) stop = n;
+    if (start < 0) start = 0;
+    int rc = do_replay(a, serials.buf, deltas.buf, start, stop);
+    PyBuffer_Release(&serials);
+    PyBuffer_Release(&deltas);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Allocator_clone(Allocator *a, PyObject *Py_UNUSED(ignored)) {
+    Allocator *t = (Allocator *)Py_TYPE(a)->tp_alloc(Py_TYPE(a), 0);
+    if (!t) return NULL;
+    t->capacity_bytes = a->capacity_bytes;
+    t->max_split_size = a->max_split_size;
+    t->expandable = a->expandable;
+    t->reserved_bytes = a->reserved_bytes;
+    t->allocated_bytes = a->allocated_bytes;
+    t->peak_reserved_bytes = a->peak_reserved_bytes;
+    t->peak_allocated_bytes = a->peak_allocated_bytes;
+    t->next_address = a->next_address;
+    t->tail[0] = a->tail[0];
+    t->tail[1] = a->tail[1];
+    t->dead = a->dead;
+    t->n_blocks = t->cap_blocks = a->n_blocks;
+    t->blocks = PyMem_Malloc((size_t)(a->n_blocks ? a->n_blocks : 1) * sizeof(Block));
+    t->slots = PyMem_Malloc((size_t)a->n_slots * sizeof(Slot));
+    t->n_slots = a->n_slots;
+    t->used_slots = a->used_slots;
+    for (int k = 0; k < 2; k++) {
+        t->pools[k].n = t->pools[k].cap = a->pools[k].n;
+        t->pools[k].e = PyMem_Malloc((size_t)(a->pools[k].n ? a->pools[k].n : 1) * sizeof(Entry));
+    }
+    if (!t->blocks || !t->slots || !t->pools[0].e || !t->pools[1].e) {
+        Py_DECREF(t);
+        return PyErr_NoMemory();
+    }
+    memcpy(t->blocks, a->blocks, (size_t)a->n_blocks * sizeof(Block));
+    memcpy(t->slots, a->slots, (size_t)a->n_slots * sizeof(Slot));
+    for (int k = 0; k < 2; k++) memcpy(t->pools[k].e, a->pools[k].e, (size_t)a->pools[k].n * sizeof(Entry));
+    return (PyObject *)t;
+}
+
+static PyMethodDef Allocator_methods[] = {
+    {"malloc", (PyCFunction)Allocator_malloc, METH_VARARGS, "malloc(key, size): a block of round_size(size)"},
+    {"free", (PyCFunction)Allocator_free, METH_VARARGS, "free(key): the block back to its pool, merged"},
+    {"replay", (PyCFunction)Allocator_replay, METH_VARARGS,
+     "replay(serials, deltas, start=0, stop=len): a timeline's events, by storage serial"},
+    {"clone", (PyCFunction)Allocator_clone, METH_NOARGS, "an independent copy"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Allocator_members[] = {
+    {"capacity_bytes", T_LONGLONG, offsetof(Allocator, capacity_bytes), READONLY, NULL},
+    {"max_split_size", T_LONGLONG, offsetof(Allocator, max_split_size), READONLY, NULL},
+    {"reserved_bytes", T_LONGLONG, offsetof(Allocator, reserved_bytes), READONLY, NULL},
+    {"allocated_bytes", T_LONGLONG, offsetof(Allocator, allocated_bytes), READONLY, NULL},
+    {"peak_reserved_bytes", T_LONGLONG, offsetof(Allocator, peak_reserved_bytes), READONLY, NULL},
+    {"peak_allocated_bytes", T_LONGLONG, offsetof(Allocator, peak_allocated_bytes), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject AllocatorType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "llmsim._allocator.Allocator",
+    .tp_basicsize = sizeof(Allocator),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "llmsim.allocator.CachingAllocator, compiled",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Allocator_init,
+    .tp_dealloc = (destructor)Allocator_dealloc,
+    .tp_methods = Allocator_methods,
+    .tp_members = Allocator_members,
+};
+
+static PyObject *set_out_of_memory(PyObject *module, PyObject *cls) {
+    Py_XSETREF(out_of_memory, Py_NewRef(cls));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"set_out_of_memory", set_out_of_memory, METH_O, "the exception class a segment that does not fit raises"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "llmsim._allocator", NULL, -1, module_methods};
+
+PyMODINIT_FUNC PyInit__allocator(void) {
+    if (PyType_Ready(&AllocatorType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    out_of_memory = Py_NewRef(PyExc_MemoryError);
+    if (PyModule_AddObjectRef(m, "Allocator", (PyObject *)&AllocatorType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
