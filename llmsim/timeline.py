@@ -227,9 +227,12 @@ def _renumber(modules: np.ndarray, blocks: np.ndarray, shift: np.ndarray, prefix
     codes, uniques = pd.factorize(names[rows])
     rows, codes = rows[codes >= 0], codes[codes >= 0]  # no module name: nothing to rewrite
     key = np.stack([codes, blocks[rows].astype(np.int64), shift[rows].astype(np.int64)], axis=1)
-    distinct, inverse = np.unique(key, axis=0, return_inverse=True)
-    rewritten = []
-    for code, block, step in distinct.tolist():
+    low = key.min(axis=0)
+    span = key.max(axis=0) - low + 1
+    packed = ((key[:, 0] - low[0]) * span[1] + key[:, 1] - low[1]) * span[2] + key[:, 2] - low[2]  # one int64 each
+    _, first, inverse = np.unique(packed, return_index=True, return_inverse=True)  # (a 1-D sort: far quicker
+    rewritten = []                                                                   # than unique rows, axis=0)
+    for code, block, step in key[first].tolist():
         name, old = uniques[code], f"{prefix}.{block}"
         rewritten.append(f"{prefix}.{block + step}{name[len(old):]}"
                          if name == old or name.startswith(old + ".") else name)
