@@ -5,7 +5,7 @@
  * paused replay is copied with memcpy (`clone`).
  *
  * Allocator(capacity_bytes, max_split_size, expandable)
- *   .malloc(key, size) / .free(key) / .clone() / .replay(serials, deltas, start, stop)
+ *   .malloc(key, size) / .free(key) / .clone() / .replay(serials, deltas, start, stop) / .same_state(other)
  *   .reserved_bytes, .allocated_bytes, .peak_reserved_bytes, .peak_allocated_bytes
  * `replay` takes int64 buffers (numpy arrays) of storage serials and byte deltas, as `CachingAllocator.replay`. */
 #define PY_SSIZE_T_CLEAN
@@ -511,11 +511,54 @@ static PyObject *Allocator_replay(Allocator *a, PyObject *args) {
     Py_ssize_t n = serials.shape[0] < deltas.shape[0] ? serials.shape[0] : deltas.shape[0];
     if (stop > n) stop = n;
     if (start < 0) start = 0;
+    int64_t peak = a->peak_reserved_bytes; /* the window's own peak: counted from the reserved bytes at its start */
+    a->peak_reserved_bytes = a->reserved_bytes;
     int rc = do_replay(a, serials.buf, deltas.buf, start, stop);
     PyBuffer_Release(&serials);
     PyBuffer_Release(&deltas);
+    int64_t window = a->peak_reserved_bytes;
+    if (window < peak) a->peak_reserved_bytes = peak;
     if (rc < 0) return NULL;
-    Py_RETURN_NONE;
+    return PyLong_FromLongLong(window);
+}
+
+/* the block under pool entry / live slot `b`, as what the allocator's future depends on: where it is, its size,
+   whether it is in use, and whether it has neighbours in its segment (the split structure) */
+static int same_block(Allocator *a, int32_t i, Allocator *b, int32_t j) {
+    Block *x = &a->blocks[i], *y = &b->blocks[j];
+    return x->address == y->address && x->size == y->size && x->small == y->small && x->allocated == y->allocated &&
+           (x->prev == NONE) == (y->prev == NONE) && (x->next == NONE) == (y->next == NONE);
+}
+
+static PyObject *Allocator_same_state(Allocator *a, PyObject *other) {
+    if (!PyObject_TypeCheck(other, Py_TYPE(a))) {
+        PyErr_SetString(PyExc_TypeError, "same_state compares two compiled allocators");
+        return NULL;
+    }
+    Allocator *b = (Allocator *)other;
+    if (a->capacity_bytes != b->capacity_bytes || a->max_split_size != b->max_split_size ||
+        a->expandable != b->expandable || a->reserved_bytes != b->reserved_bytes ||
+        a->allocated_bytes != b->allocated_bytes || a->next_address != b->next_address ||
+        a->used_slots != b->used_slots)
+        Py_RETURN_FALSE;
+    for (int k = 0; k < 2; k++) {
+        Pool *p = &a->pools[k], *q = &b->pools[k];
+        if (p->n != q->n) Py_RETURN_FALSE;
+        for (Py_ssize_t i = 0; i < p->n; i++)
+            if (!same_block(a, p->e[i].block, b, q->e[i].block)) Py_RETURN_FALSE;
+        if ((a->tail[k] == NONE) != (b->tail[k] == NONE) ||
+            (a->tail[k] != NONE && !same_block(a, a->tail[k], b, b->tail[k])))
+            Py_RETURN_FALSE;
+    }
+    for (int64_t i = 0; i < a->n_slots; i++) {
+        Slot *s = &a->slots[i];
+        if (!s->used) continue;
+        Slot *t = slot_find(b, s->key);
+        if (!t || t->tracked != s->tracked || (s->tracked && t->size != s->size) ||
+            (s->block == NONE) != (t->block == NONE) || (s->block != NONE && !same_block(a, s->block, b, t->block)))
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
 }
 
 static PyObject *Allocator_clone(Allocator *a, PyObject *Py_UNUSED(ignored)) {
@@ -557,6 +600,8 @@ static PyMethodDef Allocator_methods[] = {
     {"replay", (PyCFunction)Allocator_replay, METH_VARARGS,
      "replay(serials, deltas, start=0, stop=len): a timeline's events, by storage serial"},
     {"clone", (PyCFunction)Allocator_clone, METH_NOARGS, "an independent copy"},
+    {"same_state", (PyCFunction)Allocator_same_state, METH_O,
+     "whether every later event would do the same with the other allocator (peaks aside)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -173,9 +173,32 @@ class CachingAllocator:
                 block = self._merge(block, neighbour)
         bisect.insort(self._pools[block.small], (block.size, block.address, block))
 
-    def replay(self, serials, deltas, start: int = 0, stop: int | None = None) -> None:
+    def replay(self, serials, deltas, start: int = 0, stop: int | None = None) -> int:
         """A timeline's events `start:stop`, by storage serial: a positive delta makes a storage (or grows one: it
-        is reallocated at its new size), a negative one frees it (or shrinks it)."""
+        is reallocated at its new size), a negative one frees it (or shrinks it). Returns the most bytes reserved
+        within the window (from those reserved at its start)."""
+        peak, self.peak_reserved_bytes = self.peak_reserved_bytes, self.reserved_bytes
+        try:
+            self._replay(serials, deltas, start, stop)
+        finally:
+            window = self.peak_reserved_bytes
+            self.peak_reserved_bytes = max(peak, window)
+        return window
+
+    def same_state(self, other: "CachingAllocator") -> bool:
+        """Whether every later event would do the same with `other` (peaks aside): the same settings and bytes,
+        the same free blocks and live storages, each at the same address with the same size and split state."""
+        def shape(block: _Block | None):
+            return None if block is None else (block.address, block.size, block.small, block.allocated,
+                                               block.prev is None, block.next is None)
+
+        def state(a: "CachingAllocator"):
+            return (a.capacity_bytes, a.max_split_size, a.expandable, a.reserved_bytes, a.allocated_bytes,
+                    a._next_address, [[shape(e[2]) for e in pool] for pool in a._pools], [shape(t) for t in a._tail],
+                    {key: shape(block) for key, block in a._live.items()}, a._sizes)
+        return state(self) == state(other)
+
+    def _replay(self, serials, deltas, start: int, stop: int | None) -> None:
         malloc, free, sizes = self.malloc, self.free, self._sizes
         for serial, delta in zip(_ints(serials[start:stop]), _ints(deltas[start:stop])):
             if delta > 0 and serial not in sizes:
@@ -329,9 +352,10 @@ class ReplayState:
 
     position: int
     allocator: CachingAllocator
+    window_peak: int = 0  # the most bytes reserved from here to the next pause (`replay`'s return)
 
     def copy(self) -> "ReplayState":
-        return ReplayState(self.position, self.allocator.clone())
+        return ReplayState(self.position, self.allocator.clone(), self.window_peak)
 
 
 def replay_reserved(serials, deltas, capacity_bytes: int = NO_LIMIT, config: AllocatorConfig = AllocatorConfig(),

@@ -10,7 +10,7 @@ import networkx as nx
 import numpy as np
 import pandas as pd
 
-from llmsim.allocator import NO_LIMIT, AllocatorConfig, OutOfMemory, ReplayState, replay_reserved
+from llmsim.allocator import NO_LIMIT, AllocatorConfig, OutOfMemory, ReplayState, compiled, replay_reserved
 from llmsim.gpus import GpuProfile, on_gpu
 from llmsim.graph import layer_graph
 from llmsim.offload import host_peak_bytes, split_host
@@ -213,43 +213,138 @@ def _replay_reserved(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: in
                      extra: tuple[int, ...], shared_prefix: bool = False) -> int:
     """The allocator model's reserved peak, kept by the events' content: ranks and layouts that differ only in
     what the allocator does not see (DDP at any world size, ZeRO ranks alike, another GPU of the same
-    kernels) replay once. With `shared_prefix` (the ranks of one ZeRO-1/2 prediction, whose events are the same
-    until the first that depends on the rank's partition), the replay resumes from the last paused state of
-    the previous such replay that its events have reached unchanged."""
+    kernels) replay once. With `shared_prefix` (the ranks of one ZeRO-1/2 prediction, whose events are those of
+    the ranks before them but for the few that depend on the rank's partition), the replay reuses the earlier
+    ranks' paused replays (`_replay_shared`)."""
+    if shared_prefix:
+        return _replay_shared(serials, deltas, capacity_bytes, config, extra)
     key = (hashlib.blake2b(serials.tobytes() + b"|" + deltas.tobytes(), digest_size=16).digest(),
            capacity_bytes, config, extra)
     if key not in _RESERVED:
         if len(_RESERVED) >= 256:
             _RESERVED.pop(next(iter(_RESERVED)))
-        if shared_prefix:
-            allocator = _replay_shared(serials, deltas, capacity_bytes, config, extra)
-        else:
-            allocator = replay_reserved(serials, deltas, capacity_bytes, config, extra)
-        _RESERVED[key] = allocator.peak_reserved_bytes
+        _RESERVED[key] = replay_reserved(serials, deltas, capacity_bytes, config, extra).peak_reserved_bytes
     return _RESERVED[key]
 
 
 def _replay_shared(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int, config: AllocatorConfig,
-                   extra: tuple[int, ...]):
-    """`replay_reserved`, resumed where the reference replay (the last one that could not resume) paused last
-    before the first event that differs from it; a replay that cannot resume becomes the reference."""
+                   extra: tuple[int, ...]) -> int:
+    """The reserved peak of one of a ZeRO-1/2 prediction's ranks, replayed in chunks of events against the ranks
+    replayed before it (`_Replayed`, the latest `_MAX_REPLAYED`). It starts from the paused state of the earlier
+    rank it shares the most first chunks with. After each chunk it replays itself, it looks for an earlier rank
+    that was in the same allocator state there (the same free blocks and live storages, byte for byte:
+    `same_state`) and has the same next chunks of events: those chunks would do there what they did in that
+    rank, so it takes that rank's peaks for them and goes on from that rank's paused state after them. Exact by
+    construction; `tests/test_distributed.py` checks every rank against its own whole replay."""
     setting = (capacity_bytes, config, extra)
-    reference = _PREFIX.get(setting)
-    if reference is not None:
-        ref_serials, ref_deltas, states = reference
-        n = min(len(ref_serials), len(serials))
-        differ = np.flatnonzero((ref_serials[:n] != serials[:n]) | (ref_deltas[:n] != deltas[:n]))
-        same = int(differ[0]) if len(differ) else n
-        usable = [state for state in states if state.position <= same]
-        if usable:
-            return replay_reserved(serials, deltas, capacity_bytes, config, extra, resume=usable[-1])
-    states: list[ReplayState] = []
-    allocator = replay_reserved(serials, deltas, capacity_bytes, config, extra, checkpoints=states,
-                                checkpoint_every=max(256, len(serials) // 32))
-    _PREFIX.clear()  # one reference at a time: its paused states hold the allocator's blocks
-    _PREFIX[setting] = (serials, deltas, states)
-    return allocator
+    if setting not in _REPLAYED:
+        _REPLAYED.clear()  # one setting at a time: the paused states hold allocators
+        _REPLAYED[setting] = []
+    earlier = _REPLAYED[setting]
+    every = CHECKPOINT_EVERY if compiled() else max(256, len(serials) // 32)  # Python states copy slowly
+    this = _Replayed.of(_int64(serials), _int64(deltas), every)
+    chunks = len(this.keys)
+    k, allocator, rejoin = 0, None, False
+    start, shared = max(((_first_same(this, other), other) for other in earlier), default=(0, None),
+                        key=lambda pair: pair[0])
+    if shared is not None and start == chunks and len(shared.serials) == len(this.serials):
+        return shared.peak_reserved_bytes  # the same events
+    start = min(start, len(shared.states) - 1) if shared is not None else 0
+    if start > 0:
+        this.take(shared, 0, start)
+        k, allocator = start, shared.states[start].allocator.clone()
+    else:
+        allocator = replay_reserved(this.serials[:0], this.deltas[:0], capacity_bytes, config, extra)
+    while k < chunks:
+        if rejoin:
+            rejoin = False
+            for other in earlier:
+                run = _same_run(this, other, k, allocator)
+                if run:
+                    this.take(other, k, k + run)
+                    k += run
+                    if k < chunks:
+                        allocator = other.states[k].allocator.clone()
+                    break
+            continue
+        this.states.append(ReplayState(k * every, allocator.clone()))
+        this.window_peaks.append(allocator.replay(this.serials, this.deltas, k * every, (k + 1) * every))
+        this.replayed += 1
+        k, rejoin = k + 1, True
+    this.peak_reserved_bytes = max(this.window_peaks)
+    if len(earlier) >= _MAX_REPLAYED:
+        earlier.pop(0)
+    earlier.append(this)
+    return this.peak_reserved_bytes
 
 
-_PREFIX: dict[tuple, tuple[np.ndarray, np.ndarray, list[ReplayState]]] = {}
+@dataclass(eq=False)
+class _Replayed:
+    """A rank's events, a hash of each chunk of `every` events (`keys`; equal keys are confirmed event by event
+    before use), the allocator's paused state before each chunk (shared with the rank it was taken from) and the
+    most bytes reserved within each chunk."""
+
+    serials: np.ndarray
+    deltas: np.ndarray
+    every: int
+    keys: np.ndarray
+    states: list[ReplayState] = field(default_factory=list)
+    window_peaks: list[int] = field(default_factory=list)
+    peak_reserved_bytes: int = 0
+    replayed: int = 0  # chunks this rank replayed itself
+
+    @classmethod
+    def of(cls, serials: np.ndarray, deltas: np.ndarray, every: int) -> "_Replayed":
+        with np.errstate(over="ignore"):
+            mixed = (serials.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+                     + deltas.view(np.uint64) * np.uint64(0xC2B2AE3D27D4EB4F))
+            mixed *= np.arange(1, 2 * len(mixed), 2, dtype=np.uint64)  # where in the chunk counts too
+        keys = np.add.reduceat(mixed, np.arange(0, len(mixed), every)) if len(mixed) else mixed
+        return cls(serials, deltas, every, keys)
+
+    def take(self, other: "_Replayed", first: int, stop: int) -> None:
+        """Chunks `first:stop` as `other` replayed them (their events are the same, from the same state)."""
+        self.states.extend(other.states[first:stop])
+        self.window_peaks.extend(other.window_peaks[first:stop])
+
+    def same_events(self, other: "_Replayed", first: int, stop: int) -> bool:
+        lo, hi = first * self.every, stop * self.every
+        return (np.array_equal(self.serials[lo:hi], other.serials[lo:hi])
+                and np.array_equal(self.deltas[lo:hi], other.deltas[lo:hi]))
+
+
+def _first_same(this: _Replayed, other: _Replayed) -> int:
+    """How many first chunks `this` and `other` share, event for event."""
+    n = min(len(this.keys), len(other.keys))
+    differ = np.flatnonzero(this.keys[:n] != other.keys[:n])
+    run = int(differ[0]) if len(differ) else n
+    while run and not this.same_events(other, 0, run):  # a hash collision: fall back a chunk at a time
+        run -= 1
+    return run
+
+
+def _same_run(this: _Replayed, other: _Replayed, k: int, allocator) -> int:
+    """The chunks from `k` on that `this` may take from `other`: `other` was in this allocator state before
+    chunk k, and the chunks hold the same events; 0 when it cannot. `other` must have a paused state after the
+    run, unless the run ends both streams."""
+    if other.every != this.every or k >= len(other.states) or other.keys[k] != this.keys[k]:
+        return 0
+    n = min(len(this.keys), len(other.keys))
+    differ = np.flatnonzero(this.keys[k:n] != other.keys[k:n])
+    run = int(differ[0]) if len(differ) else n - k
+    ends_both = k + run == len(this.keys) == len(other.keys)
+    if not ends_both:
+        run = min(run, len(other.states) - 1 - k)
+    if run <= 0 or not allocator.same_state(other.states[k].allocator):
+        return 0
+    return run if this.same_events(other, k, k + run) else 0
+
+
+def _int64(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, np.int64)
+
+
+CHECKPOINT_EVERY = 512  # events in a chunk (compiled allocator: a paused state copies in microseconds)
+_MAX_REPLAYED = 32  # earlier ranks kept, with their paused states
+_REPLAYED: dict[tuple, list[_Replayed]] = {}
 _RESERVED: dict[tuple, int] = {}

@@ -245,3 +245,46 @@ def test_the_compiled_allocator_takes_int64_buffers_only_and_unknown_keys_fail_a
         a.free(7)
     with pytest.raises(KeyError):
         CachingAllocator().free(7)
+
+
+@pytest.mark.parametrize("implementation", ["python", pytest.param("compiled", marks=needs_compiled)])
+@pytest.mark.parametrize("collide", [False, True], ids=["hashed", "every-hash-equal"])
+def test_ranks_taking_chunks_from_earlier_ranks_replay_like_alone(implementation, collide, monkeypatch):
+    """pipeline._replay_shared on streams built like a ZeRO-1/2 prediction's ranks: one stream with, at the same
+    few places, a temporary of the rank's own size (a float64 upcast) or a kept allocation (grads_in_partition),
+    some of which leave the allocator as the others left it. Every rank's peak is its own whole replay's, also
+    when every chunk hash is equal (then the events themselves decide)."""
+    import numpy as np
+
+    from llmsim import pipeline
+
+    monkeypatch.setenv("LLMSIM_ALLOCATOR", implementation)
+    monkeypatch.setattr(pipeline, "CHECKPOINT_EVERY", 64)
+    monkeypatch.setattr(pipeline, "_REPLAYED", {})
+    if collide:
+        original = pipeline._Replayed.of.__func__
+
+        def colliding(cls, serials, deltas, every):
+            replayed = original(cls, serials, deltas, every)
+            replayed.keys[:] = 0
+            return replayed
+        monkeypatch.setattr(pipeline._Replayed, "of", classmethod(colliding))
+    serials, deltas = _stream(3, 2000)
+    base = list(zip(serials, deltas))
+    taken = 0
+    for rank in range(12):
+        events = list(base)
+        for place in (500, 1200, 1700):  # the rank's own events, at the same places in every rank
+            size = (rank % 4 + 1) * 3 * MiB + rank * 4096 if rank % 3 else 64 * 1024
+            own = [(10**6 + place, size), (10**6 + place, -size)]
+            if rank % 5 == 4:  # kept until a later place
+                own = [(10**6 + place, size)]
+                events.insert(place + 150, (10**6 + place, -size))
+            events[place:place] = own
+        s = np.array([e[0] for e in events], np.int64)
+        d = np.array([e[1] for e in events], np.int64)
+        expected = replay_reserved(s, d, config=AllocatorConfig(), extra_allocations=(4096,)).peak_reserved_bytes
+        assert pipeline._replay_shared(s, d, allocator_module.NO_LIMIT, AllocatorConfig(), (4096,)) == expected
+        latest = pipeline._REPLAYED[next(iter(pipeline._REPLAYED))][-1]
+        taken += latest.replayed < len(latest.keys)
+    assert taken >= 8  # most ranks took chunks from earlier ones

@@ -161,23 +161,23 @@ def test_fresh_multiprocess_run_matches_prediction(tmp_path, model, shape, setup
         assert abs(predicted - measured) / measured <= PEAK_ALLOCATED_TOLERANCE[2]
 
 
+@pytest.mark.parametrize("allocator", ["compiled", "python"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_zero12_ranks_resuming_a_shared_prefix_replay_like_alone(tmp_path, monkeypatch, stage):
-    """ZeRO-1/2 ranks differ from their partition's first event on: the allocator model replays what comes
-    before once and resumes from there; every rank's reserved peak is what its own whole replay gives."""
+def test_zero12_ranks_taking_chunks_from_earlier_ranks_replay_like_alone(tmp_path, monkeypatch, stage, allocator):
+    """ZeRO-1/2 ranks differ only in the events of their partition: the allocator model replays a rank's chunks of
+    events that no earlier rank replayed from the same state, and takes the others' peaks from the earlier ranks
+    (pipeline._replay_shared); every rank's reserved peak is what its own whole replay gives."""
+    from llmsim import allocator as allocator_module
     from llmsim import pipeline
     from llmsim.allocator import NO_LIMIT, AllocatorConfig, replay_reserved
     from llmsim.gpus import load_gpu
     from llmsim.zoo import shrink
 
-    resumed_at = []
-
-    def spy(*args, resume=None, **kwargs):
-        resumed_at.append(resume.position if resume is not None else 0)
-        return replay_reserved(*args, resume=resume, **kwargs)
-
-    monkeypatch.setattr(pipeline, "replay_reserved", spy)
-    monkeypatch.setattr(pipeline, "_RESERVED", {})
+    if allocator == "compiled" and allocator_module._allocator is None:
+        pytest.skip("llmsim._allocator was not built")
+    monkeypatch.setenv("LLMSIM_ALLOCATOR", allocator)
+    monkeypatch.setattr(pipeline, "CHECKPOINT_EVERY", 256)  # chunks small enough for a 4-layer model's events
+    monkeypatch.setattr(pipeline, "_REPLAYED", {})
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000},
               "bf16": {"enabled": True}}
     world = 12
@@ -185,7 +185,9 @@ def test_zero12_ranks_resuming_a_shared_prefix_replay_like_alone(tmp_path, monke
     gpu = load_gpu("h100-80gb")
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 512, 4))
     prediction = predict(spec, TrainSetup(1, 32, Precision.BF16, grad_ckpt=True), layout, gpu)
-    assert sum(position > 0 for position in resumed_at) >= world // 2  # most ranks resumed
+    replayed = [(entry.replayed, len(entry.keys)) for entry in next(iter(pipeline._REPLAYED.values()))]
+    assert replayed[0][0] == replayed[0][1]  # the first rank replays every chunk
+    assert sum(own < chunks for own, chunks in replayed) >= world // 2  # most take chunks from earlier ranks
     for rank in prediction.ranks:
         timeline = rank.timeline
         alone = replay_reserved(timeline["serial"].to_numpy(), timeline["delta_bytes"].to_numpy(), NO_LIMIT,
