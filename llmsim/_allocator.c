@@ -1,8 +1,9 @@
 /* llmsim/allocator.py's CachingAllocator, compiled: the same model of PyTorch's CUDA caching allocator
  * (c10/cuda/CUDACachingAllocator.cpp), rule for rule and in the same order, so that every replay gives the same
  * bytes as the Python model (tests/test_allocator.py replays both on the same streams). The Python class is the
- * reference and documents the rules; this file only follows it. Blocks live in one array and link by index, so a
- * paused replay is copied with memcpy (`clone`).
+ * reference and documents the rules; this file only follows it. Blocks live in one array and link by index (a
+ * pool is a treap of its free blocks, in the Python model's (size, address) order), so a paused replay is copied
+ * with memcpy (`clone`).
  *
  * Allocator(capacity_bytes, max_split_size, expandable)
  *   .malloc(key, size) / .free(key) / .clone() / .replay(serials, deltas, start, stop) / .same_state(other)
@@ -25,18 +26,10 @@
 typedef struct {
     int64_t address, size;
     int32_t prev, next; /* neighbours in the segment; for a dead block, `next` links the list of dead blocks */
+    int32_t left, right; /* a free block: its children in its pool's treap, ordered by (size, address) */
+    uint32_t priority;
     uint8_t small, allocated;
 } Block;
-
-typedef struct {
-    int64_t size, address;
-    int32_t block;
-} Entry; /* a free block in its pool, sorted by (size, address) */
-
-typedef struct {
-    Entry *e;
-    Py_ssize_t n, cap;
-} Pool;
 
 typedef struct {
     int64_t key, size; /* size: the storage's bytes while `tracked` (the replay's `sizes`) */
@@ -55,7 +48,9 @@ typedef struct {
     int32_t tail[2];
     Block *blocks;
     int32_t n_blocks, cap_blocks, dead;
-    Pool pools[2]; /* [0]: large, [1]: small */
+    int32_t root[2]; /* each pool's treap of free blocks: [0] large, [1] small */
+    Py_ssize_t pool_size[2];
+    uint64_t random; /* the treap's priorities (xorshift): they shape the tree, never the order */
     Slot *slots;
     int64_t n_slots, used_slots; /* n_slots: a power of two */
 } Allocator;
@@ -103,40 +98,92 @@ static void kill_block(Allocator *a, int32_t i) {
     a->dead = i;
 }
 
-/* ---- pools ---------------------------------------------------------------------------------------------- */
-static Py_ssize_t pool_lower(Pool *p, int64_t size, int64_t address) { /* first entry >= (size, address) */
-    Py_ssize_t lo = 0, hi = p->n;
-    while (lo < hi) {
-        Py_ssize_t mid = (lo + hi) / 2;
-        Entry *e = &p->e[mid];
-        if (e->size < size || (e->size == size && e->address < address)) lo = mid + 1;
-        else hi = mid;
+/* ---- pools: a treap per pool, ordered by (size, address) as the Python model's sorted lists ---------------- */
+static inline int before(const Block *x, int64_t size, int64_t address) { /* (x.size, x.address) < (size, address) */
+    return x->size < size || (x->size == size && x->address < address);
+}
+
+static void split(Allocator *a, int32_t t, int64_t size, int64_t address, int32_t *lower, int32_t *upper) {
+    if (t == NONE) {
+        *lower = *upper = NONE;
+        return;
     }
-    return lo;
+    Block *b = &a->blocks[t];
+    if (before(b, size, address)) {
+        split(a, b->right, size, address, &b->right, upper);
+        *lower = t;
+    } else {
+        split(a, b->left, size, address, lower, &b->left);
+        *upper = t;
+    }
+}
+
+static int32_t join(Allocator *a, int32_t lower, int32_t upper) { /* every key of `lower` before `upper`'s */
+    if (lower == NONE) return upper;
+    if (upper == NONE) return lower;
+    if (a->blocks[lower].priority > a->blocks[upper].priority) {
+        a->blocks[lower].right = join(a, a->blocks[lower].right, upper);
+        return lower;
+    }
+    a->blocks[upper].left = join(a, lower, a->blocks[upper].left);
+    return upper;
 }
 
 static int pool_insert(Allocator *a, int32_t i) {
     Block *b = &a->blocks[i];
-    Pool *p = &a->pools[b->small];
-    if (grow((void **)&p->e, &p->cap, p->n + 1, sizeof(Entry)) < 0) return -1;
-    Py_ssize_t at = pool_lower(p, b->size, b->address);
-    memmove(&p->e[at + 1], &p->e[at], (size_t)(p->n - at) * sizeof(Entry));
-    p->e[at].size = b->size;
-    p->e[at].address = b->address;
-    p->e[at].block = i;
-    p->n++;
+    a->random ^= a->random << 13;
+    a->random ^= a->random >> 7;
+    a->random ^= a->random << 17;
+    b->priority = (uint32_t)(a->random >> 32);
+    b->left = b->right = NONE;
+    int32_t lower, upper;
+    split(a, a->root[b->small], b->size, b->address, &lower, &upper);
+    a->root[b->small] = join(a, join(a, lower, i), upper);
+    a->pool_size[b->small]++;
     return 0;
-}
-
-static void pool_pop(Pool *p, Py_ssize_t at) {
-    memmove(&p->e[at], &p->e[at + 1], (size_t)(p->n - at - 1) * sizeof(Entry));
-    p->n--;
 }
 
 static void pool_remove(Allocator *a, int32_t i) {
     Block *b = &a->blocks[i];
-    Pool *p = &a->pools[b->small];
-    pool_pop(p, pool_lower(p, b->size, b->address));
+    int32_t *link = &a->root[b->small];
+    while (*link != i) {
+        Block *c = &a->blocks[*link];
+        link = before(c, b->size, b->address) ? &c->right : &c->left;
+    }
+    *link = join(a, b->left, b->right);
+    a->pool_size[b->small]--;
+}
+
+static int32_t pool_first_fit(Allocator *a, int small, int64_t size) { /* the first block of >= size bytes */
+    int32_t t = a->root[small], found = NONE;
+    while (t != NONE) {
+        if (a->blocks[t].size >= size) {
+            found = t;
+            t = a->blocks[t].left;
+        } else {
+            t = a->blocks[t].right;
+        }
+    }
+    return found;
+}
+
+static void in_order(Allocator *a, int32_t t, int32_t *out, Py_ssize_t *n) {
+    while (t != NONE) {
+        in_order(a, a->blocks[t].left, out, n);
+        out[(*n)++] = t;
+        t = a->blocks[t].right;
+    }
+}
+
+static int32_t *pool_list(Allocator *a, int small) { /* the pool's blocks in order; PyMem_Free it */
+    int32_t *out = PyMem_Malloc((size_t)(a->pool_size[small] + 1) * sizeof(int32_t));
+    if (!out) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    Py_ssize_t n = 0;
+    in_order(a, a->root[small], out, &n);
+    return out;
 }
 
 /* ---- key -> live block (and the replay's storage sizes) --------------------------------------------------- */
@@ -223,14 +270,12 @@ static inline void add_reserved(Allocator *a, int64_t bytes) {
 }
 
 static int32_t take_free_block(Allocator *a, int64_t size, int small) {
-    Pool *p = &a->pools[small];
-    Py_ssize_t i = pool_lower(p, size, -1);
-    if (i == p->n) return NONE;
-    int32_t b = p->e[i].block;
+    int32_t b = pool_first_fit(a, small, size);
+    if (b == NONE) return NONE;
     int64_t bsize = a->blocks[b].size;
     if (size < a->max_split_size && a->max_split_size <= bsize) return NONE;
     if (size >= a->max_split_size && bsize >= size + LARGE_BUFFER_BYTES) return NONE;
-    pool_pop(p, i);
+    pool_remove(a, b);
     return b;
 }
 
@@ -293,31 +338,34 @@ static inline int is_split(Allocator *a, int32_t b) {
 static int release_cached(Allocator *a, int64_t needed) {
     /* the candidates, listed before any is released: the first unsplit large block that fits, or every unsplit
        large block; then every unsplit small block */
-    Pool *large = &a->pools[0], *small = &a->pools[1];
-    Entry *chosen = PyMem_Malloc((size_t)(large->n + small->n + 1) * sizeof(Entry));
-    if (!chosen) {
-        PyErr_NoMemory();
+    int32_t *large = pool_list(a, 0), *small = pool_list(a, 1);
+    int32_t *chosen = PyMem_Malloc((size_t)(a->pool_size[0] + a->pool_size[1] + 1) * sizeof(int32_t));
+    if (!large || !small || !chosen) {
+        PyMem_Free(large);
+        PyMem_Free(small);
+        PyMem_Free(chosen);
         return -1;
     }
     Py_ssize_t n = 0;
-    for (Py_ssize_t i = 0; i < large->n; i++) {
-        if (!is_split(a, large->e[i].block) && large->e[i].size >= needed) {
-            chosen[n++] = large->e[i];
+    for (Py_ssize_t i = 0; i < a->pool_size[0]; i++) {
+        if (!is_split(a, large[i]) && a->blocks[large[i]].size >= needed) {
+            chosen[n++] = large[i];
             break;
         }
     }
     if (n == 0)
-        for (Py_ssize_t i = 0; i < large->n; i++)
-            if (!is_split(a, large->e[i].block)) chosen[n++] = large->e[i];
-    for (Py_ssize_t i = 0; i < small->n; i++)
-        if (!is_split(a, small->e[i].block)) chosen[n++] = small->e[i];
+        for (Py_ssize_t i = 0; i < a->pool_size[0]; i++)
+            if (!is_split(a, large[i])) chosen[n++] = large[i];
+    for (Py_ssize_t i = 0; i < a->pool_size[1]; i++)
+        if (!is_split(a, small[i])) chosen[n++] = small[i];
     for (Py_ssize_t i = 0; i < n; i++) {
-        Block *b = &a->blocks[chosen[i].block];
-        pool_remove(a, chosen[i].block);
-        a->reserved_bytes -= b->size;
-        kill_block(a, chosen[i].block);
+        pool_remove(a, chosen[i]);
+        a->reserved_bytes -= a->blocks[chosen[i]].size;
+        kill_block(a, chosen[i]);
         if (a->reserved_bytes + needed <= a->capacity_bytes) break;
     }
+    PyMem_Free(large);
+    PyMem_Free(small);
     PyMem_Free(chosen);
     return 0;
 }
@@ -452,6 +500,8 @@ static int Allocator_init(Allocator *a, PyObject *args, PyObject *kwds) {
     a->max_split_size = max_split;
     a->expandable = expandable;
     a->tail[0] = a->tail[1] = NONE;
+    a->root[0] = a->root[1] = NONE;
+    a->random = 0x2545F4914F6CDD1DULL;
     a->dead = NONE;
     if (!a->slots) {
         a->slots = PyMem_Calloc(64, sizeof(Slot));
@@ -466,8 +516,6 @@ static int Allocator_init(Allocator *a, PyObject *args, PyObject *kwds) {
 
 static void Allocator_dealloc(Allocator *a) {
     PyMem_Free(a->blocks);
-    PyMem_Free(a->pools[0].e);
-    PyMem_Free(a->pools[1].e);
     PyMem_Free(a->slots);
     Py_TYPE(a)->tp_free((PyObject *)a);
 }
@@ -542,13 +590,19 @@ static PyObject *Allocator_same_state(Allocator *a, PyObject *other) {
         a->used_slots != b->used_slots)
         Py_RETURN_FALSE;
     for (int k = 0; k < 2; k++) {
-        Pool *p = &a->pools[k], *q = &b->pools[k];
-        if (p->n != q->n) Py_RETURN_FALSE;
-        for (Py_ssize_t i = 0; i < p->n; i++)
-            if (!same_block(a, p->e[i].block, b, q->e[i].block)) Py_RETURN_FALSE;
+        if (a->pool_size[k] != b->pool_size[k]) Py_RETURN_FALSE;
         if ((a->tail[k] == NONE) != (b->tail[k] == NONE) ||
             (a->tail[k] != NONE && !same_block(a, a->tail[k], b, b->tail[k])))
             Py_RETURN_FALSE;
+    }
+    for (int k = 0; k < 2; k++) {
+        int32_t *p = pool_list(a, k), *q = pool_list(b, k);
+        int same = p && q;
+        for (Py_ssize_t i = 0; same && i < a->pool_size[k]; i++) same = same_block(a, p[i], b, q[i]);
+        PyMem_Free(p);
+        PyMem_Free(q);
+        if (PyErr_Occurred()) return NULL;
+        if (!same) Py_RETURN_FALSE;
     }
     for (int64_t i = 0; i < a->n_slots; i++) {
         Slot *s = &a->slots[i];
@@ -574,23 +628,23 @@ static PyObject *Allocator_clone(Allocator *a, PyObject *Py_UNUSED(ignored)) {
     t->next_address = a->next_address;
     t->tail[0] = a->tail[0];
     t->tail[1] = a->tail[1];
+    t->root[0] = a->root[0];
+    t->root[1] = a->root[1];
+    t->pool_size[0] = a->pool_size[0];
+    t->pool_size[1] = a->pool_size[1];
+    t->random = a->random;
     t->dead = a->dead;
     t->n_blocks = t->cap_blocks = a->n_blocks;
     t->blocks = PyMem_Malloc((size_t)(a->n_blocks ? a->n_blocks : 1) * sizeof(Block));
     t->slots = PyMem_Malloc((size_t)a->n_slots * sizeof(Slot));
     t->n_slots = a->n_slots;
     t->used_slots = a->used_slots;
-    for (int k = 0; k < 2; k++) {
-        t->pools[k].n = t->pools[k].cap = a->pools[k].n;
-        t->pools[k].e = PyMem_Malloc((size_t)(a->pools[k].n ? a->pools[k].n : 1) * sizeof(Entry));
-    }
-    if (!t->blocks || !t->slots || !t->pools[0].e || !t->pools[1].e) {
+    if (!t->blocks || !t->slots) {
         Py_DECREF(t);
         return PyErr_NoMemory();
     }
     memcpy(t->blocks, a->blocks, (size_t)a->n_blocks * sizeof(Block));
     memcpy(t->slots, a->slots, (size_t)a->n_slots * sizeof(Slot));
-    for (int k = 0; k < 2; k++) memcpy(t->pools[k].e, a->pools[k].e, (size_t)a->pools[k].n * sizeof(Entry));
     return (PyObject *)t;
 }
 

@@ -239,14 +239,18 @@ def _replay_shared(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int,
     setting = (capacity_bytes, config, extra)
     if setting not in _REPLAYED:
         _REPLAYED.clear()  # one setting at a time: the paused states hold allocators
-        _REPLAYED[setting] = []
+        _REPLAYED[setting] = _Earlier()
     earlier = _REPLAYED[setting]
     every = CHECKPOINT_EVERY if compiled() else max(256, len(serials) // 32)  # Python states copy slowly
     this = _Replayed.of(_int64(serials), _int64(deltas), every)
     chunks = len(this.keys)
     k, allocator, rejoin = 0, None, False
-    start, shared = max(((_first_same(this, other), other) for other in earlier), default=(0, None),
-                        key=lambda pair: pair[0])
+    start, shared = 0, None
+    for other in earlier.ranks:  # the earlier rank sharing the most first chunks (by hash, then confirmed)
+        if _key_run(this, other, 0) > start:
+            run = _first_same(this, other)
+            if run > start:
+                start, shared = run, other
     if shared is not None and start == chunks and len(shared.serials) == len(this.serials):
         return shared.peak_reserved_bytes  # the same events
     start = min(start, len(shared.states) - 1) if shared is not None else 0
@@ -258,7 +262,7 @@ def _replay_shared(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int,
     while k < chunks:
         if rejoin:
             rejoin = False
-            for other in earlier:
+            for other in earlier.index.get(_Earlier.key(this, k, allocator), ()):
                 run = _same_run(this, other, k, allocator)
                 if run:
                     this.take(other, k, k + run)
@@ -272,10 +276,30 @@ def _replay_shared(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int,
         this.replayed += 1
         k, rejoin = k + 1, True
     this.peak_reserved_bytes = max(this.window_peaks)
-    if len(earlier) >= _MAX_REPLAYED:
-        earlier.pop(0)
-    earlier.append(this)
+    earlier.add(this)
     return this.peak_reserved_bytes
+
+
+class _Earlier:
+    """The ranks replayed before (the latest `_MAX_REPLAYED`), and an index of their paused states by chunk,
+    chunk hash and the bytes reserved and allocated there: where a rank may rejoin one."""
+
+    def __init__(self) -> None:
+        self.ranks: list[_Replayed] = []
+        self.index: dict[tuple, list[_Replayed]] = {}
+
+    @staticmethod
+    def key(replayed: "_Replayed", k: int, allocator) -> tuple:
+        return k, int(replayed.keys[k]), allocator.reserved_bytes, allocator.allocated_bytes
+
+    def add(self, replayed: "_Replayed") -> None:
+        if len(self.ranks) >= _MAX_REPLAYED:
+            oldest = self.ranks.pop(0)
+            for k, state in enumerate(oldest.states):
+                self.index[self.key(oldest, k, state.allocator)].remove(oldest)
+        self.ranks.append(replayed)
+        for k, state in enumerate(replayed.states):
+            self.index.setdefault(self.key(replayed, k, state.allocator), []).append(replayed)
 
 
 @dataclass(eq=False)
@@ -313,11 +337,16 @@ class _Replayed:
                 and np.array_equal(self.deltas[lo:hi], other.deltas[lo:hi]))
 
 
+def _key_run(this: _Replayed, other: _Replayed, k: int) -> int:
+    """How many chunks from `k` on have the same hash in `this` and `other`."""
+    n = min(len(this.keys), len(other.keys))
+    differ = np.flatnonzero(this.keys[k:n] != other.keys[k:n])
+    return int(differ[0]) if len(differ) else max(n - k, 0)
+
+
 def _first_same(this: _Replayed, other: _Replayed) -> int:
     """How many first chunks `this` and `other` share, event for event."""
-    n = min(len(this.keys), len(other.keys))
-    differ = np.flatnonzero(this.keys[:n] != other.keys[:n])
-    run = int(differ[0]) if len(differ) else n
+    run = _key_run(this, other, 0)
     while run and not this.same_events(other, 0, run):  # a hash collision: fall back a chunk at a time
         run -= 1
     return run
@@ -329,9 +358,7 @@ def _same_run(this: _Replayed, other: _Replayed, k: int, allocator) -> int:
     run, unless the run ends both streams."""
     if other.every != this.every or k >= len(other.states) or other.keys[k] != this.keys[k]:
         return 0
-    n = min(len(this.keys), len(other.keys))
-    differ = np.flatnonzero(this.keys[k:n] != other.keys[k:n])
-    run = int(differ[0]) if len(differ) else n - k
+    run = _key_run(this, other, k)
     ends_both = k + run == len(this.keys) == len(other.keys)
     if not ends_both:
         run = min(run, len(other.states) - 1 - k)
@@ -346,5 +373,5 @@ def _int64(values: np.ndarray) -> np.ndarray:
 
 CHECKPOINT_EVERY = 512  # events in a chunk (compiled allocator: a paused state copies in microseconds)
 _MAX_REPLAYED = 32  # earlier ranks kept, with their paused states
-_REPLAYED: dict[tuple, list[_Replayed]] = {}
+_REPLAYED: dict[tuple, _Earlier] = {}
 _RESERVED: dict[tuple, int] = {}

@@ -285,6 +285,6 @@ def test_ranks_taking_chunks_from_earlier_ranks_replay_like_alone(implementation
         d = np.array([e[1] for e in events], np.int64)
         expected = replay_reserved(s, d, config=AllocatorConfig(), extra_allocations=(4096,)).peak_reserved_bytes
         assert pipeline._replay_shared(s, d, allocator_module.NO_LIMIT, AllocatorConfig(), (4096,)) == expected
-        latest = pipeline._REPLAYED[next(iter(pipeline._REPLAYED))][-1]
+        latest = pipeline._REPLAYED[next(iter(pipeline._REPLAYED))].ranks[-1]
         taken += latest.replayed < len(latest.keys)
     assert taken >= 8  # most ranks took chunks from earlier ones
