@@ -37,6 +37,18 @@ cross-entropy makes the LM head's weight gradient in the forward and hands that 
 backward, where the gradient hook buckets and frees it like any other (a gradient row of the forward is one of the
 rows a rank acts on); TRL's chunked NLL makes it in its own backward; save_on_cpu's host copies of the
 checkpointed inputs are host memory, reported apart on every rank.
+
+Every rank from one walk. Two ranks' walks differ only where the rank's partition decides: where
+`grads_in_partition` is made (the first flushed bucket holding one of its slices) and its size, under stage 1
+whether an extra-large gradient is freed at its flush (the rank's) or with the others at the end of the backward,
+the padding at the boundary, and the gradient norm's float64 copy of each slice. `_Template` walks the step once
+for no rank in particular and leaves a mark at each of those places; `_Ranks` resolves a rank's marks (a few
+hundred), inserts its events there, moves the serials of the strategy's later allocations up by the allocations it
+added before them, and splices its peak into the template's running sums (by category too), without building
+its timeline (`LazyRanks.events`); the timeline is built when asked for. Llama-2-70B, bf16, checkpointing, 1,024
+ranks: 0.1-0.3 ms a rank, against 35-48 ms for a rank's own walk. `walk_rank`, that own walk, stays the reference
+(tests/test_zero12_ranks.py) and the fallback where the template cannot stand for every rank (`_Diverges`: a row
+that touches an extra-large gradient after its stage-1 flush; no traced step has one).
 """
 from __future__ import annotations
 
