@@ -134,11 +134,10 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     replayed: dict[int, RankPrediction] = {}  # ranks that share one timeline (DDP, ZeRO-0, TP) are replayed once
     lazy = isinstance(rank_timelines, LazyRanks)
     for rank in sorted(rank_timelines):
-        rank_timeline = rank_timelines[rank]
         if lazy:  # built for this rank alone: predicted, then let go
-            ranks.append(replace(_predict_rank(rank, rank_timeline, gpu, alloc_conf, shared_prefix=True),
-                                 frame=functools.partial(_device_timeline, rank_timelines, rank)))
+            ranks.append(_predict_lazy_rank(rank_timelines, rank, gpu, alloc_conf))
             continue
+        rank_timeline = rank_timelines[rank]
         if id(rank_timeline) not in replayed:
             replayed[id(rank_timeline)] = _predict_rank(rank, rank_timeline, gpu, alloc_conf)
         ranks.append(_as_rank(replayed[id(rank_timeline)], rank))
@@ -149,7 +148,7 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
 def _plan(timeline: pd.DataFrame, layout: Layout, setup: TrainSetup):
     """The strategy's per-rank timelines, kept for the next prediction of the same layout on the same traced
     timeline (another GPU or allocator setting of a sweep, `size` trying GPUs): a ZeRO-3 plan walks every event
-    of the step. The last few are kept; a ZeRO-1/2 plan is lazy and costs nothing to keep."""
+    of the step. The last few are kept; a ZeRO-1/2 plan keeps one template walk (about 9 MiB at 70B)."""
     return STRATEGIES[layout.strategy](timeline, layout, setup)
 
 
@@ -166,6 +165,18 @@ def _predict_rank(rank: int, timeline: pd.DataFrame, gpu: GpuProfile | None,
     device, host = split_host(timeline)  # offloaded activations are host memory, not the GPU's
     return replace(_on_device(rank, replay(device), device, gpu, alloc_conf, shared_prefix),
                    peak_host_bytes=host_peak_bytes(host))
+
+
+def _predict_lazy_rank(rank_timelines: LazyRanks, rank: int, gpu: GpuProfile | None,
+                       alloc_conf: AllocatorConfig) -> RankPrediction:
+    """A rank of a strategy whose ranks all differ: from its events where the strategy gives them without a
+    timeline (`LazyRanks.events`), else from its timeline, built for this rank alone and let go."""
+    frame = functools.partial(_device_timeline, rank_timelines, rank)
+    if rank_timelines.events is None:
+        return replace(_predict_rank(rank, rank_timelines[rank], gpu, alloc_conf, shared_prefix=True), frame=frame)
+    events = rank_timelines.events(rank)
+    return replace(_on_device(rank, events.peak, None, gpu, alloc_conf, True, events.arrays), frame=frame,
+                   peak_host_bytes=events.peak_host_bytes)
 
 
 def _device_timeline(rank_timelines: LazyRanks, rank: int) -> pd.DataFrame:
@@ -186,13 +197,16 @@ def expanded(model: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, Callabl
     return timeline, functools.cache(functools.partial(layer_graph, timeline, traced.info))
 
 
-def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame, gpu: GpuProfile | None,
-               alloc_conf: AllocatorConfig, shared_prefix: bool = False) -> RankPrediction:
-    """Reserved and device total: the caching allocator model on a GPU; the live bytes themselves on the CPU."""
+def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame | None, gpu: GpuProfile | None,
+               alloc_conf: AllocatorConfig, shared_prefix: bool = False,
+               arrays: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None) -> RankPrediction:
+    """Reserved and device total: the caching allocator model on a GPU; the live bytes themselves on the CPU.
+    The allocator model reads the timeline's (serials, delta bytes), or `arrays()` where there is no timeline."""
     if gpu is None:
         return RankPrediction(rank, peak, peak.allocated_bytes, peak.allocated_bytes, timeline)
     usable = gpu.capacity_bytes - gpu.cuda_context_bytes
-    serials, deltas = timeline["serial"].to_numpy(), timeline["delta_bytes"].to_numpy()
+    serials, deltas = arrays() if arrays is not None else (timeline["serial"].to_numpy(),
+                                                           timeline["delta_bytes"].to_numpy())
     extra = (gpu.cublas_workspace_bytes,)
     # Unbounded first: when its reserved peak fits, the bounded run (whose only difference is releasing the
     # cache when a segment would not fit) is the same run; when even the live bytes cannot fit, it is an OOM.

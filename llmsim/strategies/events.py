@@ -4,20 +4,35 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from llmsim.enums import Category, Phase
+from llmsim.peaks import Peak
 from llmsim.tracker import GRAD_READY, NO_BLOCK, TIMELINE_COLUMNS
+
+
+@dataclass(frozen=True)
+class RankEvents:
+    """What a prediction needs of one rank, without its timeline: the peak of its device events (`peaks.replay`),
+    its host peak (`offload.host_peak_bytes`), and its device events' (serials, delta bytes) for the allocator
+    model, made when asked."""
+
+    peak: Peak
+    peak_host_bytes: int
+    arrays: Callable[[], tuple[np.ndarray, np.ndarray]]
 
 
 class LazyRanks(Mapping):
     """Rank -> timeline, each built when asked and not kept: for strategies whose every rank differs (ZeRO-1/2's
-    partitions), so that a prediction over many ranks holds one rank's timeline at a time."""
+    partitions), so that a prediction over many ranks holds one rank's timeline at a time. `events`, where given,
+    is rank -> `RankEvents`: the same rank's peak and device events, without building its timeline."""
 
-    def __init__(self, world_size: int, build: Callable[[int], pd.DataFrame]) -> None:
-        self.world_size, self.build = world_size, build
+    def __init__(self, world_size: int, build: Callable[[int], pd.DataFrame],
+                 events: Callable[[int], RankEvents] | None = None) -> None:
+        self.world_size, self.build, self.events = world_size, build, events
 
     def __getitem__(self, rank: int) -> pd.DataFrame:
         if not 0 <= rank < self.world_size:

@@ -37,22 +37,38 @@ cross-entropy makes the LM head's weight gradient in the forward and hands that 
 backward, where the gradient hook buckets and frees it like any other (a gradient row of the forward is one of the
 rows a rank acts on); TRL's chunked NLL makes it in its own backward; save_on_cpu's host copies of the
 checkpointed inputs are host memory, reported apart on every rank.
+
+Every rank from one walk. Two ranks' walks differ only where the rank's partition decides: where
+`grads_in_partition` is made (the first flushed bucket holding one of its slices) and its size, under stage 1
+whether an extra-large gradient is freed at its flush (the rank's) or with the others at the end of the backward,
+the padding at the boundary, and the gradient norm's float64 copy of each slice. `_Template` walks the step once
+for no rank in particular and leaves a mark at each of those places; `_Ranks` resolves a rank's marks (a few
+hundred), inserts its events there, moves the serials of the strategy's later allocations up by the allocations it
+added before them, and splices its peak into the template's running sums (by category too), without building
+its timeline (`LazyRanks.events`); the timeline is built when asked for. Llama-2-70B, bf16, checkpointing, 1,024
+ranks: 0.1-0.3 ms a rank, against 35-48 ms for a rank's own walk. `walk_rank`, that own walk, stays the reference
+(tests/test_zero12_ranks.py) and the fallback where the template cannot stand for every rank (`_Diverges`: a row
+that touches an extra-large gradient after its stage-1 flush; no traced step has one).
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 
 from llmsim.enums import Category, Optimizer, Phase, Precision
+from llmsim.offload import HOST_CATEGORIES
+from llmsim.peaks import Peak
 from llmsim.step import uses_peft
-from llmsim.strategies.events import LazyRanks, live_at_end_of_build, trainable_names
+from llmsim.strategies.events import LazyRanks, RankEvents, live_at_end_of_build, per_timeline, trainable_names
 from llmsim.strategies.flat_optimizer import FlatOptimizer
-from llmsim.tracker import GRAD_READY
-from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, Param, construct_optimizer, rank_writer,
-                                           optimizer_of, param_storages, parameters, rows_of, step_optimizer,
-                                           own_runs, torch_fused, walk_phases)
+from llmsim.tracker import GRAD_READY, NO_BLOCK
+from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, construct_optimizer,
+                                           rank_writer, optimizer_of, param_storages, parameters, rows_of,
+                                           step_optimizer, own_runs, torch_fused, walk_phases, frame_of)
 
 # Where a gradient's storage is made: in the backward, or in the forward by a loss that computes the LM head's
 # weight gradient there (Liger's fused linear cross-entropy keeps it for the backward, which hands it to autograd)
@@ -201,12 +217,16 @@ class _Rank:
             copy_bytes = self.bw.elements * self.elem
             copy = self.w.alloc(copy_bytes, Category.TEMPORARY)
             self.w.free(copy, copy_bytes, Category.TEMPORARY)
+        self._keep_slices()
+        self.bw.bucket, self.bw.elements, self.bw.extra_large = [], 0, None
+
+    def _keep_slices(self) -> None:
+        """The bucket's slices of this rank's partition go into `grads_in_partition`, made at the first of them."""
         for name in self.bw.bucket:
             if name in self.mine and self.bw.gip is None:
                 self.bw.gip = self.w.alloc(self.gip_bytes, Category.GRADIENT)
             if name == self.bw.extra_large and (name in self.mine or self.stage == 2):
                 self._free_grad(name)  # copied into grads_in_partition, or cleared when not ours
-        self.bw.bucket, self.bw.elements, self.bw.extra_large = [], 0, None
 
     def _slice_runs(self, bucket: list[str]) -> int:
         """`average_tensor` sends a bucket as one slice per run of consecutive same-partition pieces;
@@ -237,34 +257,40 @@ class _Rank:
                 if p.name in self.bw.grads:
                     self.reduce(p.name)
         self.flush()
-        for name in list(self.bw.grads):  # gradients of other ranks' partitions are cleared
-            self._free_grad(name)
+        self._free_other_grads()
         for serial in self.bw.buffers:
             self.w.free(serial, self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
         if self.boundary:  # get_flat_partition pads the partition at the boundary
-            padding = self.part.partition_numel - sum(self.mine.values())
-            self.padding = self.w.alloc(padding * self.elem, Category.GRADIENT) if padding else None
-        if self.micro == 0 or self.stage == 1:  # the window's first reduction
+            self._pad()
+        self._keep_gip(self.micro == 0 or self.stage == 1)
+        self.bw = _Backward()
+
+    def _free_other_grads(self) -> None:
+        for name in list(self.bw.grads):  # gradients of other ranks' partitions are cleared
+            self._free_grad(name)
+
+    def _pad(self) -> None:
+        padding = self.part.partition_numel - sum(self.mine.values())
+        self.padding = self.w.alloc(padding * self.elem, Category.GRADIENT) if padding else None
+
+    def _keep_gip(self, first: bool) -> None:
+        """The window's first reduction (`first`) keeps its `grads_in_partition`; a later one's is added into it
+        and freed."""
+        if first:
             self.gip = self.bw.gip
         elif self.bw.gip is not None:
             self.w.free(self.bw.gip, self.gip_bytes, Category.GRADIENT)
-        self.bw = _Backward()
 
     # ---- step ----------------------------------------------------------------------------------------
     def step(self, step: int) -> None:
-        for numel in self.mine.values():  # get_grad_norm_direct: g.to(float64) per slice
-            upcast = self.w.alloc(numel * FP64_BYTES, Category.TEMPORARY)
-            self.w.free(upcast, numel * FP64_BYTES, Category.TEMPORARY)
+        self._upcast_slices()
         p = self.part.partition_numel
         flat_grad = self.w.alloc(p * self.elem, Category.GRADIENT)
         if self.elem != FP32_BYTES:  # .to(fp32) of the flattened bf16 gradients
             fp32_grad = self.w.alloc(p * FP32_BYTES, Category.GRADIENT)
             self.w.free(flat_grad, p * self.elem, Category.GRADIENT)
             flat_grad = fp32_grad
-        if self.gip is not None:
-            self.w.free(self.gip, self.gip_bytes, Category.GRADIENT)
-        if self.padding is not None:
-            self.w.free(self.padding, (p - sum(self.mine.values())) * self.elem, Category.GRADIENT)
+        self._free_partition_grads()
         if self.client is not None:
             self.client.step(self.w, step, 0)
         else:
@@ -272,10 +298,26 @@ class _Rank:
                            self.fused)
         self.w.free(flat_grad, p * FP32_BYTES, Category.GRADIENT)
 
+    def _upcast_slices(self) -> None:
+        for numel in self.mine.values():  # get_grad_norm_direct: g.to(float64) per slice
+            upcast = self.w.alloc(numel * FP64_BYTES, Category.TEMPORARY)
+            self.w.free(upcast, numel * FP64_BYTES, Category.TEMPORARY)
+
+    def _free_partition_grads(self) -> None:
+        """`grads_in_partition` and the padding are freed once flattened."""
+        if self.gip is not None:
+            self.w.free(self.gip, self.gip_bytes, Category.GRADIENT)
+        if self.padding is not None:
+            self.w.free(self.padding, (self.part.partition_numel - sum(self.mine.values())) * self.elem,
+                        Category.GRADIENT)
+
     # ---- the walk --------------------------------------------------------------------------------------
     def run(self) -> pd.DataFrame:
-        walk_phases(self.rows, self._row, self._leave, self.w, self.own)
+        self.walk()
         return self.w.frame(self.timeline)
+
+    def walk(self) -> None:
+        walk_phases(self.rows, self._row, self._leave, self.w, self.own)
 
     def _row(self, row: tuple) -> None:
         if row[1] == _BUILD and row[6] == _INPUT:
@@ -325,10 +367,286 @@ def _trainable(params: list[Param], timeline: pd.DataFrame, setup) -> list[Param
     return [p for p in params if p.name in names]
 
 
-def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
+def plan(timeline: pd.DataFrame, layout, setup) -> LazyRanks:
+    """Every rank's timeline, built when asked: from one template walk (`_Ranks`), or, where the template cannot
+    stand for every rank (`_Diverges`), by walking the rank itself (`walk_rank`, the reference)."""
+    rows, own = _walk_inputs(timeline)
+    try:
+        ranks = _Ranks(timeline, rows, layout, setup, own)
+    except _Diverges:
+        return LazyRanks(layout.world_size, lambda rank: walk_rank(timeline, layout, setup, rank))
+    return LazyRanks(layout.world_size, ranks.frame, ranks.events)
+
+
+def walk_rank(timeline: pd.DataFrame, layout, setup, rank: int) -> pd.DataFrame:
+    """`rank`'s timeline by a walk of its own over the whole step: the reference the template's ranks equal."""
+    rows, own = _walk_inputs(timeline)
+    return _Rank(timeline, rows, layout, setup, rank, own).run()
+
+
+@per_timeline
+def _walk_inputs(timeline: pd.DataFrame) -> tuple[list[tuple], list[tuple[int, int, int]]]:
+    """The timeline's rows and the runs a rank's walk acts on (`own_runs`), the same for every layout and rank."""
     rows = rows_of(timeline)
     phase, category = timeline["phase"], timeline["category"]
     own = ((phase.isin(GRADIENT_PHASES) & (category == Category.GRADIENT.value))
            | ((phase == Phase.BUILD.value) & (category == Category.INPUT.value))).to_numpy()
-    own = own_runs(rows, own, (phase == Phase.OPTIMIZER.value).to_numpy())  # the same runs for every rank
-    return LazyRanks(layout.world_size, lambda rank: _Rank(timeline, rows, layout, setup, rank, own).run())
+    return rows, own_runs(rows, own, (phase == Phase.OPTIMIZER.value).to_numpy())
+
+
+# ---- every rank from one walk ------------------------------------------------------------------------------
+# What a rank's partition decides, left by the template walk as a mark where the rank's own walk would act:
+_GIP = "gip"  # a flushed bucket (its names): allocate grads_in_partition if one is the rank's, none yet
+_XL_MINE = "xl mine"  # stage 1, a gradient larger than the bucket: freed at its flush if it is the rank's
+_XL_OTHER = "xl other"  # ... else with the other ranks' gradients at the end of the backward
+_PAD = "pad"  # the boundary pads the partition, if the rank's slices do not fill it
+_KEEP_GIP = "keep gip"  # the end of a reduction: keep (the window's first) or free its grads_in_partition
+_UPCASTS = "upcasts"  # the gradient norm's float64 copy of each slice
+_FREE_GIP = "free gip"  # the step frees grads_in_partition and the padding
+
+
+class _Diverges(Exception):
+    """The template's walk cannot stand for every rank (a rank's own walk would act on a row the template left
+    to a mark): its ranks are walked one by one."""
+
+
+@dataclass
+class _MarkingWriter(EventWriter):
+    """An EventWriter that also records marks: (position in `order`, `next_serial`, step, phase, kind, args)."""
+
+    marks: list[tuple] = field(default_factory=list)
+
+    def mark(self, kind: str, *args) -> None:
+        self.marks.append((len(self.order), self.next_serial, self.step, self.phase, kind, args))
+
+
+class _Template(_Rank):
+    """The walk of no rank in particular: each event a rank's partition decides is a mark (see the kinds above),
+    resolved per rank by `_Ranks`; everything else is every rank's. Serials are those of a rank whose marks add
+    nothing (a rank's allocations at its marks shift the later ones)."""
+
+    def __init__(self, timeline: pd.DataFrame, rows: list[tuple], layout, setup, own) -> None:
+        super().__init__(timeline, rows, layout, setup, 0, own)
+        w = self.w
+        self.w = _MarkingWriter(w.next_serial, module=w.module, steps_on_host=w.steps_on_host)
+        self.mine = self.gip_bytes = None  # no rank's: every use of them is a mark
+        self.pending: set[str] = set()  # stage 1: extra-large gradients flushed in this backward (_XL_MINE)
+
+    def _gradient_row(self, row: tuple) -> None:
+        if row[7] in self.pending:  # a rank whose slice it holds has freed it: its walk differs from here on
+            raise _Diverges(row[7])
+        super()._gradient_row(row)
+
+    def reduce(self, name: str) -> None:
+        if name in self.pending:
+            raise _Diverges(name)
+        super().reduce(name)
+
+    def _keep_slices(self) -> None:
+        self.w.mark(_GIP, frozenset(self.bw.bucket))
+        name = self.bw.extra_large  # a bucket with one is that gradient alone (`reduce` flushes around it)
+        if name is None:
+            return
+        if self.stage == 2:
+            self._free_grad(name)
+        else:
+            self.w.mark(_XL_MINE, name, *self.bw.grads[name])
+            self.pending.add(name)
+
+    def _free_other_grads(self) -> None:
+        for name in list(self.bw.grads):
+            if name in self.pending:
+                self.w.mark(_XL_OTHER, name, *self.bw.grads.pop(name))
+            else:
+                self._free_grad(name)
+        self.pending.clear()
+
+    def _pad(self) -> None:
+        self.w.mark(_PAD)
+
+    def _keep_gip(self, first: bool) -> None:
+        self.w.mark(_KEEP_GIP, first)
+
+    def _upcast_slices(self) -> None:
+        self.w.mark(_UPCASTS)
+
+    def _free_partition_grads(self) -> None:
+        self.w.mark(_FREE_GIP)
+
+
+_CATEGORIES = [category.value for category in Category]
+_CATEGORY_CODES = {value: code for code, value in enumerate(_CATEGORIES)}
+_HOST_CODES = sorted(_CATEGORY_CODES[value] for value in HOST_CATEGORIES)
+
+
+@per_timeline
+def _source_arrays(timeline: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(serial, delta bytes, category code) of every row of the traced timeline."""
+    return (timeline["serial"].to_numpy(dtype=np.int64), timeline["delta_bytes"].to_numpy(dtype=np.int64),
+            timeline["category"].map(_CATEGORY_CODES).to_numpy(dtype=np.int64))
+
+
+@dataclass
+class _Inserted:
+    """A rank's own events at the template's marks, in order: where they go (`position` in the template's
+    `order`), and `allocs`, the template serial before which each allocation the rank adds was made."""
+
+    position: list[int] = field(default_factory=list)
+    rows: list[tuple] = field(default_factory=list)
+    allocs: list[int] = field(default_factory=list)
+
+
+class _Ranks:
+    """Every rank's timeline and peak from the template (`_Template`): its entries, with the rank's events inserted
+    where its marks are and the serials of the template's own allocations shifted by the allocations the rank
+    added before them. A rank costs its marks (a few hundred) and a few array operations, not a walk."""
+
+    def __init__(self, timeline: pd.DataFrame, rows: list[tuple], layout, setup, own) -> None:
+        template = _Template(timeline, rows, layout, setup, own)
+        self.first_serial = template.w.next_serial  # the serials the strategy makes start here
+        template.walk()
+        w = template.w
+        self.timeline, self.part, self.elem, self.numel = timeline, template.part, template.elem, template.numel
+        self.module, self.marks, self.rows, self.timeline_rows = w.module, w.marks, w.rows, rows
+        self.order = np.asarray(w.order, dtype=np.int64)
+        self.ends = [off + p.numel for p, off in zip(self.part.params, self.part.offsets)]
+        source, own_rows = _source_arrays(timeline), ~(self.order >= 0)
+        columns = []
+        for column, values in zip(source, ([r[4] for r in w.rows], [r[5] for r in w.rows],
+                                           [_CATEGORY_CODES[r[6]] for r in w.rows])):
+            entries = np.empty(len(self.order), dtype=np.int64)
+            entries[~own_rows] = column[self.order[~own_rows]]
+            entries[own_rows] = np.asarray(values, dtype=np.int64)[-1 - self.order[own_rows]]
+            columns.append(entries)
+        serial, delta, code = columns
+        host = np.isin(code, _HOST_CODES)
+        self.peak_host_bytes = int(np.cumsum(delta[host]).max()) if host.any() else 0
+        device = ~host
+        self.entry = np.flatnonzero(device)  # the template position of each device entry
+        self.device_before = np.concatenate(([0], np.cumsum(device)))  # device entries before a template position
+        self.serial, self.delta = serial[device], delta[device]
+        self.shifted = np.flatnonzero(self.serial >= self.first_serial)  # the strategy's own serials
+        self.live = np.cumsum(self.delta)
+        codes = code[device]
+        self.codes = np.unique(codes)
+        self.by_category = np.cumsum(np.where(codes[None, :] == self.codes[:, None], self.delta[None, :], 0), axis=1)
+
+    def slices(self, rank: int) -> dict[str, int]:
+        """`Partitioning.slices(rank)` by bisection of the parameters' offsets."""
+        part = self.part
+        lo, hi = rank * part.partition_numel, (rank + 1) * part.partition_numel
+        out = {}
+        for index in range(bisect.bisect_right(self.ends, lo), bisect.bisect_left(part.offsets, hi)):
+            overlap = min(self.ends[index], hi) - max(part.offsets[index], lo)
+            if overlap > 0:
+                out[part.params[index].name] = overlap
+        return out
+
+    def _inserted(self, rank: int) -> _Inserted:
+        """The rank's events at the template's marks: what `_Rank`'s methods the template replaces would add."""
+        mine = self.slices(rank)
+        gip_bytes = sum(self.numel[name] for name in mine) * self.elem
+        padding_bytes = (self.part.partition_numel - sum(mine.values())) * self.elem
+        out = _Inserted()
+        gradient, temporary = Category.GRADIENT.value, Category.TEMPORARY.value
+        bw_gip = gip = padding = None
+
+        def emit(position, step, phase, serial, delta, category):
+            if delta:
+                out.position.append(position)
+                out.rows.append((step, phase, NO_BLOCK, self.module, serial, delta, category, ""))
+
+        def alloc(position, before, step, phase, nbytes, category):
+            serial = before + len(out.allocs)
+            out.allocs.append(before)
+            emit(position, step, phase, serial, nbytes, category)
+            return serial
+
+        for position, before, step, phase, kind, args in self.marks:
+            if kind == _GIP:
+                if bw_gip is None and not args[0].isdisjoint(mine):
+                    bw_gip = alloc(position, before, step, phase, gip_bytes, gradient)
+            elif kind == _XL_MINE or kind == _XL_OTHER:
+                name, serial, nbytes = args
+                if (name in mine) == (kind == _XL_MINE):
+                    emit(position, step, phase, self._shift(serial, out.allocs), -nbytes, gradient)
+            elif kind == _PAD:
+                padding = alloc(position, before, step, phase, padding_bytes, gradient) if padding_bytes else None
+            elif kind == _KEEP_GIP:
+                if args[0]:
+                    gip = bw_gip
+                elif bw_gip is not None:
+                    emit(position, step, phase, bw_gip, -gip_bytes, gradient)
+                bw_gip = None
+            elif kind == _UPCASTS:
+                for numel in mine.values():
+                    upcast = alloc(position, before, step, phase, numel * FP64_BYTES, temporary)
+                    emit(position, step, phase, upcast, -numel * FP64_BYTES, temporary)
+            elif kind == _FREE_GIP:
+                if gip is not None:
+                    emit(position, step, phase, gip, -gip_bytes, gradient)
+                if padding is not None:
+                    emit(position, step, phase, padding, -padding_bytes, gradient)
+        return out
+
+    def _shift(self, serial: int, allocs: list[int]) -> int:
+        """A serial of the template in a rank: the template's own allocations move up by the rank's before them."""
+        return serial + bisect.bisect_right(allocs, serial) if serial >= self.first_serial else serial
+
+    def frame(self, rank: int) -> pd.DataFrame:
+        """The rank's whole timeline (host events included), as its own walk (`walk_rank`) builds it."""
+        inserted = self._inserted(rank)
+        rows = [row if row[4] < self.first_serial else row[:4] + (self._shift(row[4], inserted.allocs),) + row[5:]
+                for row in self.rows]
+        at = np.asarray(inserted.position, dtype=np.int64)
+        order = np.insert(self.order, at, -1 - len(rows) - np.arange(len(at), dtype=np.int64))
+        return frame_of(self.timeline, order, rows + inserted.rows)
+
+    def events(self, rank: int) -> RankEvents:
+        """The rank's peak (`peaks.replay` of its device timeline) and its device events for the allocator model."""
+        inserted = self._inserted(rank)
+        at = self.device_before[np.asarray(inserted.position, dtype=np.int64)]  # all on the device
+        deltas = np.asarray([row[5] for row in inserted.rows], dtype=np.int64)
+        peak = self._peak(inserted, at, deltas)
+
+        def arrays() -> tuple[np.ndarray, np.ndarray]:
+            serial = self.serial.copy()
+            serial[self.shifted] += np.searchsorted(np.asarray(inserted.allocs, dtype=np.int64),
+                                                    serial[self.shifted], side="right")
+            serials = np.asarray([row[4] for row in inserted.rows], dtype=np.int64)
+            return np.insert(serial, at, serials), np.insert(self.delta, at, deltas)
+        return RankEvents(peak, self.peak_host_bytes, arrays)
+
+    def _peak(self, inserted: _Inserted, at: np.ndarray, deltas: np.ndarray) -> Peak:
+        """`peaks.replay` with the inserted events spliced into the template's running sums: the highest live
+        bytes, the first event to reach them, and the bytes by category there."""
+        n, best, where = len(self.live), None, None  # where: ("template", device entry) or ("inserted", j)
+        offset, start = 0, 0
+        for j in range(len(at) + 1):
+            stop = int(at[j]) if j < len(at) else n
+            if stop > start:  # template entries [start, stop) with the rank's inserted bytes before them
+                e = start + int(np.argmax(self.live[start:stop]))
+                if best is None or self.live[e] + offset > best:
+                    best, where = int(self.live[e]) + offset, ("template", e, j)
+            start = max(start, stop)
+            if j < len(at):
+                offset += int(deltas[j])
+                live = (int(self.live[stop - 1]) if stop else 0) + offset
+                if best is None or live > best:
+                    best, where = live, ("inserted", j, j + 1)
+        kind, index, count = where
+        through = index if kind == "template" else int(at[index]) - 1  # the template's device entries up to it
+        totals = dict.fromkeys(_CATEGORY_CODES, 0)
+        if through >= 0:
+            for code, cumulative in zip(self.codes, self.by_category[:, through]):
+                totals[_CATEGORIES[code]] += int(cumulative)
+        for row in inserted.rows[:count]:
+            totals[row[6]] += row[5]
+        breakdown = {value: total for value, total in totals.items() if total}
+        if kind == "template":
+            position = int(self.order[self.entry[index]])
+            row = self.timeline_rows[position] if position >= 0 else self.rows[-1 - position]
+            event = index + count
+        else:
+            row, event = inserted.rows[index], int(at[index]) + index
+        return Peak(best, event, int(row[0]), str(row[1]), str(row[3]), breakdown)

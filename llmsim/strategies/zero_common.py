@@ -89,17 +89,21 @@ class EventWriter:
 
     def frame(self, source: pd.DataFrame) -> pd.DataFrame:
         """The rank's timeline: `source`'s rows kept in runs, and the rest, in output order."""
-        order = np.asarray(self.order, dtype=np.int64)
-        copied = order >= 0
-        own = pd.DataFrame(self.rows, columns=TIMELINE_COLUMNS)
-        if not copied.any():
-            return own
-        both = pd.concat([source[TIMELINE_COLUMNS].iloc[order[copied]], own], ignore_index=True)
-        n_copied = int(copied.sum())
-        at = np.empty(len(order), dtype=np.int64)
-        at[copied] = np.arange(n_copied)
-        at[~copied] = n_copied - 1 - order[~copied]
-        return both.take(at).reset_index(drop=True)
+        return frame_of(source, np.asarray(self.order, dtype=np.int64), self.rows)
+
+
+def frame_of(source: pd.DataFrame, order: np.ndarray, rows: list[tuple]) -> pd.DataFrame:
+    """A timeline from `order` (>= 0 a row of `source`, < 0 `rows[-1 - i]`)."""
+    copied = order >= 0
+    own = pd.DataFrame(rows, columns=TIMELINE_COLUMNS)
+    if not copied.any():
+        return own
+    both = pd.concat([source[TIMELINE_COLUMNS].iloc[order[copied]], own], ignore_index=True)
+    n_copied = int(copied.sum())
+    at = np.empty(len(order), dtype=np.int64)
+    at[copied] = np.arange(n_copied)
+    at[~copied] = n_copied - 1 - order[~copied]
+    return both.take(at).reset_index(drop=True)
 
 
 def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool, fused: bool = False) -> None:

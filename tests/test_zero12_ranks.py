@@ -1,0 +1,131 @@
+"""ZeRO-1/2 ranks from one template walk (strategies/zero12.py `_Ranks`) are exactly the ranks their own walks give
+(`walk_rank`, the reference): every rank's whole timeline, the peak and host peak a prediction reads, and the device
+events the allocator model replays, on setups that reach every mark the template leaves."""
+import json
+from collections import Counter
+
+import pytest
+
+from llmsim.dsconfig import load_ds_config
+from llmsim.enums import Loss, Optimizer, Precision
+from llmsim.gpus import load_gpu, on_gpu
+from llmsim.offload import host_peak_bytes, split_host
+from llmsim.peaks import replay
+from llmsim.pipeline import expanded, predict
+from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
+from llmsim.strategies import Layout, Strategy, traced_setup, zero12
+from llmsim.zoo import shrink
+
+SPEC = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 2, 256, 4))
+BF16, FP32 = Precision.BF16, Precision.FP32
+SMALL = 3000  # elements: the embedding and LM head (256 x 64) are larger than the bucket (reduced alone)
+
+# (id, setup, stage, world size, grad accum, zero_optimization extras, DeepSpeed "optimizer" section)
+CASES = [
+    ("fp32-z1", TrainSetup(2, 16), 1, 4, 1, {}, None),
+    ("bf16-z2-ckpt", TrainSetup(1, 16, BF16, grad_ckpt=True), 2, 5, 1, {}, None),
+    ("bf16-z1-small", TrainSetup(1, 16, BF16), 1, 3, 1, {"reduce_bucket_size": SMALL}, None),
+    ("bf16-z2-small", TrainSetup(1, 16, BF16), 2, 7, 1, {"reduce_bucket_size": SMALL}, None),
+    ("fp32-z1-overlap-small", TrainSetup(1, 16), 1, 6, 1, {"overlap_comm": True, "reduce_bucket_size": 5000}, None),
+    ("bf16-z2-no-overlap", TrainSetup(1, 16, BF16), 2, 4, 1, {"overlap_comm": False}, None),
+    ("fp32-z1-ga3", TrainSetup(1, 16, grad_accum=3), 1, 3, 3, {}, None),
+    ("bf16-z2-ga2-small", TrainSetup(1, 16, BF16, grad_accum=2), 2, 5, 2, {"reduce_bucket_size": 4000}, None),
+    ("fp32-z1-ga2-overlap-small", TrainSetup(1, 16, grad_accum=2), 1, 4, 2,
+     {"overlap_comm": True, "reduce_bucket_size": SMALL}, None),
+    ("bf16-z2-lora", TrainSetup(1, 16, BF16, lora_rank=4), 2, 3, 1, {}, None),
+    ("fp32-z1-lora-small", TrainSetup(1, 16, lora_rank=4), 1, 6, 1, {"reduce_bucket_size": 300}, None),
+    ("bf16-z1-lora-empty-ranks", TrainSetup(1, 16, BF16, lora_rank=1), 1, 300, 1, {}, None),  # 512 elements
+    ("bf16-z1-sgd", TrainSetup(1, 16, BF16, optimizer=Optimizer.SGD), 1, 4, 1, {}, None),
+    ("fp32-z2-adafactor", TrainSetup(1, 16, optimizer=Optimizer.ADAFACTOR), 2, 3, 1, {}, None),
+    ("bf16-z2-ds-adamw", TrainSetup(1, 16, BF16), 2, 4, 1, {}, {"type": "AdamW", "params": {"lr": 1e-4}}),
+    ("fp32-z1-ds-torch-adam", TrainSetup(1, 16), 1, 5, 1, {}, {"type": "Adam",
+                                                               "params": {"lr": 1e-4, "torch_adam": True}}),
+    ("bf16-z2-ckpt-offload", TrainSetup(1, 16, BF16, grad_ckpt=True, ckpt_offload=True), 2, 4, 1, {}, None),
+    ("fp32-z1-ckpt-offload-small", TrainSetup(1, 16, grad_ckpt=True, ckpt_offload=True), 1, 3, 1,
+     {"reduce_bucket_size": SMALL}, None),
+    ("bf16-z1-fused-linear-ce", TrainSetup(1, 16, BF16, loss=Loss.FUSED_LINEAR_CE), 1, 4, 1, {}, None),
+    ("fp32-z2-chunked-nll-small", TrainSetup(1, 16, loss=Loss.CHUNKED_NLL), 2, 3, 1, {"reduce_bucket_size": SMALL},
+     None),
+    ("bf16-z2-fused", TrainSetup(1, 16, BF16, fused=True), 2, 3, 1, {}, None),
+    ("bf16-z1-h100", on_gpu(TrainSetup(1, 16, BF16), load_gpu("h100-80gb")), 1, 4, 1, {}, None),  # host steps
+    ("bf16-z2-h100-small", on_gpu(TrainSetup(1, 16, BF16), load_gpu("h100-80gb")), 2, 6, 1,
+     {"reduce_bucket_size": SMALL}, None),
+    ("bf16-z1-200-small", TrainSetup(1, 16, BF16), 1, 200, 1, {"reduce_bucket_size": 6000}, None),
+]
+
+
+def _layout(tmp_path, setup, stage, world, grad_accum, zero, optimizer) -> Layout:
+    config = {"train_micro_batch_size_per_gpu": setup.micro_batch, "gradient_accumulation_steps": grad_accum,
+              "zero_optimization": {"stage": stage, **zero}, "bf16": {"enabled": setup.precision is BF16}}
+    if optimizer is not None:
+        config["optimizer"] = optimizer
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    return Layout(Strategy.DEEPSPEED, world, load_ds_config(path, world, 64, setup.micro_batch, setup.precision,
+                                                            grad_accum))
+
+
+def _ranks(tmp_path, case):
+    name, setup, *shape = case
+    layout = _layout(tmp_path, setup, *shape)
+    setup = traced_setup(resolve_attention(SPEC, setup), layout)
+    timeline, _ = expanded(SPEC, setup)
+    rows, own = zero12._walk_inputs(timeline)
+    return timeline, layout, setup, zero12._Ranks(timeline, rows, layout, setup, own)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_template_ranks_equal_their_own_walks(tmp_path, case):
+    timeline, layout, setup, ranks = _ranks(tmp_path, case)
+    lazy = zero12.plan(timeline, layout, setup)
+    assert lazy.events is not None  # the template stood for every rank (no fallback to walking them)
+    for rank in range(layout.world_size):
+        walked = zero12.walk_rank(timeline, layout, setup, rank)
+        frame = lazy[rank]
+        assert frame.equals(walked) and list(frame.dtypes) == list(walked.dtypes), rank
+        device, host = split_host(walked)
+        events = lazy.events(rank)
+        assert events.peak == replay(device), rank
+        assert events.peak_host_bytes == host_peak_bytes(host), rank
+        serials, deltas = events.arrays()
+        assert serials.dtype == deltas.dtype == device["serial"].to_numpy().dtype
+        assert serials.tolist() == device["serial"].tolist() and deltas.tolist() == device["delta_bytes"].tolist()
+        assert ranks.slices(rank) == ranks.part.slices(rank)
+
+
+def test_the_cases_reach_every_mark(tmp_path):
+    """The cases above reach each branch the template's ranks resolve differently."""
+    reached = Counter()
+    for case in CASES:
+        _, layout, _, ranks = _ranks(tmp_path, case)
+        for rank in range(layout.world_size):
+            mine, inserted, events = ranks.slices(rank), ranks._inserted(rank), ranks.events(rank)
+            spliced = {int(ranks.device_before[p]) + j for j, p in enumerate(inserted.position)}  # device indices
+            reached["peak at a rank's own event"] += events.peak.event in spliced
+            reached["no slice"] += not mine
+            reached["padding"] += sum(mine.values()) < ranks.part.partition_numel
+            for *_, kind, args in ranks.marks:
+                if kind in (zero12._XL_MINE, zero12._XL_OTHER):
+                    reached[f"{kind}, freed"] += (args[0] in mine) == (kind == zero12._XL_MINE)
+                reached["a later micro-step's grads_in_partition"] += kind == zero12._KEEP_GIP and not args[0]
+        reached["host events"] += ranks.peak_host_bytes > 0
+    for what in ("peak at a rank's own event", "no slice", "padding", f"{zero12._XL_MINE}, freed",
+                 f"{zero12._XL_OTHER}, freed", "host events", "a later micro-step's grads_in_partition"):
+        assert reached[what] > 0, what
+
+
+def test_a_template_that_cannot_stand_for_every_rank_walks_each(tmp_path, monkeypatch):
+    """Where the template diverges (`_Diverges`), plan falls back to one walk per rank, and predict to timelines."""
+    setup = TrainSetup(1, 16, BF16)
+    layout = _layout(tmp_path, setup, 1, 3, 1, {"reduce_bucket_size": SMALL}, None)
+    fast = predict(SPEC, setup, layout)
+
+    def diverge(self):
+        raise zero12._Diverges("forced")
+    monkeypatch.setattr(zero12._Template, "_keep_slices", diverge)
+    timeline, _ = expanded(SPEC, traced_setup(resolve_attention(SPEC, setup), layout))
+    assert zero12.plan(timeline, layout, setup).events is None
+    monkeypatch.setattr("llmsim.pipeline._plan", lambda timeline, layout, setup: zero12.plan(timeline, layout, setup))
+    walked = predict(SPEC, setup, layout)
+    assert [r.to_dict() for r in walked.ranks] == [r.to_dict() for r in fast.ranks]
+    assert all(a.timeline.equals(b.timeline) for a, b in zip(walked.ranks, fast.ranks))
