@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402,F401
 
 imports_s = time.perf_counter() - start
 
+from llmsim.allocator import compiled  # noqa: E402
 from llmsim.dsconfig import load_ds_config  # noqa: E402
 from llmsim.enums import Precision  # noqa: E402
 from llmsim.gpus import load_gpu  # noqa: E402
@@ -43,7 +44,8 @@ def zero(stage: int, world: int, micro_batch: int) -> Layout:
     return Layout(Strategy.DEEPSPEED, world, load_ds_config(f.name, world, 8192, micro_batch, Precision.BF16))
 
 
-print(f"import torch + transformers: {imports_s:.2f} s; import llmsim: {llmsim_import_s:.2f} s")
+print(f"import torch + transformers: {imports_s:.2f} s; import llmsim: {llmsim_import_s:.2f} s; allocator model: "
+      f"{'compiled' if compiled() else 'Python'}")
 seven = TrainSetup(1, 2048)
 cold_s, peak = timed("llama-2-7b", seven)
 warm = sorted(timed("llama-2-7b", seven)[0] for _ in range(5))
@@ -70,8 +72,8 @@ for name, layout_of in (("DDP", lambda w: Layout(Strategy.DDP, w)), ("ZeRO-3", l
     if name in ("DDP", "ZeRO-3"):
         again = sorted(timed("llama-2-70b", seventy, layout_of(1024), h100)[0] for _ in range(3))
         repeat = f", warm repeat {1000 * again[1]:,.0f} ms (median of 3)"
-    else:  # every rank differs (its partition): one timeline and one allocator replay per rank
-        repeat = " (every rank built and replayed in turn)"
+    else:  # every rank differs (its partition): its events from one template walk, its own chunks replayed
+        repeat = " (every rank's own events and allocator replay)"
     print(f"  {name} on 1,024: {cold}warm new layout {1000 * new_s:,.0f} ms{repeat}, peak {peak:,} B")
 
 # A sweep of 10,240 DDP configurations (llmsim sweep's own function, both cores): Llama-2-7B, bf16, checkpointing,
