@@ -85,7 +85,7 @@ class _Handle:
 
 
 class _Rank:
-    """One rank's walk. `recording` (strategies/zero3_resize.py): W and the partitions are `World`/`Sized` ints
+    """One rank's walk. `recording` (strategies/zero3_resize.py): W and the partitions are `World`/`Sized` values
     and the writer a `Recorder`, so that the events carry their sizes' formulas; the walk's decisions read W only
     through `int(...)`, where zero3_resize evaluates the same decision for another W."""
 

@@ -16,8 +16,8 @@ any W with the recorded sub-groups: the sizes vectorised over the parameters, th
 renumbered (every allocation takes the next serial, so a block of another length shifts the serials after it).
 Another W whose sub-groups differ gets a program of its own, recorded by a walk at that W.
 
-During the recording the partitions and W are `Sized`/`World` ints: multiplying them by a plain int or by W keeps
-the formula, and every other use (a sum, a comparison, `%`, truth, `range`) raises, so no decision of the walk can
+During the recording the partitions and W are `Sized`/`World` values: multiplying them by a plain int or by W
+keeps the formula, and every other use (a sum, a comparison, `%`, truth, `range`) raises, so no decision of the walk can
 read W unnoticed; the walk reads the partitions' values (`int(...)`) only where this module evaluates the same
 decision again for the new W (the sub-group bounds, the blocks, the largest sub-group).
 """
@@ -40,21 +40,25 @@ def _refuse(self, *args):
                     "size factor; decide it in strategies/zero3_resize.py for every world size")
 
 
-class Sized(int):
+class Sized:
     """An element or byte count that depends on W, with its formula: scale x W**k x sum(coef x ceil(numel_i / W))
-    over `terms` ((i, coef), ...), or with terms ("max", (terms, ...)) the largest of those sums."""
+    over `terms` ((i, coef), ...), or with terms ("max", (terms, ...)) the largest of those sums. Not an int: only
+    `int(...)` reads its value (range, indexing, comparisons and sums raise)."""
 
-    def __new__(cls, value: int, terms: tuple, k: int = 0, scale: int = 1) -> "Sized":
-        sized = int.__new__(cls, value)
-        sized.formula = (terms, k, scale)
-        return sized
+    __slots__ = ("value", "formula")
+
+    def __init__(self, value: int, terms: tuple, k: int = 0, scale: int = 1) -> None:
+        self.value, self.formula = value, (terms, k, scale)
+
+    def __int__(self) -> int:
+        return self.value
 
     def __mul__(self, other):
         terms, k, scale = self.formula
         if type(other) is int:
-            return Sized(int(self) * other, terms, k, scale * other)
+            return Sized(self.value * other, terms, k, scale * other)
         if type(other) is World and k == 0:
-            return Sized(int(self) * int(other), terms, 1, scale)
+            return Sized(self.value * other.value, terms, 1, scale)
         return _refuse(self)
 
     __rmul__ = __mul__
@@ -64,8 +68,16 @@ class Sized(int):
     __hash__ = None
 
 
-class World(int):
-    """W during a recording walk: a factor of a `Sized`, nothing else."""
+class World:
+    """W during a recording walk: a factor of a `Sized`, nothing else (`int(...)` reads it)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __int__(self) -> int:
+        return self.value
 
     def __mul__(self, other):
         return other * self if type(other) is Sized else _refuse(self)
