@@ -21,7 +21,7 @@ from llmsim.zoo import shrink
 # (fewer than W from 65 on: every rank past the 64th pads); GPT-2: tied embedding, biases.
 LLAMA = ("llama-2-7b", shrink("llama-2-7b", 64, 2, 250, 4))
 GPT2 = ("gpt2", shrink("gpt2", 48, 2, 200, 4))
-WORLDS = [*range(1, 18), 24, 31, 32, 63, 64, 65, 96, 100, 127, 128, 250, 256, 1000, 1024]
+WORLDS = [*range(1, 18), 24, 31, 32, 63, 64, 65, 96, 100, 127, 128, 250, 256, 1000, 1024, 2047, 2048]
 SMALL_BUCKETS = {"reduce_bucket_size": 3000, "stage3_prefetch_bucket_size": 2000, "stage3_max_live_parameters": 9000,
                  "stage3_max_reuse_distance": 1000}
 CASES = {

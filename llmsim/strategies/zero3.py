@@ -384,7 +384,7 @@ class _Rank:
         cat = None
         flat_bytes = self._psum(params) * self.world * self.elem
         if self.recording:  # the paddings and the torch.cat below, for every W
-            cat = self.w.padded_cat([p.ds_id for p in params], self.elem, flat_bytes)
+            cat = self.w.padded_cat([p.ds_id for p in params], self.elem, flat_bytes, Category.TEMPORARY)
         elif not (len(params) == 1 and params[0].numel % self.world == 0):
             paddings = [(self.w.alloc(nbytes, Category.TEMPORARY), nbytes)
                         for _, _, nbytes in sorted(self._paddings(params))]

@@ -129,6 +129,7 @@ class Recorder:
         self.formula_ids: dict[tuple, int] = {}
         self.allocated: dict[int, int] = {}  # id -> fixed row of its allocation
         self.items: list[tuple[int, int, int]] = []  # variable: (kind, fixed rows before it, flush)
+        self.item_category: dict[int, Category] = {}  # per flush: the paddings' and `torch.cat`'s category
         self.flushes: list[tuple[tuple[int, ...], int, int]] = []  # (parameter indices, elem bytes, cat formula)
         self.cats: dict[int, int] = {}  # the id of a flush's `torch.cat` -> the flush
 
@@ -155,9 +156,10 @@ class Recorder:
         else:  # a storage of the single-process trace (a gradient, an adapter's whole tensor)
             self._event(_FREE, serial, -1, nbytes, category, module)
 
-    def padded_cat(self, params: list[int], elem: int, flat_bytes: Sized) -> tuple[int, int]:
+    def padded_cat(self, params: list[int], elem: int, flat_bytes: Sized, category: Category) -> tuple[int, int]:
         """`__avg_scatter_grads`' paddings and `torch.cat` over the bucket's parameters (ds_id order) at any W."""
         self.flushes.append((tuple(params), elem, self._formula(flat_bytes)))
+        self.item_category[len(self.flushes) - 1] = category
         self._item(_BLOCK, len(self.flushes) - 1)
         serial = self.next_id
         self.next_id += 1
@@ -182,7 +184,7 @@ class Recorder:
 
     def _item(self, kind: int, flush: int) -> None:
         self.items.append((kind, len(self.order), flush))
-        self.item_protos.append((self.step, self.phase, NO_BLOCK, self.module, Category.TEMPORARY.value, ""))
+        self.item_protos.append((self.step, self.phase, NO_BLOCK, self.module, self.item_category[flush].value, ""))
 
     def _formula(self, nbytes: Sized) -> int:
         return self.formula_ids.setdefault(nbytes.formula, len(self.formula_ids))
