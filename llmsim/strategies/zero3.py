@@ -153,7 +153,7 @@ class _Rank:
                                  frozen=trainable is not None and not adapter, adapter=adapter))
         return params
 
-    def _psum(self, params: list[_Param], per_element: bool = False) -> int:
+    def _psum(self, params: list[_Param], per_element: bool = False) -> int | Sized:
         """The sum of the partitions of `params` (in bytes with `per_element`: each partition x its elem)."""
         if self.recording:
             value = sum(int(p.partition) * (p.elem if per_element else 1) for p in params)
@@ -175,7 +175,7 @@ class _Rank:
         self.sub_group_ends = sub_group_ends([int(p.partition) for p in self.trainable], self.zero.sub_group_size)
         return [self.trainable[start:end] for start, end in zip((0,) + self.sub_group_ends, self.sub_group_ends)]
 
-    def _largest(self) -> int:
+    def _largest(self) -> int | Sized:
         """The largest sub-group's partitions (`initialize_optimizer_states`' zero gradient)."""
         sums = [self._psum(group) for group in self.sub_groups]
         if self.recording:
@@ -528,8 +528,9 @@ def _module_of(param: str) -> str:
 
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     """Every rank runs the same events: partitions are ceil(n / W) elements everywhere (the last rank's
-    padding included), so one timeline serves all ranks. It is the walk's (`walk`), evaluated from a recorded walk
-    of the same step and config at another world size where one has the same sub-groups (zero3_resize.py)."""
+    padding included), so one timeline serves all ranks: the walk's (`walk`), evaluated from a program a walk of the
+    same step and config recorded at a world size with the same sub-groups (zero3_resize.py), else recorded now; a
+    client optimizer other than AdamW is walked every time."""
     shared = None if uses_flat_optimizer(layout, setup) else _resized(timeline, layout, setup)
     if shared is None:
         shared = walk(timeline, layout, setup)
@@ -537,7 +538,8 @@ def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
 
 
 def walk(timeline: pd.DataFrame, layout, setup) -> pd.DataFrame:
-    """A rank's timeline, walked event by event (the reference `plan`'s recorded programs are checked against)."""
+    """A rank's timeline, walked event by event: the reference the recorded programs are checked against
+    (tests/test_zero3_resize.py)."""
     rank = _Rank(timeline, rows_of(timeline), layout, setup)
     rank.run()
     return rank.w.frame(timeline)
