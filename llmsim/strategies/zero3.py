@@ -559,7 +559,7 @@ def uses_flat_optimizer(layout, setup) -> bool:
     return layout.deepspeed.optimizer_kind == "client" and setup.optimizer is not Optimizer.ADAMW
 
 
-PROGRAMS_PER_CONFIG = 8  # recorded programs kept per step and config (one per distinct set of sub-groups)
+PROGRAMS_PER_CONFIG = 4  # programs kept per step and config (one per set of sub-groups; 70B: ~11 MiB each)
 
 
 def _resized(timeline: pd.DataFrame, layout, setup) -> pd.DataFrame:
@@ -577,7 +577,7 @@ def _resized(timeline: pd.DataFrame, layout, setup) -> pd.DataFrame:
     return programs[-1].frame(world)
 
 
-@per_timeline(maxsize=8)
+@per_timeline(maxsize=4)
 def _programs(timeline: pd.DataFrame, config: str, setup) -> list[Program]:
     """The programs recorded on `timeline` for one DeepSpeed config (its W-independent sections) and setup, most
     recently used last."""
