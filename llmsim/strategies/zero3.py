@@ -35,6 +35,7 @@ TrainSetup.label_micro_grads); the coordinator's `reset_step` runs at every forw
 from __future__ import annotations
 
 import collections
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ from llmsim.enums import Category, Device, Optimizer, Phase, Precision
 from llmsim.step import ROOT_MODULE
 from llmsim.strategies.events import per_timeline, trainable_names
 from llmsim.strategies.flat_optimizer import FlatOptimizer
+from llmsim.strategies.zero3_resize import MAX_TERMS, Program, Recorder, Sized, World, sub_group_ends
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, construct_optimizer, optimizer_of, rank_writer,
                                            own_runs, parameters, rows_of, step_optimizer, torch_fused,
                                            walk_phases)
@@ -83,9 +85,14 @@ class _Handle:
 
 
 class _Rank:
-    def __init__(self, timeline: pd.DataFrame, rows: list[tuple], layout, setup) -> None:
+    """One rank's walk. `recording` (strategies/zero3_resize.py): W and the partitions are `World`/`Sized` values
+    and the writer a `Recorder`, so that the events carry their sizes' formulas; the walk's decisions read W only
+    through `int(...)`, where zero3_resize evaluates the same decision for another W."""
+
+    def __init__(self, timeline: pd.DataFrame, rows: list[tuple], layout, setup, recording: bool = False) -> None:
         self.zero = layout.deepspeed.zero()
-        self.world = layout.world_size
+        self.recording = recording
+        self.world = World(layout.world_size) if self.recording else layout.world_size
         self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
         self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
         self.fused = torch_fused(layout.deepspeed, setup)
@@ -93,6 +100,8 @@ class _Rank:
         self.timeline = timeline
         self.rows = rows
         self.w = rank_writer(timeline, setup)
+        if recording:
+            self.w = Recorder(self.w.next_serial, self.w.module, self.w.steps_on_host)
         self.params = self._parameters(timeline, setup)
         self.trainable = [p for p in self.params if not p.frozen]
         self.micro = 0  # the micro-step of the optimizer step whose backward runs (gradient accumulation)
@@ -105,9 +114,9 @@ class _Rank:
             self.module_params[_module_of(p.name)].append(p)
         self.sub_groups = self._sub_groups()
         # another client optimizer: its own step on each sub-group's fp32 partition (strategies/flat_optimizer.py)
-        self.client = (FlatOptimizer(setup.optimizer, [sum(p.partition for p in group) for group in self.sub_groups],
+        self.client = (FlatOptimizer(setup.optimizer, [self._psum(group) for group in self.sub_groups],
                                      setup.steps, self.foreach, self.fused)
-                       if self.optimizer == "client" and setup.optimizer is not Optimizer.ADAMW else None)
+                       if uses_flat_optimizer(layout, setup) else None)
         # coordinator state
         self.mode = "invalid"  # `_register_deepspeed_module` invalidates the trace; the first forward records
         self.module_order: list[str] = []
@@ -137,9 +146,19 @@ class _Rank:
             adapter = trainable is not None and p.name in trainable
             elem = FP32_BYTES if adapter else self.elem
             numel = p.numel // elem
-            params.append(_Param(i, p.name, numel, math.ceil(numel / self.world), False, elem=elem,
+            partition = math.ceil(numel / int(self.world))
+            if self.recording:
+                partition = Sized(partition, ((i, 1),))
+            params.append(_Param(i, p.name, numel, partition, False, elem=elem,
                                  frozen=trainable is not None and not adapter, adapter=adapter))
         return params
+
+    def _psum(self, params: list[_Param], per_element: bool = False) -> int | Sized:
+        """The sum of the partitions of `params` (in bytes with `per_element`: each partition x its elem)."""
+        if self.recording:
+            value = sum(int(p.partition) * (p.elem if per_element else 1) for p in params)
+            return Sized(value, tuple((p.ds_id, p.elem if per_element else 1) for p in params))
+        return sum(p.partition * p.elem for p in params) if per_element else sum(p.partition for p in params)
 
     def _mark_persistent(self) -> None:
         """parameter_offload.py, `mark_persistent_parameters`."""
@@ -152,18 +171,16 @@ class _Rank:
                 total += p.numel
 
     def _sub_groups(self) -> list[list[_Param]]:
-        """stage3.py, `_create_fp16_sub_groups`."""
-        size = self.zero.sub_group_size
-        if size is None or size >= sum(p.partition for p in self.trainable):
-            return [self.trainable]
-        groups, group, numel = [], [], 0
-        for p in self.trainable:
-            group.append(p)
-            numel += p.partition
-            if numel >= size or p is self.trainable[-1]:
-                groups.append(group)
-                group, numel = [], 0
-        return groups
+        """stage3.py, `_create_fp16_sub_groups` (zero3_resize.sub_group_ends)."""
+        self.sub_group_ends = sub_group_ends([int(p.partition) for p in self.trainable], self.zero.sub_group_size)
+        return [self.trainable[start:end] for start, end in zip((0,) + self.sub_group_ends, self.sub_group_ends)]
+
+    def _largest(self) -> int | Sized:
+        """The largest sub-group's partitions (`initialize_optimizer_states`' zero gradient)."""
+        sums = [self._psum(group) for group in self.sub_groups]
+        if self.recording:
+            return Sized(max(int(n) for n in sums), (MAX_TERMS, tuple(n.formula[0] for n in sums)))
+        return max(sums)
 
     def build(self) -> None:
         """`zero.Init`: each parameter of the base model allocated whole, partitioned, the whole freed."""
@@ -182,19 +199,19 @@ class _Rank:
             if p.adapter:
                 self.ds_tensors[p] = (self.w.alloc(p.partition * p.elem, Category.PARAMETER), p.partition * p.elem)
                 self.w.free(*self.whole.pop(p.name), Category.PARAMETER)
-        total = sum(p.partition for p in self.trainable)
-        self.w.alloc(sum(p.partition * p.elem for p in self.trainable), Category.PARAMETER)  # lp_param_buffer
+        total = self._psum(self.trainable)
+        self.w.alloc(self._psum(self.trainable, per_element=True), Category.PARAMETER)  # lp_param_buffer
         for p in self.trainable:  # defragment: the frozen parameters' partitions stay where they are
             self.w.free(*self.ds_tensors.pop(p), Category.PARAMETER)
         for group in self.sub_groups:  # fp32 master: flat.to(fp32).clone()
-            numel = sum(p.partition for p in group)
+            numel = self._psum(group)
             if group[0].elem != FP32_BYTES:
                 upcast = self.w.alloc(numel * FP32_BYTES, Category.TEMPORARY)
                 self.w.alloc(numel * FP32_BYTES, Category.MASTER_WEIGHTS)
                 self.w.free(upcast, numel * FP32_BYTES, Category.TEMPORARY)
             else:
                 self.w.alloc(numel * FP32_BYTES, Category.MASTER_WEIGHTS)
-        largest = max(sum(p.partition for p in group) for group in self.sub_groups) * FP32_BYTES
+        largest = self._largest() * FP32_BYTES
         zeros = self.w.alloc(largest, Category.TEMPORARY)  # initialize_optimizer_states
         self.w.free(zeros, largest, Category.TEMPORARY)
         if self.zero.contiguous_gradients:
@@ -220,7 +237,7 @@ class _Rank:
         else:
             handle = _Handle(params, coalesced=True)
             for elem in sorted({p.elem for p in params}):  # sort_dtypes: by name, bfloat16 before float32
-                nbytes = sum(p.partition for p in params if p.elem == elem) * self.world * elem
+                nbytes = self._psum([p for p in params if p.elem == elem]) * self.world * elem
                 handle.flats.append((self.w.alloc(nbytes, GATHERED), nbytes))
         for p in params:
             p.status = INFLIGHT
@@ -365,8 +382,10 @@ class _Rank:
             return
         params = sorted(self.bucket, key=lambda q: q.ds_id)
         cat = None
-        flat_bytes = sum(p.partition for p in params) * self.world * self.elem
-        if not (len(params) == 1 and params[0].numel % self.world == 0):
+        flat_bytes = self._psum(params) * self.world * self.elem
+        if self.recording:  # the paddings and the torch.cat below, for every W
+            cat = self.w.padded_cat([p.ds_id for p in params], self.elem, flat_bytes, Category.TEMPORARY)
+        elif not (len(params) == 1 and params[0].numel % self.world == 0):
             paddings = [(self.w.alloc(nbytes, Category.TEMPORARY), nbytes)
                         for _, _, nbytes in sorted(self._paddings(params))]
             cat = (self.w.alloc(flat_bytes, Category.TEMPORARY), flat_bytes)
@@ -387,7 +406,8 @@ class _Rank:
     def _paddings(self, params: list[_Param]):
         """(rank, index, bytes) of each zero padding `__avg_scatter_grads` allocates, rank by rank and parameter by
         parameter: rank r holds min(partition, numel - r * partition) real elements, so every rank from
-        numel // partition on pads (the first of them by the remainder only)."""
+        numel // partition on pads (the first of them by the remainder only). zero3_resize.Program._assemble
+        generates the same, vectorised."""
         for index, p in enumerate(params):
             first, held = divmod(p.numel, p.partition)
             for rank in range(first, self.world):
@@ -404,7 +424,7 @@ class _Rank:
             upcast = self.w.alloc(p.partition * FP64_BYTES, Category.TEMPORARY)
             self.w.free(upcast, p.partition * FP64_BYTES, Category.TEMPORARY)
         for index, group in enumerate(self.sub_groups):
-            numel = sum(p.partition for p in group)
+            numel = self._psum(group)
             flat = self.w.alloc(numel * self.elem, Category.GRADIENT)
             if self.elem != FP32_BYTES:
                 fp32 = self.w.alloc(numel * FP32_BYTES, Category.GRADIENT)
@@ -422,9 +442,8 @@ class _Rank:
             p.status = AVAILABLE
 
     # ---- the walk --------------------------------------------------------------------------------------
-    def run(self) -> pd.DataFrame:
+    def run(self) -> None:
         walk_phases(self.rows, self._row, self._leave, self.w, _runs(self.timeline))
-        return self.w.frame(self.timeline)
 
     def _row(self, row: tuple) -> None:
         self.w.step, self.w.phase = row[0], row[1]  # what a marker row makes DeepSpeed allocate happens here
@@ -509,7 +528,57 @@ def _module_of(param: str) -> str:
 
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     """Every rank runs the same events: partitions are ceil(n / W) elements everywhere (the last rank's
-    padding included), so one timeline serves all ranks."""
-    rows = rows_of(timeline)
-    shared = _Rank(timeline, rows, layout, setup).run()
+    padding included), so one timeline serves all ranks: the walk's (`walk`), evaluated from a program a walk of the
+    same step and config recorded at a world size with the same sub-groups (zero3_resize.py), else recorded now; a
+    client optimizer other than AdamW is walked every time."""
+    shared = None if uses_flat_optimizer(layout, setup) else _resized(timeline, layout, setup)
+    if shared is None:
+        shared = walk(timeline, layout, setup)
     return {rank: shared for rank in range(layout.world_size)}
+
+
+def walk(timeline: pd.DataFrame, layout, setup) -> pd.DataFrame:
+    """A rank's timeline, walked event by event: the reference the recorded programs are checked against
+    (tests/test_zero3_resize.py)."""
+    rank = _Rank(timeline, rows_of(timeline), layout, setup)
+    rank.run()
+    return rank.w.frame(timeline)
+
+
+def record(timeline: pd.DataFrame, layout, setup) -> Program:
+    """The walk at `layout`'s world size, recorded for every world size with the same sub-groups."""
+    rank = _Rank(timeline, rows_of(timeline), layout, setup, recording=True)
+    rank.run()
+    return Program(rank.w, timeline, [p.numel for p in rank.params], [p.ds_id for p in rank.trainable],
+                   rank.zero.sub_group_size, rank.sub_group_ends)
+
+
+def uses_flat_optimizer(layout, setup) -> bool:
+    """A client optimizer other than AdamW (strategies/flat_optimizer.py): its recorded step depends on the
+    sub-groups' sizes in ways of its own (8-bit blocks, `min_8bit_size`), so it is walked at every W."""
+    return layout.deepspeed.optimizer_kind == "client" and setup.optimizer is not Optimizer.ADAMW
+
+
+PROGRAMS_PER_CONFIG = 4  # programs kept per step and config (one per set of sub-groups; 70B: ~11 MiB each)
+
+
+def _resized(timeline: pd.DataFrame, layout, setup) -> pd.DataFrame:
+    config = layout.deepspeed.config  # what the walk reads of it (`zero()`, `optimizer_of`, `torch_fused`)
+    programs = _programs(timeline, json.dumps([config.get("zero_optimization"), config.get("optimizer")],
+                                              sort_keys=True), setup)
+    world = layout.world_size
+    for index, program in enumerate(programs):
+        if program.matches(world):
+            programs.append(programs.pop(index))
+            return program.frame(world)
+    if len(programs) >= PROGRAMS_PER_CONFIG:
+        programs.pop(0)
+    programs.append(record(timeline, layout, setup))
+    return programs[-1].frame(world)
+
+
+@per_timeline(maxsize=4)
+def _programs(timeline: pd.DataFrame, config: str, setup) -> list[Program]:
+    """The programs recorded on `timeline` for one DeepSpeed config (its W-independent sections) and setup, most
+    recently used last."""
+    return []
