@@ -51,6 +51,8 @@ typedef struct {
     int32_t root[2]; /* each pool's treap of free blocks: [0] large, [1] small */
     Py_ssize_t pool_size[2];
     uint64_t random; /* the treap's priorities (xorshift): they shape the tree, never the order */
+    uint64_t pool_hash, live_hash, size_hash; /* sums over the free blocks, live blocks and storage sizes:
+                                                 kept as they change, for `fingerprint` */
     Slot *slots;
     int64_t n_slots, used_slots; /* n_slots: a power of two */
 } Allocator;
@@ -98,6 +100,13 @@ static void kill_block(Allocator *a, int32_t i) {
     a->dead = i;
 }
 
+static inline uint64_t mix(int64_t key);
+static inline uint64_t free_block_hash(const Block *b) { /* what a free block's future depends on */
+    return mix((int64_t)(mix(b->address) ^ (uint64_t)b->size ^
+                         ((uint64_t)b->small | (uint64_t)(b->prev == NONE) << 1 | (uint64_t)(b->next == NONE) << 2)
+                             << 56));
+}
+
 /* ---- pools: a treap per pool, ordered by (size, address) as the Python model's sorted lists ---------------- */
 static inline int before(const Block *x, int64_t size, int64_t address) { /* (x.size, x.address) < (size, address) */
     return x->size < size || (x->size == size && x->address < address);
@@ -140,6 +149,7 @@ static int pool_insert(Allocator *a, int32_t i) {
     split(a, a->root[b->small], b->size, b->address, &lower, &upper);
     a->root[b->small] = join(a, join(a, lower, i), upper);
     a->pool_size[b->small]++;
+    a->pool_hash += free_block_hash(b); /* a free block's neighbours stay allocated or absent while it is pooled */
     return 0;
 }
 
@@ -152,6 +162,7 @@ static void pool_remove(Allocator *a, int32_t i) {
     }
     *link = join(a, b->left, b->right);
     a->pool_size[b->small]--;
+    a->pool_hash -= free_block_hash(b);
 }
 
 static int32_t pool_first_fit(Allocator *a, int small, int64_t size) { /* the first block of >= size bytes */
@@ -256,6 +267,12 @@ static void slot_drop(Allocator *a, Slot *s) { /* linear probing: shift the foll
         }
     }
 }
+
+static inline uint64_t live_hash(int64_t key, const Block *b) {
+    return mix((int64_t)(mix(key) ^ mix(b->address + 1) ^ (uint64_t)b->size));
+}
+
+static inline uint64_t size_hash(int64_t key, int64_t size) { return mix((int64_t)(mix(key + 7) ^ (uint64_t)size)); }
 
 /* ---- the allocator -------------------------------------------------------------------------------------- */
 static int64_t allocation_size(int64_t size) {
@@ -414,7 +431,9 @@ static int do_malloc(Allocator *a, int64_t key, int64_t size) {
     a->blocks[b].allocated = 1;
     Slot *s = slot_get(a, key);
     if (!s) return -1;
+    if (s->block != NONE) a->live_hash -= live_hash(key, &a->blocks[s->block]);
     s->block = b;
+    a->live_hash += live_hash(key, &a->blocks[b]);
     a->allocated_bytes += a->blocks[b].size;
     if (a->allocated_bytes > a->peak_allocated_bytes) a->peak_allocated_bytes = a->allocated_bytes;
     return 0;
@@ -446,6 +465,7 @@ static int do_free(Allocator *a, int64_t key) {
         return -1;
     }
     int32_t block = s->block;
+    a->live_hash -= live_hash(key, &a->blocks[block]);
     s->block = NONE;
     if (!s->tracked) slot_drop(a, s);
     Block *b = &a->blocks[block];
@@ -471,18 +491,23 @@ static int do_replay(Allocator *a, const int64_t *serials, const int64_t *deltas
             if (!s->tracked) {
                 s->tracked = 1;
                 s->size = delta;
+                a->size_hash += size_hash(serial, delta);
                 if (do_malloc(a, serial, delta) < 0) return -1;
             } else {
+                a->size_hash -= size_hash(serial, s->size);
                 s->size += delta;
                 int64_t size = s->size;
+                a->size_hash += size_hash(serial, size);
                 if (do_free(a, serial) < 0 || do_malloc(a, serial, size) < 0) return -1;
             }
         } else if (delta < 0) {
             Slot *s = slot_find(a, serial);
             if (!s || !s->tracked) continue;
+            a->size_hash -= size_hash(serial, s->size);
             s->size += delta;
             int64_t size = s->size;
             if (size <= 0) s->tracked = 0; /* do_free drops the slot */
+            else a->size_hash += size_hash(serial, size);
             if (do_free(a, serial) < 0) return -1;
             if (size > 0 && do_malloc(a, serial, size) < 0) return -1;
         }
@@ -578,6 +603,16 @@ static int same_block(Allocator *a, int32_t i, Allocator *b, int32_t j) {
            (x->prev == NONE) == (y->prev == NONE) && (x->next == NONE) == (y->next == NONE);
 }
 
+static PyObject *Allocator_fingerprint(Allocator *a, PyObject *Py_UNUSED(ignored)) {
+    /* a hash of the state `same_state` compares, from sums kept as it changes: equal states, equal fingerprints */
+    uint64_t h = mix(a->reserved_bytes) ^ mix(a->allocated_bytes + 1) ^ mix(a->next_address + 2) ^
+                 mix((int64_t)a->pool_size[0] + 3) ^ mix((int64_t)a->pool_size[1] + 4);
+    h += a->pool_hash + 3 * a->live_hash + 5 * a->size_hash;
+    for (int k = 0; k < 2; k++)
+        if (a->tail[k] != NONE) h += mix(a->blocks[a->tail[k]].address + 5 + k);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
 static PyObject *Allocator_same_state(Allocator *a, PyObject *other) {
     if (!PyObject_TypeCheck(other, Py_TYPE(a))) {
         PyErr_SetString(PyExc_TypeError, "same_state compares two compiled allocators");
@@ -633,6 +668,9 @@ static PyObject *Allocator_clone(Allocator *a, PyObject *Py_UNUSED(ignored)) {
     t->pool_size[0] = a->pool_size[0];
     t->pool_size[1] = a->pool_size[1];
     t->random = a->random;
+    t->pool_hash = a->pool_hash;
+    t->live_hash = a->live_hash;
+    t->size_hash = a->size_hash;
     t->dead = a->dead;
     t->n_blocks = t->cap_blocks = a->n_blocks;
     t->blocks = PyMem_Malloc((size_t)(a->n_blocks ? a->n_blocks : 1) * sizeof(Block));
@@ -654,6 +692,8 @@ static PyMethodDef Allocator_methods[] = {
     {"replay", (PyCFunction)Allocator_replay, METH_VARARGS,
      "replay(serials, deltas, start=0, stop=len): a timeline's events, by storage serial"},
     {"clone", (PyCFunction)Allocator_clone, METH_NOARGS, "an independent copy"},
+    {"fingerprint", (PyCFunction)Allocator_fingerprint, METH_NOARGS,
+     "a hash of the state same_state compares (equal states, equal fingerprints)"},
     {"same_state", (PyCFunction)Allocator_same_state, METH_O,
      "whether every later event would do the same with the other allocator (peaks aside)"},
     {NULL, NULL, 0, NULL},

@@ -188,15 +188,21 @@ class CachingAllocator:
     def same_state(self, other: "CachingAllocator") -> bool:
         """Whether every later event would do the same with `other` (peaks aside): the same settings and bytes,
         the same free blocks and live storages, each at the same address with the same size and split state."""
+        return self._state() == other._state()
+
+    def fingerprint(self) -> int:
+        """A hash of what `same_state` compares: equal states have equal fingerprints."""
+        return hash(repr(self._state()))
+
+    def _state(self) -> tuple:
         def shape(block: _Block | None):
             return None if block is None else (block.address, block.size, block.small, block.allocated,
                                                block.prev is None, block.next is None)
 
-        def state(a: "CachingAllocator"):
-            return (a.capacity_bytes, a.max_split_size, a.expandable, a.reserved_bytes, a.allocated_bytes,
-                    a._next_address, [[shape(e[2]) for e in pool] for pool in a._pools], [shape(t) for t in a._tail],
-                    {key: shape(block) for key, block in a._live.items()}, a._sizes)
-        return state(self) == state(other)
+        return (self.capacity_bytes, self.max_split_size, self.expandable, self.reserved_bytes, self.allocated_bytes,
+                self._next_address, [[shape(e[2]) for e in pool] for pool in self._pools],
+                [shape(t) for t in self._tail], sorted((key, shape(block)) for key, block in self._live.items()),
+                sorted(self._sizes.items()))
 
     def _replay(self, serials, deltas, start: int, stop: int | None) -> None:
         malloc, free, sizes = self.malloc, self.free, self._sizes
@@ -353,6 +359,13 @@ class ReplayState:
     position: int
     allocator: CachingAllocator
     window_peak: int = 0  # the most bytes reserved from here to the next pause (`replay`'s return)
+    _fingerprint: int | None = None
+
+    def fingerprint(self) -> int:
+        """The paused allocator's fingerprint (a paused state is never changed: kept once computed)."""
+        if self._fingerprint is None:
+            self._fingerprint = self.allocator.fingerprint()
+        return self._fingerprint
 
     def copy(self) -> "ReplayState":
         return ReplayState(self.position, self.allocator.clone(), self.window_peak)

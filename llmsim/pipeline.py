@@ -261,7 +261,7 @@ def _replay_shared(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int,
     k, allocator, rejoin = 0, None, False
     start, shared = 0, None
     for other in earlier.ranks:  # the earlier rank sharing the most first chunks (by hash, then confirmed)
-        if _key_run(this, other, 0) > start:
+        if other.every == every and _key_run(this, other, 0) > start:
             run = _first_same(this, other)
             if run > start:
                 start, shared = run, other
@@ -276,14 +276,12 @@ def _replay_shared(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int,
     while k < chunks:
         if rejoin:
             rejoin = False
-            for other in earlier.index.get(_Earlier.key(this, k, allocator), ()):
-                run = _same_run(this, other, k, allocator)
-                if run:
-                    this.take(other, k, k + run)
-                    k += run
-                    if k < chunks:
-                        allocator = other.states[k].allocator.clone()
-                    break
+            other, run = _rejoin(this, earlier.index.get(_Earlier.key(this, k, allocator), ()), k, allocator)
+            if run:
+                this.take(other, k, k + run)
+                k += run
+                if k < chunks:
+                    allocator = other.states[k].allocator.clone()
             continue
         this.states.append(ReplayState(k * every, allocator.clone()))
         this.window_peaks.append(allocator.replay(this.serials, this.deltas, k * every, (k + 1) * every))
@@ -304,7 +302,7 @@ class _Earlier:
 
     @staticmethod
     def key(replayed: "_Replayed", k: int, allocator) -> tuple:
-        return k, int(replayed.keys[k]), allocator.reserved_bytes, allocator.allocated_bytes
+        return replayed.every, k, int(replayed.keys[k]), allocator.reserved_bytes, allocator.allocated_bytes
 
     def add(self, replayed: "_Replayed") -> None:
         if len(self.ranks) >= _MAX_REPLAYED:
@@ -366,19 +364,33 @@ def _first_same(this: _Replayed, other: _Replayed) -> int:
     return run
 
 
-def _same_run(this: _Replayed, other: _Replayed, k: int, allocator) -> int:
-    """The chunks from `k` on that `this` may take from `other`: `other` was in this allocator state before
-    chunk k, and the chunks hold the same events; 0 when it cannot. `other` must have a paused state after the
-    run, unless the run ends both streams."""
-    if other.every != this.every or k >= len(other.states) or other.keys[k] != this.keys[k]:
-        return 0
+def _rejoin(this: _Replayed, candidates: list[_Replayed], k: int, allocator) -> tuple[_Replayed | None, int]:
+    """The earlier rank whose chunks from `k` on `this` may take, and how many: one that was in this allocator
+    state before chunk k (by fingerprint, then compared), with the most next chunks of the same events; (None, 0)
+    when there is none. Ranks that took chunk k's paused state from one another are compared once."""
+    best, most, fingerprint, compared = None, 0, None, {}
+    for other in candidates:
+        state = other.states[k]
+        if id(state) not in compared:
+            if fingerprint is None:
+                fingerprint = allocator.fingerprint()
+            compared[id(state)] = (state.fingerprint() == fingerprint
+                                   and allocator.same_state(state.allocator))
+        if compared[id(state)]:
+            run = _same_run(this, other, k)
+            if run > most:
+                best, most = other, run
+    return best, most
+
+
+def _same_run(this: _Replayed, other: _Replayed, k: int) -> int:
+    """How many chunks from `k` on `this` may take from `other`, which was in the same allocator state before
+    chunk k: those holding the same events (`other` must have a paused state after them, unless they end both
+    streams)."""
     run = _key_run(this, other, k)
-    ends_both = k + run == len(this.keys) == len(other.keys)
-    if not ends_both:
+    if k + run != len(this.keys) or len(this.keys) != len(other.keys):
         run = min(run, len(other.states) - 1 - k)
-    if run <= 0 or not allocator.same_state(other.states[k].allocator):
-        return 0
-    return run if this.same_events(other, k, k + run) else 0
+    return run if run > 0 and this.same_events(other, k, k + run) else 0
 
 
 def _int64(values: np.ndarray) -> np.ndarray:

@@ -288,3 +288,59 @@ def test_ranks_taking_chunks_from_earlier_ranks_replay_like_alone(implementation
         latest = pipeline._REPLAYED[next(iter(pipeline._REPLAYED))].ranks[-1]
         taken += latest.replayed < len(latest.keys)
     assert taken >= 8  # most ranks took chunks from earlier ones
+
+
+@pytest.mark.parametrize("Allocator", IMPLEMENTATIONS)
+def test_same_state_and_fingerprint_see_what_later_events_depend_on(Allocator):
+    """A copy is in the same state; a temporary served by a free block and freed again leaves the same state (the
+    split block merges back); one that needs a segment of its own does not (the segment stays cached)."""
+    a = Allocator()
+    a.malloc(1, 30 * MiB)
+    a.malloc(2, 5 * MiB)
+    a.free(1)
+    twin = a.clone()
+    assert a.same_state(twin) and a.fingerprint() == twin.fingerprint()
+    twin.malloc(3, 7 * MiB)  # fits the free 30 MiB block
+    assert not a.same_state(twin)
+    twin.free(3)
+    assert a.same_state(twin) and a.fingerprint() == twin.fingerprint()
+    twin.malloc(4, 100 * MiB)  # a new segment, cached after the free
+    twin.free(4)
+    assert not a.same_state(twin) and a.fingerprint() != twin.fingerprint()
+    assert twin.peak_reserved_bytes > a.peak_reserved_bytes
+
+
+@needs_compiled
+@pytest.mark.parametrize("config", [dict(), dict(expandable=True), dict(max_split_size=128 * MiB)],
+                         ids=["default", "expandable", "max-split"])
+def test_the_compiled_fingerprint_is_equal_whenever_the_states_are(config):
+    """The compiled fingerprint is kept as sums updated event by event; a stream with temporaries inserted (most
+    of them served by a free block and merged back) reaches the base stream's states by another history: wherever
+    the states are the same (as `same_state` and the Python model say), so are the fingerprints."""
+    import random
+
+    import numpy as np
+
+    serials, deltas = _stream(5, 1500)
+    rng = random.Random(5)
+    base, variant = COMPILED.Allocator(**config), COMPILED.Allocator(**config)
+    python_base, python_variant = CachingAllocator(**config), CachingAllocator(**config)
+    same = 0
+    for i, event in enumerate(zip(serials, deltas)):
+        free_large = [entry[0] for entry in python_variant._pools[False]  # (blocks of max_split_size or more
+                      if 2 * MiB < entry[0] < config.get("max_split_size", 1 << 62)]  # serve only as large)
+        events = [event]
+        if free_large and rng.random() < 0.3:  # a temporary that a free block serves, made and freed first
+            size = rng.randint(MiB + 1, max(free_large))
+            events = [(10**6 + i, size), (10**6 + i, -size), event]
+        var_s, var_d = np.array([e[0] for e in events], np.int64), np.array([e[1] for e in events], np.int64)
+        one_s, one_d = np.array([event[0]], np.int64), np.array([event[1]], np.int64)
+        base.replay(one_s, one_d)
+        python_base.replay(one_s, one_d)
+        variant.replay(var_s, var_d)
+        python_variant.replay(var_s, var_d)
+        assert base.same_state(variant) == python_base.same_state(python_variant)
+        if base.same_state(variant):
+            same += 1
+            assert base.fingerprint() == variant.fingerprint()
+    assert same > 300
