@@ -287,7 +287,7 @@ def _replay_shared(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int,
         this.window_peaks.append(allocator.replay(this.serials, this.deltas, k * every, (k + 1) * every))
         this.replayed += 1
         k, rejoin = k + 1, True
-    this.peak_reserved_bytes = max(this.window_peaks)
+    this.peak_reserved_bytes = max(this.window_peaks, default=allocator.peak_reserved_bytes)  # no events: the extras
     earlier.add(this)
     return this.peak_reserved_bytes
 
