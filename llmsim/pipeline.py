@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -133,6 +134,9 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     ranks = []
     replayed: dict[int, RankPrediction] = {}  # ranks that share one timeline (DDP, ZeRO-0, TP) are replayed once
     lazy = isinstance(rank_timelines, LazyRanks)
+    if lazy and _REPLAYED_PLAN[0]() is not rank_timelines:  # another layout's ranks share little: let theirs go
+        _REPLAYED.clear()
+        _REPLAYED_PLAN[0] = weakref.ref(rank_timelines)
     for rank in sorted(rank_timelines):
         if lazy:  # built for this rank alone: predicted, then let go
             ranks.append(_predict_lazy_rank(rank_timelines, rank, gpu, alloc_conf))
@@ -251,8 +255,8 @@ def _replay_shared(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int,
     rank, so it takes that rank's peaks for them and goes on from that rank's paused state after them. Exact by
     construction; `tests/test_distributed.py` checks every rank against its own whole replay."""
     setting = (capacity_bytes, config, extra)
-    if setting not in _REPLAYED:
-        _REPLAYED.clear()  # one setting at a time: the paused states hold allocators
+    if setting not in _REPLAYED:  # one setting at a time (and one layout: `predict`): paused states hold allocators
+        _REPLAYED.clear()
         _REPLAYED[setting] = _Earlier()
     earlier = _REPLAYED[setting]
     every = CHECKPOINT_EVERY if compiled() else max(256, len(serials) // 32)  # Python states copy slowly
@@ -400,4 +404,5 @@ def _int64(values: np.ndarray) -> np.ndarray:
 CHECKPOINT_EVERY = 512  # events in a chunk (compiled allocator: a paused state copies in microseconds)
 _MAX_REPLAYED = 32  # earlier ranks kept, with their paused states
 _REPLAYED: dict[tuple, _Earlier] = {}
+_REPLAYED_PLAN: list[weakref.ref] = [lambda: None]  # the layout (its LazyRanks) whose ranks _REPLAYED holds
 _RESERVED: dict[tuple, int] = {}
