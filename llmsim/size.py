@@ -16,6 +16,9 @@ pipeline splits its share into micro-batches (at least one per stage); the large
 With `allow`, levers the user accepts (checkpointing, a bf16 build, LoRA, offloaded checkpoints) are switched on,
 fewest first, until the layout fits; a layout that never fits says why (the bytes it needs, or what is not
 modelled).
+Before tracing a TP or PP layout (one trace per TP degree and per stage), a lower bound of every rank's peak
+allocated bytes from the meta-device build (llmsim/bound.py: its parameters, gradients and optimizer states) is
+checked: a layout whose bound alone cannot fit is reported as needing "at least" that much, untraced.
 DeepSpeed's bf16 keeps fp32 master weights, so ZeRO layouts in bf16 carry 16 bytes of model state per parameter
 where the single-process pure-bf16 step carries 8.
 """
