@@ -100,8 +100,9 @@ class Prediction:
                 "ranks": [r.to_dict() for r in self.ranks]}
 
 
-def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
-            gpu: GpuProfile | None = None, alloc_conf: AllocatorConfig = AllocatorConfig()) -> Prediction:
+def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile | None = None) -> TrainSetup:
+    """What `predict` checks before any trace (one line of InputError for what is refused), and the setup it
+    traces: on this GPU, transformers' attention resolved, the strategy's tracing flags, the TP degree."""
     if gpu is not None:
         setup = on_gpu(setup, gpu)
     setup = resolve_attention(model, setup)
@@ -117,6 +118,12 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
                    setup.precision)
     check_fits_positions(model, setup)
+    return setup
+
+
+def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
+            gpu: GpuProfile | None = None, alloc_conf: AllocatorConfig = AllocatorConfig()) -> Prediction:
+    setup = checked(model, setup, layout, gpu)
     if layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks
         rank_timelines = {}
         for stage in range(layout.pp):

@@ -16,6 +16,9 @@ pipeline splits its share into micro-batches (at least one per stage); the large
 With `allow`, levers the user accepts (checkpointing, a bf16 build, LoRA, offloaded checkpoints) are switched on,
 fewest first, until the layout fits; a layout that never fits says why (the bytes it needs, or what is not
 modelled).
+Before tracing a TP or PP layout (one trace per TP degree and per stage), a lower bound of every rank's peak
+allocated bytes from the meta-device build (llmsim/bound.py: its parameters, gradients and optimizer states) is
+checked: a layout whose bound alone cannot fit is reported as needing "at least" that much, untraced.
 DeepSpeed's bf16 keeps fp32 master weights, so ZeRO layouts in bf16 carry 16 bytes of model state per parameter
 where the single-process pure-bf16 step carries 8.
 """
@@ -33,7 +36,8 @@ from llmsim.enums import Precision
 from llmsim.allocator import AllocatorConfig
 from llmsim.gpus import GpuProfile
 from llmsim.errors import InputError
-from llmsim.pipeline import predict
+from llmsim.bound import rank_lower_bounds
+from llmsim.pipeline import checked, predict
 from llmsim.report import human_bytes
 from llmsim.pipelining import Schedule, check_pipeline
 from llmsim.tensor_parallel import check_tensor_parallel
@@ -191,6 +195,8 @@ def _evaluate(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, gpu: Gpu
               alloc_conf: AllocatorConfig, global_batch: int | None) -> dict:
     try:
         if global_batch is None:
+            if why := _cannot_fit(spec, replace(setup, micro_batch=1), candidate.layout_for(1), gpu):
+                return _row(0, 1, None, gpu, why)
             ok, worst = _worst(spec, replace(setup, micro_batch=1), candidate.layout_for(1), gpu, alloc_conf)
             if not ok:
                 return _row(0, 1, None, gpu, _needs(1, "", worst, gpu))
@@ -221,15 +227,34 @@ def _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch: int
         options = [(mb, share // mb) for mb in _divisors(share)]
     else:
         options = [(share, 1)]
-    for micro_batch, passes in options:  # largest micro-batch first
+    for i, (micro_batch, passes) in enumerate(options):  # largest micro-batch first
         trial = replace(setup, micro_batch=micro_batch, grad_accum=passes if stages == 1 else 1)
         layout = candidate.layout_for(micro_batch, m=passes) if stages > 1 else candidate.layout_for(micro_batch)
+        if i == 0 and (why := _cannot_fit(spec, trial, layout, gpu)):  # the model states alone, at any split
+            return _row(0, options[-1][1], None, gpu, why)
         ok, worst = _worst(spec, trial, layout, gpu, alloc_conf)
         if ok:
             return _row(micro_batch, passes, worst.device_total_bytes, gpu, "")
     micro_batch, passes = options[-1]
     split = f" x {passes} {'micro-batches' if stages > 1 else 'passes'}" if passes > 1 else ""
     return _row(0, passes, None, gpu, _needs(micro_batch, split, worst, gpu))
+
+
+def _cannot_fit(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile) -> str | None:
+    """Why `layout` fits at no micro-batch, from a lower bound of its ranks' peak allocated bytes that needs no
+    trace (llmsim/bound.py: the model states alone; TP and PP layouts), or None where the bound fits or is not
+    modelled. A rank fits only if its live bytes and the cuBLAS workspace fit in the capacity less the CUDA
+    context (`pipeline._on_device`). Raises the InputError `predict` would raise for this layout."""
+    bounds = rank_lower_bounds(spec, checked(spec, setup, layout, gpu), layout)
+    if not bounds:
+        return None
+    rank = max(bounds, key=bounds.get)  # the lowest such rank
+    usable = gpu.capacity_bytes - gpu.cuda_context_bytes - gpu.cublas_workspace_bytes
+    if bounds[rank] <= usable:
+        return None
+    total = bounds[rank] + gpu.cublas_workspace_bytes + gpu.cuda_context_bytes
+    return (f"needs at least {human_bytes(total)} on rank {rank} of {human_bytes(gpu.capacity_bytes)} "
+            "(its model states alone, before activations)")
 
 
 def _needs(micro_batch: int, split: str, worst, gpu: GpuProfile) -> str:

@@ -65,6 +65,26 @@ def build_parallel(build_on_meta: Callable[[], nn.Module], name: str, mesh=None,
                    cut: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """The canonical build of one rank (module docstring): on the meta device, cut to a pipeline stage
     (`cut`), transformers' TP plan over `mesh` (when given), then this rank's shards only, initialised."""
+    model = parallel_on_meta(build_on_meta, name, mesh, cut)
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                module._parameters[key] = nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                       requires_grad=param.requires_grad)
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = torch.empty_like(buffer, device="cpu")
+    with warnings.catch_warnings():  # DTensor's RNG tracker has no CPU support: each rank draws its own values
+        warnings.filterwarnings("ignore", message="DTensor random operators")
+        model.init_weights()
+    return model
+
+
+def parallel_on_meta(build_on_meta: Callable[[], nn.Module], name: str, mesh=None,
+                     cut: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """The canonical build of one rank up to its allocation: the model on the meta device, cut to a pipeline
+    stage (`cut`), transformers' TP plan applied over `mesh` (when given; parameters become DTensors whose local
+    tensors are this rank's shards). No memory: llmsim/bound.py reads the shards' shapes from it."""
     from transformers.distributed import DistributedConfig
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
@@ -80,17 +100,6 @@ def build_parallel(build_on_meta: Callable[[], nn.Module], name: str, mesh=None,
             apply_tensor_parallelism(model, mesh, plan)
         except (KeyError, ValueError) as exc:  # e.g. a tied LM head, which the plan names but the model shares
             raise InputError(f"transformers cannot apply its TP plan to {name}: {one_line(exc)}") from exc
-    for module in model.modules():
-        for key, param in module._parameters.items():
-            if param is not None:
-                module._parameters[key] = nn.Parameter(torch.empty_like(param, device="cpu"),
-                                                       requires_grad=param.requires_grad)
-        for key, buffer in module._buffers.items():
-            if buffer is not None:
-                module._buffers[key] = torch.empty_like(buffer, device="cpu")
-    with warnings.catch_warnings():  # DTensor's RNG tracker has no CPU support: each rank draws its own values
-        warnings.filterwarnings("ignore", message="DTensor random operators")
-        model.init_weights()
     return model
 
 

@@ -60,7 +60,18 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
     if setup.quant is not None:  # loaded from a checkpoint: a real one, or for a fake run its header alone
         directory = header_checkpoint(spec.config_json, num_layers) if fake else real_checkpoint(config)
         return functools.partial(load_quantized, directory, setup)
+    build = hf_builder(spec, setup, config)
+    if setup.tp > 1 or setup.pp > 1:
+        return functools.partial(
+            build_parallel, build, spec.name, mesh["tp"] if setup.tp > 1 else None,
+            functools.partial(cut, stage=setup.pp_stage, num_stages=setup.pp, keep=num_layers,
+                              split=setup.pp_split) if setup.pp > 1
+            else None)
+    return build
 
+
+def hf_builder(spec: ModelSpec, setup: TrainSetup, config):
+    """`AutoModelForCausalLM.from_config` as the canonical step calls it: fp32, or bf16 with `build_bf16`."""
     def build():
         from transformers import AutoModelForCausalLM
 
@@ -70,12 +81,6 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
                 attn_implementation=setup.attention.value)
         except (ValueError, TypeError, RuntimeError, AssertionError) as exc:  # what transformers raises
             raise InputError(f"transformers cannot build {spec.name}: {one_line(exc)}") from exc
-    if setup.tp > 1 or setup.pp > 1:
-        return functools.partial(
-            build_parallel, build, spec.name, mesh["tp"] if setup.tp > 1 else None,
-            functools.partial(cut, stage=setup.pp_stage, num_stages=setup.pp, keep=num_layers,
-                              split=setup.pp_split) if setup.pp > 1
-            else None)
     return build
 
 
