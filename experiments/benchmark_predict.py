@@ -73,7 +73,9 @@ for name, layout_of in (("DDP", lambda w: Layout(Strategy.DDP, w)), ("ZeRO-3", l
         again = sorted(timed("llama-2-70b", seventy, layout_of(1024), h100)[0] for _ in range(3))
         repeat = f", warm repeat {1000 * again[1]:,.0f} ms (median of 3)"
     else:  # every rank differs (its partition): its events from one template walk, its own chunks replayed
-        repeat = " (every rank's own events and allocator replay)"
+        timed("llama-2-70b", seventy, Layout(Strategy.DDP, 8))  # no GPU (CPU kernels: another trace), traced first
+        cpu_s, _ = timed("llama-2-70b", seventy, layout_of(1024))  # no GPU: live bytes, no allocator model
+        repeat = f" (every rank's own events and allocator replay; without the allocator model {1000 * cpu_s:,.0f} ms)"
     print(f"  {name} on 1,024: {cold}warm new layout {1000 * new_s:,.0f} ms{repeat}, peak {peak:,} B")
 
 # A sweep of 10,240 DDP configurations (llmsim sweep's own function, both cores): Llama-2-7B, bf16, checkpointing,
