@@ -192,7 +192,7 @@ class CachingAllocator:
 
     def fingerprint(self) -> int:
         """A hash of what `same_state` compares: equal states have equal fingerprints."""
-        return hash(repr(self._state()))
+        return hash(self._state())
 
     def _state(self) -> tuple:
         def shape(block: _Block | None):
@@ -200,9 +200,10 @@ class CachingAllocator:
                                                block.prev is None, block.next is None)
 
         return (self.capacity_bytes, self.max_split_size, self.expandable, self.reserved_bytes, self.allocated_bytes,
-                self._next_address, [[shape(e[2]) for e in pool] for pool in self._pools],
-                [shape(t) for t in self._tail], sorted((key, shape(block)) for key, block in self._live.items()),
-                sorted(self._sizes.items()))
+                self._next_address, tuple(tuple(shape(e[2]) for e in pool) for pool in self._pools),
+                tuple(shape(t) for t in self._tail),
+                tuple(sorted((key, shape(block)) for key, block in self._live.items())),
+                tuple(sorted(self._sizes.items())))
 
     def _replay(self, serials, deltas, start: int, stop: int | None) -> None:
         malloc, free, sizes = self.malloc, self.free, self._sizes
@@ -330,7 +331,7 @@ class CachingAllocator:
         pool.pop(bisect.bisect_left(pool, (block.size, block.address)))
 
 
-try:  # the same model compiled (llmsim/_allocator.c, built by `pip install`): replays ~30x faster
+try:  # the same model compiled (llmsim/_allocator.c, built by `pip install`): replays ~10x faster
     from llmsim import _allocator
 except ImportError:  # no C compiler where llmsim was installed: this module's Python model
     _allocator = None
@@ -352,50 +353,30 @@ def new_allocator(capacity_bytes: int = NO_LIMIT, config: AllocatorConfig = Allo
 
 
 @dataclass
-class ReplayState:
-    """A replay paused before event `position`: a stream whose first `position` events are the same resumes
-    from (a copy of) it instead of replaying them."""
+class PausedReplay:
+    """An allocator paused between two chunks of a replay (never changed: a replay goes on from a clone of it)."""
 
-    position: int
     allocator: CachingAllocator
-    window_peak: int = 0  # the most bytes reserved from here to the next pause (`replay`'s return)
     _fingerprint: int | None = None
 
     def fingerprint(self) -> int:
-        """The paused allocator's fingerprint (a paused state is never changed: kept once computed)."""
+        """The paused allocator's fingerprint, kept once computed."""
         if self._fingerprint is None:
             self._fingerprint = self.allocator.fingerprint()
         return self._fingerprint
 
-    def copy(self) -> "ReplayState":
-        return ReplayState(self.position, self.allocator.clone(), self.window_peak)
-
 
 def replay_reserved(serials, deltas, capacity_bytes: int = NO_LIMIT, config: AllocatorConfig = AllocatorConfig(),
-                    extra_allocations: tuple[int, ...] = (), resume: ReplayState | None = None,
-                    checkpoints: list[ReplayState] | None = None, checkpoint_every: int = 4096) -> CachingAllocator:
+                    extra_allocations: tuple[int, ...] = ()) -> CachingAllocator:
     """Run a timeline's allocations and frees (by storage serial) through the allocator model.
-    `extra_allocations` are made first and kept (the cuBLAS workspace). With `resume`, the events before its
-    position are taken as replayed (the caller has checked they are the same); with `checkpoints`, a copy of the
-    state is appended every `checkpoint_every` events."""
-    if resume is not None:
-        state = resume.copy()
-    else:
-        allocator = new_allocator(capacity_bytes, config)
-        for i, size in enumerate(extra_allocations):
-            allocator.malloc(-2 - i, size)
-        state = ReplayState(0, allocator)
-    if isinstance(state.allocator, CachingAllocator):
-        serials, deltas = _ints(serials), _ints(deltas)
-    else:
+    `extra_allocations` are made first and kept (the cuBLAS workspace)."""
+    allocator = new_allocator(capacity_bytes, config)
+    for i, size in enumerate(extra_allocations):
+        allocator.malloc(-2 - i, size)
+    if not isinstance(allocator, CachingAllocator):  # the compiled one reads int64 buffers
         serials, deltas = np.ascontiguousarray(serials, np.int64), np.ascontiguousarray(deltas, np.int64)
-    step = checkpoint_every if checkpoints is not None else max(len(serials), 1)
-    for start in range(state.position, len(serials), step):
-        if checkpoints is not None and start > 0:
-            state.position = start
-            checkpoints.append(state.copy())
-        state.allocator.replay(serials, deltas, start, start + step)
-    return state.allocator
+    allocator.replay(serials, deltas)
+    return allocator
 
 
 def _ints(values) -> list[int]:

@@ -11,7 +11,7 @@ import networkx as nx
 import numpy as np
 import pandas as pd
 
-from llmsim.allocator import NO_LIMIT, AllocatorConfig, OutOfMemory, ReplayState, compiled, replay_reserved
+from llmsim.allocator import NO_LIMIT, AllocatorConfig, OutOfMemory, PausedReplay, compiled, replay_reserved
 from llmsim.gpus import GpuProfile, on_gpu
 from llmsim.graph import layer_graph
 from llmsim.offload import host_peak_bytes, split_host
@@ -172,9 +172,9 @@ def _as_rank(prediction: RankPrediction, rank: int) -> RankPrediction:
 
 
 def _predict_rank(rank: int, timeline: pd.DataFrame, gpu: GpuProfile | None,
-                  alloc_conf: AllocatorConfig, shared_prefix: bool = False) -> RankPrediction:
+                  alloc_conf: AllocatorConfig, shared_ranks: bool = False) -> RankPrediction:
     device, host = split_host(timeline)  # offloaded activations are host memory, not the GPU's
-    return replace(_on_device(rank, replay(device), device, gpu, alloc_conf, shared_prefix),
+    return replace(_on_device(rank, replay(device), device, gpu, alloc_conf, shared_ranks),
                    peak_host_bytes=host_peak_bytes(host))
 
 
@@ -184,7 +184,7 @@ def _predict_lazy_rank(rank_timelines: LazyRanks, rank: int, gpu: GpuProfile | N
     timeline (`LazyRanks.events`), else from its timeline, built for this rank alone and let go."""
     frame = functools.partial(_device_timeline, rank_timelines, rank)
     if rank_timelines.events is None:
-        return replace(_predict_rank(rank, rank_timelines[rank], gpu, alloc_conf, shared_prefix=True), frame=frame)
+        return replace(_predict_rank(rank, rank_timelines[rank], gpu, alloc_conf, shared_ranks=True), frame=frame)
     events = rank_timelines.events(rank)
     return replace(_on_device(rank, events.peak, None, gpu, alloc_conf, True, events.arrays), frame=frame,
                    peak_host_bytes=events.peak_host_bytes)
@@ -209,7 +209,7 @@ def expanded(model: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, Callabl
 
 
 def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame | None, gpu: GpuProfile | None,
-               alloc_conf: AllocatorConfig, shared_prefix: bool = False,
+               alloc_conf: AllocatorConfig, shared_ranks: bool = False,
                arrays: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None) -> RankPrediction:
     """Reserved and device total: the caching allocator model on a GPU; the live bytes themselves on the CPU.
     The allocator model reads the timeline's (serials, delta bytes), or `arrays()` where there is no timeline."""
@@ -221,7 +221,7 @@ def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame | None, gpu: GpuPro
     extra = (gpu.cublas_workspace_bytes,)
     # Unbounded first: when its reserved peak fits, the bounded run (whose only difference is releasing the
     # cache when a segment would not fit) is the same run; when even the live bytes cannot fit, it is an OOM.
-    reserved = _replay_reserved(serials, deltas, NO_LIMIT, alloc_conf, extra, shared_prefix)
+    reserved = _replay_reserved(serials, deltas, NO_LIMIT, alloc_conf, extra, shared_ranks)
     fits = reserved <= usable
     if not fits and peak.allocated_bytes + sum(extra) <= usable:
         try:
@@ -235,13 +235,13 @@ def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame | None, gpu: GpuPro
 
 
 def _replay_reserved(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int, config: AllocatorConfig,
-                     extra: tuple[int, ...], shared_prefix: bool = False) -> int:
+                     extra: tuple[int, ...], shared_ranks: bool = False) -> int:
     """The allocator model's reserved peak, kept by the events' content: ranks and layouts that differ only in
     what the allocator does not see (DDP at any world size, ZeRO ranks alike, another GPU of the same
-    kernels) replay once. With `shared_prefix` (the ranks of one ZeRO-1/2 prediction, whose events are those of
+    kernels) replay once. With `shared_ranks` (the ranks of one ZeRO-1/2 prediction, whose events are those of
     the ranks before them but for the few that depend on the rank's partition), the replay reuses the earlier
     ranks' paused replays (`_replay_shared`)."""
-    if shared_prefix:
+    if shared_ranks:
         return _replay_shared(serials, deltas, capacity_bytes, config, extra)
     key = (hashlib.blake2b(serials.tobytes() + b"|" + deltas.tobytes(), digest_size=16).digest(),
            capacity_bytes, config, extra)
@@ -294,7 +294,7 @@ def _replay_shared(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int,
                 if k < chunks:
                     allocator = other.states[k].allocator.clone()
             continue
-        this.states.append(ReplayState(k * every, allocator.clone()))
+        this.states.append(PausedReplay(allocator.clone()))
         this.window_peaks.append(allocator.replay(this.serials, this.deltas, k * every, (k + 1) * every))
         this.replayed += 1
         k, rejoin = k + 1, True
@@ -335,7 +335,7 @@ class _Replayed:
     deltas: np.ndarray
     every: int
     keys: np.ndarray
-    states: list[ReplayState] = field(default_factory=list)
+    states: list[PausedReplay] = field(default_factory=list)
     window_peaks: list[int] = field(default_factory=list)
     peak_reserved_bytes: int = 0
     replayed: int = 0  # chunks this rank replayed itself

@@ -170,28 +170,40 @@ def _stream(seed: int, n: int = 3000):
 @pytest.mark.parametrize("implementation", ["python", pytest.param("compiled", marks=needs_compiled)])
 @pytest.mark.parametrize("expandable", [False, True])
 def test_a_replay_resumed_from_a_paused_state_is_the_whole_replay(expandable, implementation, monkeypatch):
+    """What pipeline._replay_shared relies on: a copy of the allocator paused before event p, replayed on from p
+    (`replay(start=p)`), ends as the whole replay; the windows' peaks make the whole peak."""
+    import numpy as np
+
+    from llmsim.allocator import new_allocator
+
     monkeypatch.setenv("LLMSIM_ALLOCATOR", implementation)
     config = AllocatorConfig(expandable_segments=expandable)
     serials, deltas = _stream(1)
-    states = []
-    whole = replay_reserved(serials, deltas, config=config, extra_allocations=(4096,), checkpoints=states,
-                            checkpoint_every=256)
-    assert [s.position for s in states] == list(range(256, len(serials), 256))
+    paused, windows = [], []
+    whole = new_allocator(config=config)
+    whole.malloc(-2, 4096)
+    as_int64 = (lambda values: np.array(values, np.int64)) if implementation == "compiled" else list
+    for start in range(0, len(serials), 256):
+        paused.append((start, whole.clone()))
+        windows.append(whole.replay(as_int64(serials), as_int64(deltas), start, start + 256))
+    assert [start for start, _ in paused] == list(range(0, len(serials), 256))
+    assert max(windows) == whole.peak_reserved_bytes
     # another stream with the same first 1,500 events (the ranks of a ZeRO-1/2 prediction)
     other_serials, other_deltas = _stream(2)
     other_serials = serials[:1500] + [s + 10_000 for s in other_serials[:1500]]
     other_deltas = deltas[:1500] + other_deltas[:1500]
     expected = replay_reserved(other_serials, other_deltas, config=config, extra_allocations=(4096,))
-    for state in states:
-        resumed = replay_reserved(serials, deltas, config=config, resume=state)
+    for start, state in paused:
+        resumed = state.clone()
+        resumed.replay(as_int64(serials), as_int64(deltas), start)
         assert (resumed.peak_reserved_bytes, resumed.peak_allocated_bytes, resumed.reserved_bytes) == (
             whole.peak_reserved_bytes, whole.peak_allocated_bytes, whole.reserved_bytes)
-        if state.position <= 1500:
-            other = replay_reserved(other_serials, other_deltas, config=config, resume=state)
+        if start <= 1500:
+            other = state.clone()
+            other.replay(as_int64(other_serials), as_int64(other_deltas), start)
             assert (other.peak_reserved_bytes, other.peak_allocated_bytes) == (expected.peak_reserved_bytes,
                                                                               expected.peak_allocated_bytes)
     assert expected.peak_reserved_bytes != whole.peak_reserved_bytes  # the suffixes do differ
-
 
 
 def _counters(allocator) -> tuple[int, int, int, int]:
