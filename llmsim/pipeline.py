@@ -127,14 +127,8 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     if layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks
         rank_timelines = {}
         for stage in range(layout.pp):
-            timeline, graph = expanded(model, replace(setup, pp=layout.pp, pp_stage=stage,
-                                                       schedule=layout.schedule.value,
-                                                       n_microbatches=layout.n_microbatches, pp_split=layout.pp_split))
-            if layout.strategy is not Strategy.SINGLE:  # the stage's DDP buffers, the same in every replica
-                timeline = _plan(timeline, layout, setup)[0]
-            per_replica = layout.pp * layout.tp
-            rank_timelines.update({replica * per_replica + stage * layout.tp + t: timeline
-                                   for replica in range(layout.dp) for t in range(layout.tp)})
+            timeline, graph = _stage_timeline(model, setup, layout, stage)
+            rank_timelines.update(dict.fromkeys(stage_ranks(layout, stage), timeline))
     else:
         timeline, graph = expanded(model, setup)
         rank_timelines = _plan(timeline, layout, setup)
@@ -153,6 +147,33 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             replayed[id(rank_timeline)] = _predict_rank(rank, rank_timeline, gpu, alloc_conf)
         ranks.append(_as_rank(replayed[id(rank_timeline)], rank))
     return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf)
+
+
+def predict_stage(model: ModelSpec, setup: TrainSetup, layout: Layout, stage: int, gpu: GpuProfile | None = None,
+                  alloc_conf: AllocatorConfig = AllocatorConfig()) -> list[RankPrediction]:
+    """The ranks of one pipeline stage (`layout.pp > 1`), as `predict` gives them: one trace, shared by the stage's
+    TP ranks in every replica. `size` asks stage by stage, so that a micro-batch one stage cannot fit costs no
+    other stage's trace."""
+    setup = checked(model, setup, layout, gpu)
+    timeline = _stage_timeline(model, setup, layout, stage)[0]
+    ranks = stage_ranks(layout, stage)
+    first = _predict_rank(ranks[0], timeline, gpu, alloc_conf)
+    return [first] + [_as_rank(first, rank) for rank in ranks[1:]]
+
+
+def stage_ranks(layout: Layout, stage: int) -> list[int]:
+    """The global ranks of pipeline stage `stage`: its TP ranks in every data-parallel replica."""
+    per_replica = layout.pp * layout.tp
+    return [replica * per_replica + stage * layout.tp + t for replica in range(layout.dp) for t in range(layout.tp)]
+
+
+def _stage_timeline(model: ModelSpec, setup: TrainSetup, layout: Layout,
+                    stage: int) -> tuple[pd.DataFrame, Callable[[], nx.DiGraph]]:
+    timeline, graph = expanded(model, replace(setup, pp=layout.pp, pp_stage=stage, schedule=layout.schedule.value,
+                                              n_microbatches=layout.n_microbatches, pp_split=layout.pp_split))
+    if layout.strategy is not Strategy.SINGLE:  # the stage's DDP buffers, the same in every replica
+        timeline = _plan(timeline, layout, setup)[0]
+    return timeline, graph
 
 
 @per_timeline(maxsize=8)

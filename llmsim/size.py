@@ -18,7 +18,9 @@ fewest first, until the layout fits; a layout that never fits says why (the byte
 modelled).
 Before tracing a TP or PP layout (one trace per TP degree and per stage), a lower bound of every rank's peak
 allocated bytes from the meta-device build (llmsim/bound.py: its parameters, gradients and optimizer states) is
-checked: a layout whose bound alone cannot fit is reported as needing "at least" that much, untraced.
+checked: a layout whose bound alone cannot fit is reported as needing "at least" that much, untraced. A pipeline
+is predicted stage by stage, fullest first, and a micro-batch stops at the first stage that cannot fit it (its
+other stages are not traced; the "needs" then names the fullest rank of the stages predicted).
 DeepSpeed's bf16 keeps fp32 master weights, so ZeRO layouts in bf16 carry 16 bytes of model state per parameter
 where the single-process pure-bf16 step carries 8.
 """
@@ -37,7 +39,7 @@ from llmsim.allocator import AllocatorConfig
 from llmsim.gpus import GpuProfile
 from llmsim.errors import InputError
 from llmsim.bound import rank_lower_bounds
-from llmsim.pipeline import checked, predict
+from llmsim.pipeline import checked, predict, predict_stage
 from llmsim.report import human_bytes
 from llmsim.pipelining import Schedule, check_pipeline
 from llmsim.tensor_parallel import check_tensor_parallel
@@ -103,37 +105,57 @@ def _zero(spec: ModelSpec, setup: TrainSetup, world: int, stage: int, micro_batc
 
 
 def fits(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, micro_batch: int, gpu: GpuProfile,
-         alloc_conf: AllocatorConfig = AllocatorConfig()) -> tuple:
+         alloc_conf: AllocatorConfig = AllocatorConfig(), hint: dict[int, int] | None = None) -> tuple:
     ok, worst = _worst(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
-                       alloc_conf)
+                       alloc_conf, hint)
     return ok, worst.device_total_bytes
 
 
-def _worst(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile, alloc_conf: AllocatorConfig):
-    """(whether every rank fits, the rank with the largest device total)."""
-    prediction = predict(spec, setup, layout, gpu, alloc_conf)
-    return all(r.fits for r in prediction.ranks), max(prediction.ranks, key=lambda r: r.device_total_bytes)
+def _worst(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile, alloc_conf: AllocatorConfig,
+           hint: dict[int, int] | None = None):
+    """(whether every rank fits, the rank with the largest device total among those predicted). A pipeline is
+    predicted stage by stage (one trace each) and stops at the first stage with a rank that does not fit: then the
+    layout does not, whatever the other stages need. The fullest stages go first: by `hint` (stage -> device
+    total, filled in here whenever every stage fits: the candidate's last micro-batch that fitted), else the first
+    stage (the most micro-batches in flight under 1F1B), then the last (the LM head and loss), then the others."""
+    if layout.pp == 1:
+        prediction = predict(spec, setup, layout, gpu, alloc_conf)
+        return all(r.fits for r in prediction.ranks), max(prediction.ranks, key=lambda r: r.device_total_bytes)
+    hint = {} if hint is None else hint
+    default = [0, layout.pp - 1] + list(range(1, layout.pp - 1))
+    order = sorted(default, key=lambda stage: -hint.get(stage, 0))  # stable: the default order without a hint
+    ranks, totals = [], {}
+    for stage in order:
+        predicted = predict_stage(spec, setup, layout, stage, gpu, alloc_conf)
+        ranks += predicted
+        totals[stage] = max(r.device_total_bytes for r in predicted)
+        if not all(r.fits for r in predicted):
+            return False, max(ranks, key=lambda r: r.device_total_bytes)
+    hint.update(totals)
+    return True, max(ranks, key=lambda r: r.device_total_bytes)
 
 
 def largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch: int,
                         alloc_conf: AllocatorConfig = AllocatorConfig(),
-                        first_total: int | None = None) -> tuple[int, int | None]:
+                        first_total: int | None = None, hint: dict[int, int] | None = None) -> tuple[int, int | None]:
     """(largest micro-batch that fits or 0, its device total). `first_total`: micro-batch 1 is already known to
-    fit, with this device total."""
-    ok, total = (True, first_total) if first_total is not None else fits(spec, setup, candidate, 1, gpu, alloc_conf)
+    fit, with this device total. `hint`: a pipeline's stages by fullness (`_worst`)."""
+    hint = {} if hint is None else hint
+    ok, total = ((True, first_total) if first_total is not None
+                 else fits(spec, setup, candidate, 1, gpu, alloc_conf, hint))
     if not ok:
         return 0, None
     good, good_total, bad = 1, total, None
     while bad is None and good < max_micro_batch:  # double until it stops fitting
         trial = min(2 * good, max_micro_batch)
-        ok, total = fits(spec, setup, candidate, trial, gpu, alloc_conf)
+        ok, total = fits(spec, setup, candidate, trial, gpu, alloc_conf, hint)
         if ok:
             good, good_total = trial, total
         else:
             bad = trial
     while bad is not None and bad - good > 1:  # bisect between the last fit and the first miss
         trial = (good + bad) // 2
-        ok, total = fits(spec, setup, candidate, trial, gpu, alloc_conf)
+        ok, total = fits(spec, setup, candidate, trial, gpu, alloc_conf, hint)
         if ok:
             good, good_total = trial, total
         else:
@@ -197,11 +219,12 @@ def _evaluate(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, gpu: Gpu
         if global_batch is None:
             if why := _cannot_fit(spec, replace(setup, micro_batch=1), candidate.layout_for(1), gpu):
                 return _row(0, 1, None, gpu, why)
-            ok, worst = _worst(spec, replace(setup, micro_batch=1), candidate.layout_for(1), gpu, alloc_conf)
+            hint: dict[int, int] = {}
+            ok, worst = _worst(spec, replace(setup, micro_batch=1), candidate.layout_for(1), gpu, alloc_conf, hint)
             if not ok:
                 return _row(0, 1, None, gpu, _needs(1, "", worst, gpu))
             micro_batch, total = largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch, alloc_conf,
-                                                     first_total=worst.device_total_bytes)
+                                                     first_total=worst.device_total_bytes, hint=hint)
             return _row(micro_batch, 1, total, gpu, "")
         return _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch)
     except InputError as error:  # a combination llmsim refuses (e.g. a lever not modelled with this layout)
@@ -227,12 +250,13 @@ def _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch: int
         options = [(mb, share // mb) for mb in _divisors(share)]
     else:
         options = [(share, 1)]
+    hint: dict[int, int] = {}
     for i, (micro_batch, passes) in enumerate(options):  # largest micro-batch first
         trial = replace(setup, micro_batch=micro_batch, grad_accum=passes if stages == 1 else 1)
         layout = candidate.layout_for(micro_batch, m=passes) if stages > 1 else candidate.layout_for(micro_batch)
         if i == 0 and (why := _cannot_fit(spec, trial, layout, gpu)):  # the model states alone, at any split
             return _row(0, options[-1][1], None, gpu, why)
-        ok, worst = _worst(spec, trial, layout, gpu, alloc_conf)
+        ok, worst = _worst(spec, trial, layout, gpu, alloc_conf, hint)
         if ok:
             return _row(micro_batch, passes, worst.device_total_bytes, gpu, "")
     micro_batch, passes = options[-1]

@@ -107,3 +107,42 @@ def test_size_new_options_bad_input_is_one_line(capsys):
     assert main(base + ["--global-batch", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "global-batch must be a positive integer, got 0" in err
+
+
+
+def test_pipeline_stage_by_stage_agrees_with_predict(monkeypatch):
+    """`size` predicts a pipeline stage by stage and stops at the first stage that cannot fit: the verdict is
+    `predict`'s at every micro-batch, the worst rank too where every stage fits, and a micro-batch that fails
+    after a fitting one starts with the stage that was fullest (here it costs that stage alone)."""
+    import llmsim.size as sizing
+    from llmsim.allocator import AllocatorConfig
+    from llmsim.pipeline import predict
+    from llmsim.size import _model_parallel, _worst
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 2048, 4))
+    verdicts = set()
+    for tp, pp in ((1, 2), (1, 4), (2, 2)):
+        layout = _model_parallel(tp, pp)
+        for micro_batch in range(1, 9):
+            whole = {r.rank: r for r in predict(spec, TrainSetup(micro_batch, 512), layout, TINY_GPU).ranks}
+            ok, worst = _worst(spec, TrainSetup(micro_batch, 512), layout, TINY_GPU, AllocatorConfig())
+            assert ok == all(r.fits for r in whole.values()), (tp, pp, micro_batch)
+            assert worst.device_total_bytes == whole[worst.rank].device_total_bytes
+            if ok:
+                assert worst.device_total_bytes == max(r.device_total_bytes for r in whole.values())
+            else:
+                assert not whole[worst.rank].fits
+            verdicts.add(ok)
+    assert verdicts == {True, False}  # the cases bite
+
+    stages = []
+    real = sizing.predict_stage
+    monkeypatch.setattr(sizing, "predict_stage", lambda *a, **k: stages.append(a[3]) or real(*a, **k))
+    layout, hint = _model_parallel(1, 4), {}
+    last = max(mb for mb in range(1, 9) if _worst(spec, TrainSetup(mb, 512), layout, TINY_GPU, AllocatorConfig())[0])
+    stages.clear()
+    assert _worst(spec, TrainSetup(last, 512), layout, TINY_GPU, AllocatorConfig(), hint)[0]
+    assert sorted(stages) == sorted(hint) == [0, 1, 2, 3]
+    stages.clear()
+    assert not _worst(spec, TrainSetup(last + 1, 512), layout, TINY_GPU, AllocatorConfig(), hint)[0]
+    assert stages == [max(hint, key=hint.get)]
