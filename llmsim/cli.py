@@ -246,7 +246,7 @@ def cmd_size(args) -> int:
         raise InputError(f"unknown layout families {unknown}; valid choices: {', '.join(FAMILIES)}")
     allow = tuple(name for name in (args.allow or "").split(",") if name)
     frame = size(spec, setup, gpu, args.max_gpus, args.max_micro_batch, _alloc_conf(args), families,
-                 args.global_batch, allow)
+                 args.global_batch, allow, args.jobs, not args.quiet)
     title = (f"{spec.name} on {gpu.name} ({human_bytes(gpu.capacity_bytes)}), seq {setup.seq_len}, "
              f"{setup.precision.value}{', checkpointing' if setup.grad_ckpt else ''}")
     if args.plot:
@@ -349,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--plot", metavar="PNG", help="also draw the answer as a heatmap: layout x GPUs -> largest "
                    "micro-batch")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="local processes (layouts in parallel)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_size, strategy=None, world_size=None, ds_config=None, tp=1, pp=1, schedule="gpipe",
                    microbatches=1, pp_split=None, dp=None)
     p = sub.add_parser("sweep", help="predict every combination of a YAML/JSON grid of predict's options")

@@ -26,9 +26,12 @@ where the single-process pure-bf16 step carries 8.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import json
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
 import pandas as pd
@@ -188,29 +191,55 @@ def with_levers(setup: TrainSetup, levers: tuple[str, ...]) -> TrainSetup:
 def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
          max_micro_batch: int = 64, alloc_conf: AllocatorConfig = AllocatorConfig(),
          families: tuple[str, ...] = FAMILIES, global_batch: int | None = None,
-         allow: tuple[str, ...] = ()) -> pd.DataFrame:
+         allow: tuple[str, ...] = (), jobs: int = 1, progress: bool = False) -> pd.DataFrame:
     """One row per layout (and GPU count): whether it fits, with which of the allowed levers (the fewest that
     make it fit), its micro-batch (the largest that fits; with `global_batch`, the one that makes up the batch),
-    and why it does not fit when it does not."""
+    and why it does not fit when it does not. Layouts are evaluated in `jobs` local processes (each traces what
+    its layouts need), the pipelines first (they take longest)."""
+    from tqdm import tqdm
+
     if global_batch is not None and global_batch < 1:
         raise InputError(f"global-batch must be a positive integer, got {global_batch}")
+    if jobs < 1:
+        raise InputError(f"jobs({jobs}) must be >= 1")
     combos = lever_sets(allow)
-    keys: dict[tuple[str, int], list[tuple[tuple[str, ...], Candidate]]] = {}
+    keys: dict[tuple[str, int], list[tuple[str, ...]]] = {}
     for levers in combos:
         for candidate in candidates(spec, with_levers(setup, levers), max_gpus, families):
-            keys.setdefault((candidate.name, candidate.gpus), []).append((levers, candidate))
-    rows = []
-    for (name, gpus), tries in keys.items():
-        for levers, candidate in tries:  # a layout that never fits is shown with every lever it was allowed
-            row = _evaluate(spec, with_levers(setup, levers), candidate, gpu, max_micro_batch, alloc_conf,
-                            global_batch)
-            row = {"layout": name, "gpus": gpus, "levers": "+".join(levers) or "-", **row}
-            if row["fits"]:
-                break
-        rows.append(row)
-    frame = pd.DataFrame(rows)
+            keys.setdefault((candidate.name, candidate.gpus), []).append(levers)
+    work = functools.partial(_layout_row, spec, setup, gpu, max_gpus, max_micro_batch, alloc_conf, families,
+                             global_batch)
+    order = sorted(keys, key=lambda key: ("pp" not in key[0], -key[1]))  # pipelines, the most GPUs first
+    pool = ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else contextlib.nullcontext()
+    with pool, tqdm(total=len(keys), disable=not progress, unit="layout") as bar:
+        results = {}
+        for key, row in zip(order, pool.map(work, order, [keys[k] for k in order]) if jobs > 1
+                            else map(work, order, [keys[k] for k in order])):
+            results[key] = row
+            bar.update()
+    frame = pd.DataFrame([results[key] for key in keys])
     return frame.sort_values(["fits", "gpus", "largest_micro_batch"], ascending=[False, True, False],
                              kind="stable").reset_index(drop=True)
+
+
+def _layout_row(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int, max_micro_batch: int,
+                alloc_conf: AllocatorConfig, families: tuple[str, ...], global_batch: int | None,
+                key: tuple[str, int], tries: list[tuple[str, ...]]) -> dict:
+    """The row of one layout (name, GPUs), trying the allowed levers in turn: a layout that never fits is shown
+    with every lever it was allowed."""
+    for levers in tries:
+        candidate = _candidate(spec, setup, levers, key, max_gpus, families)
+        row = _evaluate(spec, with_levers(setup, levers), candidate, gpu, max_micro_batch, alloc_conf, global_batch)
+        row = {"layout": key[0], "gpus": key[1], "levers": "+".join(levers) or "-", **row}
+        if row["fits"]:
+            break
+    return row
+
+
+def _candidate(spec: ModelSpec, setup: TrainSetup, levers: tuple[str, ...], key: tuple[str, int], max_gpus: int,
+               families: tuple[str, ...]) -> Candidate:
+    """The candidate (name, GPUs) with these levers: rebuilt where it runs (a candidate holds a closure)."""
+    return next(c for c in candidates(spec, with_levers(setup, levers), max_gpus, families) if (c.name, c.gpus) == key)
 
 
 def _evaluate(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, gpu: GpuProfile, max_micro_batch: int,

@@ -1,4 +1,6 @@
 """`size` against brute force: doubling-and-bisecting finds what trying every micro-batch finds."""
+import pandas as pd
+
 from llmsim.gpus import GpuProfile
 from llmsim.size import candidates, fits, largest_micro_batch, size
 from llmsim.spec import TrainSetup, load_model_spec
@@ -146,3 +148,11 @@ def test_pipeline_stage_by_stage_agrees_with_predict(monkeypatch):
     stages.clear()
     assert not _worst(spec, TrainSetup(last + 1, 512), layout, TINY_GPU, AllocatorConfig(), hint)[0]
     assert stages == [max(hint, key=hint.get)]
+
+
+def test_size_in_processes_is_the_same_table():
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 2048, 4))
+    one = size(spec, TrainSetup(1, 512), TINY_GPU, max_gpus=4, max_micro_batch=8)
+    two = size(spec, TrainSetup(1, 512), TINY_GPU, max_gpus=4, max_micro_batch=8, jobs=2)
+    assert set(one["layout"]) >= {"pp", "tp", "tp2xpp", "zero3"} and one["fits"].any() and not one["fits"].all()
+    pd.testing.assert_frame_equal(one, two)
