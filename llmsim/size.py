@@ -109,21 +109,22 @@ def _zero(spec: ModelSpec, setup: TrainSetup, world: int, stage: int, micro_batc
 
 def fits(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, micro_batch: int, gpu: GpuProfile,
          alloc_conf: AllocatorConfig = AllocatorConfig(), hint: dict[int, int] | None = None) -> tuple:
-    ok, worst = _worst(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
-                       alloc_conf, hint)
+    ok, worst, _ = _worst(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
+                          alloc_conf, hint)
     return ok, worst.device_total_bytes
 
 
 def _worst(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile, alloc_conf: AllocatorConfig,
            hint: dict[int, int] | None = None):
-    """(whether every rank fits, the rank with the largest device total among those predicted). A pipeline is
+    """(whether every rank fits, the rank with the largest device total among those predicted, how many pipeline
+    stages were not predicted). A pipeline is
     predicted stage by stage (one trace each) and stops at the first stage with a rank that does not fit: then the
     layout does not, whatever the other stages need. The fullest stages go first: by `hint` (stage -> device
     total, filled in here whenever every stage fits: the candidate's last micro-batch that fitted), else the first
     stage (the most micro-batches in flight under 1F1B), then the last (the LM head and loss), then the others."""
     if layout.pp == 1:
         prediction = predict(spec, setup, layout, gpu, alloc_conf)
-        return all(r.fits for r in prediction.ranks), max(prediction.ranks, key=lambda r: r.device_total_bytes)
+        return all(r.fits for r in prediction.ranks), max(prediction.ranks, key=lambda r: r.device_total_bytes), 0
     hint = {} if hint is None else hint
     default = [0, layout.pp - 1] + list(range(1, layout.pp - 1))
     order = sorted(default, key=lambda stage: -hint.get(stage, 0))  # stable: the default order without a hint
@@ -133,9 +134,9 @@ def _worst(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile, 
         ranks += predicted
         totals[stage] = max(r.device_total_bytes for r in predicted)
         if not all(r.fits for r in predicted):
-            return False, max(ranks, key=lambda r: r.device_total_bytes)
+            return False, max(ranks, key=lambda r: r.device_total_bytes), layout.pp - len(totals)
     hint.update(totals)
-    return True, max(ranks, key=lambda r: r.device_total_bytes)
+    return True, max(ranks, key=lambda r: r.device_total_bytes), 0
 
 
 def largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch: int,
@@ -249,9 +250,10 @@ def _evaluate(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, gpu: Gpu
             if why := _cannot_fit(spec, replace(setup, micro_batch=1), candidate.layout_for(1), gpu):
                 return _row(0, 1, None, gpu, why)
             hint: dict[int, int] = {}
-            ok, worst = _worst(spec, replace(setup, micro_batch=1), candidate.layout_for(1), gpu, alloc_conf, hint)
+            ok, worst, unpredicted = _worst(spec, replace(setup, micro_batch=1), candidate.layout_for(1), gpu,
+                                            alloc_conf, hint)
             if not ok:
-                return _row(0, 1, None, gpu, _needs(1, "", worst, gpu))
+                return _row(0, 1, None, gpu, _needs(1, "", worst, gpu, unpredicted))
             micro_batch, total = largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch, alloc_conf,
                                                      first_total=worst.device_total_bytes, hint=hint)
             return _row(micro_batch, 1, total, gpu, "")
@@ -285,12 +287,12 @@ def _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch: int
         layout = candidate.layout_for(micro_batch, m=passes) if stages > 1 else candidate.layout_for(micro_batch)
         if i == 0 and (why := _cannot_fit(spec, trial, layout, gpu)):  # the model states alone, at any split
             return _row(0, options[-1][1], None, gpu, why)
-        ok, worst = _worst(spec, trial, layout, gpu, alloc_conf, hint)
+        ok, worst, unpredicted = _worst(spec, trial, layout, gpu, alloc_conf, hint)
         if ok:
             return _row(micro_batch, passes, worst.device_total_bytes, gpu, "")
     micro_batch, passes = options[-1]
     split = f" x {passes} {'micro-batches' if stages > 1 else 'passes'}" if passes > 1 else ""
-    return _row(0, passes, None, gpu, _needs(micro_batch, split, worst, gpu))
+    return _row(0, passes, None, gpu, _needs(micro_batch, split, worst, gpu, unpredicted))
 
 
 def _cannot_fit(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile) -> str | None:
@@ -310,9 +312,10 @@ def _cannot_fit(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProf
             "(its model states alone, before activations)")
 
 
-def _needs(micro_batch: int, split: str, worst, gpu: GpuProfile) -> str:
+def _needs(micro_batch: int, split: str, worst, gpu: GpuProfile, unpredicted: int = 0) -> str:
+    other = f" (the other {unpredicted} pipeline stages not predicted)" if unpredicted else ""
     return (f"micro-batch {micro_batch}{split} needs {human_bytes(worst.device_total_bytes)} on rank {worst.rank} "
-            f"of {human_bytes(gpu.capacity_bytes)}")
+            f"of {human_bytes(gpu.capacity_bytes)}{other}")
 
 
 def _row(micro_batch: int, passes: int, total: int | None, gpu: GpuProfile, why: str) -> dict:

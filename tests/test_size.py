@@ -127,7 +127,7 @@ def test_pipeline_stage_by_stage_agrees_with_predict(monkeypatch):
         layout = _model_parallel(tp, pp)
         for micro_batch in range(1, 9):
             whole = {r.rank: r for r in predict(spec, TrainSetup(micro_batch, 512), layout, TINY_GPU).ranks}
-            ok, worst = _worst(spec, TrainSetup(micro_batch, 512), layout, TINY_GPU, AllocatorConfig())
+            ok, worst, _ = _worst(spec, TrainSetup(micro_batch, 512), layout, TINY_GPU, AllocatorConfig())
             assert ok == all(r.fits for r in whole.values()), (tp, pp, micro_batch)
             assert worst.device_total_bytes == whole[worst.rank].device_total_bytes
             if ok:
