@@ -207,7 +207,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
         build = model_builder(spec, setup, num_layers, mesh, fake=True)  # a checkpoint is written for real
         optimizer_class(setup.optimizer)  # imported for real: a module imported under the fake mode keeps fakes
         stack.enter_context(FakeTensorMode())
-        if mesh is not None:  # functional collectives exist only with a process group
+        if setup.tp > 1:  # functional collectives (DTensor): only with TP; a pipeline sends and receives
             stack.enter_context(WaitReturnsInput())
         if setup.quant is not None:
             stack.enter_context(fake_loading())
