@@ -115,19 +115,20 @@ def fits(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, micro_batch: 
 
 
 def _worst(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile, alloc_conf: AllocatorConfig,
-           hint: dict[int, int] | None = None):
-    """(whether every rank fits, the rank with the largest device total among those predicted, how many pipeline
-    stages were not predicted). A pipeline is
-    predicted stage by stage (one trace each) and stops at the first stage with a rank that does not fit: then the
-    layout does not, whatever the other stages need. The fullest stages go first: by `hint` (stage -> device
-    total, filled in here whenever every stage fits: the candidate's last micro-batch that fitted), else the first
-    stage (the most micro-batches in flight under 1F1B), then the last (the LM head and loss), then the others."""
+           hint: dict[int, int] | None = None, only: list[int] | None = None):
+    """(whether every rank predicted fits, the rank with the largest device total among them, how many pipeline
+    stages were not predicted). A pipeline is predicted stage by stage (one trace each) and stops at the first
+    stage with a rank that does not fit: then the layout does not, whatever the other stages need. The fullest
+    stages go first: by `hint` (stage -> device total, filled in here whenever every stage fits: the candidate's
+    last micro-batch that fitted), else the first stage (the most micro-batches in flight under 1F1B), then the
+    last (the LM head and loss), then the others. `only`: predict these stages alone (a screen: "fits" then means
+    that they fit)."""
     if layout.pp == 1:
         prediction = predict(spec, setup, layout, gpu, alloc_conf)
         return all(r.fits for r in prediction.ranks), max(prediction.ranks, key=lambda r: r.device_total_bytes), 0
     hint = {} if hint is None else hint
     default = [0, layout.pp - 1] + list(range(1, layout.pp - 1))
-    order = sorted(default, key=lambda stage: -hint.get(stage, 0))  # stable: the default order without a hint
+    order = sorted(default, key=lambda stage: -hint.get(stage, 0)) if only is None else only  # stable
     ranks, totals = [], {}
     for stage in order:
         predicted = predict_stage(spec, setup, layout, stage, gpu, alloc_conf)
@@ -135,36 +136,52 @@ def _worst(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile, 
         totals[stage] = max(r.device_total_bytes for r in predicted)
         if not all(r.fits for r in predicted):
             return False, max(ranks, key=lambda r: r.device_total_bytes), layout.pp - len(totals)
-    hint.update(totals)
-    return True, max(ranks, key=lambda r: r.device_total_bytes), 0
+    if only is None:
+        hint.update(totals)
+    return True, max(ranks, key=lambda r: r.device_total_bytes), layout.pp - len(totals)
 
 
 def largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch: int,
                         alloc_conf: AllocatorConfig = AllocatorConfig(),
                         first_total: int | None = None, hint: dict[int, int] | None = None) -> tuple[int, int | None]:
     """(largest micro-batch that fits or 0, its device total). `first_total`: micro-batch 1 is already known to
-    fit, with this device total. `hint`: a pipeline's stages by fullness (`_worst`)."""
+    fit, with this device total. `hint`: a pipeline's stages by fullness (`_worst`).
+    A pipeline's trials predict only the stages that have bound it so far (the fullest at micro-batch 1 first):
+    a trial they cannot fit does not fit (exact); the answer they find is then predicted whole, and where another
+    stage cannot fit it, that stage joins the screen and the search goes on below. The answer is always predicted
+    whole, next to a micro-batch that does not fit."""
     hint = {} if hint is None else hint
     ok, total = ((True, first_total) if first_total is not None
                  else fits(spec, setup, candidate, 1, gpu, alloc_conf, hint))
     if not ok:
         return 0, None
-    good, good_total, bad = 1, total, None
-    while bad is None and good < max_micro_batch:  # double until it stops fitting
-        trial = min(2 * good, max_micro_batch)
-        ok, total = fits(spec, setup, candidate, trial, gpu, alloc_conf, hint)
+    first = candidate.layout_for(1)
+    screen = [max(hint, key=hint.get)] if first.pp > 1 and hint else None
+
+    def trial(micro_batch: int, only: list[int] | None) -> tuple:
+        return _worst(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
+                      alloc_conf, hint, only)
+
+    verified, verified_total = 1, total  # the largest micro-batch predicted whole that fits
+    good, bad = 1, None
+    while True:
+        # double until it stops fitting, then bisect between the last fit and the first miss
+        while (good < max_micro_batch) if bad is None else (bad - good > 1):
+            micro_batch = min(2 * good, max_micro_batch) if bad is None else (good + bad) // 2
+            ok, worst, unpredicted = trial(micro_batch, screen)
+            if not ok:
+                bad = micro_batch
+                continue
+            good = micro_batch
+            if not unpredicted:
+                verified, verified_total = micro_batch, worst.device_total_bytes
+        if good == verified:
+            return verified, verified_total
+        ok, worst, _ = trial(good, None)  # the screen's answer, predicted whole
         if ok:
-            good, good_total = trial, total
-        else:
-            bad = trial
-    while bad is not None and bad - good > 1:  # bisect between the last fit and the first miss
-        trial = (good + bad) // 2
-        ok, total = fits(spec, setup, candidate, trial, gpu, alloc_conf, hint)
-        if ok:
-            good, good_total = trial, total
-        else:
-            bad = trial
-    return good, good_total
+            return good, worst.device_total_bytes
+        screen.append(worst.rank % (first.pp * first.tp) // first.tp)  # the stage that did not fit it
+        good, bad = verified, good
 
 
 # What `--allow` may switch on to make a layout fit, tried fewest first (then in this order).

@@ -156,3 +156,34 @@ def test_size_in_processes_is_the_same_table():
     two = size(spec, TrainSetup(1, 512), TINY_GPU, max_gpus=4, max_micro_batch=8, jobs=2)
     assert set(one["layout"]) >= {"pp", "tp", "tp2xpp", "zero3"} and one["fits"].any() and not one["fits"].all()
     pd.testing.assert_frame_equal(one, two)
+
+
+def test_pipeline_search_screens_then_predicts_the_answer_whole(monkeypatch):
+    """A pipeline's search predicts only the stages that bound it so far; where another stage binds at the answer,
+    it joins the screen and the search goes on below: the answer is what predicting every stage at every
+    micro-batch finds. Synthetic stages: the first is fullest at micro-batch 1, the last binds from 7 on."""
+    from types import SimpleNamespace
+
+    import llmsim.size as sizing
+    from llmsim.size import Candidate, _model_parallel
+
+    capacity = 200
+    need = {0: lambda mb: 50 + 10 * mb, 1: lambda mb: 20 + 5 * mb, 2: lambda mb: 30 * mb}
+    predicted = []
+
+    def stage_ranks(spec, setup, layout, stage, gpu, alloc_conf):
+        predicted.append((setup.micro_batch, stage))
+        total = need[stage](setup.micro_batch)
+        return [SimpleNamespace(rank=stage, device_total_bytes=total, fits=total <= capacity)]
+
+    monkeypatch.setattr(sizing, "predict_stage", stage_ranks)
+    candidate = Candidate("pp", 3, lambda mb, m=None: _model_parallel(1, 3))
+    brute = max(mb for mb in range(1, 65) if all(need[s](mb) <= capacity for s in need))
+    assert brute == 6
+    found, total = largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 64)
+    assert (found, total) == (6, 180)
+    assert predicted == [(1, 0), (1, 2), (1, 1),  # whole: stage 0 is the fullest
+                         (2, 0), (4, 0), (8, 0), (16, 0), (12, 0), (14, 0), (15, 0),  # screened by stage 0
+                         (15, 0), (15, 2),  # its answer predicted whole: stage 2 cannot fit it
+                         (8, 0), (8, 2), (4, 0), (4, 2), (6, 0), (6, 2), (7, 0), (7, 2),  # screened by 0 and 2
+                         (6, 0), (6, 2), (6, 1)]  # the answer, whole
