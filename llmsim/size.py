@@ -330,7 +330,7 @@ def _cannot_fit(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProf
 
 
 def _needs(micro_batch: int, split: str, worst, gpu: GpuProfile, unpredicted: int = 0) -> str:
-    other = f" (the other {unpredicted} pipeline stages not predicted)" if unpredicted else ""
+    other = f" (the other {unpredicted} pipeline stage{'s' * (unpredicted > 1)} not predicted)" if unpredicted else ""
     return (f"micro-batch {micro_batch}{split} needs {human_bytes(worst.device_total_bytes)} on rank {worst.rank} "
             f"of {human_bytes(gpu.capacity_bytes)}{other}")
 
