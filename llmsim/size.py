@@ -108,9 +108,9 @@ def _zero(spec: ModelSpec, setup: TrainSetup, world: int, stage: int, micro_batc
 
 
 def fits(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, micro_batch: int, gpu: GpuProfile,
-         alloc_conf: AllocatorConfig = AllocatorConfig(), hint: dict[int, int] | None = None) -> tuple:
+         alloc_conf: AllocatorConfig = AllocatorConfig()) -> tuple:
     ok, worst, _ = _worst(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
-                          alloc_conf, hint)
+                          alloc_conf)
     return ok, worst.device_total_bytes
 
 
@@ -142,45 +142,46 @@ def _worst(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile, 
 
 
 def largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch: int,
-                        alloc_conf: AllocatorConfig = AllocatorConfig(),
-                        first_total: int | None = None, hint: dict[int, int] | None = None) -> tuple[int, int | None]:
-    """(largest micro-batch that fits or 0, its device total). `first_total`: micro-batch 1 is already known to
-    fit, with this device total. `hint`: a pipeline's stages by fullness (`_worst`).
-    A pipeline's trials predict only the stages that have bound it so far (the fullest at micro-batch 1 first):
-    a trial they cannot fit does not fit (exact); the answer they find is then predicted whole, and where another
-    stage cannot fit it, that stage joins the screen and the search goes on below. The answer is always predicted
-    whole, next to a micro-batch that does not fit."""
-    hint = {} if hint is None else hint
-    ok, total = ((True, first_total) if first_total is not None
-                 else fits(spec, setup, candidate, 1, gpu, alloc_conf, hint))
-    if not ok:
-        return 0, None
+                        alloc_conf: AllocatorConfig = AllocatorConfig()) -> tuple[int, int | None]:
+    """(largest micro-batch that fits or 0, its device total): `_search`."""
+    return _search(spec, setup, candidate, gpu, max_micro_batch, alloc_conf)[:2]
+
+
+def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: AllocatorConfig) -> tuple:
+    """(largest micro-batch that fits or 0, its device total, and when it is 0: micro-batch 1's worst rank and
+    how many pipeline stages it left unpredicted). Doubling from 1 until a micro-batch does not fit, then
+    bisecting. A pipeline's trials predict only the stages that have bound it so far (the first stage, the
+    fullest under 1F1B, to begin with): a trial they cannot fit does not fit (exact); the answer they find is then
+    predicted whole, and where another stage cannot fit it, that stage joins them and the search goes on below.
+    The answer is always predicted whole, next to a micro-batch that does not fit (or the maximum)."""
     first = candidate.layout_for(1)
-    screen = [max(hint, key=hint.get)] if first.pp > 1 and hint else None
+    screen = [0] if first.pp > 1 else None
+    hint: dict[int, int] = {}  # `_worst`: the stages' totals at the last micro-batch predicted whole that fitted
 
     def trial(micro_batch: int, only: list[int] | None) -> tuple:
         return _worst(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
                       alloc_conf, hint, only)
 
-    verified, verified_total = 1, total  # the largest micro-batch predicted whole that fits
-    good, bad = 1, None
+    verified, verified_total = 0, None  # the largest micro-batch predicted whole that fits
+    good, bad, failure = 0, None, None
     while True:
         # double until it stops fitting, then bisect between the last fit and the first miss
         while (good < max_micro_batch) if bad is None else (bad - good > 1):
-            micro_batch = min(2 * good, max_micro_batch) if bad is None else (good + bad) // 2
+            micro_batch = min(max(2 * good, 1), max_micro_batch) if bad is None else (good + bad) // 2
             ok, worst, unpredicted = trial(micro_batch, screen)
             if not ok:
-                bad = micro_batch
+                bad, failure = micro_batch, (worst, unpredicted) if micro_batch == 1 else failure
                 continue
             good = micro_batch
             if not unpredicted:
                 verified, verified_total = micro_batch, worst.device_total_bytes
         if good == verified:
-            return verified, verified_total
-        ok, worst, _ = trial(good, None)  # the screen's answer, predicted whole
+            return verified, verified_total, failure
+        ok, worst, unpredicted = trial(good, None)  # the screen's answer, predicted whole
         if ok:
-            return good, worst.device_total_bytes
+            return good, worst.device_total_bytes, None
         screen.append(worst.rank % (first.pp * first.tp) // first.tp)  # the stage that did not fit it
+        failure = (worst, unpredicted) if good == 1 else failure
         good, bad = verified, good
 
 
@@ -266,13 +267,9 @@ def _evaluate(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, gpu: Gpu
         if global_batch is None:
             if why := _cannot_fit(spec, replace(setup, micro_batch=1), candidate.layout_for(1), gpu):
                 return _row(0, 1, None, gpu, why)
-            hint: dict[int, int] = {}
-            ok, worst, unpredicted = _worst(spec, replace(setup, micro_batch=1), candidate.layout_for(1), gpu,
-                                            alloc_conf, hint)
-            if not ok:
-                return _row(0, 1, None, gpu, _needs(1, "", worst, gpu, unpredicted))
-            micro_batch, total = largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch, alloc_conf,
-                                                     first_total=worst.device_total_bytes, hint=hint)
+            micro_batch, total, failure = _search(spec, setup, candidate, gpu, max_micro_batch, alloc_conf)
+            if not micro_batch:
+                return _row(0, 1, None, gpu, _needs(1, "", failure[0], gpu, failure[1]))
             return _row(micro_batch, 1, total, gpu, "")
         return _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch)
     except InputError as error:  # a combination llmsim refuses (e.g. a lever not modelled with this layout)

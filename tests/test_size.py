@@ -161,7 +161,8 @@ def test_size_in_processes_is_the_same_table():
 def test_pipeline_search_screens_then_predicts_the_answer_whole(monkeypatch):
     """A pipeline's search predicts only the stages that bound it so far; where another stage binds at the answer,
     it joins the screen and the search goes on below: the answer is what predicting every stage at every
-    micro-batch finds. Synthetic stages: the first is fullest at micro-batch 1, the last binds from 7 on."""
+    micro-batch finds. Synthetic stages: the first is fullest at micro-batch 1, the last binds from 7 on; and a
+    pipeline that fits no micro-batch says so from its first stage alone."""
     from types import SimpleNamespace
 
     import llmsim.size as sizing
@@ -182,8 +183,11 @@ def test_pipeline_search_screens_then_predicts_the_answer_whole(monkeypatch):
     assert brute == 6
     found, total = largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 64)
     assert (found, total) == (6, 180)
-    assert predicted == [(1, 0), (1, 2), (1, 1),  # whole: stage 0 is the fullest
-                         (2, 0), (4, 0), (8, 0), (16, 0), (12, 0), (14, 0), (15, 0),  # screened by stage 0
+    assert predicted == [(1, 0), (2, 0), (4, 0), (8, 0), (16, 0), (12, 0), (14, 0), (15, 0),  # screened by stage 0
                          (15, 0), (15, 2),  # its answer predicted whole: stage 2 cannot fit it
-                         (8, 0), (8, 2), (4, 0), (4, 2), (6, 0), (6, 2), (7, 0), (7, 2),  # screened by 0 and 2
+                         (7, 0), (7, 2), (3, 0), (3, 2), (5, 0), (5, 2), (6, 0), (6, 2),  # screened by 0 and 2
                          (6, 0), (6, 2), (6, 1)]  # the answer, whole
+    predicted.clear()
+    capacity = 55
+    assert largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 64) == (0, None)
+    assert predicted == [(1, 0)]
