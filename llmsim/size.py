@@ -20,7 +20,11 @@ Before tracing a TP or PP layout (one trace per TP degree and per stage), a lowe
 allocated bytes from the meta-device build (llmsim/bound.py: its parameters, gradients and optimizer states) is
 checked: a layout whose bound alone cannot fit is reported as needing "at least" that much, untraced. A pipeline
 is predicted stage by stage, fullest first, and a micro-batch stops at the first stage that cannot fit it (its
-other stages are not traced; the "needs" then names the fullest rank of the stages predicted).
+other stages are not traced; the "needs" then names the fullest rank of the stages predicted). Its search
+predicts only the stages that have bound it so far (the first stage to begin with) and then its answer whole;
+a stage that cannot fit the answer joins them and the search goes on below (`_search`). With "fits" monotonic
+the answer is the same as predicting every stage at every micro-batch; in any case it is predicted whole.
+Layouts are evaluated in `jobs` local processes.
 DeepSpeed's bf16 keeps fp32 master weights, so ZeRO layouts in bf16 carry 16 bytes of model state per parameter
 where the single-process pure-bf16 step carries 8.
 """
