@@ -194,7 +194,7 @@ def cmd_predict(args) -> int:
     from llmsim.gpus import load_gpu
 
     gpu = load_gpu(args.gpu) if args.gpu else None
-    prediction = predict(*_inputs(args), gpu=gpu, alloc_conf=_alloc_conf(args))
+    prediction = predict(*_inputs(args), gpu=gpu, alloc_conf=_alloc_conf(args), progress=not args.quiet)
     if args.format == "json":
         print(json.dumps(prediction.to_dict(), indent=2))
     else:
@@ -327,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--plot", metavar="PNG", help="also draw the fullest rank's memory over the step, stacked by "
                    "category with the peak marked, and every rank's breakdown at its peak")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (a pipeline's stages)")
     p.set_defaults(func=cmd_predict)
     p = sub.add_parser("compare", help="the peak under each memory lever and common combinations (+ PNG chart)")
     _add_model_args(p)

@@ -122,13 +122,19 @@ def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile
 
 
 def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
-            gpu: GpuProfile | None = None, alloc_conf: AllocatorConfig = AllocatorConfig()) -> Prediction:
+            gpu: GpuProfile | None = None, alloc_conf: AllocatorConfig = AllocatorConfig(),
+            progress: bool = False) -> Prediction:
+    """`progress`: a bar over a pipeline's stages (one trace each: seconds apiece for big models)."""
     setup = checked(model, setup, layout, gpu)
     if layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks
+        from tqdm import tqdm
+
         rank_timelines = {}
-        for stage in range(layout.pp):
-            timeline, graph = _stage_timeline(model, setup, layout, stage)
-            rank_timelines.update(dict.fromkeys(stage_ranks(layout, stage), timeline))
+        with tqdm(total=layout.pp, disable=not progress, unit="stage", leave=False) as bar:  # cleared at the end
+            for stage in range(layout.pp):
+                timeline, graph = _stage_timeline(model, setup, layout, stage)
+                rank_timelines.update(dict.fromkeys(stage_ranks(layout, stage), timeline))
+                bar.update()
     else:
         timeline, graph = expanded(model, setup)
         rank_timelines = _plan(timeline, layout, setup)
