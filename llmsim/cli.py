@@ -194,7 +194,9 @@ def cmd_predict(args) -> int:
     from llmsim.gpus import load_gpu
 
     gpu = load_gpu(args.gpu) if args.gpu else None
-    prediction = predict(*_inputs(args), gpu=gpu, alloc_conf=_alloc_conf(args), progress=not args.quiet)
+    # on a terminal only: an input error found inside a stage's trace must stay one line where stderr is read
+    prediction = predict(*_inputs(args), gpu=gpu, alloc_conf=_alloc_conf(args),
+                         progress=not args.quiet and sys.stderr.isatty())
     if args.format == "json":
         print(json.dumps(prediction.to_dict(), indent=2))
     else:
