@@ -30,12 +30,10 @@ where the single-process pure-bf16 step carries 8.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import json
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
 import pandas as pd
@@ -48,6 +46,7 @@ from llmsim.errors import InputError
 from llmsim.bound import rank_lower_bounds
 from llmsim.pipeline import checked, predict, predict_stage
 from llmsim.report import human_bytes
+from llmsim.sweep import in_processes
 from llmsim.pipelining import Schedule, check_pipeline
 from llmsim.tensor_parallel import check_tensor_parallel
 from llmsim.spec import ModelSpec, TrainSetup
@@ -219,12 +218,8 @@ def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
     make it fit), its micro-batch (the largest that fits; with `global_batch`, the one that makes up the batch),
     and why it does not fit when it does not. Layouts are evaluated in `jobs` local processes (each traces what
     its layouts need), the pipelines first (they take longest)."""
-    from tqdm import tqdm
-
     if global_batch is not None and global_batch < 1:
         raise InputError(f"global-batch must be a positive integer, got {global_batch}")
-    if jobs < 1:
-        raise InputError(f"jobs({jobs}) must be >= 1")
     combos = lever_sets(allow)
     keys: dict[tuple[str, int], list[tuple[str, ...]]] = {}
     for levers in combos:
@@ -233,23 +228,18 @@ def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
     work = functools.partial(_layout_row, spec, setup, gpu, max_gpus, max_micro_batch, alloc_conf, families,
                              global_batch)
     order = sorted(keys, key=lambda key: ("pp" not in key[0], -key[1]))  # pipelines, the most GPUs first
-    pool = ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else contextlib.nullcontext()
-    with pool, tqdm(total=len(keys), disable=not progress, unit="layout") as bar:
-        results = {}
-        for key, row in zip(order, pool.map(work, order, [keys[k] for k in order]) if jobs > 1
-                            else map(work, order, [keys[k] for k in order])):
-            results[key] = row
-            bar.update()
-    frame = pd.DataFrame([results[key] for key in keys])
+    rows = dict(zip(order, in_processes(work, [(key, keys[key]) for key in order], jobs, progress, "layout")))
+    frame = pd.DataFrame([rows[key] for key in keys])
     return frame.sort_values(["fits", "gpus", "largest_micro_batch"], ascending=[False, True, False],
                              kind="stable").reset_index(drop=True)
 
 
 def _layout_row(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int, max_micro_batch: int,
                 alloc_conf: AllocatorConfig, families: tuple[str, ...], global_batch: int | None,
-                key: tuple[str, int], tries: list[tuple[str, ...]]) -> dict:
-    """The row of one layout (name, GPUs), trying the allowed levers in turn: a layout that never fits is shown
-    with every lever it was allowed."""
+                layout: tuple[tuple[str, int], list[tuple[str, ...]]]) -> dict:
+    """The row of one layout ((name, GPUs), the lever sets to try), trying the levers in turn: a layout that never
+    fits is shown with every lever it was allowed."""
+    key, tries = layout
     for levers in tries:
         candidate = _candidate(spec, setup, levers, key, max_gpus, families)
         row = _evaluate(spec, with_levers(setup, levers), candidate, gpu, max_micro_batch, alloc_conf, global_batch)

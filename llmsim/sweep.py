@@ -105,20 +105,24 @@ def predict_row(config: dict) -> dict:
             "peak_host_bytes": worst.peak_host_bytes, "error": ""}
 
 
-def sweep(configs: list[dict], jobs: int = 1, progress: bool = True) -> pd.DataFrame:
+def in_processes(function, items: list, jobs: int, progress: bool, unit: str, chunksize: int = 1) -> list:
+    """`[function(item) for item in items]`, in `jobs` local processes (here with one), with a progress bar."""
     from tqdm import tqdm
 
     if jobs < 1:
         raise InputError(f"jobs({jobs}) must be >= 1")
     pool = ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else contextlib.nullcontext()
-    with pool, tqdm(total=len(configs), disable=not progress, unit="config") as bar:
-        results = (pool.map(predict_row, configs, chunksize=max(1, len(configs) // (4 * jobs))) if jobs > 1
-                   else map(predict_row, configs))
-        rows = []
-        for row in results:
-            rows.append(row)
+    with pool, tqdm(total=len(items), disable=not progress, unit=unit) as bar:
+        results = []
+        for result in pool.map(function, items, chunksize=chunksize) if jobs > 1 else map(function, items):
+            results.append(result)
             bar.update()
-    frame = pd.DataFrame(rows)
+    return results
+
+
+def sweep(configs: list[dict], jobs: int = 1, progress: bool = True) -> pd.DataFrame:
+    frame = pd.DataFrame(in_processes(predict_row, configs, jobs, progress, "config",
+                                      chunksize=max(1, len(configs) // (4 * max(jobs, 1)))))
     for column in ("ranks", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "peak_rank",
                    "peak_host_bytes"):
         if column in frame:  # rejected combinations leave them empty: keep the others integers
