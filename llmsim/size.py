@@ -19,8 +19,8 @@ modelled).
 Before tracing a TP or PP layout (one trace per TP degree and per stage), a lower bound of every rank's peak
 allocated bytes from the meta-device build (llmsim/bound.py: its parameters, gradients and optimizer states) is
 checked: a layout whose bound alone cannot fit is reported as needing "at least" that much, untraced. A pipeline
-is predicted stage by stage, fullest first, and a micro-batch stops at the first stage that cannot fit it (its
-other stages are not traced; the "needs" then names the fullest rank of the stages predicted). Its search
+is predicted stage by stage, the likely fullest first, and a micro-batch stops at the first stage that cannot fit
+it (its other stages are not traced; the "needs" then names the fullest rank of the stages predicted). Its search
 predicts only the stages that have bound it so far (the first stage to begin with) and then its answer whole;
 a stage that cannot fit the answer joins them and the search goes on below (`_search`). With "fits" monotonic
 the answer is the same as predicting every stage at every micro-batch; in any case it is predicted whole.
@@ -118,30 +118,23 @@ def fits(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, micro_batch: 
 
 
 def _worst(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile, alloc_conf: AllocatorConfig,
-           hint: dict[int, int] | None = None, only: list[int] | None = None):
+           only: list[int] | None = None):
     """(whether every rank predicted fits, the rank with the largest device total among them, how many pipeline
     stages were not predicted). A pipeline is predicted stage by stage (one trace each) and stops at the first
-    stage with a rank that does not fit: then the layout does not, whatever the other stages need. The fullest
-    stages go first: by `hint` (stage -> device total, filled in here whenever every stage fits: the candidate's
-    last micro-batch that fitted), else the first stage (the most micro-batches in flight under 1F1B), then the
-    last (the LM head and loss), then the others. `only`: predict these stages alone (a screen: "fits" then means
-    that they fit)."""
+    stage with a rank that does not fit: then the layout does not, whatever the other stages need. The likely
+    fullest go first: the first stage (the most micro-batches in flight under 1F1B), then the last (the LM head
+    and loss), then the others. `only`: predict these stages alone (a screen: "fits" then means that they fit)."""
     if layout.pp == 1:
         prediction = predict(spec, setup, layout, gpu, alloc_conf)
         return all(r.fits for r in prediction.ranks), max(prediction.ranks, key=lambda r: r.device_total_bytes), 0
-    hint = {} if hint is None else hint
-    default = [0, layout.pp - 1] + list(range(1, layout.pp - 1))
-    order = sorted(default, key=lambda stage: -hint.get(stage, 0)) if only is None else only  # stable
-    ranks, totals = [], {}
-    for stage in order:
+    order = [0, layout.pp - 1] + list(range(1, layout.pp - 1)) if only is None else only
+    ranks = []
+    for predicted_stages, stage in enumerate(order, 1):
         predicted = predict_stage(spec, setup, layout, stage, gpu, alloc_conf)
         ranks += predicted
-        totals[stage] = max(r.device_total_bytes for r in predicted)
         if not all(r.fits for r in predicted):
-            return False, max(ranks, key=lambda r: r.device_total_bytes), layout.pp - len(totals)
-    if only is None:
-        hint.update(totals)
-    return True, max(ranks, key=lambda r: r.device_total_bytes), layout.pp - len(totals)
+            return False, max(ranks, key=lambda r: r.device_total_bytes), layout.pp - predicted_stages
+    return True, max(ranks, key=lambda r: r.device_total_bytes), layout.pp - len(order)
 
 
 def largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch: int,
@@ -159,11 +152,10 @@ def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: Alloc
     The answer is always predicted whole, next to a micro-batch that does not fit (or the maximum)."""
     first = candidate.layout_for(1)
     screen = [0] if first.pp > 1 else None
-    hint: dict[int, int] = {}  # `_worst`: the stages' totals at the last micro-batch predicted whole that fitted
 
     def trial(micro_batch: int, only: list[int] | None) -> tuple:
         return _worst(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
-                      alloc_conf, hint, only)
+                      alloc_conf, only)
 
     verified, verified_total = 0, None  # the largest micro-batch predicted whole that fits
     good, bad, failure = 0, None, None
@@ -289,13 +281,12 @@ def _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch: int
         options = [(mb, share // mb) for mb in _divisors(share)]
     else:
         options = [(share, 1)]
-    hint: dict[int, int] = {}
     for i, (micro_batch, passes) in enumerate(options):  # largest micro-batch first
         trial = replace(setup, micro_batch=micro_batch, grad_accum=passes if stages == 1 else 1)
         layout = candidate.layout_for(micro_batch, m=passes) if stages > 1 else candidate.layout_for(micro_batch)
         if i == 0 and (why := _cannot_fit(spec, trial, layout, gpu)):  # the model states alone, at any split
             return _row(0, options[-1][1], None, gpu, why)
-        ok, worst, unpredicted = _worst(spec, trial, layout, gpu, alloc_conf, hint)
+        ok, worst, unpredicted = _worst(spec, trial, layout, gpu, alloc_conf)
         if ok:
             return _row(micro_batch, passes, worst.device_total_bytes, gpu, "")
     micro_batch, passes = options[-1]

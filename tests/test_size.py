@@ -114,8 +114,8 @@ def test_size_new_options_bad_input_is_one_line(capsys):
 
 def test_pipeline_stage_by_stage_agrees_with_predict(monkeypatch):
     """`size` predicts a pipeline stage by stage and stops at the first stage that cannot fit: the verdict is
-    `predict`'s at every micro-batch, the worst rank too where every stage fits, and a micro-batch that fails
-    after a fitting one starts with the stage that was fullest (here it costs that stage alone)."""
+    `predict`'s at every micro-batch, the worst rank too where every stage fits; the stages go first, last, the
+    others, a failing micro-batch stops at its first stage that cannot fit, and a screen predicts its own stages."""
     import llmsim.size as sizing
     from llmsim.allocator import AllocatorConfig
     from llmsim.pipeline import predict
@@ -140,14 +140,19 @@ def test_pipeline_stage_by_stage_agrees_with_predict(monkeypatch):
     stages = []
     real = sizing.predict_stage
     monkeypatch.setattr(sizing, "predict_stage", lambda *a, **k: stages.append(a[3]) or real(*a, **k))
-    layout, hint = _model_parallel(1, 4), {}
+    layout = _model_parallel(1, 4)
     last = max(mb for mb in range(1, 9) if _worst(spec, TrainSetup(mb, 512), layout, TINY_GPU, AllocatorConfig())[0])
     stages.clear()
-    assert _worst(spec, TrainSetup(last, 512), layout, TINY_GPU, AllocatorConfig(), hint)[0]
-    assert sorted(stages) == sorted(hint) == [0, 1, 2, 3]
+    assert _worst(spec, TrainSetup(last, 512), layout, TINY_GPU, AllocatorConfig())[::2] == (True, 0)
+    assert stages == [0, 3, 1, 2]  # the first stage, the last, the others
     stages.clear()
-    assert not _worst(spec, TrainSetup(last + 1, 512), layout, TINY_GPU, AllocatorConfig(), hint)[0]
-    assert stages == [max(hint, key=hint.get)]
+    whole = {r.rank: r for r in predict(spec, TrainSetup(last + 1, 512), layout, TINY_GPU).ranks}
+    ok, _, unpredicted = _worst(spec, TrainSetup(last + 1, 512), layout, TINY_GPU, AllocatorConfig())
+    first_miss = next(i for i, stage in enumerate([0, 3, 1, 2]) if not whole[stage].fits)
+    assert not ok and stages == [0, 3, 1, 2][:first_miss + 1] and unpredicted == 3 - first_miss
+    stages.clear()
+    assert _worst(spec, TrainSetup(1, 512), layout, TINY_GPU, AllocatorConfig(), only=[2, 1])[::2] == (True, 2)
+    assert stages == [2, 1]  # a screen predicts its stages alone
 
 
 def test_size_in_processes_is_the_same_table():
