@@ -18,13 +18,21 @@ installed) in place of the imitation, so `llmsim validate` compares the real ker
 `max_memory_allocated` with the imitation's prediction for the GPU's branches (logits chunk written with
 `torch.mm(out=)`, the weight gradient accumulated with `torch.addmm(out_dtype=float32)` from sm80 on); each
 pairs with the same configuration under transformers' loss, so the saving is measured too.
+
+On a lent machine whose files come back from one folder (`--out DIR`): rows go to DIR/tier4_gpu.csv as each run
+ends, each run's tracker timeline and CUDA allocator trace (`torch.cuda.memory._record_memory_history`, no stacks)
+to DIR/traces.tar.gz, a failed run's stderr to DIR/failures.log, and the device's own figures (capacity, the
+context of a bare process, the cuBLAS workspace) to DIR/device.json. `--deadline S` starts no run after S seconds.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import io
 import json
+import pickle
 import subprocess
+import tarfile
 import sys
 import time
 from pathlib import Path
@@ -93,8 +101,9 @@ def _setup(entry):
     return spec, resolve_attention(spec, setup)
 
 
-def worker(entry) -> dict:
-    """One configuration on cuda:0 (run in a child process)."""
+def worker(entry, trace_path: str | None = None) -> dict:
+    """One configuration on cuda:0 (run in a child process); `trace_path`: pickle the tracker's timeline and the
+    CUDA caching allocator's own trace (every alloc/free/segment event, no stacks) there."""
     import torch
 
     from llmsim.measure import environment, setup_columns
@@ -110,20 +119,74 @@ def worker(entry) -> dict:
     torch.cuda.set_device(0)
     build = model_builder(spec, setup, None)
     tracker = StorageTracker()
+    if trace_path:
+        try:
+            torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=10**7)
+        except Exception as error:  # the rows matter more than the trace
+            print(f"no allocator history: {error!r}", file=sys.stderr)
     start = time.perf_counter()
     with torch.device("cuda"):
         run_canonical_step(build, setup, tracker, None)
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
-    device, host = split_host(tracker.timeline())  # the pinned copies of --ckpt-offload are host memory
+    timeline = tracker.timeline()
+    device, host = split_host(timeline)  # the pinned copies of --ckpt-offload are host memory
+    if trace_path:
+        _save_traces(trace_path, timeline)
     return {"tier": 4, **setup_columns(spec, setup), "strategy": "single", "world_size": 1, "rank": 0,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "device_total_bytes": total - free,
+            "reserved_at_end_bytes": torch.cuda.memory_reserved(),
             "tracker_peak_bytes": replay(device).allocated_bytes, "peak_host_bytes": host_peak_bytes(host),
             "gpu": _profile_name(torch.cuda.get_device_name(0)), "device": torch.cuda.get_device_name(0),
             **environment(),
             "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "wall_s": round(time.perf_counter() - start, 2)}
+
+
+def _save_traces(path: str, timeline) -> None:
+    """The tracker's timeline (its numeric columns, phase and category) and the allocator's events (action,
+    address, size), as numpy arrays, for offline comparison with the prediction."""
+    import numpy as np
+    import torch
+
+    try:
+        snapshot = torch.cuda.memory._snapshot()
+        trace = [e for device_trace in snapshot["device_traces"] for e in device_trace]
+        actions = sorted({e["action"] for e in trace})
+        events = {"actions": actions, "action": np.array([actions.index(e["action"]) for e in trace], np.int8),
+                  "addr": np.array([e["addr"] for e in trace], np.int64),
+                  "size": np.array([e["size"] for e in trace], np.int64),
+                  "segments_at_end": [(s["address"], s["total_size"]) for s in snapshot["segments"]]}
+    except Exception as error:  # the rows matter more than the trace
+        events = {"error": repr(error)}
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    columns = {name: timeline[name].to_numpy() for name in ("step", "block", "serial", "delta_bytes")}
+    columns.update({name: timeline[name].astype(str).to_numpy() for name in ("phase", "category")})
+    with open(path, "wb") as handle:
+        pickle.dump({"timeline": columns, "allocator": events}, handle)
+
+
+def device_figures() -> dict:
+    """The GPU's own numbers for its profile (data/gpus/*.json): capacity, a bare process's device memory outside
+    the caching allocator once CUDA is up (the context before kernel modules load), the same after one bf16
+    matmul, and what that matmul allocated through the caching allocator beyond its output (cuBLAS workspace)."""
+    import torch
+
+    torch.cuda.set_device(0)
+    a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    bare, before = total - free - torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    b = a @ a
+    torch.cuda.synchronize()
+    workspace = torch.cuda.memory_allocated() - before - b.untyped_storage().nbytes()
+    free, _ = torch.cuda.mem_get_info()
+    return {"device": torch.cuda.get_device_name(0), "capability": "%d.%d" % torch.cuda.get_device_capability(0),
+            "capacity_bytes": torch.cuda.get_device_properties(0).total_memory, "mem_get_info_total": total,
+            "bare_context_bytes": bare, "context_after_matmul_bytes": total - free - torch.cuda.memory_reserved(),
+            "first_matmul_workspace_bytes": workspace, "torch": torch.__version__, "cuda": torch.version.cuda}
 
 
 class _RealLiger:
@@ -172,28 +235,83 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--gpu", default="h200", help="profile for --dry-run predictions")
+    parser.add_argument("--out", type=Path, help="write rows, traces, failures and device figures here")
+    parser.add_argument("--deadline", type=float, default=float("inf"), help="start no run after this many seconds")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # child process: one configuration as JSON
+    parser.add_argument("--trace", help=argparse.SUPPRESS)  # child process: pickle its traces here
+    parser.add_argument("--device-figures", action="store_true", help=argparse.SUPPRESS)  # child process
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(worker(tuple(json.loads(args.one)))))
+        print(json.dumps(worker(tuple(json.loads(args.one)), args.trace)))
+        return 0
+    if args.device_figures:
+        print(json.dumps(device_figures()))
         return 0
     if args.dry_run:
         return dry_run(args.gpu)
     from llmsim.measure import append_rows
 
-    failures = 0
-    for entry in MATRIX:
+    csv = args.out / "tier4_gpu.csv" if args.out else TIER4_CSV
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run([sys.executable, __file__, "--device-figures"], capture_output=True, text=True,
+                              timeout=PER_RUN_TIMEOUT_S)
+        (args.out / "device.json").write_text(proc.stdout + proc.stderr[-3000:])
+        print(proc.stdout, proc.stderr[-3000:], flush=True)
+    start, failures, done = time.perf_counter(), 0, 0
+    for index, entry in enumerate(MATRIX):
+        if time.perf_counter() - start > args.deadline:
+            print(f"deadline: {len(MATRIX) - index} entries not run", flush=True)
+            break
+        trace = str(args.out / f"trace_{index:02d}.pkl") if args.out else None
+        command = [sys.executable, __file__, "--one", json.dumps(entry)] + (["--trace", trace] if trace else [])
+        began, proc = time.perf_counter(), None
         try:
-            proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(entry)], capture_output=True,
-                                  text=True, timeout=PER_RUN_TIMEOUT_S)
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=PER_RUN_TIMEOUT_S)
             row = json.loads(proc.stdout.strip().splitlines()[-1])
-        except (subprocess.TimeoutExpired, IndexError, json.JSONDecodeError):
+        except (subprocess.TimeoutExpired, IndexError, json.JSONDecodeError) as error:
             failures += 1
-            print(f"FAILED {entry}", flush=True)
+            stderr = proc.stderr if proc is not None else error.stderr
+            if isinstance(stderr, bytes):
+                stderr = stderr.decode(errors="replace")
+            print(f"FAILED {entry} after {time.perf_counter() - began:.0f} s: {type(error).__name__}\n"
+                  f"{(stderr or '')[-1500:]}", flush=True)
+            if args.out:
+                with open(args.out / "failures.log", "a") as log:
+                    log.write(f"=== {entry} {type(error).__name__}\n{stderr or ''}\n")
+            if failures == 2 and done == 0:  # the environment, not one configuration: stop, save device time
+                print("the first two runs failed: stopping", flush=True)
+                break
             continue
-        append_rows([row], TIER4_CSV)
-        print(entry, row["peak_allocated_bytes"], row["peak_reserved_bytes"], row["device_total_bytes"], flush=True)
+        finally:
+            _bundle(args.out, index // 12)
+        done += 1
+        append_rows([row], csv)
+        print(entry, row["peak_allocated_bytes"], row["peak_reserved_bytes"], row["device_total_bytes"],
+              f"{time.perf_counter() - began:.0f} s", flush=True)
     return 1 if failures else 0
+
+
+def _bundle(out: Path | None, part: int) -> None:
+    """Move the run's trace pickle into DIR/traces_<part>.tar.gz (few files back, whatever the count of runs)."""
+    if out is None:
+        return
+    pickles = sorted(out.glob("trace_*.pkl"))
+    if not pickles:
+        return
+    archive = out / f"traces_{part}.tar.gz"
+    members = {}
+    if archive.exists():
+        with tarfile.open(archive) as tar:
+            members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    for path in pickles:
+        members[path.name] = path.read_bytes()
+        path.unlink()
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from llmsim.losses import compute_loss, install_loss
 from llmsim.offload import host_peak_bytes, offloading, split_host
 from llmsim.peaks import replay
 from llmsim.spec import ModelSpec, TrainSetup
-from llmsim.step import (LayerHooks, add_peft, import_peft, make_optimizer, optimizer_class,
+from llmsim.step import (LayerHooks, add_peft, enable_checkpointing, import_peft, make_optimizer, optimizer_class,
                          run_canonical_step, run_pipeline_step, uses_peft)
 from llmsim.tensor_parallel import parallel_mesh
 from llmsim.trace import model_builder
@@ -67,7 +67,7 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
             model = add_peft(model, setup)
             hooks.adopt_new_parameters()
         if job["grad_ckpt"]:
-            base.activation_checkpointing_enable(every_n_layers=job["ckpt_every"], offload=setup.ckpt_offload)
+            enable_checkpointing(base, job["ckpt_every"], setup.ckpt_offload)
         # the client optimizer, built as the canonical step builds it (torch.optim.AdamW unless --optimizer,
         # with --foreach / --fused)
         optimizer = None if "optimizer" in ds_config else make_optimizer(model.parameters(), setup)

@@ -264,6 +264,13 @@ def optimizer_class(optimizer: Optimizer) -> type:
             Optimizer.SGD_MOMENTUM: torch.optim.SGD, Optimizer.ADAFACTOR: torch.optim.Adafactor}[optimizer]
 
 
+def enable_checkpointing(model, every_n_layers: int, offload: bool = False) -> None:
+    """transformers' activation checkpointing: `activation_checkpointing_enable` (5.2x), or the same method under its
+    old name `gradient_checkpointing_enable` (5.17 and earlier, the GPU image's; same `every_n_layers` and `offload`)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(every_n_layers=every_n_layers, offload=offload)
+
+
 def make_optimizer(params, setup: TrainSetup) -> torch.optim.Optimizer:
     foreach = setup.foreach or None
     fused = {"fused": True} if setup.fused else {}  # torch.optim.Adafactor takes no `fused`
@@ -440,7 +447,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
                 cast_parameters(model, setup.precision.cast_dtype)
             hooks.adopt_new_parameters()
         if setup.grad_ckpt:
-            base.activation_checkpointing_enable(every_n_layers=setup.ckpt_every, offload=setup.ckpt_offload)
+            enable_checkpointing(base, setup.ckpt_every, setup.ckpt_offload)
         if setup.label_micro_grads:
             hooks.label_micro_grads()
         if setup.zero3_hooks:  # deepspeed.initialize registers them last
@@ -492,7 +499,7 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
     with tracker:
         model, hooks = _build_for_training(build, setup, tracker, None)
         if setup.grad_ckpt:
-            model.activation_checkpointing_enable(every_n_layers=setup.ckpt_every)
+            enable_checkpointing(model, setup.ckpt_every)
         model.forward = stage_forward(model, stage_index, num_stages)
         vocab_size = int(model.config.vocab_size)
         dtype = setup.precision.cast_dtype or torch.float32
