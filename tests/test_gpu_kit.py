@@ -43,3 +43,39 @@ def test_host_step_entry_predicts_one_host_step_per_parameter():
         from transformers import AutoModelForCausalLM
         tensors = len(list(AutoModelForCausalLM.from_config(spec.hf_config()).parameters()))
     assert predict(spec, setup, gpu=load_gpu("h100-80gb")).ranks[0].peak_host_bytes == 4 * tensors
+
+
+def test_kit_bundles_each_runs_traces_into_few_files(tmp_path):
+    """On a lent machine only a few files come back: every run's trace pickle joins one archive per 12 runs."""
+    import tarfile
+
+    from experiments.gpu_validation import _bundle
+
+    for index in range(14):
+        (tmp_path / f"trace_{index:02d}.pkl").write_bytes(bytes([index]) * 10)
+        _bundle(tmp_path, index // 12)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["traces_0.tar.gz", "traces_1.tar.gz"]
+    with tarfile.open(tmp_path / "traces_0.tar.gz") as tar:
+        assert tar.getnames() == [f"trace_{i:02d}.pkl" for i in range(12)]
+        assert tar.extractfile("trace_05.pkl").read() == bytes([5]) * 10
+
+
+def test_checkpointing_under_either_transformers_name():
+    """transformers 5.2x names it activation_checkpointing_enable; 5.17 (the GPU image's) gradient_checkpointing_enable,
+    with the same every_n_layers and offload."""
+    import types
+
+    from transformers import AutoModelForCausalLM
+
+    from llmsim.spec import load_model_spec
+    from llmsim.step import enable_checkpointing
+    from llmsim.zoo import shrink
+
+    calls = []
+    old = types.SimpleNamespace(gradient_checkpointing_enable=lambda **kwargs: calls.append(kwargs))
+    enable_checkpointing(old, 2, True)
+    assert calls == [{"every_n_layers": 2, "offload": True}]
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", hidden=64, layers=4, vocab=128, heads=4))
+    model = AutoModelForCausalLM.from_config(spec.hf_config())
+    enable_checkpointing(model, 2)
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False, True, False]
