@@ -196,7 +196,7 @@ def cmd_predict(args) -> int:
     gpu = load_gpu(args.gpu) if args.gpu else None
     # on a terminal only: an input error found inside a stage's trace must stay one line where stderr is read
     prediction = predict(*_inputs(args), gpu=gpu, alloc_conf=_alloc_conf(args),
-                         progress=not args.quiet and sys.stderr.isatty())
+                         progress=not args.quiet and sys.stderr.isatty(), jobs=args.jobs)
     if args.format == "json":
         print(json.dumps(prediction.to_dict(), indent=2))
     else:
@@ -329,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--plot", metavar="PNG", help="also draw the fullest rank's memory over the step, stacked by "
                    "category with the peak marked, and every rank's breakdown at its peak")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="local processes to trace a pipeline's stages in (default: every core)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (a pipeline's stages)")
     p.set_defaults(func=cmd_predict)
     p = sub.add_parser("compare", help="the peak under each memory lever and common combinations (+ PNG chart)")

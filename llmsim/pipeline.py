@@ -12,12 +12,14 @@ import numpy as np
 import pandas as pd
 
 from llmsim.allocator import NO_LIMIT, AllocatorConfig, OutOfMemory, PausedReplay, compiled, replay_reserved
+from llmsim.errors import InputError
 from llmsim.gpus import GpuProfile, on_gpu
 from llmsim.graph import layer_graph
 from llmsim.offload import host_peak_bytes, split_host
 from llmsim.losses import check_loss
 from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
+from llmsim.step import StepInfo
 from llmsim.strategies import STRATEGIES, Layout, Strategy, check_supported, traced_setup
 from llmsim.strategies.events import LazyRanks, per_timeline
 from llmsim.pipelining import check_pipeline
@@ -123,18 +125,16 @@ def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile
 
 def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             gpu: GpuProfile | None = None, alloc_conf: AllocatorConfig = AllocatorConfig(),
-            progress: bool = False) -> Prediction:
-    """`progress`: a bar over a pipeline's stages (one trace each: seconds apiece for big models)."""
+            progress: bool = False, jobs: int = 1) -> Prediction:
+    """`progress`: a bar over a pipeline's stages (one trace each: seconds apiece for big models); `jobs`: trace
+    the stages not yet cached in that many local processes."""
+    if jobs < 1:
+        raise InputError(f"jobs({jobs}) must be >= 1")
     setup = checked(model, setup, layout, gpu)
     if layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks
-        from tqdm import tqdm
-
         rank_timelines = {}
-        with tqdm(total=layout.pp, disable=not progress, unit="stage", leave=False) as bar:  # cleared at the end
-            for stage in range(layout.pp):
-                timeline, graph = _stage_timeline(model, setup, layout, stage)
-                rank_timelines.update(dict.fromkeys(stage_ranks(layout, stage), timeline))
-                bar.update()
+        for stage, (timeline, graph) in enumerate(_stage_timelines(model, setup, layout, progress, jobs)):
+            rank_timelines.update(dict.fromkeys(stage_ranks(layout, stage), timeline))
     else:
         timeline, graph = expanded(model, setup)
         rank_timelines = _plan(timeline, layout, setup)
@@ -175,8 +175,41 @@ def stage_ranks(layout: Layout, stage: int) -> list[int]:
 
 def _stage_timeline(model: ModelSpec, setup: TrainSetup, layout: Layout,
                     stage: int) -> tuple[pd.DataFrame, Callable[[], nx.DiGraph]]:
-    timeline, graph = expanded(model, replace(setup, pp=layout.pp, pp_stage=stage, schedule=layout.schedule.value,
-                                              n_microbatches=layout.n_microbatches, pp_split=layout.pp_split))
+    return _stage_planned(expanded(model, _stage_setup(setup, layout, stage)), layout, setup)
+
+
+def _stage_timelines(model: ModelSpec, setup: TrainSetup, layout: Layout, progress: bool = False,
+                     jobs: int = 1) -> list[tuple[pd.DataFrame, Callable[[], nx.DiGraph]]]:
+    """Every stage's `_stage_timeline`; with `jobs` > 1 the stages not cached are traced in that many processes
+    (the traces are independent), then cached here as if traced here."""
+    from tqdm import tqdm
+
+    from llmsim.sweep import in_processes
+
+    keys = [(model, _stage_setup(setup, layout, stage)) for stage in range(layout.pp)]
+    found = {key: _EXPANDED[key] for key in keys if key in _EXPANDED}
+    missing = [key for key in keys if key not in found]
+    if jobs > 1 and len(missing) > 1:
+        # the bar is in_processes' (a stage a tick, as its trace comes back), left on screen like sweep's
+        for key, result in zip(missing, in_processes(_expand_key, missing, min(jobs, len(missing)), progress,
+                                                     "stage")):
+            found[key] = _remember(key, *result)
+        progress = False
+    stages = []
+    with tqdm(total=layout.pp, disable=not progress, unit="stage", leave=False) as bar:  # cleared at the end
+        for key in keys:
+            stages.append(_stage_planned(found[key] if key in found else expanded(*key), layout, setup))
+            bar.update()
+    return stages
+
+
+def _stage_setup(setup: TrainSetup, layout: Layout, stage: int) -> TrainSetup:
+    return replace(setup, pp=layout.pp, pp_stage=stage, schedule=layout.schedule.value,
+                   n_microbatches=layout.n_microbatches, pp_split=layout.pp_split)
+
+
+def _stage_planned(traced: tuple[pd.DataFrame, Callable[[], nx.DiGraph]], layout: Layout, setup: TrainSetup):
+    timeline, graph = traced
     if layout.strategy is not Strategy.SINGLE:  # the stage's DDP buffers, the same in every replica
         timeline = _plan(timeline, layout, setup)[0]
     return timeline, graph
@@ -221,18 +254,39 @@ def _device_timeline(rank_timelines: LazyRanks, rank: int) -> pd.DataFrame:
     return split_host(rank_timelines[rank])[0]
 
 
-@functools.lru_cache(maxsize=16)
 def expanded(model: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, Callable[[], nx.DiGraph]]:
     """The full-depth timeline of one traced process and its layer graph (built when first asked for), kept for
-    the next prediction with the same inputs (the strategies and the replay read them, never change them). With
-    pipeline stages, the graph is the last stage's. Two steps are traced and the steady second one repeated
-    (`repeat_last_step`)."""
+    the next prediction with the same inputs (the latest `_MAX_EXPANDED`; the strategies and the replay read
+    them, never change them). With pipeline stages, the graph is the last stage's."""
+    key = (model, setup)
+    if key in _EXPANDED:
+        _EXPANDED[key] = _EXPANDED.pop(key)  # the most recently used is the last to go
+        return _EXPANDED[key]
+    return _remember(key, *_expand_key(key))
+
+
+def _expand_key(key: tuple[ModelSpec, TrainSetup]) -> tuple[pd.DataFrame, StepInfo]:
+    """Trace and expand to full depth (what `expanded` keeps). Two steps are traced and the steady second one
+    repeated (`repeat_last_step`)."""
+    model, setup = key
     traced = trace(model, replace(setup, steps=min(setup.steps, TRACED_STEPS)))
     timeline = repeat_last_step(expand(traced), setup.steps)
     if timeline is None:  # the last traced step is not steady: trace every step
         traced = trace(model, setup)
         timeline = expand(traced)
-    return timeline, functools.cache(functools.partial(layer_graph, timeline, traced.info))
+    return timeline, traced.info
+
+
+def _remember(key: tuple[ModelSpec, TrainSetup], timeline: pd.DataFrame,
+              info: StepInfo) -> tuple[pd.DataFrame, Callable[[], nx.DiGraph]]:
+    if len(_EXPANDED) >= _MAX_EXPANDED:
+        _EXPANDED.pop(next(iter(_EXPANDED)))
+    _EXPANDED[key] = (timeline, functools.cache(functools.partial(layer_graph, timeline, info)))
+    return _EXPANDED[key]
+
+
+_MAX_EXPANDED = 16
+_EXPANDED: dict[tuple[ModelSpec, TrainSetup], tuple[pd.DataFrame, Callable[[], nx.DiGraph]]] = {}
 
 
 def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame | None, gpu: GpuProfile | None,

@@ -265,8 +265,8 @@ def optimizer_class(optimizer: Optimizer) -> type:
 
 
 def enable_checkpointing(model, every_n_layers: int, offload: bool = False) -> None:
-    """transformers' activation checkpointing: `activation_checkpointing_enable` (5.2x), or the same method under its
-    old name `gradient_checkpointing_enable` (5.17 and earlier, the GPU image's; same `every_n_layers` and `offload`)."""
+    """transformers' activation checkpointing: `activation_checkpointing_enable` (5.24), or the same method under
+    its old name `gradient_checkpointing_enable` (5.17, the GPU image's: the same `every_n_layers` and `offload`)."""
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable(every_n_layers=every_n_layers, offload=offload)
 

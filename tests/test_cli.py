@@ -45,6 +45,7 @@ BAD = [
     (["predict", "--model", "gpt2", "--seq-len", "4096", "--micro-batch", "1"], "max positions"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--ckpt-every", "2"], "--grad-ckpt"),
     (["predict", "--model", "gpt2", "--seq-len", "8"], "required"),
+    (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--jobs", "0"], "jobs(0) must be >= 1"),
     (["predict", *TINY, "--set", "model_type=resnet", "--seq-len", "8", "--micro-batch", "1"], "model_type"),
     (["predict", *TINY, "--set", "hidden_size=70", "--seq-len", "8", "--micro-batch", "1"], "hidden size (70)"),
     (["predict", *TINY, "--seq-len", "8", "--micro-batch", "1", "--lora-rank", "4", "--lora-targets", "w_x"],

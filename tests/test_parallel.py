@@ -77,6 +77,33 @@ def test_predicted_ranks_follow_the_layout():
     assert pp[0].peak_allocated_bytes != pp[1].peak_allocated_bytes  # the first and last stages differ
 
 
+def test_stages_traced_in_processes_give_the_same_prediction():
+    """`predict(jobs=2)` traces a pipeline's stages in two processes and caches them as if traced here: every
+    rank's timeline, peak and device total, and the layer graph, are those of tracing every stage here."""
+    import pandas as pd
+
+    import llmsim.pipeline as pipeline
+    from llmsim.gpus import load_gpu
+    from llmsim.trace import trace
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 2048, 4))
+    layout, setup, gpu = Layout(Strategy.DDP, 6, pp=3, n_microbatches=3), TrainSetup(2, 64), load_gpu("h100-80gb")
+    pipeline._EXPANDED.clear()
+    trace.cache_clear()
+    here = predict(spec, setup, layout, gpu)
+    pipeline._EXPANDED.clear()
+    trace.cache_clear()
+    there = predict(spec, setup, layout, gpu, jobs=2)
+    assert trace.cache_info().currsize == 0  # every stage was traced in the other processes
+    assert [r.device_total_bytes for r in there.ranks] == [r.device_total_bytes for r in here.ranks]
+    assert len({r.device_total_bytes for r in here.ranks}) == 3  # the three stages differ
+    for ours, theirs in zip(here.ranks, there.ranks):
+        assert ours.peak == theirs.peak
+        pd.testing.assert_frame_equal(ours.timeline, theirs.timeline)
+    assert sorted(there.graph_of().edges) == sorted(here.graph_of().edges)
+    assert predict(spec, setup, layout, gpu, jobs=2).ranks[5].peak == here.ranks[5].peak  # cached: no processes
+
+
 def test_committed_parallel_rows_cover_the_matrix():
     """Issue 4's matrix: >= 40 rank rows over TP 2 and 4, PP 2 and 4, GPipe and 1F1B, >= 3 architectures,
     1-8 micro-batches, and two hybrids (TP x PP, DP x PP)."""
