@@ -22,7 +22,9 @@ from llmsim.dsconfig import load_ds_config  # noqa: E402
 from llmsim.enums import Precision  # noqa: E402
 from llmsim.gpus import load_gpu  # noqa: E402
 from llmsim.measure import measure_single  # noqa: E402
+from llmsim import pipeline  # noqa: E402
 from llmsim.pipeline import predict  # noqa: E402
+from llmsim.pipelining import Schedule  # noqa: E402
 from llmsim.spec import TrainSetup, load_model_spec  # noqa: E402
 from llmsim.strategies import Layout, Strategy  # noqa: E402
 from llmsim.sweep import sweep  # noqa: E402
@@ -30,9 +32,9 @@ from llmsim.sweep import sweep  # noqa: E402
 llmsim_import_s = time.perf_counter() - start - imports_s
 
 
-def timed(model: str, setup: TrainSetup, layout: Layout = Layout(), gpu=None) -> tuple[float, int]:
+def timed(model: str, setup: TrainSetup, layout: Layout = Layout(), gpu=None, jobs: int = 1) -> tuple[float, int]:
     begin = time.perf_counter()
-    prediction = predict(load_model_spec(model), setup, layout, gpu)
+    prediction = predict(load_model_spec(model), setup, layout, gpu, jobs=jobs)
     return time.perf_counter() - begin, prediction.peak_allocated_bytes
 
 
@@ -69,6 +71,13 @@ for name, layout_of in (("DDP", lambda w: Layout(Strategy.DDP, w)), ("ZeRO-3", l
     else:
         cold = "trace shared with DDP, "
     new_s, peak = timed("llama-2-70b", seventy, layout_of(1024), h100)
+    if name in ("ZeRO-1", "ZeRO-2"):  # again, a fresh process's state: the ranks in two forked processes
+        pipeline._REPLAYED.clear()
+        pipeline._REPLAYED_PLAN[0] = lambda: None
+        two_s, _ = timed("llama-2-70b", seventy, zero(int(name[-1]), 1024, 1), h100, jobs=2)
+        new_s = f"{1000 * new_s:,.0f} ms, with 2 processes (jobs=2) {1000 * two_s:,.0f}"
+    else:
+        new_s = f"{1000 * new_s:,.0f}"
     if name in ("DDP", "ZeRO-3"):
         again = sorted(timed("llama-2-70b", seventy, layout_of(1024), h100)[0] for _ in range(3))
         repeat = f", warm repeat {1000 * again[1]:,.0f} ms (median of 3)"
@@ -76,7 +85,15 @@ for name, layout_of in (("DDP", lambda w: Layout(Strategy.DDP, w)), ("ZeRO-3", l
         timed("llama-2-70b", seventy, Layout(Strategy.DDP, 8))  # no GPU (CPU kernels: another trace), traced first
         cpu_s, _ = timed("llama-2-70b", seventy, layout_of(1024))  # no GPU: live bytes, no allocator model
         repeat = f" (every rank's own events and allocator replay; without the allocator model {1000 * cpu_s:,.0f} ms)"
-    print(f"  {name} on 1,024: {cold}warm new layout {1000 * new_s:,.0f} ms{repeat}, peak {peak:,} B")
+    print(f"  {name} on 1,024: {cold}warm new layout {new_s} ms{repeat}, peak {peak:,} B")
+
+# A pipeline: 16 stages (1F1B, 16 micro-batches), DDP over the replicas; one trace per stage, in 2 processes.
+pipe = [Layout(Strategy.DDP, w, pp=16, schedule=Schedule.ONE_F_ONE_B, n_microbatches=16) for w in (512, 1024)]
+cold_s, _ = timed("llama-2-70b", seventy, pipe[0], h100, jobs=2)
+new_s, peak = timed("llama-2-70b", seventy, pipe[1], h100)
+again = sorted(timed("llama-2-70b", seventy, pipe[1], h100)[0] for _ in range(3))
+print(f"  PP 16 x DDP on 1,024: cold (512 GPUs, 16 stage traces in 2 processes) {cold_s:.1f} s, warm new layout "
+      f"{1000 * new_s:,.0f} ms, warm repeat {1000 * again[1]:,.0f} ms (median of 3), peak {peak:,} B")
 
 # A sweep of 10,240 DDP configurations (llmsim sweep's own function, both cores): Llama-2-7B, bf16, checkpointing,
 # 128 world sizes (8 to 1,024) x 5 GPUs x 2 micro-batches x 2 sequence lengths x 4 allocator settings.

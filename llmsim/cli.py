@@ -330,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="also draw the fullest rank's memory over the step, stacked by "
                    "category with the peak marked, and every rank's breakdown at its peak")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                   help="local processes to trace a pipeline's stages in (default: every core)")
+                   help="local processes to trace a pipeline's stages in, or to replay ZeRO-1/2's ranks on a GPU "
+                   "(default: every core)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (a pipeline's stages)")
     p.set_defaults(func=cmd_predict)
     p = sub.add_parser("compare", help="the peak under each memory lever and common combinations (+ PNG chart)")

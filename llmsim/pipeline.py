@@ -127,7 +127,8 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             gpu: GpuProfile | None = None, alloc_conf: AllocatorConfig = AllocatorConfig(),
             progress: bool = False, jobs: int = 1) -> Prediction:
     """`progress`: a bar over a pipeline's stages (one trace each: seconds apiece for big models); `jobs`: trace
-    the stages not yet cached in that many local processes."""
+    the stages not yet cached in that many local processes, and replay ZeRO-1/2's ranks (each its own events)
+    on a GPU in up to that many."""
     if jobs < 1:
         raise InputError(f"jobs({jobs}) must be >= 1")
     setup = checked(model, setup, layout, gpu)
@@ -144,6 +145,10 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     if lazy and _REPLAYED_PLAN[0]() is not rank_timelines:  # another layout's ranks share little: let theirs go
         _REPLAYED.clear()
         _REPLAYED_PLAN[0] = weakref.ref(rank_timelines)
+    processes = min(jobs, len(rank_timelines) // _RANKS_PER_PROCESS) if lazy and gpu is not None else 1
+    if processes > 1:
+        ranks = _lazy_ranks_in_processes(rank_timelines, gpu, alloc_conf, processes)
+        return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf)
     for rank in sorted(rank_timelines):
         if lazy:  # built for this rank alone: predicted, then let go
             ranks.append(_predict_lazy_rank(rank_timelines, rank, gpu, alloc_conf))
@@ -248,6 +253,34 @@ def _predict_lazy_rank(rank_timelines: LazyRanks, rank: int, gpu: GpuProfile | N
     events = rank_timelines.events(rank)
     return replace(_on_device(rank, events.peak, None, gpu, alloc_conf, True, events.arrays), frame=frame,
                    peak_host_bytes=events.peak_host_bytes)
+
+
+def _lazy_ranks_in_processes(rank_timelines: LazyRanks, gpu: GpuProfile, alloc_conf: AllocatorConfig,
+                             processes: int) -> list[RankPrediction]:
+    """`_predict_lazy_rank` for every rank, in forked processes that inherit the strategy's plan: one block of
+    neighbouring ranks each (neighbours share the most chunks of replay, `_replay_shared`). The frames stay
+    here, rebuilt on demand as in one process."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    blocks = [block.tolist() for block in np.array_split(np.array(sorted(rank_timelines)), 4 * processes)]
+    _FORKED[:] = [rank_timelines, gpu, alloc_conf]
+    try:
+        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
+            done = [prediction for block in pool.map(_lazy_block, blocks) for prediction in block]
+    finally:
+        _FORKED.clear()
+    return [replace(prediction, frame=functools.partial(_device_timeline, rank_timelines, prediction.rank))
+            for prediction in done]
+
+
+def _lazy_block(ranks: list[int]) -> list[RankPrediction]:
+    rank_timelines, gpu, alloc_conf = _FORKED
+    return [replace(_predict_lazy_rank(rank_timelines, rank, gpu, alloc_conf), frame=None) for rank in ranks]
+
+
+_RANKS_PER_PROCESS = 64  # fewer ZeRO-1/2 ranks a process: not worth a fork (~0.5-5 ms a rank)
+_FORKED: list = []  # what `_lazy_block` reads in a forked process: the plan, the GPU, the allocator setting
 
 
 def _device_timeline(rank_timelines: LazyRanks, rank: int) -> pd.DataFrame:

@@ -129,3 +129,31 @@ def test_a_template_that_cannot_stand_for_every_rank_walks_each(tmp_path, monkey
     walked = predict(SPEC, setup, layout)
     assert [r.to_dict() for r in walked.ranks] == [r.to_dict() for r in fast.ranks]
     assert all(a.timeline.equals(b.timeline) for a, b in zip(walked.ranks, fast.ranks))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_ranks_replayed_in_processes_are_the_ranks_replayed_here(tmp_path, stage):
+    """`predict(jobs=2)` replays ZeRO-1/2's ranks on a GPU in two forked processes, blocks of neighbouring ranks
+    each: every rank's peak, reserved bytes, device total and verdict are those of one process, and its frame is
+    rebuilt here on demand."""
+    import llmsim.pipeline as pipeline
+
+    setup = TrainSetup(1, 16, BF16, grad_ckpt=True)
+    layout = _layout(tmp_path, setup, stage, 200, 1, {"reduce_bucket_size": 6000}, None)
+    gpu = load_gpu("h100-80gb")
+    forks = []
+    real = pipeline._lazy_ranks_in_processes
+    pipeline._lazy_ranks_in_processes = lambda *args: forks.append(args[-1]) or real(*args)
+    try:
+        here = predict(SPEC, setup, layout, gpu).ranks
+        pipeline._REPLAYED.clear()  # the processes start without this process's replays
+        there = predict(SPEC, setup, layout, gpu, jobs=2).ranks
+    finally:
+        pipeline._lazy_ranks_in_processes = real
+    assert forks == [2]  # 200 ranks: one call, two processes (jobs=1 stays here)
+    assert [r.rank for r in there] == list(range(200))
+    for ours, theirs in zip(here, there):
+        assert (theirs.peak, theirs.peak_reserved_bytes, theirs.device_total_bytes, theirs.fits) == \
+            (ours.peak, ours.peak_reserved_bytes, ours.device_total_bytes, ours.fits)
+    assert there[123].timeline.equals(here[123].timeline)
+    assert not here[123].timeline.equals(here[0].timeline)  # the ranks' events differ: each its own replay
