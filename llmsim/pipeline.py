@@ -155,7 +155,7 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             continue
         rank_timeline = rank_timelines[rank]
         if id(rank_timeline) not in replayed:
-            replayed[id(rank_timeline)] = _predict_rank(rank, rank_timeline, gpu, alloc_conf)
+            replayed[id(rank_timeline)] = _shared_prediction(rank_timeline, gpu, alloc_conf)
         ranks.append(_as_rank(replayed[id(rank_timeline)], rank))
     return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf)
 
@@ -167,9 +167,8 @@ def predict_stage(model: ModelSpec, setup: TrainSetup, layout: Layout, stage: in
     other stage's trace."""
     setup = checked(model, setup, layout, gpu)
     timeline = _stage_timeline(model, setup, layout, stage)[0]
-    ranks = stage_ranks(layout, stage)
-    first = _predict_rank(ranks[0], timeline, gpu, alloc_conf)
-    return [first] + [_as_rank(first, rank) for rank in ranks[1:]]
+    shared = _shared_prediction(timeline, gpu, alloc_conf)
+    return [_as_rank(shared, rank) for rank in stage_ranks(layout, stage)]
 
 
 def stage_ranks(layout: Layout, stage: int) -> list[int]:
@@ -220,11 +219,12 @@ def _stage_planned(traced: tuple[pd.DataFrame, Callable[[], nx.DiGraph]], layout
     return timeline, graph
 
 
-@per_timeline(maxsize=8)
+@per_timeline(maxsize=32)
 def _plan(timeline: pd.DataFrame, layout: Layout, setup: TrainSetup):
     """The strategy's per-rank timelines, kept for the next prediction of the same layout on the same traced
     timeline (another GPU or allocator setting of a sweep, `size` trying GPUs): a ZeRO-3 plan walks every event
-    of the step. The last few are kept; a ZeRO-1/2 plan keeps one template walk (about 9 MiB at 70B)."""
+    of the step. The last few are kept (as many as a 32-stage pipeline's stages, each with its DDP buffers); a
+    ZeRO-1/2 plan keeps one template walk (about 9 MiB at 70B)."""
     return STRATEGIES[layout.strategy](timeline, layout, setup)
 
 
@@ -241,6 +241,14 @@ def _predict_rank(rank: int, timeline: pd.DataFrame, gpu: GpuProfile | None,
     device, host = split_host(timeline)  # offloaded activations are host memory, not the GPU's
     return replace(_on_device(rank, replay(device), device, gpu, alloc_conf, shared_ranks),
                    peak_host_bytes=host_peak_bytes(host))
+
+
+@per_timeline(maxsize=64)
+def _shared_prediction(timeline: pd.DataFrame, gpu: GpuProfile | None, alloc_conf: AllocatorConfig) -> RankPrediction:
+    """The prediction of a timeline that ranks share (DDP's, TP's, a pipeline stage's), as rank 0 (`_as_rank`
+    gives the others), kept for the next prediction of it on the same GPU and allocator setting (a pipeline's
+    stages, `size`'s screens)."""
+    return _predict_rank(0, timeline, gpu, alloc_conf)
 
 
 def _predict_lazy_rank(rank_timelines: LazyRanks, rank: int, gpu: GpuProfile | None,

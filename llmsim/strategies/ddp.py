@@ -39,7 +39,7 @@ import torch.distributed as dist
 from llmsim.enums import Category, Phase
 from llmsim.step import uses_peft
 from llmsim.strategies.events import (end_of_build, live_at_end_of_build, live_sizes_at_end_of_build, new_events,
-                                     splice, trainable_names)
+                                     per_timeline, splice, trainable_names)
 
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DistributedDataParallel.broadcast_bucket_size
 MAX_IN_FLIGHT = 2  # c10d broadcast_coalesced: `max_in_flight`
@@ -83,11 +83,18 @@ def _trainable_bytes(timeline: pd.DataFrame, setup) -> int:
 
 
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
+    rank_timeline = replica_timeline(timeline, setup)
+    return {rank: rank_timeline for rank in range(layout.world_size)}
+
+
+@per_timeline(maxsize=32)
+def replica_timeline(timeline: pd.DataFrame, setup) -> pd.DataFrame:
+    """Every DDP rank's timeline, the same at any world size: kept for the next world size (and its replay with
+    it, `pipeline._shared_prediction`), as many as a 32-stage pipeline's stages."""
     params = live_sizes_at_end_of_build(timeline, Category.PARAMETER)
     buffers = live_sizes_at_end_of_build(timeline, Category.BUFFER)
     serial = int(timeline["serial"].max()) + 1
     deltas = broadcast_events(params + buffers)
     deltas.append((len(params) + len(buffers), _trainable_bytes(timeline, setup), Category.REDUCE_BUCKET))
     events = new_events(deltas, "DistributedDataParallel", 0, Phase.BUILD, serial)
-    rank_timeline = splice(timeline, end_of_build(timeline), events)
-    return {rank: rank_timeline for rank in range(layout.world_size)}
+    return splice(timeline, end_of_build(timeline), events)
