@@ -38,6 +38,11 @@ def timed(model: str, setup: TrainSetup, layout: Layout = Layout(), gpu=None, jo
     return time.perf_counter() - begin, prediction.peak_allocated_bytes
 
 
+def ms(seconds: float) -> str:
+    """Milliseconds, with a decimal below 10 ms."""
+    return f"{1000 * seconds:,.1f}" if seconds < 0.01 else f"{1000 * seconds:,.0f}"
+
+
 def zero(stage: int, world: int, micro_batch: int) -> Layout:
     config = {"train_micro_batch_size_per_gpu": micro_batch, "zero_optimization": {"stage": stage},
               "bf16": {"enabled": True}}
@@ -53,7 +58,7 @@ cold_s, peak = timed("llama-2-7b", seven)
 warm = sorted(timed("llama-2-7b", seven)[0] for _ in range(5))
 other_s, _ = timed("llama-2-7b", TrainSetup(2, 2048))  # a new shape: traced again
 print(f"Llama-2-7B, one process, CPU kernels, seq 2048: cold {cold_s:.2f} s (peak {peak:,} B), "
-      f"warm {1000 * warm[2]:.0f} ms (median of 5), new micro-batch {other_s:.2f} s")
+      f"warm {ms(warm[2])} ms (median of 5), new micro-batch {other_s:.2f} s")
 oracle_start = time.perf_counter()
 oracle = measure_single(load_model_spec("llama-2-7b"), seven, fake=True)["peak_allocated_bytes"]
 oracle_s = time.perf_counter() - oracle_start
@@ -75,16 +80,16 @@ for name, layout_of in (("DDP", lambda w: Layout(Strategy.DDP, w)), ("ZeRO-3", l
         pipeline._REPLAYED.clear()
         pipeline._REPLAYED_PLAN[0] = lambda: None
         two_s, _ = timed("llama-2-70b", seventy, zero(int(name[-1]), 1024, 1), h100, jobs=2)
-        new_s = f"{1000 * new_s:,.0f} ms, with 2 processes (jobs=2) {1000 * two_s:,.0f}"
+        new_s = f"{ms(new_s)} ms, with 2 processes (jobs=2) {ms(two_s)}"
     else:
-        new_s = f"{1000 * new_s:,.0f}"
+        new_s = ms(new_s)
     if name in ("DDP", "ZeRO-3"):
         again = sorted(timed("llama-2-70b", seventy, layout_of(1024), h100)[0] for _ in range(3))
-        repeat = f", warm repeat {1000 * again[1]:,.0f} ms (median of 3)"
+        repeat = f", warm repeat {ms(again[1])} ms (median of 3)"
     else:  # every rank differs (its partition): its events from one template walk, its own chunks replayed
         timed("llama-2-70b", seventy, Layout(Strategy.DDP, 8))  # no GPU (CPU kernels: another trace), traced first
         cpu_s, _ = timed("llama-2-70b", seventy, layout_of(1024))  # no GPU: live bytes, no allocator model
-        repeat = f" (every rank's own events and allocator replay; without the allocator model {1000 * cpu_s:,.0f} ms)"
+        repeat = f" (every rank's own events and allocator replay; without the allocator model {ms(cpu_s)} ms)"
     print(f"  {name} on 1,024: {cold}warm new layout {new_s} ms{repeat}, peak {peak:,} B")
 
 # A pipeline: 16 stages (1F1B, 16 micro-batches), DDP over the replicas; one trace per stage, in 2 processes.
@@ -93,7 +98,7 @@ cold_s, _ = timed("llama-2-70b", seventy, pipe[0], h100, jobs=2)
 new_s, peak = timed("llama-2-70b", seventy, pipe[1], h100)
 again = sorted(timed("llama-2-70b", seventy, pipe[1], h100)[0] for _ in range(3))
 print(f"  PP 16 x DDP on 1,024: cold (512 GPUs, 16 stage traces in 2 processes) {cold_s:.1f} s, warm new layout "
-      f"{1000 * new_s:,.0f} ms, warm repeat {1000 * again[1]:,.0f} ms (median of 3), peak {peak:,} B")
+      f"{ms(new_s)} ms, warm repeat {ms(again[1])} ms (median of 3), peak {peak:,} B")
 
 # A sweep of 10,240 DDP configurations (llmsim sweep's own function, both cores): Llama-2-7B, bf16, checkpointing,
 # 128 world sizes (8 to 1,024) x 5 GPUs x 2 micro-batches x 2 sequence lengths x 4 allocator settings.
