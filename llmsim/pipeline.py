@@ -530,7 +530,7 @@ def _int64(values: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(values, np.int64)
 
 
-CHECKPOINT_EVERY = 512  # events in a chunk (compiled allocator: a paused state copies in microseconds)
+CHECKPOINT_EVERY = 2048  # events in a chunk (compiled allocator: a paused state copies in microseconds)
 _MAX_REPLAYED = 32  # earlier ranks kept, with their paused states
 _REPLAYED: dict[tuple, _Earlier] = {}
 _REPLAYED_PLAN: list[weakref.ref] = [lambda: None]  # the layout (its LazyRanks) whose ranks _REPLAYED holds
