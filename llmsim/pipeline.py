@@ -243,11 +243,11 @@ def _predict_rank(rank: int, timeline: pd.DataFrame, gpu: GpuProfile | None,
                    peak_host_bytes=host_peak_bytes(host))
 
 
-@per_timeline(maxsize=64)
+@per_timeline(maxsize=32)
 def _shared_prediction(timeline: pd.DataFrame, gpu: GpuProfile | None, alloc_conf: AllocatorConfig) -> RankPrediction:
     """The prediction of a timeline that ranks share (DDP's, TP's, a pipeline stage's), as rank 0 (`_as_rank`
     gives the others), kept for the next prediction of it on the same GPU and allocator setting (a pipeline's
-    stages, `size`'s screens)."""
+    stages, `size`'s screens). Its frame keeps the timeline alive: as many as `_plan` keeps."""
     return _predict_rank(0, timeline, gpu, alloc_conf)
 
 
