@@ -24,8 +24,9 @@ ends, each run's tracker timeline and CUDA allocator trace (`torch.cuda.memory._
 to DIR/traces.tar.gz, a failed run's stderr to DIR/failures.log, and the device's own figures (capacity, the
 context of a bare process, the cuBLAS workspace) to DIR/device.json. `--deadline S` starts no run after S seconds.
 The command prepared for this workplace's H200 (python 3.12, torch 2.11+cu130, transformers 5.17, no deepspeed;
-`.whl/site` is liger-kernel 0.8.5, peft 0.21.2 and bitsandbytes 0.50.2 with only its CUDA 13 library, unzipped
-from their wheels; the matrix ran through transformers 5.17 on this CPU at 1 layer, seq 32, before any GPU):
+`bash experiments/gpu_wheels.sh` fills `.whl/site`, to carry: liger-kernel 0.8.5, peft 0.21.2 and bitsandbytes
+0.50.2 with only its CUDA 13 library; the matrix ran through transformers 5.17 on this CPU at 1 layer, seq 32,
+before any GPU):
 
     export PYTHONPATH=$PWD:$PWD/.whl/site PYTHONUNBUFFERED=1
     python3 experiments/gpu_validation.py --out $OUT --deadline 420 2>&1 | tee $OUT/log.txt
