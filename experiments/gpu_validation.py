@@ -21,12 +21,13 @@ pairs with the same configuration under transformers' loss, so the saving is mea
 
 On a lent machine whose files come back from one folder (`--out DIR`): rows go to DIR/tier4_gpu.csv as each run
 ends, each run's tracker timeline and CUDA allocator trace (`torch.cuda.memory._record_memory_history`, no stacks)
-to DIR/traces.tar.gz, a failed run's stderr to DIR/failures.log, and the device's own figures (capacity, the
-context of a bare process, the cuBLAS workspace) to DIR/device.json. `--deadline S` starts no run after S seconds.
+to DIR/traces_0.tar.gz (runs 0-11) and traces_1.tar.gz, a failed run's stderr to DIR/failures.log, and the
+device's own figures (capacity, the context of a bare process, the cuBLAS workspace) to DIR/device.json.
+`--deadline S` starts no run after S seconds.
 The command prepared for this workplace's H200 (python 3.12, torch 2.11+cu130, transformers 5.17, no deepspeed;
 `bash experiments/gpu_wheels.sh` fills `.whl/site`, to carry: liger-kernel 0.8.5, peft 0.21.2 and bitsandbytes
-0.50.2 with only its CUDA 13 library; the matrix ran through transformers 5.17 on this CPU at 1 layer, seq 32,
-before any GPU):
+0.50.2 with only its CUDA 13 library; every entry but AdamW8bit's ran through transformers 5.17 on this CPU, cut to
+one layer, a 2,048-token vocabulary and seq 32, before any GPU):
 
     export PYTHONPATH=$PWD:$PWD/.whl/site PYTHONUNBUFFERED=1
     python3 experiments/gpu_validation.py --out $OUT --deadline 420 2>&1 | tee $OUT/log.txt
@@ -39,8 +40,8 @@ import io
 import json
 import pickle
 import subprocess
-import tarfile
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -263,7 +264,9 @@ def main() -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run([sys.executable, __file__, "--device-figures"], capture_output=True, text=True,
                               timeout=PER_RUN_TIMEOUT_S)
-        (args.out / "device.json").write_text(proc.stdout + proc.stderr[-3000:])
+        (args.out / "device.json").write_text(proc.stdout)
+        if proc.stderr:
+            (args.out / "failures.log").write_text(f"=== device figures\n{proc.stderr}\n")
         print(proc.stdout, proc.stderr[-3000:], flush=True)
     start, failures, done = time.perf_counter(), 0, 0
     for index, entry in enumerate(MATRIX):
