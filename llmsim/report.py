@@ -17,6 +17,16 @@ def human_bytes(n: int) -> str:
     return f"{n:,} B"
 
 
+def layout_text(layout) -> str:
+    """"ddp x 8 (pp 2, 1f1b over 4 micro-batches)": the strategy over the world, then what splits each rank."""
+    parts = [f"ZeRO-{layout.deepspeed.stage}"] if layout.deepspeed is not None else []
+    if layout.tp > 1:
+        parts.append(f"tp {layout.tp}")
+    if layout.pp > 1:
+        parts.append(f"pp {layout.pp}, {layout.schedule.value} over {layout.n_microbatches} micro-batches")
+    return f"{layout.strategy.value} x {layout.world_size}" + (f" ({', '.join(parts)})" if parts else "")
+
+
 def prediction_table(prediction: Prediction) -> str:
     s = prediction.setup
     ckpt = f"checkpointing every {s.ckpt_every} layer(s)" if s.grad_ckpt else "no checkpointing"
@@ -25,8 +35,7 @@ def prediction_table(prediction: Prediction) -> str:
     if s.lora_rank:
         ckpt += f", LoRA r={s.lora_rank}"
     lines = [f"{prediction.model.name}: micro-batch {s.micro_batch}, seq {s.seq_len}, {s.precision.value}, "
-             f"attention {s.attention.value}, {ckpt}, {prediction.layout.strategy.value} x "
-             f"{prediction.layout.world_size}, device {s.device.value}",
+             f"attention {s.attention.value}, {ckpt}, {layout_text(prediction.layout)}, device {s.device.value}",
              "",
              f"{'rank':>4}  {'peak allocated':>16}  {'peak reserved':>16}  {'device total':>16}  "
              + (f"{'host peak':>16}  " if s.ckpt_offload else "") + "peak at",

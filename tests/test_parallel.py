@@ -136,3 +136,13 @@ def test_fresh_parallel_run_matches_prediction(model, shape, setup, layout):
         predicted = prediction.ranks[row["rank"]].peak_allocated_bytes
         measured = row["peak_allocated_bytes"]
         assert abs(predicted - measured) / measured <= PEAK_ALLOCATED_TOLERANCE[2]
+
+
+def test_table_header_names_what_splits_each_rank():
+    from llmsim.report import layout_text
+
+    assert layout_text(Layout()) == "single x 1"
+    assert layout_text(Layout(Strategy.DDP, 8, pp=2, schedule=Schedule.ONE_F_ONE_B, n_microbatches=4)) == \
+        "ddp x 8 (pp 2, 1f1b over 4 micro-batches)"
+    assert layout_text(Layout(world_size=8, tp=4, pp=2, n_microbatches=2)) == \
+        "single x 8 (tp 4, pp 2, gpipe over 2 micro-batches)"
