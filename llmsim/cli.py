@@ -214,18 +214,19 @@ def cmd_compare(args) -> int:
     from llmsim.compare import compare_levers
     from llmsim.gpus import load_gpu
     from llmsim.plots import levers_bar_chart
-    from llmsim.report import human_bytes
+    from llmsim.report import human_bytes, layout_text
 
     spec, setup, layout = _inputs(args)
     gpu = load_gpu(args.gpu) if args.gpu else None
-    frame = compare_levers(spec, setup, layout, gpu, _alloc_conf(args))
+    frame = compare_levers(spec, setup, layout, gpu, _alloc_conf(args), args.jobs,
+                           not args.quiet and sys.stderr.isatty())
     shown = frame.assign(peak=frame["device_total_bytes"].map(human_bytes),
                          saving=frame["saving_vs_baseline"].map(lambda v: f"{100 * v:+.1f} %"),
                          host=frame["peak_host_bytes"].map(lambda b: human_bytes(b) if b else "-"))
     columns = ["lever", "peak", "saving", "peak_phase", "host"] + (["fits"] if gpu else [])
     print(shown[columns].to_string(index=False))
-    title = (f"{spec.name}, micro-batch {setup.micro_batch}, seq {setup.seq_len}, {layout.strategy.value} x "
-             f"{layout.world_size}" + (f", {gpu.name}" if gpu else ""))
+    title = (f"{spec.name}, micro-batch {setup.micro_batch}, seq {setup.seq_len}, {layout_text(layout)}"
+             + (f", {gpu.name}" if gpu else ""))
     path = levers_bar_chart(frame, title, Path(args.out), gpu.capacity_bytes if gpu else None)
     print(f"chart: {path}")
     return 0
@@ -338,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p)
     p.add_argument("--out", default="llmsim-levers.png", help="where to write the bar chart")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="local processes to share the lever sets (one trace each; default: every core)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_compare)
     p = sub.add_parser("size", help="layouts that fit a GPU, each with its largest micro-batch")
     _add_model_args(p)

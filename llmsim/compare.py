@@ -5,6 +5,7 @@ Pure compute: one prediction per lever set, returned as a DataFrame (bytes are i
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pandas as pd
@@ -50,36 +51,51 @@ LEVERS: list[tuple[str, dict]] = [
 
 
 def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout(),
-                   gpu: GpuProfile | None = None, alloc_conf: AllocatorConfig = AllocatorConfig()) -> pd.DataFrame:
+                   gpu: GpuProfile | None = None, alloc_conf: AllocatorConfig = AllocatorConfig(),
+                   jobs: int = 1, progress: bool = False) -> pd.DataFrame:
     """Peak per lever set (device total with a GPU, else allocated) and its saving against the baseline; with
-    offload, the host memory it costs (`peak_host_bytes`: pinned host memory, not counted on the device)."""
-    rows = []
+    offload, the host memory it costs (`peak_host_bytes`: pinned host memory, not counted on the device). Each
+    lever set is its own trace: `jobs` local processes share them."""
+    from llmsim.sweep import in_processes
+
     base = replace(base, precision=Precision.FP32, grad_ckpt=False, ckpt_every=1, build_bf16=False, lora_rank=0,
                    lora_targets=None, optimizer=Optimizer.ADAMW, quant=None, double_quant=False, grad_accum=1,
                    ckpt_offload=False, fused=False,
                    loss=Loss.HF, loss_chunk=None, lora_modules_to_save=None, trainable_tokens=None)
-    for label, overrides in LEVERS:
-        setup = replace(base, **overrides)
-        if not _layout_modelled(setup, layout):
-            continue  # a lever refused on this layout (e.g. QLoRA with several ranks, ckpt-offload with ZeRO)
-        if ("lora_modules_to_save" in overrides or "trainable_tokens" in overrides) and model.config_json is None:
-            continue  # peft's extras: an HF model whose module names are known
-        if overrides.get("optimizer", Optimizer.ADAMW) is not Optimizer.ADAMW and layout.deepspeed is not None:
-            continue  # DeepSpeed is modelled with AdamW only
-        if overrides.get("fused") and layout.tp * layout.pp > 1:
-            continue  # the fused kernels are modelled for tp = pp = 1
-        if overrides.get("quant") and model.config_json is None:
-            continue  # a module factory has no checkpoint to quantize
-        if "loss" in overrides and not _loss_modelled(model, setup, layout, gpu):
-            continue  # TRL's torch path (no GPU); Liger on the model types it patches
-        prediction = predict(model, setup, layout, gpu, alloc_conf)
-        worst = max(prediction.ranks, key=lambda r: r.device_total_bytes)
-        rows.append({"lever": label, "peak_allocated_bytes": prediction.peak_allocated_bytes,
-                     "device_total_bytes": worst.device_total_bytes, "peak_phase": worst.peak.phase,
-                     "fits": worst.fits, "peak_host_bytes": prediction.peak_host_bytes})
+    chosen = [(label, replace(base, **overrides)) for label, overrides in LEVERS
+              if _lever_modelled(model, replace(base, **overrides), overrides, layout, gpu)]
+    rows = in_processes(functools.partial(_lever_row, model, layout, gpu, alloc_conf), chosen, jobs, progress,
+                        "lever")
     frame = pd.DataFrame(rows)
     frame["saving_vs_baseline"] = 1 - frame["device_total_bytes"] / frame["device_total_bytes"].iloc[0]
     return frame
+
+
+def _lever_modelled(model: ModelSpec, setup: TrainSetup, overrides: dict, layout: Layout,
+                    gpu: GpuProfile | None) -> bool:
+    if not _layout_modelled(setup, layout):
+        return False  # a lever refused on this layout (e.g. QLoRA with several ranks, ckpt-offload with ZeRO)
+    if ("lora_modules_to_save" in overrides or "trainable_tokens" in overrides) and model.config_json is None:
+        return False  # peft's extras: an HF model whose module names are known
+    if overrides.get("optimizer", Optimizer.ADAMW) is not Optimizer.ADAMW and layout.deepspeed is not None:
+        return False  # DeepSpeed is modelled with AdamW only
+    if overrides.get("fused") and layout.tp * layout.pp > 1:
+        return False  # the fused kernels are modelled for tp = pp = 1
+    if overrides.get("quant") and model.config_json is None:
+        return False  # a module factory has no checkpoint to quantize
+    if "loss" in overrides and not _loss_modelled(model, setup, layout, gpu):
+        return False  # TRL's torch path (no GPU); Liger on the model types it patches
+    return True
+
+
+def _lever_row(model: ModelSpec, layout: Layout, gpu: GpuProfile | None, alloc_conf: AllocatorConfig,
+               lever: tuple[str, TrainSetup]) -> dict:
+    label, setup = lever
+    prediction = predict(model, setup, layout, gpu, alloc_conf)
+    worst = max(prediction.ranks, key=lambda r: r.device_total_bytes)
+    return {"lever": label, "peak_allocated_bytes": prediction.peak_allocated_bytes,
+            "device_total_bytes": worst.device_total_bytes, "peak_phase": worst.peak.phase,
+            "fits": worst.fits, "peak_host_bytes": prediction.peak_host_bytes}
 
 
 def _layout_modelled(setup: TrainSetup, layout: Layout) -> bool:

@@ -61,3 +61,17 @@ def test_levers_modelled_under_ddp_are_compared_there():
         prediction = predict(spec, setup, ddp)
         assert levers.loc[label, "device_total_bytes"] == prediction.peak_allocated_bytes
         assert prediction.peak_allocated_bytes > predict(spec, setup).peak_allocated_bytes  # DDP's buckets on top
+
+
+def test_levers_in_processes_are_the_same_table():
+    """`compare --jobs 2`: the lever sets predicted in two processes give the table one process gives."""
+    import pandas as pd
+
+    from llmsim.gpus import load_gpu
+    from llmsim.strategies import Layout, Strategy
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 512, 4))
+    one = compare_levers(spec, TrainSetup(2, 64), Layout(Strategy.DDP, 2), load_gpu("h100-80gb"))
+    two = compare_levers(spec, TrainSetup(2, 64), Layout(Strategy.DDP, 2), load_gpu("h100-80gb"), jobs=2)
+    assert len(one) > 15 and one["peak_allocated_bytes"].nunique() > 10  # the levers differ
+    pd.testing.assert_frame_equal(one, two)
