@@ -62,8 +62,9 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
                    lora_targets=None, optimizer=Optimizer.ADAMW, quant=None, double_quant=False, grad_accum=1,
                    ckpt_offload=False, fused=False,
                    loss=Loss.HF, loss_chunk=None, lora_modules_to_save=None, trainable_tokens=None)
-    chosen = [(label, replace(base, **overrides)) for label, overrides in LEVERS
-              if _lever_modelled(model, replace(base, **overrides), overrides, layout, gpu)]
+    setups = [(label, overrides, replace(base, **overrides)) for label, overrides in LEVERS]
+    chosen = [(label, setup) for label, overrides, setup in setups
+              if _lever_modelled(model, setup, overrides, layout, gpu)]
     rows = in_processes(functools.partial(_lever_row, model, layout, gpu, alloc_conf), chosen, jobs, progress,
                         "lever")
     frame = pd.DataFrame(rows)

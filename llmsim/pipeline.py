@@ -268,14 +268,13 @@ def _lazy_ranks_in_processes(rank_timelines: LazyRanks, gpu: GpuProfile, alloc_c
     """`_predict_lazy_rank` for every rank, in forked processes that inherit the strategy's plan: one block of
     neighbouring ranks each (neighbours share the most chunks of replay, `_replay_shared`). The frames stay
     here, rebuilt on demand as in one process."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from llmsim.sweep import in_processes
 
     blocks = [block.tolist() for block in np.array_split(np.array(sorted(rank_timelines)), 4 * processes)]
     _FORKED[:] = [rank_timelines, gpu, alloc_conf]
     try:
-        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
-            done = [prediction for block in pool.map(_lazy_block, blocks) for prediction in block]
+        done = [prediction for block in in_processes(_lazy_block, blocks, processes, False, "block", forked=True)
+                for prediction in block]
     finally:
         _FORKED.clear()
     return [replace(prediction, frame=functools.partial(_device_timeline, rank_timelines, prediction.rank))

@@ -105,13 +105,18 @@ def predict_row(config: dict) -> dict:
             "peak_host_bytes": worst.peak_host_bytes, "error": ""}
 
 
-def in_processes(function, items: list, jobs: int, progress: bool, unit: str, chunksize: int = 1) -> list:
-    """`[function(item) for item in items]`, in `jobs` local processes (here with one), with a progress bar."""
+def in_processes(function, items: list, jobs: int, progress: bool, unit: str, chunksize: int = 1,
+                 forked: bool = False) -> list:
+    """`[function(item) for item in items]`, in `jobs` local processes (here with one), with a progress bar;
+    `forked`: the processes are forks of this one, whatever the platform's default (they inherit its state)."""
+    import multiprocessing
+
     from tqdm import tqdm
 
     if jobs < 1:
         raise InputError(f"jobs({jobs}) must be >= 1")
-    pool = ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else contextlib.nullcontext()
+    context = multiprocessing.get_context("fork") if forked else None
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context) if jobs > 1 else contextlib.nullcontext()
     with pool, tqdm(total=len(items), disable=not progress, unit=unit) as bar:
         results = []
         for result in pool.map(function, items, chunksize=chunksize) if jobs > 1 else map(function, items):
