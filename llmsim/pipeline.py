@@ -21,7 +21,7 @@ from llmsim.peaks import Peak, replay
 from llmsim.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
 from llmsim.step import StepInfo
 from llmsim.strategies import STRATEGIES, Layout, Strategy, check_supported, traced_setup
-from llmsim.strategies.events import LazyRanks, per_timeline
+from llmsim.strategies.events import LazyRanks, Spliced, per_timeline
 from llmsim.pipelining import check_pipeline
 from llmsim.quantized import check_quantized
 from llmsim.tensor_parallel import check_tensor_parallel
@@ -237,9 +237,9 @@ def _as_rank(prediction: RankPrediction, rank: int) -> RankPrediction:
 
 
 def _predict_rank(rank: int, timeline: pd.DataFrame, gpu: GpuProfile | None,
-                  alloc_conf: AllocatorConfig, shared_ranks: bool = False) -> RankPrediction:
+                  alloc_conf: AllocatorConfig) -> RankPrediction:
     device, host = split_host(timeline)  # offloaded activations are host memory, not the GPU's
-    return replace(_on_device(rank, replay(device), device, gpu, alloc_conf, shared_ranks),
+    return replace(_on_device(rank, replay(device), device, gpu, alloc_conf),
                    peak_host_bytes=host_peak_bytes(host))
 
 
@@ -257,16 +257,16 @@ def _predict_lazy_rank(rank_timelines: LazyRanks, rank: int, gpu: GpuProfile | N
     timeline (`LazyRanks.events`), else from its timeline, built for this rank alone and let go."""
     frame = functools.partial(_device_timeline, rank_timelines, rank)
     if rank_timelines.events is None:
-        return replace(_predict_rank(rank, rank_timelines[rank], gpu, alloc_conf, shared_ranks=True), frame=frame)
+        return replace(_predict_rank(rank, rank_timelines[rank], gpu, alloc_conf), frame=frame)
     events = rank_timelines.events(rank)
-    return replace(_on_device(rank, events.peak, None, gpu, alloc_conf, True, events.arrays), frame=frame,
+    return replace(_on_device(rank, events.peak, None, gpu, alloc_conf, events.spliced), frame=frame,
                    peak_host_bytes=events.peak_host_bytes)
 
 
 def _lazy_ranks_in_processes(rank_timelines: LazyRanks, gpu: GpuProfile, alloc_conf: AllocatorConfig,
                              processes: int) -> list[RankPrediction]:
     """`_predict_lazy_rank` for every rank, in forked processes that inherit the strategy's plan: one block of
-    neighbouring ranks each (neighbours share the most chunks of replay, `_replay_shared`). The frames stay
+    neighbouring ranks each (neighbours share the most chunks of replay, `_replay_spliced`). The frames stay
     here, rebuilt on demand as in one process."""
     from llmsim.sweep import in_processes
 
@@ -330,21 +330,26 @@ _EXPANDED: dict[tuple[ModelSpec, TrainSetup], tuple[pd.DataFrame, Callable[[], n
 
 
 def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame | None, gpu: GpuProfile | None,
-               alloc_conf: AllocatorConfig, shared_ranks: bool = False,
-               arrays: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None) -> RankPrediction:
+               alloc_conf: AllocatorConfig, spliced: Callable[[], Spliced] | None = None) -> RankPrediction:
     """Reserved and device total: the caching allocator model on a GPU; the live bytes themselves on the CPU.
-    The allocator model reads the timeline's (serials, delta bytes), or `arrays()` where there is no timeline."""
+    The allocator model reads the timeline's (serials, delta bytes), or `spliced()` where there is no timeline
+    (a ZeRO-1/2 rank: `_replay_spliced`)."""
     if gpu is None:
         return RankPrediction(rank, peak, peak.allocated_bytes, peak.allocated_bytes, timeline)
     usable = gpu.capacity_bytes - gpu.cuda_context_bytes
-    serials, deltas = arrays() if arrays is not None else (timeline["serial"].to_numpy(),
-                                                           timeline["delta_bytes"].to_numpy())
+    events = spliced() if spliced is not None else None
     extra = (gpu.cublas_workspace_bytes,)
     # Unbounded first: when its reserved peak fits, the bounded run (whose only difference is releasing the
     # cache when a segment would not fit) is the same run; when even the live bytes cannot fit, it is an OOM.
-    reserved = _replay_reserved(serials, deltas, NO_LIMIT, alloc_conf, extra, shared_ranks)
+    if events is not None:
+        reserved = _replay_spliced(events, NO_LIMIT, alloc_conf, extra)
+    else:
+        reserved = _replay_reserved(timeline["serial"].to_numpy(), timeline["delta_bytes"].to_numpy(), NO_LIMIT,
+                                    alloc_conf, extra)
     fits = reserved <= usable
     if not fits and peak.allocated_bytes + sum(extra) <= usable:
+        serials, deltas = events.arrays() if events is not None else (timeline["serial"].to_numpy(),
+                                                                      timeline["delta_bytes"].to_numpy())
         try:
             reserved = _replay_reserved(serials, deltas, usable, alloc_conf, extra)
             fits = True
@@ -356,14 +361,10 @@ def _on_device(rank: int, peak: Peak, timeline: pd.DataFrame | None, gpu: GpuPro
 
 
 def _replay_reserved(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int, config: AllocatorConfig,
-                     extra: tuple[int, ...], shared_ranks: bool = False) -> int:
+                     extra: tuple[int, ...]) -> int:
     """The allocator model's reserved peak, kept by the events' content: ranks and layouts that differ only in
     what the allocator does not see (DDP at any world size, ZeRO ranks alike, another GPU of the same
-    kernels) replay once. With `shared_ranks` (the ranks of one ZeRO-1/2 prediction, whose events are those of
-    the ranks before them but for the few that depend on the rank's partition), the replay reuses the earlier
-    ranks' paused replays (`_replay_shared`)."""
-    if shared_ranks:
-        return _replay_shared(serials, deltas, capacity_bytes, config, extra)
+    kernels) replay once."""
     key = (hashlib.blake2b(serials.tobytes() + b"|" + deltas.tobytes(), digest_size=16).digest(),
            capacity_bytes, config, extra)
     if key not in _RESERVED:
@@ -373,164 +374,139 @@ def _replay_reserved(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: in
     return _RESERVED[key]
 
 
-def _replay_shared(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int, config: AllocatorConfig,
-                   extra: tuple[int, ...]) -> int:
-    """The reserved peak of one of a ZeRO-1/2 prediction's ranks, replayed in chunks of events against the ranks
-    replayed before it (`_Replayed`, the latest `_MAX_REPLAYED`). It starts from the paused state of the earlier
-    rank it shares the most first chunks with. After each chunk it replays itself, it looks for an earlier rank
-    that was in the same allocator state there (the same free blocks and live storages, byte for byte:
-    `same_state`) and has the same next chunks of events: those chunks would do there what they did in that
-    rank, so it takes that rank's peaks for them and goes on from that rank's paused state after them. Exact by
-    construction; `tests/test_distributed.py` checks every rank against its own whole replay."""
+def _replay_spliced(events: Spliced, capacity_bytes: int, config: AllocatorConfig, extra: tuple[int, ...]) -> int:
+    """The reserved peak of one of a ZeRO-1/2 prediction's ranks: its events are every rank's (the template's)
+    with its own spliced in (`Spliced`), replayed chunk by chunk of the template's events in the tree of the
+    ranks replayed before (`_Chunks`, one per template and allocator setting)."""
     setting = (capacity_bytes, config, extra)
-    if setting not in _REPLAYED:  # one setting at a time (and one layout: `predict`): paused states hold allocators
-        _REPLAYED.clear()
-        _REPLAYED[setting] = _Earlier()
-    earlier = _REPLAYED[setting]
-    every = CHECKPOINT_EVERY if compiled() else max(256, len(serials) // 32)  # Python states copy slowly
-    this = _Replayed.of(_int64(serials), _int64(deltas), every)
-    chunks = len(this.keys)
-    k, allocator, rejoin = 0, None, False
-    start, shared = 0, None
-    for other in earlier.ranks:  # the earlier rank sharing the most first chunks (by hash, then confirmed)
-        if other.every == every and _key_run(this, other, 0) > start:
-            run = _first_same(this, other)
-            if run > start:
-                start, shared = run, other
-    if shared is not None and start == chunks and len(shared.serials) == len(this.serials):
-        return shared.peak_reserved_bytes  # the same events
-    start = min(start, len(shared.states) - 1) if shared is not None else 0
-    if start > 0:
-        this.take(shared, 0, start)
-        k, allocator = start, shared.states[start].allocator.clone()
-    else:
-        allocator = replay_reserved(this.serials[:0], this.deltas[:0], capacity_bytes, config, extra)
-    while k < chunks:
-        if rejoin:
-            rejoin = False
-            other, run = _rejoin(this, earlier.index.get(_Earlier.key(this, k, allocator), ()), k, allocator)
-            if run:
-                this.take(other, k, k + run)
-                k += run
-                if k < chunks:
-                    allocator = other.states[k].allocator.clone()
-            continue
-        this.states.append(PausedReplay(allocator.clone()))
-        this.window_peaks.append(allocator.replay(this.serials, this.deltas, k * every, (k + 1) * every))
-        this.replayed += 1
-        k, rejoin = k + 1, True
-    this.peak_reserved_bytes = max(this.window_peaks, default=allocator.peak_reserved_bytes)  # no events: the extras
-    earlier.add(this)
-    return this.peak_reserved_bytes
+    chunks = _REPLAYED.get(setting)
+    if chunks is None or chunks.serials is not events.serials:  # one template and setting at a time: the tree
+        _REPLAYED.clear()                                            # holds paused allocators
+        chunks = _REPLAYED[setting] = _Chunks(events.serials, events.deltas, capacity_bytes, config, extra)
+    return chunks.peak(events)
 
 
-class _Earlier:
-    """The ranks replayed before (the latest `_MAX_REPLAYED`), and an index of their paused states by chunk,
-    chunk hash and the bytes reserved and allocated there: where a rank may rejoin one."""
+class _Node:
+    """An allocator state between two chunks: where the ranks that reached it go on to, by their next chunk's own
+    events (`children`: key -> (node after it, the most bytes reserved within it)), and the state itself, paused
+    (None once let go: it is replayed again from an earlier node when asked for)."""
 
-    def __init__(self) -> None:
-        self.ranks: list[_Replayed] = []
-        self.index: dict[tuple, list[_Replayed]] = {}
+    __slots__ = ("depth", "state", "children")
 
-    @staticmethod
-    def key(replayed: "_Replayed", k: int, allocator) -> tuple:
-        return replayed.every, k, int(replayed.keys[k]), allocator.reserved_bytes, allocator.allocated_bytes
-
-    def add(self, replayed: "_Replayed") -> None:
-        if len(self.ranks) >= _MAX_REPLAYED:
-            oldest = self.ranks.pop(0)
-            for k, state in enumerate(oldest.states):
-                self.index[self.key(oldest, k, state.allocator)].remove(oldest)
-        self.ranks.append(replayed)
-        for k, state in enumerate(replayed.states):
-            self.index.setdefault(self.key(replayed, k, state.allocator), []).append(replayed)
+    def __init__(self, depth: int, state: PausedReplay | None) -> None:
+        self.depth, self.state, self.children = depth, state, {}
 
 
-@dataclass(eq=False)
-class _Replayed:
-    """A rank's events, a hash of each chunk of `every` events (`keys`; equal keys are confirmed event by event
-    before use), the allocator's paused state before each chunk (shared with the rank it was taken from) and the
-    most bytes reserved within each chunk."""
+class _Chunks:
+    """The ranks of one ZeRO-1/2 prediction, replayed in chunks of `every` template events (each with the rank's
+    own events spliced among them) as a tree of allocator states. A rank walks it from the root, one chunk at a
+    time, keyed by the chunk's own events (positions, keys, bytes; most chunks have none): a chunk another rank
+    replayed from the same node is the same events from the same state, so its peak is taken, not replayed.
+    A chunk replayed anew ends in a state; where an earlier rank's walk reached the same state after as many
+    chunks (`same_state`: the same free blocks and live storages, byte for byte), the walks join there and share
+    what follows. Exact by construction: every rank's peak is its own whole replay's (tests/test_allocator.py,
+    tests/test_distributed.py). The latest `_MAX_STATES` paused states are kept."""
 
-    serials: np.ndarray
-    deltas: np.ndarray
-    every: int
-    keys: np.ndarray
-    states: list[PausedReplay] = field(default_factory=list)
-    window_peaks: list[int] = field(default_factory=list)
-    peak_reserved_bytes: int = 0
-    replayed: int = 0  # chunks this rank replayed itself
+    def __init__(self, serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int, config: AllocatorConfig,
+                 extra: tuple[int, ...]) -> None:
+        self.serials, self.deltas = _int64(serials), _int64(deltas)
+        n = len(self.serials)
+        self.every = CHECKPOINT_EVERY if compiled() else max(256, n // 32)  # Python states copy slowly
+        self.count = max(1, -(-n // self.every))
+        start = replay_reserved(self.serials[:0], self.deltas[:0], capacity_bytes, config, extra)
+        self.root, self.start_peak = _Node(0, PausedReplay(start)), start.peak_reserved_bytes
+        self.kept: dict[_Node, None] = {}  # nodes holding a state (the root aside), least recently used first
+        self.index: dict[tuple, list[_Node]] = {}  # (depth, fingerprint) -> the nodes holding such a state
+        self.replayed: list[int] = []  # chunks each walk replayed itself
 
-    @classmethod
-    def of(cls, serials: np.ndarray, deltas: np.ndarray, every: int) -> "_Replayed":
-        with np.errstate(over="ignore"):
-            mixed = (serials.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-                     + deltas.view(np.uint64) * np.uint64(0xC2B2AE3D27D4EB4F))
-            mixed *= np.arange(1, 2 * len(mixed), 2, dtype=np.uint64)  # where in the chunk counts too
-        keys = np.add.reduceat(mixed, np.arange(0, len(mixed), every)) if len(mixed) else mixed
-        return cls(serials, deltas, every, keys)
+    def peak(self, events: Spliced) -> int:
+        keys = self._keys(events)
+        node, peak, path, replayed = self.root, self.start_peak, [], 0
+        for k in range(self.count):
+            path.append(node)
+            if node.state is not None and node is not self.root:
+                self.kept[node] = self.kept.pop(node)  # used: the last to go
+            key = keys.get(k, ())
+            edge = node.children.get(key)
+            if edge is None:
+                edge = node.children[key] = self._replay(path, k, events)
+                replayed += 1
+            node, window = edge
+            peak = max(peak, window)
+        self.replayed.append(replayed)
+        return peak
 
-    def take(self, other: "_Replayed", first: int, stop: int) -> None:
-        """Chunks `first:stop` as `other` replayed them (their events are the same, from the same state)."""
-        self.states.extend(other.states[first:stop])
-        self.window_peaks.extend(other.window_peaks[first:stop])
+    def _keys(self, events: Spliced) -> dict[int, tuple]:
+        """Chunk -> its own events (position in the chunk, key, bytes), for the chunks that have any."""
+        if not len(events.at):
+            return {}
+        chunk = np.minimum(events.at // self.every, self.count - 1)
+        where = (events.at - chunk * self.every).tolist()
+        own = list(zip(where, events.own_serials.tolist(), events.own_deltas.tolist()))
+        keys: dict[int, list] = {}
+        for k, event in zip(chunk.tolist(), own):
+            keys.setdefault(k, []).append(event)
+        return {k: tuple(value) for k, value in keys.items()}
 
-    def same_events(self, other: "_Replayed", first: int, stop: int) -> bool:
-        lo, hi = first * self.every, stop * self.every
-        return (np.array_equal(self.serials[lo:hi], other.serials[lo:hi])
-                and np.array_equal(self.deltas[lo:hi], other.deltas[lo:hi]))
+    def _events(self, k: int, events: Spliced) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk k's events: the template's, with the rank's own that fall in it."""
+        lo, hi = k * self.every, min((k + 1) * self.every, len(self.serials))
+        serials, deltas = self.serials[lo:hi], self.deltas[lo:hi]
+        first, last = np.searchsorted(events.at, [lo, hi if k < self.count - 1 else len(self.serials) + 1])
+        if first == last:
+            return serials, deltas
+        at = events.at[first:last] - lo
+        return (np.insert(serials, at, events.own_serials[first:last]),
+                np.insert(deltas, at, events.own_deltas[first:last]))
 
+    def _replay(self, path: list[_Node], k: int, events: Spliced) -> tuple[_Node, int]:
+        """Replay chunk k from the state of `path[k]` (the walk's node there): the node after it (a new one, or
+        one reached before in the same state) and the most bytes reserved within it."""
+        allocator = self._state(path, k, events).allocator.clone()
+        window = allocator.replay(*self._events(k, events))
+        depth = k + 1
+        if depth == self.count:  # the walks end here: nothing to go on from
+            return _Node(depth, None), window
+        fingerprint = (depth, allocator.fingerprint())
+        for node in self.index.get(fingerprint, ()):
+            if allocator.same_state(node.state.allocator):
+                return node, window
+        node = _Node(depth, PausedReplay(allocator))
+        self.index.setdefault(fingerprint, []).append(node)
+        self._keep(node)
+        return node, window
 
-def _key_run(this: _Replayed, other: _Replayed, k: int) -> int:
-    """How many chunks from `k` on have the same hash in `this` and `other`."""
-    n = min(len(this.keys), len(other.keys))
-    differ = np.flatnonzero(this.keys[k:n] != other.keys[k:n])
-    return int(differ[0]) if len(differ) else max(n - k, 0)
+    def _state(self, path: list[_Node], k: int, events: Spliced) -> PausedReplay:
+        """The paused state at `path[k]`, replayed again from the walk's latest node that still holds one if it
+        was let go (the walk's own events lead there: the nodes on its path were reached by them, or in the same
+        state)."""
+        node = path[k]
+        if node.state is not None:
+            return node.state
+        start = max(i for i in range(k) if path[i].state is not None)
+        allocator = path[start].state.allocator.clone()
+        for i in range(start, k):
+            allocator.replay(*self._events(i, events))
+        node.state = PausedReplay(allocator)
+        self.index.setdefault((node.depth, allocator.fingerprint()), []).append(node)
+        self._keep(node)
+        return node.state
 
-
-def _first_same(this: _Replayed, other: _Replayed) -> int:
-    """How many first chunks `this` and `other` share, event for event."""
-    run = _key_run(this, other, 0)
-    while run and not this.same_events(other, 0, run):  # a hash collision: fall back a chunk at a time
-        run -= 1
-    return run
-
-
-def _rejoin(this: _Replayed, candidates: list[_Replayed], k: int, allocator) -> tuple[_Replayed | None, int]:
-    """The earlier rank whose chunks from `k` on `this` may take, and how many: one that was in this allocator
-    state before chunk k (by fingerprint, then compared), with the most next chunks of the same events; (None, 0)
-    when there is none. Ranks that took chunk k's paused state from one another are compared once."""
-    best, most, fingerprint, compared = None, 0, None, {}
-    for other in candidates:
-        state = other.states[k]
-        if id(state) not in compared:
-            if fingerprint is None:
-                fingerprint = allocator.fingerprint()
-            compared[id(state)] = (state.fingerprint() == fingerprint
-                                   and allocator.same_state(state.allocator))
-        if compared[id(state)]:
-            run = _same_run(this, other, k)
-            if run > most:
-                best, most = other, run
-    return best, most
-
-
-def _same_run(this: _Replayed, other: _Replayed, k: int) -> int:
-    """How many chunks from `k` on `this` may take from `other`, which was in the same allocator state before
-    chunk k: those holding the same events (`other` must have a paused state after them, unless they end both
-    streams)."""
-    run = _key_run(this, other, k)
-    if k + run != len(this.keys) or len(this.keys) != len(other.keys):
-        run = min(run, len(other.states) - 1 - k)
-    return run if run > 0 and this.same_events(other, k, k + run) else 0
+    def _keep(self, node: _Node) -> None:
+        self.kept[node] = None
+        if len(self.kept) > _MAX_STATES:
+            oldest = next(iter(self.kept))
+            del self.kept[oldest]
+            self.index[(oldest.depth, oldest.state.allocator.fingerprint())].remove(oldest)
+            oldest.state = None
 
 
 def _int64(values: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(values, np.int64)
 
 
-CHECKPOINT_EVERY = 2048  # events in a chunk (compiled allocator: a paused state copies in microseconds)
-_MAX_REPLAYED = 32  # earlier ranks kept, with their paused states
-_REPLAYED: dict[tuple, _Earlier] = {}
+CHECKPOINT_EVERY = 2048  # template events in a chunk (compiled allocator: a paused state copies in microseconds)
+_MAX_STATES = 1024  # paused states `_Chunks` keeps (~0.1 MB each at 70B)
+_REPLAYED: dict[tuple, _Chunks] = {}
 _REPLAYED_PLAN: list[weakref.ref] = [lambda: None]  # the layout (its LazyRanks) whose ranks _REPLAYED holds
 _RESERVED: dict[tuple, int] = {}

@@ -170,7 +170,7 @@ def _stream(seed: int, n: int = 3000):
 @pytest.mark.parametrize("implementation", ["python", pytest.param("compiled", marks=needs_compiled)])
 @pytest.mark.parametrize("expandable", [False, True])
 def test_a_replay_resumed_from_a_paused_state_is_the_whole_replay(expandable, implementation, monkeypatch):
-    """What pipeline._replay_shared relies on: a copy of the allocator paused before event p, replayed on from p
+    """What pipeline._replay_spliced relies on: a copy of the allocator paused before event p, replayed on from p
     (`replay(start=p)`), ends as the whole replay; the windows' peaks make the whole peak."""
     import numpy as np
 
@@ -260,46 +260,38 @@ def test_the_compiled_allocator_takes_int64_buffers_only_and_unknown_keys_fail_a
 
 
 @pytest.mark.parametrize("implementation", ["python", pytest.param("compiled", marks=needs_compiled)])
-@pytest.mark.parametrize("collide", [False, True], ids=["hashed", "every-hash-equal"])
-def test_ranks_taking_chunks_from_earlier_ranks_replay_like_alone(implementation, collide, monkeypatch):
-    """pipeline._replay_shared on streams built like a ZeRO-1/2 prediction's ranks: one stream with, at the same
-    few places, a temporary of the rank's own size (a float64 upcast) or a kept allocation (grads_in_partition),
-    some of which leave the allocator as the others left it. Every rank's peak is its own whole replay's, also
-    when every chunk hash is equal (then the events themselves decide)."""
+@pytest.mark.parametrize("max_states", [1024, 3], ids=["states-kept", "states-let-go"])
+def test_ranks_taking_chunks_from_earlier_ranks_replay_like_alone(implementation, max_states, monkeypatch):
+    """pipeline._replay_spliced on streams built like a ZeRO-1/2 prediction's ranks: one template stream with, at
+    the same few places, a temporary of the rank's own size (a float64 upcast) or a kept allocation
+    (grads_in_partition), some of which leave the allocator as the others left it. Every rank's peak is its own
+    whole replay's, also when the tree lets paused states go (and replays them again when asked for)."""
     import numpy as np
 
     from llmsim import pipeline
+    from llmsim.strategies.events import Spliced
 
     monkeypatch.setenv("LLMSIM_ALLOCATOR", implementation)
     monkeypatch.setattr(pipeline, "CHECKPOINT_EVERY", 64)
+    monkeypatch.setattr(pipeline, "_MAX_STATES", max_states)
     monkeypatch.setattr(pipeline, "_REPLAYED", {})
-    if collide:
-        original = pipeline._Replayed.of.__func__
-
-        def colliding(cls, serials, deltas, every):
-            replayed = original(cls, serials, deltas, every)
-            replayed.keys[:] = 0
-            return replayed
-        monkeypatch.setattr(pipeline._Replayed, "of", classmethod(colliding))
-    serials, deltas = _stream(3, 2000)
-    base = list(zip(serials, deltas))
-    taken = 0
+    serials, deltas = (np.array(values, np.int64) for values in _stream(3, 2000))
     for rank in range(12):
-        events = list(base)
+        own = []  # (template position, key, bytes)
         for place in (500, 1200, 1700):  # the rank's own events, at the same places in every rank
             size = (rank % 4 + 1) * 3 * MiB + rank * 4096 if rank % 3 else 64 * 1024
-            own = [(10**6 + place, size), (10**6 + place, -size)]
-            if rank % 5 == 4:  # kept until a later place
-                own = [(10**6 + place, size)]
-                events.insert(place + 150, (10**6 + place, -size))
-            events[place:place] = own
-        s = np.array([e[0] for e in events], np.int64)
-        d = np.array([e[1] for e in events], np.int64)
-        expected = replay_reserved(s, d, config=AllocatorConfig(), extra_allocations=(4096,)).peak_reserved_bytes
-        assert pipeline._replay_shared(s, d, allocator_module.NO_LIMIT, AllocatorConfig(), (4096,)) == expected
-        latest = pipeline._REPLAYED[next(iter(pipeline._REPLAYED))].ranks[-1]
-        taken += latest.replayed < len(latest.keys)
-    assert taken >= 8  # most ranks took chunks from earlier ones
+            own += [(place, 10**6 + place, size)]
+            own += [(place + 150 if rank % 5 == 4 else place, 10**6 + place, -size)]  # kept until a later place
+        own.sort(key=lambda event: event[0])
+        at, keys, sizes = (np.array(column, np.int64) for column in zip(*own))
+        events = Spliced(serials, deltas, at, keys, sizes)
+        expected = replay_reserved(*events.arrays(), config=AllocatorConfig(),
+                                   extra_allocations=(4096,)).peak_reserved_bytes
+        assert pipeline._replay_spliced(events, allocator_module.NO_LIMIT, AllocatorConfig(), (4096,)) == expected
+    chunks = next(iter(pipeline._REPLAYED.values()))
+    assert chunks.replayed[0] == chunks.count
+    assert sum(own < chunks.count for own in chunks.replayed) >= 8  # most ranks took chunks from earlier ones
+    assert len(chunks.kept) <= max_states
 
 
 @pytest.mark.parametrize("Allocator", IMPLEMENTATIONS)

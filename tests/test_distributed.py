@@ -166,7 +166,7 @@ def test_fresh_multiprocess_run_matches_prediction(tmp_path, model, shape, setup
 def test_zero12_ranks_taking_chunks_from_earlier_ranks_replay_like_alone(tmp_path, monkeypatch, stage, allocator):
     """ZeRO-1/2 ranks differ only in the events of their partition: the allocator model replays a rank's chunks of
     events that no earlier rank replayed from the same state, and takes the others' peaks from the earlier ranks
-    (pipeline._replay_shared); every rank's reserved peak is what its own whole replay gives."""
+    (pipeline._replay_spliced); every rank's reserved peak is what its own whole replay gives."""
     from llmsim import allocator as allocator_module
     from llmsim import pipeline
     from llmsim.allocator import NO_LIMIT, AllocatorConfig, replay_reserved
@@ -185,9 +185,9 @@ def test_zero12_ranks_taking_chunks_from_earlier_ranks_replay_like_alone(tmp_pat
     gpu = load_gpu("h100-80gb")
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 512, 4))
     prediction = predict(spec, TrainSetup(1, 32, Precision.BF16, grad_ckpt=True), layout, gpu)
-    replayed = [(entry.replayed, len(entry.keys)) for entry in next(iter(pipeline._REPLAYED.values())).ranks]
-    assert replayed[0][0] == replayed[0][1]  # the first rank replays every chunk
-    assert sum(own < chunks for own, chunks in replayed) >= world // 2  # most take chunks from earlier ranks
+    chunks = next(iter(pipeline._REPLAYED.values()))
+    assert len(chunks.replayed) == world and chunks.replayed[0] == chunks.count > 1  # the first replays every chunk
+    assert sum(own < chunks.count for own in chunks.replayed) >= world // 2  # most take chunks from earlier ranks
     for rank in prediction.ranks:
         timeline = rank.timeline
         alone = replay_reserved(timeline["serial"].to_numpy(), timeline["delta_bytes"].to_numpy(), NO_LIMIT,

@@ -15,14 +15,36 @@ from llmsim.tracker import GRAD_READY, NO_BLOCK, TIMELINE_COLUMNS
 
 
 @dataclass(frozen=True)
+class Spliced:
+    """A rank's device events as every rank's (the template's `serials`, `deltas`: the same arrays for each rank)
+    with the rank's own spliced in: own event j goes before the template's event `at[j]` (at the end where it is
+    the template's length), in order. `own_serials` name the rank's own storages apart from the template's (a
+    free of a template storage names its template serial); the names are the same in every rank for the same
+    event, so that two ranks whose own events agree in a stretch of the template have the same events there. The
+    allocator model reads names only to pair a free with its allocation: these events replay as the rank's
+    timeline's (`arrays`, the same events under the timeline's serials)."""
+
+    serials: np.ndarray
+    deltas: np.ndarray
+    at: np.ndarray
+    own_serials: np.ndarray
+    own_deltas: np.ndarray
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The whole stream of (serials, delta bytes)."""
+        return np.insert(self.serials, self.at, self.own_serials), np.insert(self.deltas, self.at, self.own_deltas)
+
+
+@dataclass(frozen=True)
 class RankEvents:
     """What a prediction needs of one rank, without its timeline: the peak of its device events (`peaks.replay`),
-    its host peak (`offload.host_peak_bytes`), and its device events' (serials, delta bytes) for the allocator
-    model, made when asked."""
+    its host peak (`offload.host_peak_bytes`), and its device events for the allocator model, made when asked, as
+    a template's with the rank's own spliced in (ranks replay the stretches they share once,
+    `pipeline._replay_spliced`)."""
 
     peak: Peak
     peak_host_bytes: int
-    arrays: Callable[[], tuple[np.ndarray, np.ndarray]]
+    spliced: Callable[[], Spliced]
 
 
 class LazyRanks(Mapping):

@@ -63,7 +63,8 @@ from llmsim.enums import Category, Optimizer, Phase, Precision
 from llmsim.offload import HOST_CATEGORIES
 from llmsim.peaks import Peak
 from llmsim.step import uses_peft
-from llmsim.strategies.events import LazyRanks, RankEvents, live_at_end_of_build, per_timeline, trainable_names
+from llmsim.strategies.events import (LazyRanks, RankEvents, Spliced, live_at_end_of_build, per_timeline,
+                                     trainable_names)
 from llmsim.strategies.flat_optimizer import FlatOptimizer
 from llmsim.tracker import GRAD_READY, NO_BLOCK
 from llmsim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, construct_optimizer,
@@ -474,6 +475,13 @@ class _Template(_Rank):
         self.w.mark(_FREE_GIP)
 
 
+def _own_key(position: int, made: int) -> int:
+    """The `Spliced` key of the `made`-th storage a rank allocates at template position `position`: the same in
+    every rank that makes it, apart from every serial the template names (those count up from 0)."""
+    return _OWN_KEYS + (position << 20) + made
+
+
+_OWN_KEYS = 1 << 52
 _CATEGORIES = [category.value for category in Category]
 _CATEGORY_CODES = {value: code for code, value in enumerate(_CATEGORIES)}
 _HOST_CODES = sorted(_CATEGORY_CODES[value] for value in HOST_CATEGORIES)
@@ -494,6 +502,7 @@ class _Inserted:
     position: list[int] = field(default_factory=list)
     rows: list[tuple] = field(default_factory=list)
     allocs: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)  # each row's storage in `Spliced` (`_own_key`; unshifted serials)
 
 
 class _Ranks:
@@ -525,7 +534,6 @@ class _Ranks:
         self.entry = np.flatnonzero(device)  # the template position of each device entry
         self.device_before = np.concatenate(([0], np.cumsum(device)))  # device entries before a template position
         self.serial, self.delta = serial[device], delta[device]
-        self.shifted = np.flatnonzero(self.serial >= self.first_serial)  # the strategy's own serials
         self.live = np.cumsum(self.delta)
         codes = code[device]
         self.codes = np.unique(codes)
@@ -551,16 +559,22 @@ class _Ranks:
         gradient, temporary = Category.GRADIENT.value, Category.TEMPORARY.value
         bw_gip = gip = padding = None
 
-        def emit(position, step, phase, serial, delta, category):
+        made: dict[int, int] = {}  # allocations made at each position so far
+
+        def emit(position, step, phase, storage, delta, category):
             if delta:
                 out.position.append(position)
-                out.rows.append((step, phase, NO_BLOCK, self.module, serial, delta, category, ""))
+                out.rows.append((step, phase, NO_BLOCK, self.module, storage[0], delta, category, ""))
+                out.keys.append(storage[1])
 
         def alloc(position, before, step, phase, nbytes, category):
+            """(serial, key) of a new storage of the rank's."""
             serial = before + len(out.allocs)
             out.allocs.append(before)
-            emit(position, step, phase, serial, nbytes, category)
-            return serial
+            made[position] = made.get(position, 0) + 1
+            storage = (serial, _own_key(position, made[position] - 1))
+            emit(position, step, phase, storage, nbytes, category)
+            return storage
 
         for position, before, step, phase, kind, args in self.marks:
             if kind == _GIP:
@@ -569,7 +583,7 @@ class _Ranks:
             elif kind == _XL_MINE or kind == _XL_OTHER:
                 name, serial, nbytes = args
                 if (name in mine) == (kind == _XL_MINE):
-                    emit(position, step, phase, self._shift(serial, out.allocs), -nbytes, gradient)
+                    emit(position, step, phase, (self._shift(serial, out.allocs), serial), -nbytes, gradient)
             elif kind == _PAD:
                 padding = alloc(position, before, step, phase, padding_bytes, gradient) if padding_bytes else None
             elif kind == _KEEP_GIP:
@@ -609,13 +623,9 @@ class _Ranks:
         deltas = np.asarray([row[5] for row in inserted.rows], dtype=np.int64)
         peak = self._peak(inserted, at, deltas)
 
-        def arrays() -> tuple[np.ndarray, np.ndarray]:
-            serial = self.serial.copy()
-            serial[self.shifted] += np.searchsorted(np.asarray(inserted.allocs, dtype=np.int64),
-                                                    serial[self.shifted], side="right")
-            serials = np.asarray([row[4] for row in inserted.rows], dtype=np.int64)
-            return np.insert(serial, at, serials), np.insert(self.delta, at, deltas)
-        return RankEvents(peak, self.peak_host_bytes, arrays)
+        def spliced() -> Spliced:  # the template's serials unshifted: the rank's own storages have keys apart
+            return Spliced(self.serial, self.delta, at, np.asarray(inserted.keys, dtype=np.int64), deltas)
+        return RankEvents(peak, self.peak_host_bytes, spliced)
 
     def _peak(self, inserted: _Inserted, at: np.ndarray, deltas: np.ndarray) -> Peak:
         """`peaks.replay` with the inserted events spliced into the template's running sums: the highest live
