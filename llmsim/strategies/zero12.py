@@ -482,6 +482,7 @@ def _own_key(position: int, made: int) -> int:
 
 
 _OWN_KEYS = 1 << 52
+_NAMED = (1 << 20) - 1  # `made` of a storage named at a position rather than made there (apart from those made there)
 _CATEGORIES = [category.value for category in Category]
 _CATEGORY_CODES = {value: code for code, value in enumerate(_CATEGORIES)}
 _HOST_CODES = sorted(_CATEGORY_CODES[value] for value in HOST_CATEGORIES)
@@ -518,6 +519,11 @@ class _Ranks:
         self.timeline, self.part, self.elem, self.numel = timeline, template.part, template.elem, template.numel
         self.module, self.marks, self.rows, self.timeline_rows = w.module, w.marks, w.rows, rows
         self.order = np.asarray(w.order, dtype=np.int64)
+        ends, end = [], None  # each mark's next _KEEP_GIP position (a position where a rank allocates nothing)
+        for mark in reversed(self.marks):
+            end = mark[0] if mark[4] == _KEEP_GIP else end
+            ends.append(end)
+        self.backward_ends = ends[::-1]
         self.ends = [off + p.numel for p, off in zip(self.part.params, self.part.offsets)]
         source, own_rows = _source_arrays(timeline), ~(self.order >= 0)
         columns = []
@@ -567,19 +573,20 @@ class _Ranks:
                 out.rows.append((step, phase, NO_BLOCK, self.module, storage[0], delta, category, ""))
                 out.keys.append(storage[1])
 
-        def alloc(position, before, step, phase, nbytes, category):
-            """(serial, key) of a new storage of the rank's."""
+        def alloc(position, before, step, phase, nbytes, category, named=None):
+            """(serial, key) of a new storage of the rank's: keyed by where it is made, or at `named`."""
             serial = before + len(out.allocs)
             out.allocs.append(before)
-            made[position] = made.get(position, 0) + 1
-            storage = (serial, _own_key(position, made[position] - 1))
+            if named is None:
+                made[position] = made.get(position, 0) + 1
+            storage = (serial, _own_key(position, made[position] - 1) if named is None else _own_key(named, _NAMED))
             emit(position, step, phase, storage, nbytes, category)
             return storage
 
-        for position, before, step, phase, kind, args in self.marks:
-            if kind == _GIP:
-                if bw_gip is None and not args[0].isdisjoint(mine):
-                    bw_gip = alloc(position, before, step, phase, gip_bytes, gradient)
+        for (position, before, step, phase, kind, args), backward_end in zip(self.marks, self.backward_ends):
+            if kind == _GIP:  # named where its backward ends, whichever flush makes it: ranks that make it at
+                if bw_gip is None and not args[0].isdisjoint(mine):  # different flushes free it alike
+                    bw_gip = alloc(position, before, step, phase, gip_bytes, gradient, backward_end)
             elif kind == _XL_MINE or kind == _XL_OTHER:
                 name, serial, nbytes = args
                 if (name in mine) == (kind == _XL_MINE):
