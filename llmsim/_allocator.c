@@ -1,9 +1,11 @@
 /* llmsim/allocator.py's CachingAllocator, compiled: the same model of PyTorch's CUDA caching allocator
  * (c10/cuda/CUDACachingAllocator.cpp), rule for rule and in the same order, so that every replay gives the same
  * bytes as the Python model (tests/test_allocator.py replays both on the same streams). The Python class is the
- * reference and documents the rules; this file only follows it. Blocks live in one array and link by index (a
- * pool is a treap of its free blocks, in the Python model's (size, address) order), so a paused replay is copied
- * with memcpy (`clone`).
+ * reference and documents the rules; this file only follows it. Blocks live in one array and link by index, so a
+ * paused replay is copied with memcpy (`clone`). A pool keeps its free blocks in the Python model's (size, address)
+ * order as buckets of one size each, sorted by size, each a binary heap of its blocks by address: a pool holds
+ * hundreds of free blocks of a few sizes (a 70B step: 300-560 blocks of 9-15 sizes), so the first fit is a search
+ * among the sizes and a heap's top, and a block comes and goes in a heap of one size.
  *
  * Allocator(capacity_bytes, max_split_size, expandable)
  *   .malloc(key, size) / .free(key) / .clone() / .replay(serials, deltas, start, stop) / .same_state(other)
@@ -26,10 +28,15 @@
 typedef struct {
     int64_t address, size;
     int32_t prev, next; /* neighbours in the segment; for a dead block, `next` links the list of dead blocks */
-    int32_t left, right; /* a free block: its children in its pool's treap, ordered by (size, address) */
-    uint32_t priority;
+    int32_t heap_pos;   /* a free block: where it is in its bucket's heap */
     uint8_t small, allocated;
 } Block;
+
+typedef struct { /* a pool's free blocks of one size: a binary min-heap of block indices by address */
+    int64_t size;
+    int32_t *heap;
+    int32_t count, cap;
+} Bucket;
 
 typedef struct {
     int64_t key, size; /* size: the storage's bytes while `tracked` (the replay's `sizes`) */
@@ -48,9 +55,9 @@ typedef struct {
     int32_t tail[2];
     Block *blocks;
     int32_t n_blocks, cap_blocks, dead;
-    int32_t root[2]; /* each pool's treap of free blocks: [0] large, [1] small */
+    Bucket *buckets[2]; /* each pool's buckets of free blocks, by size: [0] large, [1] small */
+    int32_t n_buckets[2], cap_buckets[2];
     Py_ssize_t pool_size[2];
-    uint64_t random; /* the treap's priorities (xorshift): they shape the tree, never the order */
     uint64_t pool_hash, live_hash, size_hash; /* sums over the free blocks, live blocks and storage sizes:
                                                  kept as they change, for `fingerprint` */
     Slot *slots;
@@ -107,94 +114,147 @@ static inline uint64_t free_block_hash(const Block *b) { /* what a free block's 
                              << 56));
 }
 
-/* ---- pools: a treap per pool, ordered by (size, address) as the Python model's sorted lists ---------------- */
-static inline int before(const Block *x, int64_t size, int64_t address) { /* (x.size, x.address) < (size, address) */
-    return x->size < size || (x->size == size && x->address < address);
+/* ---- pools: buckets of one size, by size; a heap of blocks by address in each ---------------------------- */
+static int32_t bucket_at(Allocator *a, int small, int64_t size) { /* the first bucket of >= size bytes */
+    const Bucket *b = a->buckets[small];
+    int32_t lo = 0, hi = a->n_buckets[small];
+    while (lo < hi) {
+        int32_t mid = (lo + hi) >> 1;
+        if (b[mid].size < size) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
 }
 
-static void split(Allocator *a, int32_t t, int64_t size, int64_t address, int32_t *lower, int32_t *upper) {
-    if (t == NONE) {
-        *lower = *upper = NONE;
-        return;
+static void sift_up(Allocator *a, int32_t *heap, int32_t pos) {
+    int32_t i = heap[pos];
+    int64_t address = a->blocks[i].address;
+    while (pos > 0) {
+        int32_t parent = (pos - 1) >> 1;
+        if (a->blocks[heap[parent]].address <= address) break;
+        heap[pos] = heap[parent];
+        a->blocks[heap[pos]].heap_pos = pos;
+        pos = parent;
     }
-    Block *b = &a->blocks[t];
-    if (before(b, size, address)) {
-        split(a, b->right, size, address, &b->right, upper);
-        *lower = t;
-    } else {
-        split(a, b->left, size, address, lower, &b->left);
-        *upper = t;
-    }
+    heap[pos] = i;
+    a->blocks[i].heap_pos = pos;
 }
 
-static int32_t join(Allocator *a, int32_t lower, int32_t upper) { /* every key of `lower` before `upper`'s */
-    if (lower == NONE) return upper;
-    if (upper == NONE) return lower;
-    if (a->blocks[lower].priority > a->blocks[upper].priority) {
-        a->blocks[lower].right = join(a, a->blocks[lower].right, upper);
-        return lower;
+static void sift_down(Allocator *a, int32_t *heap, int32_t count, int32_t pos) {
+    int32_t i = heap[pos];
+    int64_t address = a->blocks[i].address;
+    for (;;) {
+        int32_t child = 2 * pos + 1;
+        if (child >= count) break;
+        if (child + 1 < count && a->blocks[heap[child + 1]].address < a->blocks[heap[child]].address) child++;
+        if (a->blocks[heap[child]].address >= address) break;
+        heap[pos] = heap[child];
+        a->blocks[heap[pos]].heap_pos = pos;
+        pos = child;
     }
-    a->blocks[upper].left = join(a, lower, a->blocks[upper].left);
-    return upper;
+    heap[pos] = i;
+    a->blocks[i].heap_pos = pos;
 }
 
 static int pool_insert(Allocator *a, int32_t i) {
     Block *b = &a->blocks[i];
-    a->random ^= a->random << 13;
-    a->random ^= a->random >> 7;
-    a->random ^= a->random << 17;
-    b->priority = (uint32_t)(a->random >> 32);
-    b->left = b->right = NONE;
-    int32_t lower, upper;
-    split(a, a->root[b->small], b->size, b->address, &lower, &upper);
-    a->root[b->small] = join(a, join(a, lower, i), upper);
-    a->pool_size[b->small]++;
+    int small = b->small;
+    int32_t j = bucket_at(a, small, b->size);
+    if (j == a->n_buckets[small] || a->buckets[small][j].size != b->size) { /* a size the pool does not hold */
+        if (a->n_buckets[small] == a->cap_buckets[small]) {
+            Py_ssize_t cap = a->cap_buckets[small];
+            if (grow((void **)&a->buckets[small], &cap, cap + 1, sizeof(Bucket)) < 0) return -1;
+            a->cap_buckets[small] = (int32_t)cap;
+        }
+        Bucket *buckets = a->buckets[small];
+        memmove(&buckets[j + 1], &buckets[j], (size_t)(a->n_buckets[small] - j) * sizeof(Bucket));
+        buckets[j].size = b->size;
+        buckets[j].heap = NULL;
+        buckets[j].count = buckets[j].cap = 0;
+        a->n_buckets[small]++;
+    }
+    Bucket *bucket = &a->buckets[small][j];
+    if (bucket->count == bucket->cap) {
+        Py_ssize_t cap = bucket->cap;
+        if (grow((void **)&bucket->heap, &cap, cap + 1, sizeof(int32_t)) < 0) return -1;
+        bucket->cap = (int32_t)cap;
+    }
+    bucket->heap[bucket->count] = i;
+    sift_up(a, bucket->heap, bucket->count++);
+    a->pool_size[small]++;
     a->pool_hash += free_block_hash(b); /* a free block's neighbours stay allocated or absent while it is pooled */
     return 0;
 }
 
 static void pool_remove(Allocator *a, int32_t i) {
     Block *b = &a->blocks[i];
-    int32_t *link = &a->root[b->small];
-    while (*link != i) {
-        Block *c = &a->blocks[*link];
-        link = before(c, b->size, b->address) ? &c->right : &c->left;
+    int small = b->small;
+    int32_t j = bucket_at(a, small, b->size);
+    Bucket *bucket = &a->buckets[small][j];
+    int32_t pos = b->heap_pos, last = bucket->heap[--bucket->count];
+    if (pos < bucket->count) { /* the last one takes its place, then goes up or down */
+        bucket->heap[pos] = last;
+        a->blocks[last].heap_pos = pos;
+        if (pos > 0 && a->blocks[bucket->heap[(pos - 1) >> 1]].address > a->blocks[last].address)
+            sift_up(a, bucket->heap, pos);
+        else
+            sift_down(a, bucket->heap, bucket->count, pos);
     }
-    *link = join(a, b->left, b->right);
-    a->pool_size[b->small]--;
+    if (bucket->count == 0) { /* the pool holds no block of this size any more */
+        PyMem_Free(bucket->heap);
+        Bucket *buckets = a->buckets[small];
+        memmove(&buckets[j], &buckets[j + 1], (size_t)(a->n_buckets[small] - j - 1) * sizeof(Bucket));
+        a->n_buckets[small]--;
+    }
+    a->pool_size[small]--;
     a->pool_hash -= free_block_hash(b);
 }
 
 static int32_t pool_first_fit(Allocator *a, int small, int64_t size) { /* the first block of >= size bytes */
-    int32_t t = a->root[small], found = NONE;
-    while (t != NONE) {
-        if (a->blocks[t].size >= size) {
-            found = t;
-            t = a->blocks[t].left;
-        } else {
-            t = a->blocks[t].right;
-        }
-    }
-    return found;
+    int32_t j = bucket_at(a, small, size);
+    return j < a->n_buckets[small] ? a->buckets[small][j].heap[0] : NONE;
 }
 
-static void in_order(Allocator *a, int32_t t, int32_t *out, Py_ssize_t *n) {
-    while (t != NONE) {
-        in_order(a, a->blocks[t].left, out, n);
-        out[(*n)++] = t;
-        t = a->blocks[t].right;
-    }
+typedef struct {
+    int64_t address;
+    int32_t block;
+} Entry;
+
+static int by_address(const void *x, const void *y) {
+    int64_t p = ((const Entry *)x)->address, q = ((const Entry *)y)->address;
+    return (p > q) - (p < q);
 }
 
-static int32_t *pool_list(Allocator *a, int small) { /* the pool's blocks in order; PyMem_Free it */
+static int32_t *pool_list(Allocator *a, int small) { /* the pool's blocks in (size, address) order; PyMem_Free it */
     int32_t *out = PyMem_Malloc((size_t)(a->pool_size[small] + 1) * sizeof(int32_t));
-    if (!out) {
+    Entry *entries = PyMem_Malloc((size_t)(a->pool_size[small] + 1) * sizeof(Entry));
+    if (!out || !entries) {
+        PyMem_Free(out);
+        PyMem_Free(entries);
         PyErr_NoMemory();
         return NULL;
     }
     Py_ssize_t n = 0;
-    in_order(a, a->root[small], out, &n);
+    for (int32_t j = 0; j < a->n_buckets[small]; j++) {
+        const Bucket *bucket = &a->buckets[small][j];
+        for (int32_t k = 0; k < bucket->count; k++) {
+            entries[k].address = a->blocks[bucket->heap[k]].address;
+            entries[k].block = bucket->heap[k];
+        }
+        qsort(entries, (size_t)bucket->count, sizeof(Entry), by_address);
+        for (int32_t k = 0; k < bucket->count; k++) out[n++] = entries[k].block;
+    }
+    PyMem_Free(entries);
     return out;
+}
+
+static void free_buckets(Allocator *a) {
+    for (int k = 0; k < 2; k++) {
+        for (int32_t j = 0; j < a->n_buckets[k]; j++) PyMem_Free(a->buckets[k][j].heap);
+        PyMem_Free(a->buckets[k]);
+        a->buckets[k] = NULL;
+        a->n_buckets[k] = a->cap_buckets[k] = 0;
+    }
 }
 
 /* ---- key -> live block (and the replay's storage sizes) --------------------------------------------------- */
@@ -525,8 +585,6 @@ static int Allocator_init(Allocator *a, PyObject *args, PyObject *kwds) {
     a->max_split_size = max_split;
     a->expandable = expandable;
     a->tail[0] = a->tail[1] = NONE;
-    a->root[0] = a->root[1] = NONE;
-    a->random = 0x2545F4914F6CDD1DULL;
     a->dead = NONE;
     if (!a->slots) {
         a->slots = PyMem_Calloc(64, sizeof(Slot));
@@ -540,6 +598,7 @@ static int Allocator_init(Allocator *a, PyObject *args, PyObject *kwds) {
 }
 
 static void Allocator_dealloc(Allocator *a) {
+    free_buckets(a);
     PyMem_Free(a->blocks);
     PyMem_Free(a->slots);
     Py_TYPE(a)->tp_free((PyObject *)a);
@@ -663,11 +722,8 @@ static PyObject *Allocator_clone(Allocator *a, PyObject *Py_UNUSED(ignored)) {
     t->next_address = a->next_address;
     t->tail[0] = a->tail[0];
     t->tail[1] = a->tail[1];
-    t->root[0] = a->root[0];
-    t->root[1] = a->root[1];
     t->pool_size[0] = a->pool_size[0];
     t->pool_size[1] = a->pool_size[1];
-    t->random = a->random;
     t->pool_hash = a->pool_hash;
     t->live_hash = a->live_hash;
     t->size_hash = a->size_hash;
@@ -683,6 +739,28 @@ static PyObject *Allocator_clone(Allocator *a, PyObject *Py_UNUSED(ignored)) {
     }
     memcpy(t->blocks, a->blocks, (size_t)a->n_blocks * sizeof(Block));
     memcpy(t->slots, a->slots, (size_t)a->n_slots * sizeof(Slot));
+    for (int k = 0; k < 2; k++) { /* each bucket's heap, as large as it is */
+        int32_t n = a->n_buckets[k];
+        t->buckets[k] = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Bucket));
+        if (!t->buckets[k]) {
+            Py_DECREF(t);
+            return PyErr_NoMemory();
+        }
+        t->cap_buckets[k] = n;
+        for (int32_t j = 0; j < n; j++) {
+            const Bucket *from = &a->buckets[k][j];
+            Bucket *to = &t->buckets[k][t->n_buckets[k]];
+            to->size = from->size;
+            to->count = to->cap = from->count;
+            to->heap = PyMem_Malloc((size_t)from->count * sizeof(int32_t));
+            if (!to->heap) {
+                Py_DECREF(t);
+                return PyErr_NoMemory();
+            }
+            memcpy(to->heap, from->heap, (size_t)from->count * sizeof(int32_t));
+            t->n_buckets[k]++;
+        }
+    }
     return (PyObject *)t;
 }
 
