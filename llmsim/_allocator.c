@@ -57,6 +57,8 @@ typedef struct {
     int32_t n_blocks, cap_blocks, dead;
     Bucket *buckets[2]; /* each pool's buckets of free blocks, by size: [0] large, [1] small */
     int32_t n_buckets[2], cap_buckets[2];
+    Bucket *spare; /* heaps of buckets emptied, for the next new sizes (a merged block's size is often new) */
+    int32_t n_spare, cap_spare;
     Py_ssize_t pool_size[2];
     uint64_t pool_hash, live_hash, size_hash; /* sums over the free blocks, live blocks and storage sizes:
                                                  kept as they change, for `fingerprint` */
@@ -168,9 +170,14 @@ static int pool_insert(Allocator *a, int32_t i) {
         }
         Bucket *buckets = a->buckets[small];
         memmove(&buckets[j + 1], &buckets[j], (size_t)(a->n_buckets[small] - j) * sizeof(Bucket));
+        if (a->n_spare) {
+            buckets[j] = a->spare[--a->n_spare];
+        } else {
+            buckets[j].heap = NULL;
+            buckets[j].cap = 0;
+        }
         buckets[j].size = b->size;
-        buckets[j].heap = NULL;
-        buckets[j].count = buckets[j].cap = 0;
+        buckets[j].count = 0;
         a->n_buckets[small]++;
     }
     Bucket *bucket = &a->buckets[small][j];
@@ -200,8 +207,15 @@ static void pool_remove(Allocator *a, int32_t i) {
         else
             sift_down(a, bucket->heap, bucket->count, pos);
     }
-    if (bucket->count == 0) { /* the pool holds no block of this size any more */
-        PyMem_Free(bucket->heap);
+    if (bucket->count == 0) { /* the pool holds no block of this size any more: its heap is kept for another */
+        Py_ssize_t cap = a->cap_spare;
+        if (a->n_spare < cap || grow((void **)&a->spare, &cap, a->n_spare + 1, sizeof(Bucket)) == 0) {
+            a->cap_spare = (int32_t)cap;
+            a->spare[a->n_spare++] = *bucket;
+        } else {
+            PyErr_Clear(); /* no room to keep it: let it go */
+            PyMem_Free(bucket->heap);
+        }
         Bucket *buckets = a->buckets[small];
         memmove(&buckets[j], &buckets[j + 1], (size_t)(a->n_buckets[small] - j - 1) * sizeof(Bucket));
         a->n_buckets[small]--;
@@ -249,6 +263,10 @@ static int32_t *pool_list(Allocator *a, int small) { /* the pool's blocks in (si
 }
 
 static void free_buckets(Allocator *a) {
+    for (int32_t j = 0; j < a->n_spare; j++) PyMem_Free(a->spare[j].heap);
+    PyMem_Free(a->spare);
+    a->spare = NULL;
+    a->n_spare = a->cap_spare = 0;
     for (int k = 0; k < 2; k++) {
         for (int32_t j = 0; j < a->n_buckets[k]; j++) PyMem_Free(a->buckets[k][j].heap);
         PyMem_Free(a->buckets[k]);
@@ -469,7 +487,15 @@ static int32_t new_segment(Allocator *a, int64_t size, int small) {
     return b;
 }
 
+static int malloc_into(Allocator *a, Slot *s, int64_t size);
+
 static int do_malloc(Allocator *a, int64_t key, int64_t size) {
+    Slot *s = slot_get(a, key);
+    return s ? malloc_into(a, s, size) : -1;
+}
+
+static int malloc_into(Allocator *a, Slot *s, int64_t size) { /* into the slot of its key (slot_get) */
+    int64_t key = s->key;
     size = size > 0 ? (size + MIN_BLOCK_BYTES - 1) / MIN_BLOCK_BYTES * MIN_BLOCK_BYTES : 0;
     if (size == 0) size = MIN_BLOCK_BYTES;
     int small = size <= SMALL_SIZE_BYTES;
@@ -489,8 +515,6 @@ static int do_malloc(Allocator *a, int64_t key, int64_t size) {
         if (pool_insert(a, rest) < 0) return -1;
     }
     a->blocks[b].allocated = 1;
-    Slot *s = slot_get(a, key);
-    if (!s) return -1;
     if (s->block != NONE) a->live_hash -= live_hash(key, &a->blocks[s->block]);
     s->block = b;
     a->live_hash += live_hash(key, &a->blocks[b]);
@@ -514,6 +538,8 @@ static int32_t merge(Allocator *a, int32_t block, int32_t neighbour) {
     return first;
 }
 
+static int free_from(Allocator *a, Slot *s);
+
 static int do_free(Allocator *a, int64_t key) {
     Slot *s = slot_find(a, key);
     if (!s || s->block == NONE) {
@@ -524,6 +550,11 @@ static int do_free(Allocator *a, int64_t key) {
         }
         return -1;
     }
+    return free_from(a, s);
+}
+
+static int free_from(Allocator *a, Slot *s) { /* the live block of slot s (found, with a block) */
+    int64_t key = s->key;
     int32_t block = s->block;
     a->live_hash -= live_hash(key, &a->blocks[block]);
     s->block = NONE;
@@ -542,6 +573,10 @@ static int do_free(Allocator *a, int64_t key) {
     return pool_insert(a, block);
 }
 
+static inline int free_slot(Allocator *a, Slot *s) { /* do_free, from the key's slot (KeyError without a block) */
+    return s->block == NONE ? do_free(a, s->key) : free_from(a, s);
+}
+
 static int do_replay(Allocator *a, const int64_t *serials, const int64_t *deltas, Py_ssize_t start, Py_ssize_t stop) {
     for (Py_ssize_t i = start; i < stop; i++) {
         int64_t serial = serials[i], delta = deltas[i];
@@ -552,13 +587,13 @@ static int do_replay(Allocator *a, const int64_t *serials, const int64_t *deltas
                 s->tracked = 1;
                 s->size = delta;
                 a->size_hash += size_hash(serial, delta);
-                if (do_malloc(a, serial, delta) < 0) return -1;
-            } else {
+                if (malloc_into(a, s, delta) < 0) return -1;
+            } else { /* a tracked slot stays where it is through the free */
                 a->size_hash -= size_hash(serial, s->size);
                 s->size += delta;
                 int64_t size = s->size;
                 a->size_hash += size_hash(serial, size);
-                if (do_free(a, serial) < 0 || do_malloc(a, serial, size) < 0) return -1;
+                if (free_slot(a, s) < 0 || malloc_into(a, s, size) < 0) return -1;
             }
         } else if (delta < 0) {
             Slot *s = slot_find(a, serial);
@@ -566,10 +601,10 @@ static int do_replay(Allocator *a, const int64_t *serials, const int64_t *deltas
             a->size_hash -= size_hash(serial, s->size);
             s->size += delta;
             int64_t size = s->size;
-            if (size <= 0) s->tracked = 0; /* do_free drops the slot */
+            if (size <= 0) s->tracked = 0; /* the free drops the slot */
             else a->size_hash += size_hash(serial, size);
-            if (do_free(a, serial) < 0) return -1;
-            if (size > 0 && do_malloc(a, serial, size) < 0) return -1;
+            if (free_slot(a, s) < 0) return -1;
+            if (size > 0 && malloc_into(a, s, size) < 0) return -1;
         }
     }
     return 0;
