@@ -141,20 +141,11 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     else:
         timeline, graph = expanded(model, setup)
         rank_timelines = _plan(timeline, layout, setup)
+    if isinstance(rank_timelines, LazyRanks):
+        return Prediction(model, setup, layout, _lazy_ranks(rank_timelines, gpu, alloc_conf, jobs), graph, gpu,
+                          alloc_conf)
     ranks = []
     replayed: dict[int, RankPrediction] = {}  # ranks that share one timeline (DDP, ZeRO-0, TP) are replayed once
-    lazy = isinstance(rank_timelines, LazyRanks)
-    if lazy and _REPLAYED_PLAN[0]() is not rank_timelines:  # another layout's ranks share little: let theirs go
-        _REPLAYED.clear()
-        _REPLAYED_PLAN[0] = weakref.ref(rank_timelines)
-    processes = min(jobs, len(rank_timelines) // _RANKS_PER_PROCESS) if lazy and gpu is not None else 1
-    if processes > 1:
-        ranks = _lazy_ranks_in_processes(rank_timelines, gpu, alloc_conf, processes)
-        return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf)
-    if lazy:  # each built for this rank alone: predicted, then let go
-        with _collector_paused():
-            ranks = [_predict_lazy_rank(rank_timelines, rank, gpu, alloc_conf) for rank in sorted(rank_timelines)]
-        return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf)
     for rank in sorted(rank_timelines):
         rank_timeline = rank_timelines[rank]
         if id(rank_timeline) not in replayed:
@@ -252,6 +243,28 @@ def _shared_prediction(timeline: pd.DataFrame, gpu: GpuProfile | None, alloc_con
     gives the others), kept for the next prediction of it on the same GPU and allocator setting (a pipeline's
     stages, `size`'s screens). Its frame keeps the timeline alive: as many as `_plan` keeps."""
     return _predict_rank(0, timeline, gpu, alloc_conf)
+
+
+def _lazy_ranks(rank_timelines: LazyRanks, gpu: GpuProfile | None, alloc_conf: AllocatorConfig,
+                jobs: int) -> list[RankPrediction]:
+    """Every rank of a strategy whose ranks all differ (`_predict_lazy_rank`), in up to `jobs` processes on a GPU;
+    kept for the next prediction of the same layout on the same GPU and allocator setting (the latest layout's)."""
+    if _REPLAYED_PLAN[0]() is not rank_timelines:  # another layout's ranks share little: let theirs go
+        _REPLAYED.clear()
+        _LAZY_PREDICTED.clear()
+        _REPLAYED_PLAN[0] = weakref.ref(rank_timelines)
+    key = (gpu, alloc_conf)
+    if key not in _LAZY_PREDICTED:
+        processes = min(jobs, len(rank_timelines) // _RANKS_PER_PROCESS) if gpu is not None else 1
+        if processes > 1:
+            ranks = _lazy_ranks_in_processes(rank_timelines, gpu, alloc_conf, processes)
+        else:  # each built for this rank alone: predicted, then let go
+            with _collector_paused():
+                ranks = [_predict_lazy_rank(rank_timelines, rank, gpu, alloc_conf) for rank in sorted(rank_timelines)]
+        if len(_LAZY_PREDICTED) >= 8:
+            _LAZY_PREDICTED.pop(next(iter(_LAZY_PREDICTED)))
+        _LAZY_PREDICTED[key] = ranks
+    return list(_LAZY_PREDICTED[key])
 
 
 def _predict_lazy_rank(rank_timelines: LazyRanks, rank: int, gpu: GpuProfile | None,
@@ -527,4 +540,5 @@ CHECKPOINT_EVERY = 2048  # template events in a chunk (compiled allocator: a pau
 _MAX_STATES = 1024  # paused states `_Chunks` keeps (~0.1 MB each at 70B)
 _REPLAYED: dict[tuple, _Chunks] = {}
 _REPLAYED_PLAN: list[weakref.ref] = [lambda: None]  # the layout (its LazyRanks) whose ranks _REPLAYED holds
+_LAZY_PREDICTED: dict[tuple, list[RankPrediction]] = {}  # that layout's ranks, by GPU and allocator setting
 _RESERVED: dict[tuple, int] = {}

@@ -178,6 +178,7 @@ def test_zero12_ranks_taking_chunks_from_earlier_ranks_replay_like_alone(tmp_pat
     monkeypatch.setenv("LLMSIM_ALLOCATOR", allocator)
     monkeypatch.setattr(pipeline, "CHECKPOINT_EVERY", 256)  # chunks small enough for a 4-layer model's events
     monkeypatch.setattr(pipeline, "_REPLAYED", {})
+    monkeypatch.setattr(pipeline, "_LAZY_PREDICTED", {})
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000},
               "bf16": {"enabled": True}}
     world = 12

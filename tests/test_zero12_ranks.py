@@ -149,11 +149,13 @@ def test_ranks_replayed_in_processes_are_the_ranks_replayed_here(tmp_path, stage
     pipeline._lazy_ranks_in_processes = lambda *args: forks.append(args[-1]) or real(*args)
     try:
         here = predict(SPEC, setup, layout, gpu).ranks
-        pipeline._REPLAYED.clear()  # the processes start without this process's replays
-        there = predict(SPEC, setup, layout, gpu, jobs=2).ranks
+        pipeline._REPLAYED_PLAN[0] = lambda: None  # the processes start without this process's replays, and the
+        there = predict(SPEC, setup, layout, gpu, jobs=2).ranks  # ranks are predicted again
+        again = predict(SPEC, setup, layout, gpu, jobs=2).ranks  # kept: no processes
     finally:
         pipeline._lazy_ranks_in_processes = real
     assert forks == [2]  # 200 ranks: one call, two processes (jobs=1 stays here)
+    assert [r.to_dict() for r in again] == [r.to_dict() for r in there]
     assert [r.rank for r in there] == list(range(200))
     for ours, theirs in zip(here, there):
         assert (theirs.peak, theirs.peak_reserved_bytes, theirs.device_total_bytes, theirs.fits) == \
