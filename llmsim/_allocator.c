@@ -8,7 +8,8 @@
  * among the sizes and a heap's top, and a block comes and goes in a heap of one size.
  *
  * Allocator(capacity_bytes, max_split_size, expandable)
- *   .malloc(key, size) / .free(key) / .clone() / .replay(serials, deltas, start, stop) / .same_state(other)
+ *   .malloc(key, size) / .free(key) / .clone() / .replay(serials, deltas, start, stop[, at, own_serials, own_deltas])
+ *   / .same_state(other)
  *   .reserved_bytes, .allocated_bytes, .peak_reserved_bytes, .peak_allocated_bytes
  * `replay` takes int64 buffers (numpy arrays) of storage serials and byte deltas, as `CachingAllocator.replay`. */
 #define PY_SSIZE_T_CLEAN
@@ -577,36 +578,49 @@ static inline int free_slot(Allocator *a, Slot *s) { /* do_free, from the key's 
     return s->block == NONE ? do_free(a, s->key) : free_from(a, s);
 }
 
-static int do_replay(Allocator *a, const int64_t *serials, const int64_t *deltas, Py_ssize_t start, Py_ssize_t stop) {
-    for (Py_ssize_t i = start; i < stop; i++) {
-        int64_t serial = serials[i], delta = deltas[i];
-        if (delta > 0) {
-            Slot *s = slot_get(a, serial);
-            if (!s) return -1;
-            if (!s->tracked) {
-                s->tracked = 1;
-                s->size = delta;
-                a->size_hash += size_hash(serial, delta);
-                if (malloc_into(a, s, delta) < 0) return -1;
-            } else { /* a tracked slot stays where it is through the free */
-                a->size_hash -= size_hash(serial, s->size);
-                s->size += delta;
-                int64_t size = s->size;
-                a->size_hash += size_hash(serial, size);
-                if (free_slot(a, s) < 0 || malloc_into(a, s, size) < 0) return -1;
-            }
-        } else if (delta < 0) {
-            Slot *s = slot_find(a, serial);
-            if (!s || !s->tracked) continue;
-            a->size_hash -= size_hash(serial, s->size);
-            s->size += delta;
-            int64_t size = s->size;
-            if (size <= 0) s->tracked = 0; /* the free drops the slot */
-            else a->size_hash += size_hash(serial, size);
-            if (free_slot(a, s) < 0) return -1;
-            if (size > 0 && malloc_into(a, s, size) < 0) return -1;
+static inline int replay_event(Allocator *a, int64_t serial, int64_t delta) {
+    if (delta > 0) {
+        Slot *s = slot_get(a, serial);
+        if (!s) return -1;
+        if (!s->tracked) {
+            s->tracked = 1;
+            s->size = delta;
+            a->size_hash += size_hash(serial, delta);
+            return malloc_into(a, s, delta);
         }
+        /* a resize: a tracked slot stays where it is through the free */
+        a->size_hash -= size_hash(serial, s->size);
+        s->size += delta;
+        int64_t size = s->size;
+        a->size_hash += size_hash(serial, size);
+        return free_slot(a, s) < 0 ? -1 : malloc_into(a, s, size);
     }
+    if (delta < 0) {
+        Slot *s = slot_find(a, serial);
+        if (!s || !s->tracked) return 0;
+        a->size_hash -= size_hash(serial, s->size);
+        s->size += delta;
+        int64_t size = s->size;
+        if (size <= 0) s->tracked = 0; /* the free drops the slot */
+        else a->size_hash += size_hash(serial, size);
+        if (free_slot(a, s) < 0) return -1;
+        if (size > 0 && malloc_into(a, s, size) < 0) return -1;
+    }
+    return 0;
+}
+
+/* events start:stop of (serials, deltas), with n_own events of their own spliced in: own event j goes before
+   event at[j] (after the last where at[j] >= stop) */
+static int do_replay(Allocator *a, const int64_t *serials, const int64_t *deltas, Py_ssize_t start, Py_ssize_t stop,
+                     const int64_t *at, const int64_t *own_serials, const int64_t *own_deltas, Py_ssize_t n_own) {
+    Py_ssize_t j = 0;
+    for (Py_ssize_t i = start; i < stop; i++) {
+        for (; j < n_own && at[j] <= i; j++)
+            if (replay_event(a, own_serials[j], own_deltas[j]) < 0) return -1;
+        if (replay_event(a, serials[i], deltas[i]) < 0) return -1;
+    }
+    for (; j < n_own; j++)
+        if (replay_event(a, own_serials[j], own_deltas[j]) < 0) return -1;
     return 0;
 }
 
@@ -666,23 +680,38 @@ static int int64_buffer(PyObject *object, Py_buffer *view) {
 }
 
 static PyObject *Allocator_replay(Allocator *a, PyObject *args) {
-    PyObject *serials_object, *deltas_object;
+    PyObject *objects[5] = {NULL, NULL, NULL, NULL, NULL}; /* serials, deltas[, at, own serials, own deltas] */
     Py_ssize_t start = 0, stop = PY_SSIZE_T_MAX;
-    if (!PyArg_ParseTuple(args, "OO|nn", &serials_object, &deltas_object, &start, &stop)) return NULL;
-    Py_buffer serials, deltas;
-    if (int64_buffer(serials_object, &serials) < 0) return NULL;
-    if (int64_buffer(deltas_object, &deltas) < 0) {
-        PyBuffer_Release(&serials);
+    if (!PyArg_ParseTuple(args, "OO|nnOOO", &objects[0], &objects[1], &start, &stop, &objects[2], &objects[3],
+                          &objects[4]))
+        return NULL;
+    int spliced = objects[2] != NULL && objects[2] != Py_None;
+    if (spliced && (objects[3] == NULL || objects[4] == NULL)) {
+        PyErr_SetString(PyExc_TypeError, "replay: at comes with own_serials and own_deltas");
         return NULL;
     }
-    Py_ssize_t n = serials.shape[0] < deltas.shape[0] ? serials.shape[0] : deltas.shape[0];
+    Py_buffer views[5];
+    int held = 0;
+    for (; held < (spliced ? 5 : 2); held++)
+        if (int64_buffer(objects[held], &views[held]) < 0) break;
+    if (held < (spliced ? 5 : 2)) {
+        while (held--) PyBuffer_Release(&views[held]);
+        return NULL;
+    }
+    Py_ssize_t n = views[0].shape[0] < views[1].shape[0] ? views[0].shape[0] : views[1].shape[0];
+    Py_ssize_t n_own = 0;
+    if (spliced) {
+        n_own = views[2].shape[0];
+        if (views[3].shape[0] < n_own) n_own = views[3].shape[0];
+        if (views[4].shape[0] < n_own) n_own = views[4].shape[0];
+    }
     if (stop > n) stop = n;
     if (start < 0) start = 0;
     int64_t peak = a->peak_reserved_bytes; /* the window's own peak: counted from the reserved bytes at its start */
     a->peak_reserved_bytes = a->reserved_bytes;
-    int rc = do_replay(a, serials.buf, deltas.buf, start, stop);
-    PyBuffer_Release(&serials);
-    PyBuffer_Release(&deltas);
+    int rc = do_replay(a, views[0].buf, views[1].buf, start, stop, spliced ? views[2].buf : NULL,
+                       spliced ? views[3].buf : NULL, spliced ? views[4].buf : NULL, n_own);
+    while (held--) PyBuffer_Release(&views[held]);
     int64_t window = a->peak_reserved_bytes;
     if (window < peak) a->peak_reserved_bytes = peak;
     if (rc < 0) return NULL;
@@ -803,7 +832,8 @@ static PyMethodDef Allocator_methods[] = {
     {"malloc", (PyCFunction)Allocator_malloc, METH_VARARGS, "malloc(key, size): a block of round_size(size)"},
     {"free", (PyCFunction)Allocator_free, METH_VARARGS, "free(key): the block back to its pool, merged"},
     {"replay", (PyCFunction)Allocator_replay, METH_VARARGS,
-     "replay(serials, deltas, start=0, stop=len): a timeline's events, by storage serial"},
+     "replay(serials, deltas, start=0, stop=len, at=None, own_serials=None, own_deltas=None): a timeline's events, "
+     "by storage serial, with events of their own spliced in before event at[j]"},
     {"clone", (PyCFunction)Allocator_clone, METH_NOARGS, "an independent copy"},
     {"fingerprint", (PyCFunction)Allocator_fingerprint, METH_NOARGS,
      "a hash of the state same_state compares (equal states, equal fingerprints)"},

@@ -173,10 +173,18 @@ class CachingAllocator:
                 block = self._merge(block, neighbour)
         bisect.insort(self._pools[block.small], (block.size, block.address, block))
 
-    def replay(self, serials, deltas, start: int = 0, stop: int | None = None) -> int:
+    def replay(self, serials, deltas, start: int = 0, stop: int | None = None, at=None, own_serials=None,
+               own_deltas=None) -> int:
         """A timeline's events `start:stop`, by storage serial: a positive delta makes a storage (or grows one: it
-        is reallocated at its new size), a negative one frees it (or shrinks it). Returns the most bytes reserved
-        within the window (from those reserved at its start)."""
+        is reallocated at its new size), a negative one frees it (or shrinks it). With `at`, events of their own
+        (`own_serials`, `own_deltas`) are spliced in: own event j before event at[j] (after the window's last where
+        at[j] >= stop). Returns the most bytes reserved within the window (from those reserved at its start)."""
+        if at is not None:
+            stop = len(serials) if stop is None else min(stop, len(serials))
+            where = np.clip(np.asarray(at, dtype=np.int64), start, stop) - start
+            serials = np.insert(np.asarray(serials[start:stop]), where, own_serials)
+            deltas = np.insert(np.asarray(deltas[start:stop]), where, own_deltas)
+            start, stop = 0, None
         peak, self.peak_reserved_bytes = self.peak_reserved_bytes, self.reserved_bytes
         try:
             self._replay(serials, deltas, start, stop)

@@ -479,22 +479,21 @@ class _Chunks:
             keys.setdefault(k, []).append(event)
         return {k: tuple(value) for k, value in keys.items()}
 
-    def _events(self, k: int, events: Spliced) -> tuple[np.ndarray, np.ndarray]:
-        """Chunk k's events: the template's, with the rank's own that fall in it."""
+    def _play(self, allocator, k: int, events: Spliced) -> int:
+        """Replay chunk k on `allocator`: the template's events with the rank's own that fall in the chunk
+        spliced in. Returns the most bytes reserved within it."""
         lo, hi = k * self.every, min((k + 1) * self.every, len(self.serials))
-        serials, deltas = self.serials[lo:hi], self.deltas[lo:hi]
         first, last = np.searchsorted(events.at, [lo, hi if k < self.count - 1 else len(self.serials) + 1])
         if first == last:
-            return serials, deltas
-        at = events.at[first:last] - lo
-        return (np.insert(serials, at, events.own_serials[first:last]),
-                np.insert(deltas, at, events.own_deltas[first:last]))
+            return allocator.replay(self.serials, self.deltas, lo, hi)
+        return allocator.replay(self.serials, self.deltas, lo, hi, events.at[first:last],
+                                events.own_serials[first:last], events.own_deltas[first:last])
 
     def _replay(self, path: list[_Node], k: int, events: Spliced) -> tuple[_Node, int]:
         """Replay chunk k from the state of `path[k]` (the walk's node there): the node after it (a new one, or
         one reached before in the same state) and the most bytes reserved within it."""
         allocator = self._state(path, k, events).allocator.clone()
-        window = allocator.replay(*self._events(k, events))
+        window = self._play(allocator, k, events)
         depth = k + 1
         if depth == self.count:  # the walks end here: nothing to go on from
             return _Node(depth, None), window
@@ -517,7 +516,7 @@ class _Chunks:
         start = max(i for i in range(k) if path[i].state is not None)
         allocator = path[start].state.allocator.clone()
         for i in range(start, k):
-            allocator.replay(*self._events(i, events))
+            self._play(allocator, i, events)
         node.state = PausedReplay(allocator)
         self.index.setdefault((node.depth, allocator.fingerprint()), []).append(node)
         self._keep(node)

@@ -169,6 +169,43 @@ def _stream(seed: int, n: int = 3000):
 
 @pytest.mark.parametrize("implementation", ["python", pytest.param("compiled", marks=needs_compiled)])
 @pytest.mark.parametrize("expandable", [False, True])
+def test_a_replay_with_events_spliced_in_is_the_replay_of_the_merged_stream(expandable, implementation,
+                                                                            monkeypatch):
+    """`replay(..., at, own_serials, own_deltas)`, window by window (what pipeline._replay_spliced plays), is the
+    replay of the stream with those events inserted (np.insert): own event j before event at[j], after the last
+    where at[j] is the stream's length."""
+    import numpy as np
+
+    from llmsim.allocator import new_allocator
+
+    monkeypatch.setenv("LLMSIM_ALLOCATOR", implementation)
+    config = AllocatorConfig(expandable_segments=expandable)
+    serials, deltas = (np.array(values, np.int64) for values in _stream(4, 1500))
+    at = np.array([0, 0, 300, 300, 301, 977, 1024, 1499, 1500, 1500], np.int64)
+    sizes = [5 * MiB, 700, 64 * MiB, 3 * MiB, 2000, 90 * MiB, 12 * MiB, 4096, 33 * MiB, 1]
+    keys = 10**6 + np.arange(len(at), dtype=np.int64)
+    own_serials = np.concatenate([keys, keys])  # each allocated, then freed a few places later (or at the end)
+    own_deltas = np.concatenate([np.array(sizes, np.int64), -np.array(sizes, np.int64)])
+    frees = np.minimum(at + 40, len(serials))
+    order = np.argsort(np.concatenate([at, frees]), kind="stable")
+    at, own_serials, own_deltas = np.concatenate([at, frees])[order], own_serials[order], own_deltas[order]
+    expected = replay_reserved(np.insert(serials, at, own_serials), np.insert(deltas, at, own_deltas),
+                               config=config, extra_allocations=(4096,))
+    spliced = new_allocator(config=config)
+    spliced.malloc(-2, 4096)
+    windows = []
+    for start in range(0, len(serials), 256):
+        stop = min(start + 256, len(serials))
+        mine = (at >= start) & ((at < stop) | (stop == len(serials)))
+        windows.append(spliced.replay(serials, deltas, start, stop, at[mine], own_serials[mine], own_deltas[mine]))
+    assert (spliced.peak_reserved_bytes, spliced.peak_allocated_bytes, spliced.reserved_bytes,
+            spliced.allocated_bytes) == (expected.peak_reserved_bytes, expected.peak_allocated_bytes,
+                                         expected.reserved_bytes, expected.allocated_bytes)
+    assert max(windows) == expected.peak_reserved_bytes and spliced.same_state(expected)
+
+
+@pytest.mark.parametrize("implementation", ["python", pytest.param("compiled", marks=needs_compiled)])
+@pytest.mark.parametrize("expandable", [False, True])
 def test_a_replay_resumed_from_a_paused_state_is_the_whole_replay(expandable, implementation, monkeypatch):
     """What pipeline._replay_spliced relies on: a copy of the allocator paused before event p, replayed on from p
     (`replay(start=p)`), ends as the whole replay; the windows' peaks make the whole peak."""
