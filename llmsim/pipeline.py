@@ -256,11 +256,12 @@ def _lazy_ranks(rank_timelines: LazyRanks, gpu: GpuProfile | None, alloc_conf: A
     key = (gpu, alloc_conf)
     if key not in _LAZY_PREDICTED:
         processes = min(jobs, len(rank_timelines) // _RANKS_PER_PROCESS) if gpu is not None else 1
-        if processes > 1:
-            ranks = _lazy_ranks_in_processes(rank_timelines, gpu, alloc_conf, processes)
-        else:  # each built for this rank alone: predicted, then let go
-            with _collector_paused():
-                ranks = [_predict_lazy_rank(rank_timelines, rank, gpu, alloc_conf) for rank in sorted(rank_timelines)]
+        with _collector_paused():
+            if processes > 1:
+                ranks = _lazy_ranks_in_processes(rank_timelines, gpu, alloc_conf, processes)
+            else:  # each built for this rank alone: predicted, then let go
+                ranks = [_predict_lazy_rank(rank_timelines, rank, gpu, alloc_conf)
+                         for rank in sorted(rank_timelines)]
         if len(_LAZY_PREDICTED) >= 8:
             _LAZY_PREDICTED.pop(next(iter(_LAZY_PREDICTED)))
         _LAZY_PREDICTED[key] = ranks
@@ -299,7 +300,7 @@ def _lazy_ranks_in_processes(rank_timelines: LazyRanks, gpu: GpuProfile, alloc_c
 
 def _lazy_block(ranks: list[int]) -> list[RankPrediction]:
     rank_timelines, gpu, alloc_conf = _FORKED
-    with _collector_paused():  # a fork's collection would also copy every page of the plan it walks
+    with _collector_paused():  # a fork's collection would also copy every page of the objects it walks
         return [replace(_predict_lazy_rank(rank_timelines, rank, gpu, alloc_conf), frame=None) for rank in ranks]
 
 
