@@ -524,6 +524,18 @@ class _Ranks:
             end = mark[0] if mark[4] == _KEEP_GIP else end
             ends.append(end)
         self.backward_ends = ends[::-1]
+        # A rank makes a backward's grads_in_partition at the first flush holding one of its slices: by backward
+        # (the marks up to a _KEEP_GIP), the first _GIP mark of each name. The other marks every rank reads.
+        self.first_gip: list[dict[str, int]] = [{}]
+        self.other_marks = []
+        for index, mark in enumerate(self.marks):
+            if mark[4] == _GIP:
+                for name in mark[5][0]:
+                    self.first_gip[-1].setdefault(name, index)
+            else:
+                self.other_marks.append(index)
+                if mark[4] == _KEEP_GIP:
+                    self.first_gip.append({})
         self.ends = [off + p.numel for p, off in zip(self.part.params, self.part.offsets)]
         source, own_rows = _source_arrays(timeline), ~(self.order >= 0)
         columns = []
@@ -583,10 +595,13 @@ class _Ranks:
             emit(position, step, phase, storage, nbytes, category)
             return storage
 
-        for (position, before, step, phase, kind, args), backward_end in zip(self.marks, self.backward_ends):
-            if kind == _GIP:  # named where its backward ends, whichever flush makes it: ranks that make it at
-                if bw_gip is None and not args[0].isdisjoint(mine):  # different flushes free it alike
-                    bw_gip = alloc(position, before, step, phase, gip_bytes, gradient, backward_end)
+        gips = [min(first[name] for name in mine if name in first) for first in self.first_gip
+                if not first.keys().isdisjoint(mine)]  # the _GIP mark where each backward makes it
+        for index in sorted(self.other_marks + gips):
+            position, before, step, phase, kind, args = self.marks[index]
+            if kind == _GIP:  # named where its backward ends, whichever flush makes it (ranks that make it at
+                # different flushes free it alike)
+                bw_gip = alloc(position, before, step, phase, gip_bytes, gradient, self.backward_ends[index])
             elif kind == _XL_MINE or kind == _XL_OTHER:
                 name, serial, nbytes = args
                 if (name in mine) == (kind == _XL_MINE):
