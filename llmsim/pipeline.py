@@ -412,8 +412,8 @@ def _replay_spliced(events: Spliced, capacity_bytes: int, config: AllocatorConfi
     ranks replayed before (`_Chunks`, one per template and allocator setting)."""
     setting = (capacity_bytes, config, extra)
     chunks = _REPLAYED.get(setting)
-    if chunks is None or chunks.serials is not events.serials:  # one template and setting at a time: the tree
-        _REPLAYED.clear()                                            # holds paused allocators
+    if chunks is None or chunks.template is not events.serials:  # one template and setting at a time: the tree
+        _REPLAYED.clear()                                             # holds paused allocators
         chunks = _REPLAYED[setting] = _Chunks(events.serials, events.deltas, capacity_bytes, config, extra)
     return chunks.peak(events)
 
@@ -441,6 +441,7 @@ class _Chunks:
 
     def __init__(self, serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int, config: AllocatorConfig,
                  extra: tuple[int, ...]) -> None:
+        self.template = serials  # the template's own array: which template the tree is for
         self.serials, self.deltas = _int64(serials), _int64(deltas)
         n = len(self.serials)
         self.every = CHECKPOINT_EVERY if compiled() else max(256, n // 32)  # Python states copy slowly
@@ -498,12 +499,11 @@ class _Chunks:
         depth = k + 1
         if depth == self.count:  # the walks end here: nothing to go on from
             return _Node(depth, None), window
-        fingerprint = (depth, allocator.fingerprint())
-        for node in self.index.get(fingerprint, ()):
+        state = PausedReplay(allocator)
+        for node in self.index.get((depth, state.fingerprint()), ()):
             if allocator.same_state(node.state.allocator):
                 return node, window
-        node = _Node(depth, PausedReplay(allocator))
-        self.index.setdefault(fingerprint, []).append(node)
+        node = _Node(depth, state)
         self._keep(node)
         return node, window
 
@@ -519,16 +519,20 @@ class _Chunks:
         for i in range(start, k):
             self._play(allocator, i, events)
         node.state = PausedReplay(allocator)
-        self.index.setdefault((node.depth, allocator.fingerprint()), []).append(node)
         self._keep(node)
         return node.state
 
     def _keep(self, node: _Node) -> None:
+        """Index the node's new state and keep it, letting the least recently used state go past `_MAX_STATES`."""
+        self.index.setdefault((node.depth, node.state.fingerprint()), []).append(node)
         self.kept[node] = None
         if len(self.kept) > _MAX_STATES:
             oldest = next(iter(self.kept))
             del self.kept[oldest]
-            self.index[(oldest.depth, oldest.state.allocator.fingerprint())].remove(oldest)
+            key = (oldest.depth, oldest.state.fingerprint())
+            self.index[key].remove(oldest)
+            if not self.index[key]:
+                del self.index[key]
             oldest.state = None
 
 
