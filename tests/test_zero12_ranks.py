@@ -162,3 +162,27 @@ def test_ranks_replayed_in_processes_are_the_ranks_replayed_here(tmp_path, stage
             (ours.peak, ours.peak_reserved_bytes, ours.device_total_bytes, ours.fits)
     assert there[123].timeline.equals(here[123].timeline)
     assert not here[123].timeline.equals(here[0].timeline)  # the ranks' events differ: each its own replay
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_each_rank_in_the_tree_of_chunks_reserves_what_its_own_walk_does(tmp_path, monkeypatch, case, expandable):
+    """On a GPU the allocator model reads a rank's events as the template's with its own spliced in, and replays
+    the ranks as one tree of chunks (pipeline._replay_spliced): every rank's reserved peak is the whole replay of
+    its own walk's device events. Small chunks and few states kept, so that walks join and states let go are
+    replayed again."""
+    from llmsim import pipeline
+    from llmsim.allocator import NO_LIMIT, AllocatorConfig, replay_reserved
+
+    monkeypatch.setattr(pipeline, "CHECKPOINT_EVERY", 64)
+    monkeypatch.setattr(pipeline, "_MAX_STATES", 8)
+    monkeypatch.setattr(pipeline, "_REPLAYED", {})
+    timeline, layout, setup, ranks = _ranks(tmp_path, case)
+    config, extra = AllocatorConfig(expandable_segments=expandable), (load_gpu("h100-80gb").cublas_workspace_bytes,)
+    for rank in sorted({*range(0, layout.world_size, max(1, layout.world_size // 12)), layout.world_size - 1}):
+        device, _ = split_host(zero12.walk_rank(timeline, layout, setup, rank))
+        alone = replay_reserved(device["serial"].to_numpy(), device["delta_bytes"].to_numpy(), NO_LIMIT, config,
+                                extra).peak_reserved_bytes
+        assert pipeline._replay_spliced(ranks.events(rank).spliced(), NO_LIMIT, config, extra) == alone, rank
+    chunks = next(iter(pipeline._REPLAYED.values()))
+    assert chunks.count > 8 and sum(chunks.replayed) < chunks.count * len(chunks.replayed)  # the ranks share
