@@ -61,8 +61,6 @@ typedef struct {
     Bucket *spare; /* heaps of buckets emptied, for the next new sizes (a merged block's size is often new) */
     int32_t n_spare, cap_spare;
     Py_ssize_t pool_size[2];
-    uint64_t pool_hash, live_hash, size_hash; /* sums over the free blocks, live blocks and storage sizes:
-                                                 kept as they change, for `fingerprint` */
     Slot *slots;
     int64_t n_slots, used_slots; /* n_slots: a power of two */
 } Allocator;
@@ -190,7 +188,6 @@ static int pool_insert(Allocator *a, int32_t i) {
     bucket->heap[bucket->count] = i;
     sift_up(a, bucket->heap, bucket->count++);
     a->pool_size[small]++;
-    a->pool_hash += free_block_hash(b); /* a free block's neighbours stay allocated or absent while it is pooled */
     return 0;
 }
 
@@ -222,7 +219,6 @@ static void pool_remove(Allocator *a, int32_t i) {
         a->n_buckets[small]--;
     }
     a->pool_size[small]--;
-    a->pool_hash -= free_block_hash(b);
 }
 
 static int32_t pool_first_fit(Allocator *a, int small, int64_t size) { /* the first block of >= size bytes */
@@ -496,7 +492,6 @@ static int do_malloc(Allocator *a, int64_t key, int64_t size) {
 }
 
 static int malloc_into(Allocator *a, Slot *s, int64_t size) { /* into the slot of its key (slot_get) */
-    int64_t key = s->key;
     size = size > 0 ? (size + MIN_BLOCK_BYTES - 1) / MIN_BLOCK_BYTES * MIN_BLOCK_BYTES : 0;
     if (size == 0) size = MIN_BLOCK_BYTES;
     int small = size <= SMALL_SIZE_BYTES;
@@ -516,9 +511,7 @@ static int malloc_into(Allocator *a, Slot *s, int64_t size) { /* into the slot o
         if (pool_insert(a, rest) < 0) return -1;
     }
     a->blocks[b].allocated = 1;
-    if (s->block != NONE) a->live_hash -= live_hash(key, &a->blocks[s->block]);
     s->block = b;
-    a->live_hash += live_hash(key, &a->blocks[b]);
     a->allocated_bytes += a->blocks[b].size;
     if (a->allocated_bytes > a->peak_allocated_bytes) a->peak_allocated_bytes = a->allocated_bytes;
     return 0;
@@ -555,9 +548,7 @@ static int do_free(Allocator *a, int64_t key) {
 }
 
 static int free_from(Allocator *a, Slot *s) { /* the live block of slot s (found, with a block) */
-    int64_t key = s->key;
     int32_t block = s->block;
-    a->live_hash -= live_hash(key, &a->blocks[block]);
     s->block = NONE;
     if (!s->tracked) slot_drop(a, s);
     Block *b = &a->blocks[block];
@@ -585,24 +576,19 @@ static inline int replay_event(Allocator *a, int64_t serial, int64_t delta) {
         if (!s->tracked) {
             s->tracked = 1;
             s->size = delta;
-            a->size_hash += size_hash(serial, delta);
             return malloc_into(a, s, delta);
         }
         /* a resize: a tracked slot stays where it is through the free */
-        a->size_hash -= size_hash(serial, s->size);
         s->size += delta;
         int64_t size = s->size;
-        a->size_hash += size_hash(serial, size);
         return free_slot(a, s) < 0 ? -1 : malloc_into(a, s, size);
     }
     if (delta < 0) {
         Slot *s = slot_find(a, serial);
         if (!s || !s->tracked) return 0;
-        a->size_hash -= size_hash(serial, s->size);
         s->size += delta;
         int64_t size = s->size;
         if (size <= 0) s->tracked = 0; /* the free drops the slot */
-        else a->size_hash += size_hash(serial, size);
         if (free_slot(a, s) < 0) return -1;
         if (size > 0 && malloc_into(a, s, size) < 0) return -1;
     }
@@ -727,10 +713,23 @@ static int same_block(Allocator *a, int32_t i, Allocator *b, int32_t j) {
 }
 
 static PyObject *Allocator_fingerprint(Allocator *a, PyObject *Py_UNUSED(ignored)) {
-    /* a hash of the state `same_state` compares, from sums kept as it changes: equal states, equal fingerprints */
+    /* a hash of the state `same_state` compares, summed over its free blocks, live blocks and storage sizes: equal
+       states, equal fingerprints. Made when asked (a replay pauses every few thousand events), not kept as the
+       state changes: that cost a third of an event. */
+    uint64_t pool = 0, live = 0, sizes = 0;
+    for (int k = 0; k < 2; k++)
+        for (int32_t j = 0; j < a->n_buckets[k]; j++)
+            for (int32_t i = 0; i < a->buckets[k][j].count; i++)
+                pool += free_block_hash(&a->blocks[a->buckets[k][j].heap[i]]);
+    for (int64_t i = 0; i < a->n_slots; i++) {
+        const Slot *s = &a->slots[i];
+        if (!s->used) continue;
+        if (s->tracked) sizes += size_hash(s->key, s->size);
+        if (s->block != NONE) live += live_hash(s->key, &a->blocks[s->block]);
+    }
     uint64_t h = mix(a->reserved_bytes) ^ mix(a->allocated_bytes + 1) ^ mix(a->next_address + 2) ^
                  mix((int64_t)a->pool_size[0] + 3) ^ mix((int64_t)a->pool_size[1] + 4);
-    h += a->pool_hash + 3 * a->live_hash + 5 * a->size_hash;
+    h += pool + 3 * live + 5 * sizes;
     for (int k = 0; k < 2; k++)
         if (a->tail[k] != NONE) h += mix(a->blocks[a->tail[k]].address + 5 + k);
     return PyLong_FromUnsignedLongLong(h);
@@ -788,9 +787,6 @@ static PyObject *Allocator_clone(Allocator *a, PyObject *Py_UNUSED(ignored)) {
     t->tail[1] = a->tail[1];
     t->pool_size[0] = a->pool_size[0];
     t->pool_size[1] = a->pool_size[1];
-    t->pool_hash = a->pool_hash;
-    t->live_hash = a->live_hash;
-    t->size_hash = a->size_hash;
     t->dead = a->dead;
     t->n_blocks = t->cap_blocks = a->n_blocks;
     t->blocks = PyMem_Malloc((size_t)(a->n_blocks ? a->n_blocks : 1) * sizeof(Block));
