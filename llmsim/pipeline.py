@@ -473,7 +473,7 @@ class _Chunks:
         """Chunk -> its own events (position in the chunk, key, bytes), for the chunks that have any."""
         if not len(events.at):
             return {}
-        chunk = np.minimum(events.at // self.every, self.count - 1)
+        chunk = self._chunk(events.at)
         where = (events.at - chunk * self.every).tolist()
         own = list(zip(where, events.own_serials.tolist(), events.own_deltas.tolist()))
         keys: dict[int, list] = {}
@@ -481,11 +481,15 @@ class _Chunks:
             keys.setdefault(k, []).append(event)
         return {k: tuple(value) for k, value in keys.items()}
 
+    def _chunk(self, at: np.ndarray) -> np.ndarray:
+        """The chunk of each own event placed before template event `at` (the last chunk: those at its end)."""
+        return np.minimum(at // self.every, self.count - 1)
+
     def _play(self, allocator, k: int, events: Spliced) -> int:
         """Replay chunk k on `allocator`: the template's events with the rank's own that fall in the chunk
         spliced in. Returns the most bytes reserved within it."""
         lo, hi = k * self.every, min((k + 1) * self.every, len(self.serials))
-        first, last = np.searchsorted(events.at, [lo, hi if k < self.count - 1 else len(self.serials) + 1])
+        first, last = np.searchsorted(self._chunk(events.at), [k, k + 1])
         if first == last:
             return allocator.replay(self.serials, self.deltas, lo, hi)
         return allocator.replay(self.serials, self.deltas, lo, hi, events.at[first:last],
