@@ -24,7 +24,9 @@ it (its other stages are not traced; the "needs" then names the fullest rank of 
 predicts only the stages that have bound it so far (the first stage to begin with) and then its answer whole;
 a stage that cannot fit the answer joins them and the search goes on below (`_search`). With "fits" monotonic
 the answer is the same as predicting every stage at every micro-batch; in any case it is predicted whole.
-Layouts are evaluated in `jobs` local processes.
+A layout's GPU counts are evaluated in turn, fewest first, and the search on more GPUs starts from the answer on
+fewer (a hint it gallops from: the same answer whenever "fits" is monotonic, in a few trials where it moves little);
+layouts are evaluated in `jobs` local processes.
 DeepSpeed's bf16 keeps fp32 master weights, so ZeRO layouts in bf16 carry 16 bytes of model state per parameter
 where the single-process pure-bf16 step carries 8.
 """
@@ -138,18 +140,22 @@ def _worst(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile, 
 
 
 def largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch: int,
-                        alloc_conf: AllocatorConfig = AllocatorConfig()) -> tuple[int, int | None]:
+                        alloc_conf: AllocatorConfig = AllocatorConfig(),
+                        hint: int | None = None) -> tuple[int, int | None]:
     """(largest micro-batch that fits or 0, its device total): `_search`."""
-    return _search(spec, setup, candidate, gpu, max_micro_batch, alloc_conf)[:2]
+    return _search(spec, setup, candidate, gpu, max_micro_batch, alloc_conf, hint)[:2]
 
 
-def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: AllocatorConfig) -> tuple:
+def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: AllocatorConfig,
+            hint: int | None = None) -> tuple:
     """(largest micro-batch that fits or 0, its device total, and when it is 0: micro-batch 1's worst rank and
     how many pipeline stages it left unpredicted). Doubling from 1 until a micro-batch does not fit, then
-    bisecting. A pipeline's trials predict only the stages that have bound it so far (the first stage, the
-    fullest under 1F1B, to begin with): a trial they cannot fit does not fit (exact); the answer they find is then
-    predicted whole, and where another stage cannot fit it, that stage joins them and the search goes on below.
-    The answer is always predicted whole, next to a micro-batch that does not fit (or the maximum)."""
+    bisecting; with a `hint` (the answer of the same layout on fewer GPUs), galloping from it instead: up by 1, 2,
+    4, ... while they fit, down by 1, 2, 4, ... while they do not, then bisecting (`_next_trial`). A pipeline's
+    trials predict only the stages that have bound it so far (the first stage, the fullest under 1F1B, to begin
+    with): a trial they cannot fit does not fit (exact); the answer they find is then predicted whole, and where
+    another stage cannot fit it, that stage joins them and the search goes on below. The answer is always
+    predicted whole, next to a micro-batch that does not fit (or the maximum)."""
     first = candidate.layout_for(1)
     screen = [0] if first.pp > 1 else None
 
@@ -162,7 +168,7 @@ def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: Alloc
     while True:
         # double until it stops fitting, then bisect between the last fit and the first miss
         while (good < max_micro_batch) if bad is None else (bad - good > 1):
-            micro_batch = min(max(2 * good, 1), max_micro_batch) if bad is None else (good + bad) // 2
+            micro_batch = _next_trial(good, bad, hint, max_micro_batch)
             ok, worst, unpredicted = trial(micro_batch, screen)
             if not ok:
                 bad, failure = micro_batch, (worst, unpredicted) if micro_batch == 1 else failure
@@ -177,7 +183,26 @@ def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: Alloc
             return good, worst.device_total_bytes, None
         screen.append(worst.rank % (first.pp * first.tp) // first.tp)  # the stage that did not fit it
         failure = (worst, unpredicted) if good == 1 else failure
-        good, bad = verified, good
+        good, bad, hint = verified, good, None
+
+
+def _next_trial(good: int, bad: int | None, hint: int | None, max_micro_batch: int) -> int:
+    """The next micro-batch `_search` tries, knowing the largest that fits so far (`good`, 0 for none) and the
+    smallest that does not (`bad`, None for none). Without a hint: 1, then doubling, then bisecting. With one:
+    the hint, then galloping away from it (up: hint + 1, + 3, + 7, ... while they fit; down: hint - 1, - 3, - 7,
+    ... while they do not), then bisecting; with "fits" monotonic both end at the same answer, the hint in
+    log2(distance) trials when it is close."""
+    if hint is not None:
+        hint = min(max(hint, 1), max_micro_batch)
+        if good == 0 and bad is None:
+            return hint
+        if bad is None:  # every trial so far fits: up from the hint
+            return min(good + (good - hint + 1), max_micro_batch)
+        if good == 0 and bad > 1:  # none fits so far: down from the hint
+            return max(bad - (hint - bad + 1), 1)
+    if bad is None:
+        return min(max(2 * good, 1), max_micro_batch)
+    return (good + bad) // 2
 
 
 # What `--allow` may switch on to make a layout fit, tried fewest first (then in this order).
@@ -208,8 +233,9 @@ def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
          allow: tuple[str, ...] = (), jobs: int = 1, progress: bool = False) -> pd.DataFrame:
     """One row per layout (and GPU count): whether it fits, with which of the allowed levers (the fewest that
     make it fit), its micro-batch (the largest that fits; with `global_batch`, the one that makes up the batch),
-    and why it does not fit when it does not. Layouts are evaluated in `jobs` local processes (each traces what
-    its layouts need), the pipelines first (they take longest)."""
+    and why it does not fit when it does not. Each layout is evaluated on its GPU counts in turn, fewest first
+    (`_layout_rows`: the answer on fewer GPUs starts the search on more); layouts are evaluated in `jobs` local
+    processes (each traces what its layouts need), the pipelines first (they take longest)."""
     if global_batch is not None and global_batch < 1:
         raise InputError(f"global-batch must be a positive integer, got {global_batch}")
     combos = lever_sets(allow)
@@ -217,28 +243,40 @@ def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
     for levers in combos:
         for candidate in candidates(spec, with_levers(setup, levers), max_gpus, families):
             keys.setdefault((candidate.name, candidate.gpus), []).append(levers)
-    work = functools.partial(_layout_row, spec, setup, gpu, max_gpus, max_micro_batch, alloc_conf, families,
+    work = functools.partial(_layout_rows, spec, setup, gpu, max_gpus, max_micro_batch, alloc_conf, families,
                              global_batch)
-    order = sorted(keys, key=lambda key: ("pp" not in key[0], -key[1]))  # pipelines, the most GPUs first
-    rows = dict(zip(order, in_processes(work, [(key, keys[key]) for key in order], jobs, progress, "layout")))
+    chains: dict[str, list[tuple[tuple[str, int], list[tuple[str, ...]]]]] = {}
+    for key in sorted(keys, key=lambda key: key[1]):  # a layout's GPU counts, fewest first
+        chains.setdefault(key[0], []).append((key, keys[key]))
+    # the longest first: pipelines (a trace per stage), then ZeRO-3 (traces of its own, a plan per GPU count)
+    order = sorted(chains, key=lambda name: ("pp" not in name, name != "zero3", -len(chains[name])))
+    rows = {row_key: row for chain in in_processes(work, [chains[name] for name in order], jobs, progress, "layout")
+            for row_key, row in chain}
     frame = pd.DataFrame([rows[key] for key in keys])
     return frame.sort_values(["fits", "gpus", "largest_micro_batch"], ascending=[False, True, False],
                              kind="stable").reset_index(drop=True)
 
 
-def _layout_row(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int, max_micro_batch: int,
-                alloc_conf: AllocatorConfig, families: tuple[str, ...], global_batch: int | None,
-                layout: tuple[tuple[str, int], list[tuple[str, ...]]]) -> dict:
-    """The row of one layout ((name, GPUs), the lever sets to try), trying the levers in turn: a layout that never
-    fits is shown with every lever it was allowed."""
-    key, tries = layout
-    for levers in tries:
-        candidate = _candidate(spec, setup, levers, key, max_gpus, families)
-        row = _evaluate(spec, with_levers(setup, levers), candidate, gpu, max_micro_batch, alloc_conf, global_batch)
-        row = {"layout": key[0], "gpus": key[1], "levers": "+".join(levers) or "-", **row}
-        if row["fits"]:
-            break
-    return row
+def _layout_rows(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int, max_micro_batch: int,
+                 alloc_conf: AllocatorConfig, families: tuple[str, ...], global_batch: int | None,
+                 chain: list[tuple[tuple[str, int], list[tuple[str, ...]]]]) -> list[tuple[tuple[str, int], dict]]:
+    """The rows of one layout on each of its GPU counts ((name, GPUs), the lever sets to try), fewest GPUs first,
+    each trying the levers in turn: a layout that never fits is shown with every lever it was allowed. The
+    largest micro-batch a lever set found on fewer GPUs is where the search on more starts (`_search`'s hint):
+    it moves by a few from one GPU count to the next, and the search gallops from it."""
+    rows, found = [], {}
+    for key, tries in chain:
+        for levers in tries:
+            candidate = _candidate(spec, setup, levers, key, max_gpus, families)
+            row = _evaluate(spec, with_levers(setup, levers), candidate, gpu, max_micro_batch, alloc_conf,
+                            global_batch, found.get(levers))
+            row = {"layout": key[0], "gpus": key[1], "levers": "+".join(levers) or "-", **row}
+            if row["largest_micro_batch"]:
+                found[levers] = row["largest_micro_batch"]
+            if row["fits"]:
+                break
+        rows.append((key, row))
+    return rows
 
 
 def _candidate(spec: ModelSpec, setup: TrainSetup, levers: tuple[str, ...], key: tuple[str, int], max_gpus: int,
@@ -248,12 +286,12 @@ def _candidate(spec: ModelSpec, setup: TrainSetup, levers: tuple[str, ...], key:
 
 
 def _evaluate(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, gpu: GpuProfile, max_micro_batch: int,
-              alloc_conf: AllocatorConfig, global_batch: int | None) -> dict:
+              alloc_conf: AllocatorConfig, global_batch: int | None, hint: int | None = None) -> dict:
     try:
         if global_batch is None:
             if why := _cannot_fit(spec, replace(setup, micro_batch=1), candidate.layout_for(1), gpu):
                 return _row(0, 1, None, gpu, why)
-            micro_batch, total, failure = _search(spec, setup, candidate, gpu, max_micro_batch, alloc_conf)
+            micro_batch, total, failure = _search(spec, setup, candidate, gpu, max_micro_batch, alloc_conf, hint)
             if not micro_batch:
                 return _row(0, 1, None, gpu, _needs(1, "", failure[0], gpu, failure[1]))
             return _row(micro_batch, 1, total, gpu, "")

@@ -196,3 +196,35 @@ def test_pipeline_search_screens_then_predicts_the_answer_whole(monkeypatch):
     capacity = 55
     assert largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 64) == (0, None)
     assert predicted == [(1, 0)]
+
+
+def test_search_from_a_hint_finds_what_brute_force_finds(monkeypatch):
+    """`_search` with a hint (the answer on fewer GPUs) gallops from it: for every hint, the brute-force answer when
+    "fits" is monotonic, a micro-batch that fits next to one that does not otherwise; two trials when the hint is
+    the answer. Synthetic needs, as many bytes as a formula gives."""
+    from types import SimpleNamespace
+
+    import llmsim.size as sizing
+    from llmsim.size import Candidate
+
+    trials = []
+
+    def worst(spec, setup, layout, gpu, alloc_conf, only=None):
+        trials.append(setup.micro_batch)
+        total = need(setup.micro_batch)
+        return total <= 100, SimpleNamespace(rank=0, device_total_bytes=total), 0
+
+    monkeypatch.setattr(sizing, "_worst", worst)
+    candidate = Candidate("ddp", 2, lambda mb: SimpleNamespace(pp=1, tp=1))
+    monotonic = [lambda mb, k=k: k * mb for k in (1, 3, 7, 40, 101)] + [lambda mb: 100 + (mb > 20)]
+    for need in monotonic:
+        brute = max([mb for mb in range(1, 41) if need(mb) <= 100], default=0)
+        for hint in [None, *range(1, 46)]:
+            trials.clear()
+            assert largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 40, hint=hint)[0] == brute
+            if hint == brute and 0 < brute < 40:
+                assert trials == [brute, brute + 1]
+    need = lambda mb: 100 + 5 * (mb % 7 == 3) + (mb > 30)  # noqa: E731 -- fits, except at 3, 10, 17, 24 and above 30
+    for hint in [None, *range(1, 41)]:
+        found = largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 40, hint=hint)[0]
+        assert need(found) <= 100 and need(found + 1) > 100, hint
