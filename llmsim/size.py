@@ -24,9 +24,9 @@ it (its other stages are not traced; the "needs" then names the fullest rank of 
 predicts only the stages that have bound it so far (the first stage to begin with) and then its answer whole;
 a stage that cannot fit the answer joins them and the search goes on below (`_search`). With "fits" monotonic
 the answer is the same as predicting every stage at every micro-batch; in any case it is predicted whole.
-A layout's GPU counts are evaluated in turn, fewest first, and the search on more GPUs starts from the answer on
-fewer (a hint it gallops from: the same answer whenever "fits" is monotonic, in a few trials where it moves little);
-layouts are evaluated in `jobs` local processes.
+A layout's GPU counts (a pipeline's aside) are evaluated in turn, fewest first, and the search on more GPUs starts
+from the answer on fewer (a hint it gallops from: the same answer whenever "fits" is monotonic, in a few trials
+where it moves little); layouts are evaluated in `jobs` local processes.
 DeepSpeed's bf16 keeps fp32 master weights, so ZeRO layouts in bf16 carry 16 bytes of model state per parameter
 where the single-process pure-bf16 step carries 8.
 """
@@ -233,9 +233,11 @@ def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
          allow: tuple[str, ...] = (), jobs: int = 1, progress: bool = False) -> pd.DataFrame:
     """One row per layout (and GPU count): whether it fits, with which of the allowed levers (the fewest that
     make it fit), its micro-batch (the largest that fits; with `global_batch`, the one that makes up the batch),
-    and why it does not fit when it does not. Each layout is evaluated on its GPU counts in turn, fewest first
-    (`_layout_rows`: the answer on fewer GPUs starts the search on more); layouts are evaluated in `jobs` local
-    processes (each traces what its layouts need), the pipelines first (they take longest)."""
+    and why it does not fit when it does not. A layout other than a pipeline is evaluated on its GPU counts in
+    turn, fewest first (`_layout_rows`: the answer on fewer GPUs starts the search on more); a pipeline on each
+    GPU count apart (its traces are per stage, and on few GPUs a large model's pipelines fit nothing to start
+    from). They are evaluated in `jobs` local processes (each traces what its layouts need), the pipelines first
+    (they take longest), the most stages first."""
     if global_batch is not None and global_batch < 1:
         raise InputError(f"global-batch must be a positive integer, got {global_batch}")
     combos = lever_sets(allow)
@@ -245,13 +247,16 @@ def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
             keys.setdefault((candidate.name, candidate.gpus), []).append(levers)
     work = functools.partial(_layout_rows, spec, setup, gpu, max_gpus, max_micro_batch, alloc_conf, families,
                              global_batch)
+    # The longest first: each pipeline on its own (a trace per stage; the most GPUs, the most stages, first), then
+    # the other layouts each as a chain of its GPU counts, fewest first, ZeRO-3's first (traces of its own).
+    pipelines = sorted((key for key in keys if "pp" in key[0]), key=lambda key: -key[1])
     chains: dict[str, list[tuple[tuple[str, int], list[tuple[str, ...]]]]] = {}
-    for key in sorted(keys, key=lambda key: key[1]):  # a layout's GPU counts, fewest first
-        chains.setdefault(key[0], []).append((key, keys[key]))
-    # the longest first: pipelines (a trace per stage), then ZeRO-3 (traces of its own, a plan per GPU count)
-    order = sorted(chains, key=lambda name: ("pp" not in name, name != "zero3", -len(chains[name])))
-    rows = {row_key: row for chain in in_processes(work, [chains[name] for name in order], jobs, progress, "layout")
-            for row_key, row in chain}
+    for key in sorted(keys, key=lambda key: key[1]):
+        if "pp" not in key[0]:
+            chains.setdefault(key[0], []).append((key, keys[key]))
+    items = [[(key, keys[key])] for key in pipelines] + \
+        [chains[name] for name in sorted(chains, key=lambda name: (name != "zero3", -len(chains[name])))]
+    rows = {row_key: row for chain in in_processes(work, items, jobs, progress, "layout") for row_key, row in chain}
     frame = pd.DataFrame([rows[key] for key in keys])
     return frame.sort_values(["fits", "gpus", "largest_micro_batch"], ascending=[False, True, False],
                              kind="stable").reset_index(drop=True)
