@@ -176,28 +176,27 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
     allocs = pd.Series(emitted[first_event[order]]).value_counts()
     frees = pd.Series(emitted[~first_event[order] & (sizes[order] < 0)]).value_counts()
     spare = {int(s) for s, n in allocs.items() if 0 < frees.get(s, 0) < n}
-    result = np.empty(len(order), dtype=np.int64)
+    result = emitted.tolist()  # a serial per emitted row, negative ones kept; Python values, read once each below
     live: dict[int, list[list]] = {}  # traced serial -> live copies [new serial, bytes, allocated backward, copy]
     next_serial = int(serials.max()) + 1 if len(serials) else 0
-    for i, row in enumerate(order):
-        serial, delta, turned = int(serials[row]), int(sizes[row]), bool(backward[i])
+    rows = zip(emitted.tolist(), sizes[order].tolist(), backward.tolist(), first_event[order].tolist(),
+               copy_index.tolist(), replicated.tolist())
+    for i, (serial, delta, turned, first, copy_of, own_copy) in enumerate(rows):
         if serial < 0:
-            result[i] = serial
             continue
-        if first_event[row]:
-            live.setdefault(serial, []).append([next_serial, delta, turned, int(copy_index[i])])
+        if first:
+            live.setdefault(serial, []).append([next_serial, delta, turned, copy_of])
             result[i] = next_serial
             next_serial += 1
             continue
-        owner, copies = serial, live.get(serial)
+        copies = live.get(serial)
         if not copies:
-            owner = _spare_copy_owner(live, spare, -delta, turned)
-            copies = live.get(owner)
+            copies = live.get(_spare_copy_owner(live, spare, -delta, turned))
         if not copies:  # nothing to pair with: a storage of its own
             result[i] = next_serial
             next_serial += 1
             continue
-        position = next((p for p, c in enumerate(copies) if c[3] == copy_index[i]), None) if replicated[i] else None
+        position = next((p for p, c in enumerate(copies) if c[3] == copy_of), None) if own_copy else None
         if position is None:
             position = 0 if copies[0][2] == turned else -1
         copy = copies[position]
@@ -205,7 +204,7 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
         result[i] = copy[0]
         if copy[1] <= 0:
             copies.pop(position)
-    return result
+    return np.array(result, dtype=np.int64)
 
 
 def _spare_copy_owner(live: dict, spare: set[int], nbytes: int, backward: bool) -> int | None:
