@@ -172,15 +172,16 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
     sizes = frame["delta_bytes"].to_numpy()
     first_event = np.zeros(len(frame), dtype=bool)
     first_event[np.unique(serials, return_index=True)[1]] = True
-    emitted = serials[order]
-    allocs = pd.Series(emitted[first_event[order]]).value_counts()
-    frees = pd.Series(emitted[~first_event[order] & (sizes[order] < 0)]).value_counts()
+    emitted, emitted_sizes, emitted_first = serials[order], sizes[order], first_event[order]
+    allocs = pd.Series(emitted[emitted_first]).value_counts()
+    frees = pd.Series(emitted[~emitted_first & (emitted_sizes < 0)]).value_counts()
     spare = {int(s) for s, n in allocs.items() if 0 < frees.get(s, 0) < n}
-    result = emitted.tolist()  # a serial per emitted row, negative ones kept; Python values, read once each below
+    traced = emitted.tolist()  # Python values: the loop below reads each row once
+    result = list(traced)  # a serial per emitted row, the negative ones kept
     live: dict[int, list[list]] = {}  # traced serial -> live copies [new serial, bytes, allocated backward, copy]
     next_serial = int(serials.max()) + 1 if len(serials) else 0
-    rows = zip(emitted.tolist(), sizes[order].tolist(), backward.tolist(), first_event[order].tolist(),
-               copy_index.tolist(), replicated.tolist())
+    rows = zip(traced, emitted_sizes.tolist(), backward.tolist(), emitted_first.tolist(), copy_index.tolist(),
+               replicated.tolist())
     for i, (serial, delta, turned, first, copy_of, own_copy) in enumerate(rows):
         if serial < 0:
             continue
