@@ -263,12 +263,10 @@ def _lazy_ranks(rank_timelines: LazyRanks, gpu: GpuProfile | None, alloc_conf: A
     key = (gpu, alloc_conf)
     if key not in _LAZY_PREDICTED:
         processes = min(jobs, len(rank_timelines) // _RANKS_PER_PROCESS) if gpu is not None else 1
-        with _collector_paused():
-            if processes > 1:
-                ranks = _lazy_ranks_in_processes(rank_timelines, gpu, alloc_conf, processes)
-            else:  # each built for this rank alone: predicted, then let go
-                ranks = [_predict_lazy_rank(rank_timelines, rank, gpu, alloc_conf)
-                         for rank in sorted(rank_timelines)]
+        if processes > 1:
+            ranks = _lazy_ranks_in_processes(rank_timelines, gpu, alloc_conf, processes)
+        else:  # each built for this rank alone: predicted, then let go
+            ranks = [_predict_lazy_rank(rank_timelines, rank, gpu, alloc_conf) for rank in sorted(rank_timelines)]
         if len(_LAZY_PREDICTED) >= 8:
             _LAZY_PREDICTED.pop(next(iter(_LAZY_PREDICTED)))
         _LAZY_PREDICTED[key] = ranks
@@ -291,7 +289,8 @@ def _lazy_ranks_in_processes(rank_timelines: LazyRanks, gpu: GpuProfile, alloc_c
                              processes: int) -> list[RankPrediction]:
     """`_predict_lazy_rank` for every rank, in forked processes that inherit the strategy's plan: one block of
     neighbouring ranks each (neighbours share the most chunks of replay, `_replay_spliced`). The frames stay
-    here, rebuilt on demand as in one process."""
+    here, rebuilt on demand as in one process. The forks inherit `predict`'s paused collector (a fork's collection
+    would also copy every page of the objects it walks)."""
     from llmsim.sweep import in_processes
 
     blocks = [block.tolist() for block in np.array_split(np.array(sorted(rank_timelines)), 4 * processes)]
@@ -307,8 +306,7 @@ def _lazy_ranks_in_processes(rank_timelines: LazyRanks, gpu: GpuProfile, alloc_c
 
 def _lazy_block(ranks: list[int]) -> list[RankPrediction]:
     rank_timelines, gpu, alloc_conf = _FORKED
-    with _collector_paused():  # a fork's collection would also copy every page of the objects it walks
-        return [replace(_predict_lazy_rank(rank_timelines, rank, gpu, alloc_conf), frame=None) for rank in ranks]
+    return [replace(_predict_lazy_rank(rank_timelines, rank, gpu, alloc_conf), frame=None) for rank in ranks]
 
 
 @contextlib.contextmanager
