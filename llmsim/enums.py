@@ -97,6 +97,15 @@ class Loss(str, Enum):
     FUSED_LINEAR_CE = "fused-linear-ce"  # Liger's fused linear cross-entropy, chunked over tokens
 
 
+class Recipe(str, Enum):
+    """How the user's job runs its steps (DESIGN.md, "Recipes"): the loop the trace runs, under fake tensors."""
+
+    CANONICAL = "canonical"  # llmsim's own minimal loop (llmsim/step.py)
+    # transformers' Trainer itself: `Trainer(model, TrainingArguments(...)).train()` on a model as
+    # `from_pretrained(dir, dtype=...)` returns it, optionally wrapped by `get_peft_model` (llmsim/trainer_step.py)
+    HF_TRAINER = "hf-trainer"
+
+
 class Device(str, Enum):
     """The target whose kernels the trace must select (DESIGN.md stage 1)."""
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from llmsim.enums import Attention, Device, Loss, Optimizer, Precision
+from llmsim.enums import Attention, Device, Loss, Optimizer, Precision, Recipe
 from llmsim.errors import InputError, one_line
 
 ZOO_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
@@ -91,6 +91,13 @@ class TrainSetup:
     # BitsAndBytesConfig(llm_int8_threshold=...) with quant int8: LLM.int8's outlier threshold (bitsandbytes' default
     # 6.0); a CPU training step never reads it (llmsim/quantized.py), so it changes no byte there
     int8_threshold: float = LLM_INT8_THRESHOLD
+    # The recipe (llmsim.enums.Recipe). With HF_TRAINER the fields below are the user's own inputs, as canonical
+    # JSON (llmsim/hf_inputs.py reads and validates them); the loop fields above are derived from them, for the
+    # report and the checks, while the trace runs the Trainer itself.
+    recipe: Recipe = Recipe.CANONICAL
+    training_args: str | None = None  # TrainingArguments fields as the user's file gives them
+    peft_config: str | None = None  # LoraConfig fields (an adapter_config.json), or None: full fine-tuning
+    load_dtype: str | None = None  # from_pretrained(dtype=...) resolved: "float32" | "bfloat16" | "float16"
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):
@@ -105,6 +112,8 @@ class TrainSetup:
         self._check_peft_extras()
         if self.build_bf16 and self.precision is not Precision.BF16:
             raise InputError(f"build-dtype bf16 needs precision bf16, got {self.precision.value}")
+        if (self.recipe is Recipe.HF_TRAINER) != (self.training_args is not None and self.load_dtype is not None):
+            raise InputError("recipe hf-trainer needs its TrainingArguments and load dtype (and only it takes them)")
         if (self.device is Device.CUDA) != (self.cuda_capability is not None):
             raise InputError("device cuda needs a GPU (--gpu NAME), whose compute capability picks the kernels")
         if self.loss_chunk is not None:

@@ -22,12 +22,14 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from llmsim.errors import InputError, one_line
 from llmsim.kernels import cuda_kernels
 from llmsim.optimizer_values import answered_optimizer_values
+from llmsim.enums import Recipe
 from llmsim.spec import ModelSpec, TrainSetup
 from llmsim.step import StepInfo, optimizer_class, run_canonical_step, run_pipeline_step
 from llmsim.pipelining import cut, layer_range
 from llmsim.quantized import fake_loading, header_checkpoint, load_quantized, real_checkpoint
 from llmsim.tensor_parallel import WaitReturnsInput, build_parallel, fake_process_group, parallel_mesh
 from llmsim.tracker import StorageTracker
+from llmsim.trainer_step import run_trainer_step
 
 
 @dataclass(frozen=True)
@@ -70,15 +72,21 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
     return build
 
 
+def _build_dtype(setup: TrainSetup) -> torch.dtype:
+    """fp32 (the canonical build), bf16 (`build_bf16`), or the dtype a recipe's `from_pretrained` loads in."""
+    if setup.load_dtype is not None:
+        return getattr(torch, setup.load_dtype)
+    return torch.bfloat16 if setup.build_bf16 else torch.float32
+
+
 def hf_builder(spec: ModelSpec, setup: TrainSetup, config):
     """`AutoModelForCausalLM.from_config` as the canonical step calls it: fp32, or bf16 with `build_bf16`."""
     def build():
         from transformers import AutoModelForCausalLM
 
         try:
-            return AutoModelForCausalLM.from_config(
-                config, dtype=torch.bfloat16 if setup.build_bf16 else torch.float32,
-                attn_implementation=setup.attention.value)
+            return AutoModelForCausalLM.from_config(config, dtype=_build_dtype(setup),
+                                                    attn_implementation=setup.attention.value)
         except (ValueError, TypeError, RuntimeError, AssertionError) as exc:  # what transformers raises
             raise InputError(f"transformers cannot build {spec.name}: {one_line(exc)}") from exc
     return build
@@ -206,6 +214,8 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
             mesh = parallel_mesh(1, setup.pp, setup.tp)  # data-parallel replica 0
         build = model_builder(spec, setup, num_layers, mesh, fake=True)  # a checkpoint is written for real
         optimizer_class(setup.optimizer)  # imported for real: a module imported under the fake mode keeps fakes
+        if setup.recipe is Recipe.HF_TRAINER:
+            import transformers.trainer  # noqa: F401  (and accelerate with it)
         stack.enter_context(FakeTensorMode())
         if setup.tp > 1:  # functional collectives (DTensor): only with TP; a pipeline sends and receives
             stack.enter_context(WaitReturnsInput())
@@ -223,6 +233,8 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
             stack.enter_context(patch)
         if setup.pp > 1:
             info = run_pipeline_step(build, setup, tracker, mesh["pp"].get_group())
+        elif setup.recipe is Recipe.HF_TRAINER:
+            info = run_trainer_step(build, setup, tracker, num_layers)
         else:
             info = run_canonical_step(build, setup, tracker, num_layers)
     return tracker.timeline(), info

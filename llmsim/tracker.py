@@ -119,6 +119,17 @@ class StorageTracker(TorchDispatchMode):
                     row = self._rows[self._alloc_row[live.serial]]
                     self._rows[self._alloc_row[live.serial]] = (row[0], row[1], block, name, *row[4:])
 
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count, from now on, storages that no op produced: a checkpoint's tensors that `from_pretrained` keeps
+        as safetensors memory-maps them (file pages on the CPU; on a GPU they are copied to the device as they load).
+        Storages already seen are left alone."""
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                continue
+            for storage in _storages(tensor):
+                if storage._cdata not in self._live:
+                    self._allocate(storage, storage._cdata, storage.nbytes(), self.block, self.module)
+
     def mark_grad_ready(self, name: str) -> None:
         """A zero-byte row at the moment autograd has accumulated `name`'s gradient: where DeepSpeed's
         and DDP's gradient hooks (`register_post_accumulate_grad_hook`) run."""

@@ -177,6 +177,9 @@ def check_supported(setup, layout: Layout) -> None:
     for one process and DDP, and under the DeepSpeed ZeRO stages of LEVER_ZERO_STAGES (gradient accumulation as the
     JSON's gradient_accumulation_steps); LoRA for one process, DDP and ZeRO-0/1/2/3; a pipeline's own micro-batches
     are not."""
+    if setup.recipe.value != "canonical" and (layout.world_size > 1 or layout.strategy is not Strategy.SINGLE):
+        raise InputError(f"recipe {setup.recipe.value} with strategy {layout.strategy.value} (world size "
+                         f"{layout.world_size}) is not modelled yet; modelled: one process")
     if layout.deepspeed is not None:
         check_deepspeed_optimizer(setup, layout.deepspeed)
     if setup.lora_rank:

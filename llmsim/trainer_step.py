@@ -1,0 +1,108 @@
+"""The HF Trainer recipe, traced: transformers' own `Trainer(...).train()` under the storage tracker.
+
+Where the canonical step (llmsim/step.py) is llmsim's loop, this runs the library's: the model as
+`from_pretrained(dir, dtype=...)` returns it (built here by `from_config` in that dtype: the same parameters, no
+checkpoint read), `get_peft_model(model, LoraConfig(**fields))` when a peft config is given, then
+`Trainer(model, TrainingArguments(**fields), train_dataset=rows).train()` for three optimizer steps. So the
+Trainer's optimizer factory and parameter groups, its prefetched batches (`get_batch_samples` holds a step's
+`gradient_accumulation_steps` batches and accelerate's `DataLoaderShard` one more), `num_items_in_batch`, the
+loss accumulator, clipping (`max_grad_norm`), accelerate's autocast and GradScaler, and `model.zero_grad()` are the
+library's, not a copy of them. Under FakeTensorMode (llmsim/trace.py) the values a fake tensor cannot give are
+answered as a clean run reads them (`_CLEAN_RUN`).
+
+The data are the measured recipe's (llmsim/harness/trainer.py): rows of `input_ids` and `labels` lists, collated
+by `default_data_collator`. Phases for the layer bookkeeping: forward from the model's forward, backward from its
+return, optimizer from the gradient clipping (which runs with no layer) to the end of the step.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from typing import Callable
+
+import torch
+from torch import nn
+
+from llmsim.enums import Phase
+from llmsim.harness.trainer import MEASURED_STEPS, MEASUREMENT_ARGS, token_rows
+from llmsim.spec import TrainSetup
+from llmsim.step import LayerHooks, StepInfo
+from llmsim.tracker import StorageTracker
+
+# Values a fake tensor cannot give, answered as a clean real run reads them: no NaN or inf loss
+# (`logging_nan_inf_filter`), the data loader's seeds and the sampler's order (any value: every row is alike),
+# the logged loss and gradient norm (floats that allocate nothing). (llmsim/optimizer_values.py, `_AnswerScalars`)
+CLEAN_RUN_NUMBER, CLEAN_RUN_FLAG = 0, False
+
+
+class _Phases:
+    """Moves the tracker's phase with the Trainer's loop, and the layer hooks with it."""
+
+    def __init__(self, tracker: StorageTracker, hooks: LayerHooks) -> None:
+        self.tracker, self.hooks, self.step = tracker, hooks, 0
+
+    def forward(self, module, args, kwargs):
+        self.tracker.set_phase(self.step, Phase.FORWARD)
+
+    def backward(self, module, args, output):
+        self.tracker.set_phase(self.step, Phase.BACKWARD)
+        self.hooks.enter_backward()
+
+    def optimizer(self, fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            if self.tracker.phase is not Phase.OPTIMIZER:
+                self.tracker.set_phase(self.step, Phase.OPTIMIZER)
+            return fn(*args, **kwargs)
+        return wrapped
+
+
+def _callback(phases: _Phases):
+    from transformers import TrainerCallback
+
+    class LayerBookkeeping(TrainerCallback):
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            phases.hooks.watch(getattr(optimizer, "optimizer", optimizer))  # accelerate's wrapper holds torch's
+
+        def on_step_end(self, args, state, control, **kwargs):
+            phases.step += 1
+
+    return LayerBookkeeping()
+
+
+def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
+                     expected_blocks: int | None = None) -> StepInfo:
+    """`Trainer(...).train()` on the built model under `tracker` (inside a FakeTensorMode for the trace)."""
+    from transformers import Trainer
+    from transformers.trainer_callback import PrinterCallback
+
+    from llmsim.hf_inputs import lora_config, training_arguments
+    from llmsim.optimizer_values import _AnswerScalars
+
+    fields = json.loads(setup.training_args)
+    peft = lora_config(json.loads(setup.peft_config)) if setup.peft_config else None
+    torch.manual_seed(0)
+    if peft is not None:
+        import peft as _peft  # noqa: F401  imported before the tracked region, as a script imports it (step.py)
+    with tempfile.TemporaryDirectory() as directory, tracker:
+        args = training_arguments(fields, **MEASUREMENT_ARGS, output_dir=directory)
+        count = MEASURED_STEPS * args.per_device_train_batch_size * args.gradient_accumulation_steps
+        model = build()
+        hooks = LayerHooks(tracker, model, expected_blocks)
+        vocab_size = model.get_input_embeddings().num_embeddings
+        if peft is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft)
+            hooks.adopt_new_parameters()
+        phases = _Phases(tracker, hooks)
+        model.register_forward_pre_hook(phases.forward, with_kwargs=True, prepend=True)
+        model.register_forward_hook(phases.backward)
+        trainer = Trainer(model=model, args=args, train_dataset=token_rows(vocab_size, setup.seq_len, count),
+                          callbacks=[_callback(phases)])
+        trainer.remove_callback(PrinterCallback)  # its end-of-training print: library code stays silent
+        trainer._clip_grad_norm = phases.optimizer(trainer._clip_grad_norm)
+        trainer._get_grad_norm = phases.optimizer(trainer._get_grad_norm)
+        with _AnswerScalars(CLEAN_RUN_NUMBER, CLEAN_RUN_FLAG):
+            trainer.train()
+        tracker.finish()
+    return hooks.info(vocab_size)
