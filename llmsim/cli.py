@@ -80,6 +80,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "(default TRL's 32768)")
     p.add_argument("--device", default="cpu", help="cpu: the CPU's kernels are traced (--gpu switches to the "
                    "GPU's CUDA kernels)")
+    p.add_argument("--training-args", default=None, metavar="FILE", help="JSON or YAML of transformers "
+                   "TrainingArguments fields: predict the HF Trainer's own run (Trainer(...).train()), its batch size, "
+                   "accumulation, bf16/fp16, optim, max_grad_norm and gradient checkpointing as the file sets them")
+    p.add_argument("--peft-config", default=None, metavar="FILE", help="with --training-args: a LoraConfig as JSON "
+                   "or YAML (an adapter_config.json), given to get_peft_model; target_modules \"all-linear\" too")
+    p.add_argument("--dtype", default=None, help="with --training-args: from_pretrained's dtype, auto (default: the "
+                   "config's dtype, as transformers 5 loads) | float32 | bfloat16 | float16")
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -113,6 +120,42 @@ def _split(text: str | None) -> tuple[int, ...] | None:
         raise InputError(f"pp-split({text}) must be layer counts separated by commas, e.g. 10,10,12") from None
 
 
+# Flags that spell a TrainingArguments field: with --training-args they set it (the file's value overridden)
+TRAINING_ARGS_SHORTCUTS = {"micro_batch": "per_device_train_batch_size", "grad_accum": "gradient_accumulation_steps",
+                           "grad_ckpt": "gradient_checkpointing"}
+# Flags of the canonical recipe that the Trainer's files decide instead: (flag, its default, where to say it)
+TRAINER_DECIDES = (("precision", None, "bf16 / fp16 in the TrainingArguments, --dtype for the weights"),
+                   ("optimizer", "adamw", "optim in the TrainingArguments"), ("fused", False, "optim adamw_torch_fused"),
+                   ("foreach", False, "optim"), ("build_dtype", "fp32", "--dtype"),
+                   ("lora_rank", 0, "--peft-config"), ("lora_targets", None, "target_modules in --peft-config"),
+                   ("quant", None, "not modelled yet with --training-args"), ("ds_config", None,
+                   "not modelled yet with --training-args"), ("loss", "hf", "not modelled yet with --training-args"))
+
+
+def _trainer_inputs(args):
+    """--training-args [--peft-config] [--dtype]: the HF Trainer recipe, read with the libraries' own classes."""
+    from llmsim.hf_inputs import read_mapping, trainer_setup
+    from llmsim.spec import load_model_spec
+    from llmsim.strategies import Layout
+
+    for flag, default, where in TRAINER_DECIDES:
+        if getattr(args, flag, default) != default:
+            raise InputError(f"--{flag.replace('_', '-')} with --training-args: the Trainer's files decide it "
+                             f"({where})")
+    if (args.world_size or 1) * args.tp * args.pp * (args.dp or 1) > 1 or args.strategy not in (None, "single"):
+        raise InputError("--training-args predicts one process of the Trainer; several ranks are not modelled yet "
+                         "for the hf-trainer recipe")
+    spec = load_model_spec(args.model, dict(_override(t) for t in args.set))
+    fields = read_mapping(args.training_args, "TrainingArguments")
+    for flag, field in TRAINING_ARGS_SHORTCUTS.items():
+        value = getattr(args, flag, None)
+        if value not in (None, False):
+            fields[field] = value
+    peft = read_mapping(args.peft_config, "LoraConfig") if args.peft_config else None
+    setup = trainer_setup(spec, args.seq_len, fields, peft, args.dtype or "auto")
+    return spec, setup, Layout()
+
+
 def _inputs(args):
     from llmsim.dsconfig import load_ds_config
     from llmsim.enums import Device
@@ -120,6 +163,12 @@ def _inputs(args):
     from llmsim.pipelining import Schedule
     from llmsim.strategies import Layout, Strategy
 
+    if args.training_args:
+        return _trainer_inputs(args)
+    for flag, what in (("peft_config", "--peft-config"), ("dtype", "--dtype")):
+        if getattr(args, flag):
+            raise InputError(f"{what} is read with --training-args (the HF Trainer recipe); for the canonical step "
+                             "use --lora-rank / --lora-targets and --precision / --build-dtype")
     spec = load_model_spec(args.model, dict(_override(t) for t in args.set))
     precision = parse_enum(Precision, args.precision, "precision") if args.precision else None
     world_size = (args.dp or 1) * args.tp * args.pp if args.world_size is None else args.world_size
@@ -275,7 +324,11 @@ def cmd_measure(args) -> int:
     from llmsim.report import human_bytes
 
     spec, setup, layout = _inputs(args)
-    if layout.world_size == 1:
+    if setup.recipe.value == "hf-trainer":
+        from llmsim.measure import MEASURED_DEFAULT_CSV, measure_trainer
+
+        rows, default_out = [measure_trainer(spec, setup, args.dtype or "auto")], MEASURED_DEFAULT_CSV
+    elif layout.world_size == 1:
         rows, default_out = [measure_single(spec, setup)], TIER1_CSV
     else:
         try:

@@ -31,6 +31,7 @@ MEASUREMENTS_DIR = Path(__file__).resolve().parent.parent / "data" / "measuremen
 TIER1_CSV = MEASUREMENTS_DIR / "tier1_cpu.csv"
 TIER3_CSV = MEASUREMENTS_DIR / "tier3_fake_fullsize.csv"
 TIER2_CSV = MEASUREMENTS_DIR / "tier2_cpu.csv"
+MEASURED_DEFAULT_CSV = Path("llmsim-measurements.csv")  # the entry-point recipes' rows, where the user runs llmsim
 
 
 def _version(package: str) -> str:
@@ -85,6 +86,35 @@ def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> di
             "device": "cpu-fake" if fake else "cpu",
             **environment(), "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "wall_s": round(wall_s, 2)}
+
+
+def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str) -> dict:
+    """The HF Trainer recipe run for real through the entry points (llmsim/harness/trainer.py: nothing of the
+    predictor's loop); returns the row. `dtype`: from_pretrained's word as the user gave it (resolved in `setup`)."""
+    from llmsim.harness import trainer
+    from llmsim.hf_inputs import DTYPE_ALIASES
+
+    check_fits_positions(spec, setup)
+    job = {"config": spec.config_dict, "seq_len": setup.seq_len, "load_dtype": DTYPE_ALIASES.get(dtype, dtype),
+           "training_args": json.loads(setup.training_args),
+           "peft_config": json.loads(setup.peft_config) if setup.peft_config else None}
+    start = time.perf_counter()
+    result = trainer.run(job)
+    wall_s = time.perf_counter() - start
+    if result["loaded_dtype"] != setup.load_dtype:
+        raise RuntimeError(f"from_pretrained(dtype={dtype!r}) loaded {result['loaded_dtype']}, where llmsim resolves "
+                           f"{setup.load_dtype}")
+    peak = replay(result["timeline"])
+    attention = resolve_attention(spec, setup).attention.value  # transformers' default, which from_pretrained takes
+    return {"tier": 1, "recipe": setup.recipe.value, "model": spec.name,
+            "overrides": json.dumps(dict(spec.overrides), sort_keys=True), "seq_len": setup.seq_len,
+            "training_args": setup.training_args, "peft_config": setup.peft_config or "", "dtype": dtype,
+            "load_dtype": setup.load_dtype, "micro_batch": setup.micro_batch, "grad_accum": setup.grad_accum,
+            "precision": setup.precision.value, "attention": attention, "grad_ckpt": setup.grad_ckpt,
+            "ckpt_every": 1, "lora_rank": setup.lora_rank, "strategy": "single", "world_size": 1, "rank": 0, "peak_allocated_bytes": peak.allocated_bytes,
+            "peak_host_bytes": 0, "peak_phase": peak.phase, "device": "cpu", **environment(),
+            "peft": _version("peft"), "accelerate": _version("accelerate"),
+            "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "wall_s": round(wall_s, 2)}
 
 
 def append_rows(rows: list[dict], path: Path = TIER1_CSV) -> None:

@@ -14,6 +14,7 @@ from llmsim.measure import MEASUREMENTS_DIR
 from llmsim.pipeline import predict
 from llmsim.spec import LLM_INT8_THRESHOLD, ModelSpec, TrainSetup, load_model_spec
 from llmsim.dsconfig import DeepSpeedSetup
+from llmsim.hf_inputs import trainer_setup
 from llmsim.pipelining import Schedule
 from llmsim.strategies import Layout, Strategy
 from llmsim.gpus import load_gpu
@@ -23,6 +24,11 @@ from llmsim.tolerances import DEVICE_TOTAL_TOLERANCE, PEAK_ALLOCATED_TOLERANCE, 
 def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
     overrides = json.loads(row["overrides"]) if isinstance(row["overrides"], str) else {}
     spec = load_model_spec(row["model"], overrides)
+    if row.get("recipe") == "hf-trainer":  # re-read as the CLI reads the user's files (llmsim/hf_inputs.py)
+        peft = row.get("peft_config")
+        setup = trainer_setup(spec, int(row["seq_len"]), json.loads(row["training_args"]),
+                              json.loads(peft) if isinstance(peft, str) and peft else None, row["dtype"])
+        return spec, setup, Layout()
     setup = TrainSetup(micro_batch=int(row["micro_batch"]), seq_len=int(row["seq_len"]),
                        precision=Precision(row["precision"]), attention=Attention(row["attention"]),
                        grad_ckpt=bool(row["grad_ckpt"]), ckpt_every=int(row["ckpt_every"]),
