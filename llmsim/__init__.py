@@ -1,32 +1,41 @@
 """llmsim: predict the per-process peak memory of fine-tuning a causal LM, proven against measured runs.
 
     >>> import llmsim
-    >>> p = llmsim.predict("llama-2-7b", seq_len=2048, micro_batch=1, precision="bf16", grad_ckpt=True)
+    >>> p = llmsim.predict("llama-3.1-8b", seq_len=2048, micro_batch=1, gpu="h100-80gb",
+    ...                    training_args="examples/training_args.yaml", peft_config="examples/lora_all_linear.json")
     >>> p.peak_allocated_bytes, p.ranks[0].peak.breakdown_bytes, p.ranks[0].timeline  # a DataFrame
+
+`predict` takes `llmsim predict`'s options as keyword arguments, underscores for dashes (`ds_config=`, `tp=`,
+`lora_rank=`, `training_args=`, ...): the same parser reads them, so names, defaults and refusals are the CLI's.
+Nothing heavy is imported until it is needed (torch is not imported by `import llmsim`).
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from llmsim.enums import Attention, Category, Device, Phase, Precision, parse_enum
-from llmsim.errors import InputError
-from llmsim.pipeline import Prediction
-from llmsim.spec import ModelSpec, TrainSetup, load_model_spec
+# name -> module: what `llmsim.X` gives, imported when first asked for
+_LAZY = {"Prediction": "llmsim.pipeline", "ModelSpec": "llmsim.spec", "TrainSetup": "llmsim.spec",
+         "load_model_spec": "llmsim.spec", "InputError": "llmsim.errors", "Category": "llmsim.enums",
+         "Phase": "llmsim.enums", "Precision": "llmsim.enums", "Attention": "llmsim.enums", "Device": "llmsim.enums",
+         "Recipe": "llmsim.enums"}
+# the old keyword names of `predict`, kept: the CLI's option they stand for
+_RENAMED = {"attention": "attn", "overrides": "set"}
 
 
-def predict(model: str | ModelSpec, seq_len: int, micro_batch: int, precision: str = "fp32",
-            attention: str | None = None, grad_ckpt: bool = False, ckpt_every: int = 1, device: str = "cpu",
-            overrides: dict[str, Any] | None = None) -> Prediction:
-    """The Python face of `llmsim predict`: same names, same validation, same result."""
-    from llmsim import pipeline
+def predict(model, seq_len: int, micro_batch: int | None = None, **options: Any):
+    """The Python face of `llmsim predict`: `llmsim.predict("llama-2-7b", seq_len=2048, micro_batch=1,
+    precision="bf16", grad_ckpt=True, gpu="a100-80gb", ds_config="ds.json")`. Flags take True/False; `set` (or
+    `overrides`) a dict of config fields; `training_args` / `peft_config` a file path or a dict of fields."""
+    from llmsim.cli import prediction_from_options
 
-    spec = model if isinstance(model, ModelSpec) else load_model_spec(model, overrides)
-    setup = TrainSetup(micro_batch=micro_batch, seq_len=seq_len,
-                       precision=parse_enum(Precision, precision, "precision"),
-                       attention=parse_enum(Attention, attention, "attention") if attention else None,
-                       grad_ckpt=grad_ckpt, ckpt_every=ckpt_every, device=parse_enum(Device, device, "device"))
-    return pipeline.predict(spec, setup)
+    return prediction_from_options(model, seq_len, micro_batch, {_RENAMED.get(k, k): v for k, v in options.items()})
 
 
-__all__ = ["predict", "Prediction", "ModelSpec", "TrainSetup", "load_model_spec", "InputError", "Category",
-           "Phase", "Precision", "Attention", "Device"]
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'llmsim' has no attribute {name!r}")
+
+
+__all__ = ["predict", *_LAZY]

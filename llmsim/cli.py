@@ -146,12 +146,13 @@ def _trainer_inputs(args):
         raise InputError("--training-args predicts one process of the Trainer; several ranks are not modelled yet "
                          "for the hf-trainer recipe")
     spec = load_model_spec(args.model, dict(_override(t) for t in args.set))
-    fields = read_mapping(args.training_args, "TrainingArguments")
+    given = getattr(args, "given_mappings", {})  # dicts handed to llmsim.predict(...) instead of files
+    fields = dict(given.get("training_args") or read_mapping(args.training_args, "TrainingArguments"))
     for flag, field in TRAINING_ARGS_SHORTCUTS.items():
         value = getattr(args, flag, None)
         if value not in (None, False):
             fields[field] = value
-    peft = read_mapping(args.peft_config, "LoraConfig") if args.peft_config else None
+    peft = (given.get("peft_config") or read_mapping(args.peft_config, "LoraConfig")) if args.peft_config else None
     setup = trainer_setup(spec, args.seq_len, fields, peft, args.dtype or "auto")
     return spec, setup, Layout()
 
@@ -236,16 +237,54 @@ def _alloc_conf(args):
     return parse_alloc_conf(getattr(args, "alloc_conf", None))
 
 
-def cmd_predict(args) -> int:
-    from llmsim.pipeline import predict
-    from llmsim.report import prediction_table
-
+def _prediction(args, progress: bool):
     from llmsim.gpus import load_gpu
+    from llmsim.pipeline import predict
 
     gpu = load_gpu(args.gpu) if args.gpu else None
+    return predict(*_inputs(args), gpu=gpu, alloc_conf=_alloc_conf(args), progress=progress, jobs=args.jobs)
+
+
+def prediction_from_options(model, seq_len: int, micro_batch: int | None, options: dict):
+    """`llmsim.predict(...)`: keyword options become `llmsim predict`'s argv and go through its parser, so the
+    Python API and the CLI share every name, default and refusal."""
+    from llmsim.spec import ModelSpec
+
+    argv = ["predict", "--quiet"]
+    if isinstance(model, ModelSpec):
+        options = {**options, "set": {**dict(model.overrides), **dict(options.get("set") or {})}}
+        model = model.name
+    options = {"model": model, "seq_len": seq_len, "micro_batch": micro_batch, **options}
+    _quiet_libraries()
+    parser = build_parser()
+    actions = {a.dest: a for a in parser.predict_parser._actions}
+    dicts = {}
+    for key, value in options.items():
+        if key not in actions or key in ("help", "format", "plot", "quiet"):
+            valid = sorted(k for k in actions if k not in ("help", "format", "plot", "quiet"))
+            raise InputError(f"unknown option {key!r}; valid options: {', '.join(valid)}")
+        if value is None or value is False:
+            continue
+        flag = actions[key].option_strings[0]
+        if key in ("training_args", "peft_config") and isinstance(value, dict):
+            dicts[key] = value
+            value = f"<{key}>"  # read back from `dicts` below
+        if key == "set":
+            argv += [arg for k, v in dict(value).items() for arg in ("--set", f"{k}={json.dumps(v)}")]
+        elif value is True:
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    args = parser.parse_args(argv)
+    args.given_mappings = dicts
+    return _prediction(args, progress=False)
+
+
+def cmd_predict(args) -> int:
+    from llmsim.report import prediction_table
+
     # on a terminal only: an input error found inside a stage's trace must stay one line where stderr is read
-    prediction = predict(*_inputs(args), gpu=gpu, alloc_conf=_alloc_conf(args),
-                         progress=not args.quiet and sys.stderr.isatty(), jobs=args.jobs)
+    prediction = _prediction(args, progress=not args.quiet and sys.stderr.isatty())
     if args.format == "json":
         print(json.dumps(prediction.to_dict(), indent=2))
     else:
@@ -388,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: every core)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (a pipeline's stages)")
     p.set_defaults(func=cmd_predict)
+    parser.predict_parser = p  # its options are llmsim.predict's keywords
     p = sub.add_parser("compare", help="the peak under each memory lever and common combinations (+ PNG chart)")
     _add_model_args(p)
     _add_layout_args(p)

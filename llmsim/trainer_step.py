@@ -63,6 +63,9 @@ def _callback(phases: _Phases):
         def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
             phases.hooks.watch(getattr(optimizer, "optimizer", optimizer))  # accelerate's wrapper holds torch's
 
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            phases.tracker.frees_by_owner = True  # model.zero_grad() comes next: each gradient freed by its layer
+
         def on_step_end(self, args, state, control, **kwargs):
             phases.step += 1
 

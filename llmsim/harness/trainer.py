@@ -9,7 +9,6 @@ a hub checkpoint is stored. Peak = the most live tensor bytes from `from_pretrai
 """
 from __future__ import annotations
 
-import json
 import random
 import tempfile
 from pathlib import Path
@@ -128,19 +127,3 @@ def _peft_config(fields: dict | None):
     from peft import LoraConfig
 
     return LoraConfig(**fields)
-
-
-def main() -> None:  # python -m llmsim.harness.trainer JOB.json: prints the peak (a quick look; measure writes rows)
-    import sys
-
-    from llmsim.peaks import replay
-
-    job = json.loads(Path(sys.argv[1]).read_text())
-    result = run(job)
-    peak = replay(result["timeline"])
-    print(json.dumps({"peak_allocated_bytes": peak.allocated_bytes, "step": peak.step, "phase": peak.phase,
-                      "loaded_dtype": result["loaded_dtype"], "breakdown": peak.breakdown_bytes}))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,115 @@
+"""The HF Trainer recipe: users' files read with the libraries' classes, the real Trainer measured through its entry
+points (llmsim/harness), the prediction (transformers' Trainer traced under fake tensors) against both."""
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from llmsim.cli import main
+from llmsim.hf_inputs import TRAINER_OPTIMS, trainer_setup
+from llmsim.measure import MEASUREMENTS_DIR, measure_trainer
+from llmsim.pipeline import predict
+from llmsim.spec import load_model_spec
+from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
+
+TRAINER_CSV = MEASUREMENTS_DIR / "trainer_cpu.csv"
+# The instrument and its vocabulary: all a measured recipe may import of llmsim
+HARNESS_MAY_IMPORT = {"llmsim", "llmsim.harness", "llmsim.harness.trainer", "llmsim.tracker", "llmsim.enums"}
+GPT2_TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1000}
+
+
+def test_a_measured_trainer_run_imports_nothing_of_the_predictor():
+    job = {"config": load_model_spec("gpt2", GPT2_TINY).config_dict, "seq_len": 32, "load_dtype": "auto",
+           "training_args": {"per_device_train_batch_size": 1}, "peft_config": {"r": 4, "target_modules": "all-linear"}}
+    code = ("import json, sys; from llmsim.harness import trainer; trainer.run(json.loads(sys.argv[1])); "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'llmsim')))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(job)], capture_output=True, text=True, check=True)
+    imported = set(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert imported <= HARNESS_MAY_IMPORT, imported - HARNESS_MAY_IMPORT
+
+
+FRESH = [  # (model, overrides, TrainingArguments fields, LoraConfig fields, dtype)
+    ("qwen2.5-0.5b", {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4, "num_hidden_layers": 5,
+                      "num_key_value_heads": 2, "vocab_size": 1200, "max_window_layers": 5},
+     {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "bf16": True},
+     {"r": 4, "target_modules": "all-linear", "lora_dropout": 0.1}, "float32"),
+    ("gpt2", {**GPT2_TINY, "n_layer": 4}, {"per_device_train_batch_size": 3, "optim": "adamw_torch",
+                                           "gradient_checkpointing": True}, None, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("model, overrides, fields, peft, dtype", FRESH)
+def test_a_fresh_trainer_run_matches_its_prediction(model, overrides, fields, peft, dtype):
+    """Deeper than the trace (5 and 4 layers): the Trainer's per-layer events replicated by the expansion."""
+    spec = load_model_spec(model, overrides)
+    setup = trainer_setup(spec, 48, fields, peft, dtype)
+    measured = measure_trainer(spec, setup, dtype)["peak_allocated_bytes"]
+    predicted = predict(spec, setup).peak_allocated_bytes
+    assert abs(predicted - measured) / measured <= PEAK_ALLOCATED_TOLERANCE[1], (predicted, measured)
+
+
+def test_committed_trainer_rows_cover_the_recipe():
+    rows = pd.read_csv(TRAINER_CSV)
+    assert len(rows) >= 60 and (rows["recipe"] == "hf-trainer").all()
+    fields = rows["training_args"].map(json.loads)
+    assert {load_model_spec(m).config_dict["model_type"] for m in rows["model"]} >= {"llama", "qwen2", "gpt2",
+                                                                                       "gpt_neox"}
+    assert set(fields.map(lambda f: f.get("optim", "adamw_torch_fused"))) == set(TRAINER_OPTIMS) - {"adamw_bnb_8bit"}
+    assert fields.map(lambda f: f.get("bf16", False)).any() and fields.map(lambda f: f.get("fp16", False)).any()
+    assert fields.map(lambda f: f.get("max_grad_norm") == 0.0).any()
+    assert fields.map(lambda f: f.get("gradient_accumulation_steps", 1) > 1).any()
+    assert set(rows["load_dtype"]) == {"float32", "bfloat16"}
+    peft = rows["peft_config"].dropna().map(json.loads)
+    assert (peft.map(lambda p: p["target_modules"]) == "all-linear").all()
+    assert peft.map(lambda p: p.get("use_dora", False)).any() and peft.map(lambda p: p.get("lora_dropout", 0)).any()
+
+
+def _error(capsys, *argv) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def _file(tmp_path, name: str, fields: dict) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(fields))
+    return str(path)
+
+
+def test_bad_trainer_inputs_are_one_line(tmp_path, capsys):
+    base = ["predict", "--model", "gpt2", "--seq-len", "32"]
+    typo = _file(tmp_path, "typo.json", {"per_device_train_batchsize": 2})
+    assert "did you mean 'per_device_train_batch_size'" in _error(capsys, *base, "--training-args", typo)
+    optim = _file(tmp_path, "optim.json", {"optim": "adamw_torch_4bit"})
+    message = _error(capsys, *base, "--training-args", optim)
+    assert "adamw_torch_4bit" in message and all(name in message for name in TRAINER_OPTIMS)
+    invalid = _file(tmp_path, "invalid.json", {"optim": "adamw_foo"})
+    assert "invalid TrainingArguments" in _error(capsys, *base, "--training-args", invalid)
+    ok = _file(tmp_path, "ok.json", {"per_device_train_batch_size": 1})
+    lora = _file(tmp_path, "lora.json", {"rank": 8})
+    assert "invalid LoraConfig" in _error(capsys, *base, "--training-args", ok, "--peft-config", lora)
+    assert "the Trainer's files decide it" in _error(capsys, *base, "--training-args", ok, "--precision", "bf16")
+    assert "valid choices" in _error(capsys, *base, "--training-args", ok, "--dtype", "float8")
+    assert "--training-args" in _error(capsys, *base, "--micro-batch", "1", "--peft-config", lora)
+    ds = _file(tmp_path, "ds.json", {"deepspeed": "ds.json"})
+    assert "not modelled yet" in _error(capsys, *base, "--training-args", ds)
+
+
+def test_auto_dtype_is_the_configs_as_transformers_loads_it():
+    assert trainer_setup(load_model_spec("llama-3.1-8b"), 8, {}).load_dtype == "bfloat16"
+    assert trainer_setup(load_model_spec("gpt2"), 8, {}).load_dtype == "float32"  # no torch_dtype: float32
+
+
+def test_python_api_takes_the_clis_options():
+    import llmsim
+
+    tiny = {"set": GPT2_TINY, "seq_len": 32}
+    by_dict = llmsim.predict("gpt2", training_args={"per_device_train_batch_size": 2}, **tiny)
+    assert by_dict.setup.micro_batch == 2 and by_dict.setup.recipe.value == "hf-trainer"
+    canonical = llmsim.predict("gpt2", micro_batch=2, precision="bf16", grad_ckpt=True, **tiny)
+    assert canonical.setup.grad_ckpt and canonical.peak_allocated_bytes > 0
+    with pytest.raises(llmsim.InputError, match="unknown option 'precisoin'"):
+        llmsim.predict("gpt2", micro_batch=1, precisoin="bf16", **tiny)
