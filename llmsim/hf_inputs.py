@@ -153,3 +153,21 @@ def trainer_setup(spec: ModelSpec, seq_len: int, fields: dict[str, Any], peft_fi
         recipe=Recipe.HF_TRAINER, training_args=json.dumps(fields, sort_keys=True),
         peft_config=json.dumps(peft_fields, sort_keys=True) if peft_fields is not None else None,
         load_dtype=load_dtype)
+
+
+def recipe_facts(setup: TrainSetup) -> dict[str, Any]:
+    """What is predicted, in the ecosystem's words: the recipe, the two precision axes, the optimizer, accumulation."""
+    if setup.recipe is Recipe.HF_TRAINER:
+        args = training_arguments(json.loads(setup.training_args))
+        return {"recipe": setup.recipe.value, "load_dtype": setup.load_dtype,
+                "mixed_precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "no",
+                "optimizer": str(getattr(args.optim, "value", args.optim)), "grad_accum": setup.grad_accum,
+                "max_grad_norm": args.max_grad_norm,
+                "peft": "LoRA r=%d" % setup.lora_rank if setup.lora_rank else "none"}
+    build = "float32" if setup.precision.cast_dtype is None or not setup.build_bf16 else "bfloat16"
+    mixed = {Precision.BF16_AUTOCAST: "bf16", Precision.FP16_AUTOCAST: "fp16"}.get(setup.precision, "no")
+    cast = {Precision.BF16: ", then cast to bfloat16", Precision.FP16: ", then cast to float16"}.get(setup.precision, "")
+    optimizer = setup.optimizer.value + (" (fused)" if setup.fused else " (foreach)" if setup.foreach else "")
+    return {"recipe": setup.recipe.value, "load_dtype": build + ("" if setup.build_bf16 else cast),
+            "mixed_precision": mixed, "optimizer": optimizer, "grad_accum": setup.grad_accum, "max_grad_norm": None,
+            "peft": f"LoRA r={setup.lora_rank}" if setup.lora_rank else "none"}

@@ -17,6 +17,7 @@ from llmsim.allocator import NO_LIMIT, AllocatorConfig, OutOfMemory, PausedRepla
 from llmsim.errors import InputError
 from llmsim.gpus import GpuProfile, on_gpu
 from llmsim.graph import layer_graph
+from llmsim.hf_inputs import recipe_facts
 from llmsim.offload import host_peak_bytes, split_host
 from llmsim.losses import check_loss
 from llmsim.peaks import Peak, replay
@@ -29,6 +30,13 @@ from llmsim.quantized import check_quantized
 from llmsim.tensor_parallel import check_tensor_parallel
 from llmsim.timeline import TRACED_STEPS, expand, repeat_last_step
 from llmsim.trace import trace
+
+
+def torch_version() -> str:
+    """The torch the trace ran on: its kernels and autograd decide the bytes, so a prediction names it."""
+    import torch
+
+    return torch.__version__
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,7 @@ class Prediction:
                 "gpu": self.gpu.name if self.gpu else None,
                 "expandable_segments": self.alloc_conf.expandable_segments,
                 "peak_allocated_bytes": self.peak_allocated_bytes, "peak_host_bytes": self.peak_host_bytes,
+                **recipe_facts(self.setup), "torch": torch_version(),
                 "ranks": [r.to_dict() for r in self.ranks]}
 
 

@@ -36,7 +36,7 @@ def prediction_table(prediction: Prediction) -> str:
         ckpt += f", LoRA r={s.lora_rank}"
     lines = [f"{prediction.model.name}: micro-batch {s.micro_batch}, seq {s.seq_len}, {s.precision.value}, "
              f"attention {s.attention.value}, {ckpt}, {layout_text(prediction.layout)}, device {s.device.value}",
-             "",
+             _recipe_line(s), "",
              f"{'rank':>4}  {'peak allocated':>16}  {'peak reserved':>16}  {'device total':>16}  "
              + (f"{'host peak':>16}  " if s.ckpt_offload else "") + "peak at",
              ]
@@ -61,6 +61,15 @@ def prediction_table(prediction: Prediction) -> str:
     for category, nbytes in sorted(worst.peak.breakdown_bytes.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {category:<18} {human_bytes(nbytes):>14}  {100 * nbytes / total:5.1f} %")
     return "\n".join(lines)
+
+
+def _recipe_line(setup) -> str:
+    from llmsim.hf_inputs import recipe_facts
+
+    f = recipe_facts(setup)
+    clip = f", max_grad_norm {f['max_grad_norm']}" if f["max_grad_norm"] is not None else ""
+    return (f"recipe {f['recipe']}: weights {f['load_dtype']}, mixed precision {f['mixed_precision']}, optimizer "
+            f"{f['optimizer']}, accumulation {f['grad_accum']}{clip}, peft {f['peft']}")
 
 
 def validation_table(results: pd.DataFrame) -> str:

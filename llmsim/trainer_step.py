@@ -16,14 +16,16 @@ return, optimizer from the gradient clipping (which runs with no layer) to the e
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
+from unittest import mock
 from typing import Callable
 
 import torch
 from torch import nn
 
-from llmsim.enums import Phase
+from llmsim.enums import Device, Phase
 from llmsim.harness.trainer import MEASURED_STEPS, MEASUREMENT_ARGS, token_rows
 from llmsim.spec import TrainSetup
 from llmsim.step import LayerHooks, StepInfo
@@ -38,8 +40,8 @@ CLEAN_RUN_NUMBER, CLEAN_RUN_FLAG = 0, False
 class _Phases:
     """Moves the tracker's phase with the Trainer's loop, and the layer hooks with it."""
 
-    def __init__(self, tracker: StorageTracker, hooks: LayerHooks) -> None:
-        self.tracker, self.hooks, self.step = tracker, hooks, 0
+    def __init__(self, tracker: StorageTracker, hooks: LayerHooks, gpu: bool) -> None:
+        self.tracker, self.hooks, self.step, self.gpu = tracker, hooks, 0, gpu
 
     def forward(self, module, args, kwargs):
         self.tracker.set_phase(self.step, Phase.FORWARD)
@@ -56,12 +58,28 @@ class _Phases:
         return wrapped
 
 
+@contextlib.contextmanager
+def _cuda_optimizer_defaults(setup: TrainSetup):
+    """On a GPU target, torch.optim's own choice for CUDA parameters: the foreach path where the Trainer leaves
+    `foreach=None` (`optim="adamw_torch"`, "sgd"), as `_default_to_fused_or_foreach` decides from the parameters'
+    device (torch/optim/optimizer.py); the trace's fake parameters are on the CPU, where torch picks the for-loop."""
+    if setup.device is not Device.CUDA:
+        yield
+        return
+    from torch.optim import optimizer
+
+    supported = optimizer._get_foreach_kernels_supported_devices
+    with mock.patch.object(optimizer, "_get_foreach_kernels_supported_devices", lambda: [*supported(), "cpu"]):
+        yield
+
+
 def _callback(phases: _Phases):
     from transformers import TrainerCallback
 
     class LayerBookkeeping(TrainerCallback):
         def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-            phases.hooks.watch(getattr(optimizer, "optimizer", optimizer))  # accelerate's wrapper holds torch's
+            # accelerate's AcceleratedOptimizer holds torch's; on a GPU target Adam's `step` lives on the host
+            phases.hooks.watch(getattr(optimizer, "optimizer", optimizer), gpu=phases.gpu)
 
         def on_optimizer_step(self, args, state, control, **kwargs):
             phases.tracker.frees_by_owner = True  # model.zero_grad() comes next: each gradient freed by its layer
@@ -97,7 +115,7 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
 
             model = get_peft_model(model, peft)
             hooks.adopt_new_parameters()
-        phases = _Phases(tracker, hooks)
+        phases = _Phases(tracker, hooks, setup.device is Device.CUDA)
         model.register_forward_pre_hook(phases.forward, with_kwargs=True, prepend=True)
         model.register_forward_hook(phases.backward)
         trainer = Trainer(model=model, args=args, train_dataset=token_rows(vocab_size, setup.seq_len, count),
@@ -105,7 +123,7 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
         trainer.remove_callback(PrinterCallback)  # its end-of-training print: library code stays silent
         trainer._clip_grad_norm = phases.optimizer(trainer._clip_grad_norm)
         trainer._get_grad_norm = phases.optimizer(trainer._get_grad_norm)
-        with _AnswerScalars(CLEAN_RUN_NUMBER, CLEAN_RUN_FLAG):
+        with _AnswerScalars(CLEAN_RUN_NUMBER, CLEAN_RUN_FLAG), _cuda_optimizer_defaults(setup):
             trainer.train()
         tracker.finish()
     return hooks.info(vocab_size)
