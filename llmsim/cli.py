@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from llmsim.enums import Attention, Loss, Optimizer, Precision, parse_enum
+from llmsim.enums import Attention, Loss, Optimizer, Precision, Recipe, parse_enum
 from llmsim.errors import InputError
 from llmsim.spec import LLM_INT8_THRESHOLD
 
@@ -123,13 +123,20 @@ def _split(text: str | None) -> tuple[int, ...] | None:
 # Flags that spell a TrainingArguments field: with --training-args they set it (the file's value overridden)
 TRAINING_ARGS_SHORTCUTS = {"micro_batch": "per_device_train_batch_size", "grad_accum": "gradient_accumulation_steps",
                            "grad_ckpt": "gradient_checkpointing"}
-# Flags of the canonical recipe that the Trainer's files decide instead: (flag, its default, where to say it)
+# Flags of the canonical recipe that the Trainer's files decide instead: (flag, its default, where to say it; None
+# where the hf-trainer recipe does not model the flag yet). Each is refused rather than silently dropped.
 TRAINER_DECIDES = (("precision", None, "bf16 / fp16 in the TrainingArguments, --dtype for the weights"),
                    ("optimizer", "adamw", "optim in the TrainingArguments"), ("fused", False, "optim adamw_torch_fused"),
                    ("foreach", False, "optim"), ("build_dtype", "fp32", "--dtype"),
                    ("lora_rank", 0, "--peft-config"), ("lora_targets", None, "target_modules in --peft-config"),
-                   ("quant", None, "not modelled yet with --training-args"), ("ds_config", None,
-                   "not modelled yet with --training-args"), ("loss", "hf", "not modelled yet with --training-args"))
+                   ("lora_alpha", 16, "lora_alpha in --peft-config"),
+                   ("lora_modules_to_save", None, "modules_to_save in --peft-config"),
+                   ("trainable_tokens", None, "trainable_token_indices in --peft-config"),
+                   ("device", "cpu", "--gpu NAME for a GPU's kernels"),
+                   *((flag, default, None) for flag, default in (  # None: not modelled yet with the Trainer
+                       ("attn", None), ("ckpt_every", 1), ("ckpt_offload", False), ("quant", None),
+                       ("double_quant", False), ("int8_threshold", LLM_INT8_THRESHOLD), ("ds_config", None),
+                       ("loss", "hf"), ("loss_chunk", None))))
 
 
 def _trainer_inputs(args):
@@ -140,8 +147,9 @@ def _trainer_inputs(args):
 
     for flag, default, where in TRAINER_DECIDES:
         if getattr(args, flag, default) != default:
-            raise InputError(f"--{flag.replace('_', '-')} with --training-args: the Trainer's files decide it "
-                             f"({where})")
+            name = f"--{flag.replace('_', '-')}"
+            raise InputError(f"{name} with --training-args: the Trainer's files decide it ({where})" if where else
+                             f"{name} with --training-args is not modelled yet (the hf-trainer recipe)")
     if (args.world_size or 1) * args.tp * args.pp * (args.dp or 1) > 1 or args.strategy not in (None, "single"):
         raise InputError("--training-args predicts one process of the Trainer; several ranks are not modelled yet "
                          "for the hf-trainer recipe")
@@ -363,7 +371,7 @@ def cmd_measure(args) -> int:
     from llmsim.report import human_bytes
 
     spec, setup, layout = _inputs(args)
-    if setup.recipe.value == "hf-trainer":
+    if setup.recipe is Recipe.HF_TRAINER:
         from llmsim.measure import MEASURED_DEFAULT_CSV, measure_trainer
 
         rows, default_out = [measure_trainer(spec, setup, args.dtype or "auto")], MEASURED_DEFAULT_CSV

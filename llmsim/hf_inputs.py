@@ -109,7 +109,7 @@ def resolve_load_dtype(spec: ModelSpec, dtype: str) -> str:
         return dtype
     import torch
 
-    config_dtype = getattr(spec.hf_config(), "dtype", None) if spec.config_json else None
+    config_dtype = getattr(spec.hf_config(), "dtype", None)
     if isinstance(config_dtype, str):
         config_dtype = getattr(torch, config_dtype, None)
     name = str(config_dtype or torch.float32).removeprefix("torch.")
@@ -119,9 +119,18 @@ def resolve_load_dtype(spec: ModelSpec, dtype: str) -> str:
     return name
 
 
+def _mixed_precision(args) -> str | None:
+    """The Trainer's mixed precision: "bf16" (`bf16=True`), "fp16" (`fp16=True`) or None."""
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else None
+
+
+def _optim_name(args) -> str:
+    return str(getattr(args.optim, "value", args.optim))  # an OptimizerNames member once TrainingArguments holds it
+
+
 def _precision(load_dtype: str, args) -> Precision:
     """The (load dtype, mixed precision) pair as llmsim's single precision word, where it has one."""
-    mixed = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+    mixed = _mixed_precision(args)
     table = {("float32", None): Precision.FP32, ("float32", "bf16"): Precision.BF16_AUTOCAST,
              ("float32", "fp16"): Precision.FP16_AUTOCAST, ("bfloat16", None): Precision.BF16,
              ("float16", None): Precision.FP16, ("bfloat16", "bf16"): Precision.BF16}
@@ -135,8 +144,11 @@ def trainer_setup(spec: ModelSpec, seq_len: int, fields: dict[str, Any], peft_fi
                   dtype: str = "auto") -> TrainSetup:
     """The HF Trainer recipe's TrainSetup: the user's fields kept as given (the trace runs the Trainer on them), the
     loop fields llmsim reports and checks derived from the arguments the Trainer would hold."""
+    if spec.config_json is None:
+        raise InputError(f"the hf-trainer recipe loads {spec.name} with from_pretrained: it needs an HF config "
+                         "(a zoo name or a config.json), not a module factory")
     args = training_arguments(fields)
-    optim = str(getattr(args.optim, "value", args.optim))
+    optim = _optim_name(args)
     if optim not in TRAINER_OPTIMS:
         raise InputError(f"TrainingArguments optim {optim!r} is not modelled yet; modelled: "
                          f"{', '.join(TRAINER_OPTIMS)}")
@@ -160,11 +172,11 @@ def recipe_facts(setup: TrainSetup) -> dict[str, Any]:
     if setup.recipe is Recipe.HF_TRAINER:
         args = training_arguments(json.loads(setup.training_args))
         return {"recipe": setup.recipe.value, "load_dtype": setup.load_dtype,
-                "mixed_precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "no",
-                "optimizer": str(getattr(args.optim, "value", args.optim)), "grad_accum": setup.grad_accum,
+                "mixed_precision": _mixed_precision(args) or "no", "optimizer": _optim_name(args),
+                "grad_accum": setup.grad_accum,
                 "max_grad_norm": args.max_grad_norm,
                 "peft": "LoRA r=%d" % setup.lora_rank if setup.lora_rank else "none"}
-    build = "float32" if setup.precision.cast_dtype is None or not setup.build_bf16 else "bfloat16"
+    build = "bfloat16" if setup.build_bf16 else "float32"  # build_bf16 holds with precision bf16 only
     mixed = {Precision.BF16_AUTOCAST: "bf16", Precision.FP16_AUTOCAST: "fp16"}.get(setup.precision, "no")
     cast = {Precision.BF16: ", then cast to bfloat16", Precision.FP16: ", then cast to float16"}.get(setup.precision, "")
     optimizer = setup.optimizer.value + (" (fused)" if setup.fused else " (foreach)" if setup.foreach else "")

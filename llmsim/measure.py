@@ -111,8 +111,8 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str) -> dict:
             "training_args": setup.training_args, "peft_config": setup.peft_config or "", "dtype": dtype,
             "load_dtype": setup.load_dtype, "micro_batch": setup.micro_batch, "grad_accum": setup.grad_accum,
             "precision": setup.precision.value, "attention": attention, "grad_ckpt": setup.grad_ckpt,
-            "ckpt_every": 1, "lora_rank": setup.lora_rank, "strategy": "single", "world_size": 1, "rank": 0, "peak_allocated_bytes": peak.allocated_bytes,
-            "peak_host_bytes": 0, "peak_phase": peak.phase, "device": "cpu", **environment(),
+            "ckpt_every": 1, "lora_rank": setup.lora_rank, "strategy": "single", "world_size": 1, "rank": 0,
+            "peak_allocated_bytes": peak.allocated_bytes, "peak_host_bytes": 0, "peak_phase": peak.phase, "device": "cpu", **environment(),
             "peft": _version("peft"), "accelerate": _version("accelerate"),
             "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "wall_s": round(wall_s, 2)}
 

@@ -101,9 +101,7 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
 
     fields = json.loads(setup.training_args)
     peft = lora_config(json.loads(setup.peft_config)) if setup.peft_config else None
-    torch.manual_seed(0)
-    if peft is not None:
-        import peft as _peft  # noqa: F401  imported before the tracked region, as a script imports it (step.py)
+    torch.manual_seed(0)  # peft is imported by now (lora_config), before the tracked region, as step.py does
     with tempfile.TemporaryDirectory() as directory, tracker:
         args = training_arguments(fields, **MEASUREMENT_ARGS, output_dir=directory)
         count = MEASURED_STEPS * args.per_device_train_batch_size * args.gradient_accumulation_steps

@@ -22,7 +22,8 @@ GPT2_TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1000}
 
 def test_a_measured_trainer_run_imports_nothing_of_the_predictor():
     job = {"config": load_model_spec("gpt2", GPT2_TINY).config_dict, "seq_len": 32, "load_dtype": "auto",
-           "training_args": {"per_device_train_batch_size": 1}, "peft_config": {"r": 4, "target_modules": "all-linear"}}
+           "training_args": {"per_device_train_batch_size": 1, "output_dir": "the_users_dir"},  # set aside, as documented
+           "peft_config": {"r": 4, "target_modules": "all-linear"}}
     code = ("import json, sys; from llmsim.harness import trainer; trainer.run(json.loads(sys.argv[1])); "
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'llmsim')))")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(job)], capture_output=True, text=True, check=True)
@@ -92,6 +93,7 @@ def test_bad_trainer_inputs_are_one_line(tmp_path, capsys):
     lora = _file(tmp_path, "lora.json", {"rank": 8})
     assert "invalid LoraConfig" in _error(capsys, *base, "--training-args", ok, "--peft-config", lora)
     assert "the Trainer's files decide it" in _error(capsys, *base, "--training-args", ok, "--precision", "bf16")
+    assert "not modelled yet" in _error(capsys, *base, "--training-args", ok, "--attn", "eager")  # never dropped
     assert "valid choices" in _error(capsys, *base, "--training-args", ok, "--dtype", "float8")
     assert "--training-args" in _error(capsys, *base, "--micro-batch", "1", "--peft-config", lora)
     ds = _file(tmp_path, "ds.json", {"deepspeed": "ds.json"})

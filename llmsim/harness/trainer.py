@@ -80,13 +80,13 @@ def _callback(phases: _Phases):
 def run(job: dict) -> dict:
     """Measure one Trainer run; `job`: config (the HF config dict), seq_len, load_dtype (from_pretrained's
     `dtype`), training_args (TrainingArguments fields), peft_config (LoraConfig fields or None)."""
-    import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    fields = {**job["training_args"], **MEASUREMENT_ARGS}
     with tempfile.TemporaryDirectory() as directory:
         write_checkpoint(job["config"], Path(directory) / "model")
-        args = TrainingArguments(output_dir=str(Path(directory) / "out"), **fields)
+        # the user's output_dir, like the other MEASUREMENT_ARGS, gives way to the measurement's own
+        args = TrainingArguments(**{**job["training_args"], **MEASUREMENT_ARGS,
+                                    "output_dir": str(Path(directory) / "out")})
         count = MEASURED_STEPS * args.per_device_train_batch_size * args.gradient_accumulation_steps
         dataset = token_rows(job["config"]["vocab_size"], job["seq_len"], count)
         peft_config = _peft_config(job.get("peft_config"))
@@ -106,7 +106,7 @@ def run(job: dict) -> dict:
             _label(tracker, trainer)
             tracker.finish()
         loaded_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return {"timeline": tracker.timeline(), "loaded_dtype": loaded_dtype, "torch_threads": torch.get_num_threads()}
+    return {"timeline": tracker.timeline(), "loaded_dtype": loaded_dtype}
 
 
 def _label(tracker: StorageTracker, trainer) -> None:

@@ -12,7 +12,7 @@ from typing import Callable
 import pandas as pd
 
 from llmsim.dsconfig import DeepSpeedSetup
-from llmsim.enums import Precision
+from llmsim.enums import Precision, Recipe
 from llmsim.errors import InputError
 from llmsim.pipelining import Schedule
 from llmsim.strategies import ddp, single
@@ -177,7 +177,7 @@ def check_supported(setup, layout: Layout) -> None:
     for one process and DDP, and under the DeepSpeed ZeRO stages of LEVER_ZERO_STAGES (gradient accumulation as the
     JSON's gradient_accumulation_steps); LoRA for one process, DDP and ZeRO-0/1/2/3; a pipeline's own micro-batches
     are not."""
-    if setup.recipe.value != "canonical" and (layout.world_size > 1 or layout.strategy is not Strategy.SINGLE):
+    if setup.recipe is not Recipe.CANONICAL and (layout.world_size > 1 or layout.strategy is not Strategy.SINGLE):
         raise InputError(f"recipe {setup.recipe.value} with strategy {layout.strategy.value} (world size "
                          f"{layout.world_size}) is not modelled yet; modelled: one process")
     if layout.deepspeed is not None:
