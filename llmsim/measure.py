@@ -114,6 +114,7 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str) -> dict:
             "ckpt_every": 1, "lora_rank": setup.lora_rank, "strategy": "single", "world_size": 1, "rank": 0,
             "peak_allocated_bytes": peak.allocated_bytes, "peak_host_bytes": 0, "peak_phase": peak.phase, "device": "cpu", **environment(),
             "peft": _version("peft"), "accelerate": _version("accelerate"),
+            "bitsandbytes": _version("bitsandbytes"),
             "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "wall_s": round(wall_s, 2)}
 
 
