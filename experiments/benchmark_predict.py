@@ -17,17 +17,17 @@ from transformers import AutoModelForCausalLM  # noqa: E402,F401
 
 imports_s = time.perf_counter() - start
 
-from llmsim.allocator import compiled  # noqa: E402
-from llmsim.dsconfig import load_ds_config  # noqa: E402
+from llmsim.sim.allocator import compiled  # noqa: E402
+from llmsim.inputs.dsconfig import load_ds_config  # noqa: E402
 from llmsim.enums import Precision  # noqa: E402
-from llmsim.gpus import load_gpu  # noqa: E402
-from llmsim.measure import measure_single  # noqa: E402
-from llmsim import pipeline  # noqa: E402
-from llmsim.pipeline import predict  # noqa: E402
-from llmsim.pipelining import Schedule  # noqa: E402
-from llmsim.spec import TrainSetup, load_model_spec  # noqa: E402
-from llmsim.strategies import Layout, Strategy  # noqa: E402
-from llmsim.sweep import sweep  # noqa: E402
+from llmsim.inputs.gpus import load_gpu  # noqa: E402
+from llmsim.measure.runs import measure_single  # noqa: E402
+from llmsim.sim import replay, traced  # noqa: E402
+from llmsim.sim.pipeline import predict  # noqa: E402
+from llmsim.model.pipelining import Schedule  # noqa: E402
+from llmsim.inputs.spec import TrainSetup, load_model_spec  # noqa: E402
+from llmsim.sim.strategies import Layout, Strategy  # noqa: E402
+from llmsim.app.sweep import sweep  # noqa: E402
 
 llmsim_import_s = time.perf_counter() - start - imports_s
 
@@ -76,7 +76,7 @@ for name, layout_of in (("DDP", lambda w: Layout(Strategy.DDP, w)), ("ZeRO-3", l
     # ZeRO-1/2 share DDP's trace: their warm new layout comes first, their cold (trace cleared) after
     new_s, peak = timed("llama-2-70b", seventy, layout_of(1024), h100)
     if name in ("ZeRO-1", "ZeRO-2"):  # again, a fresh process's state: the ranks in two forked processes
-        pipeline._REPLAYED_PLAN[0] = lambda: None  # another layout's, as far as predict knows: replayed anew
+        replay._REPLAYED_PLAN[0] = lambda: None  # another layout's, as far as predict knows: replayed anew
         two_s, _ = timed("llama-2-70b", seventy, zero(int(name[-1]), 1024, 1), h100, jobs=2)
         new_s = f"{ms(new_s)} ms, with 2 processes (jobs=2) {ms(two_s)}"
     else:
@@ -84,9 +84,9 @@ for name, layout_of in (("DDP", lambda w: Layout(Strategy.DDP, w)), ("ZeRO-3", l
     again = sorted(timed("llama-2-70b", seventy, layout_of(1024), h100)[0] for _ in range(3))
     repeat = f", warm repeat {ms(again[1])} ms (median of 3)"
     if name in ("ZeRO-1", "ZeRO-2"):  # every rank differs (its partition): its events from one template walk
-        pipeline._EXPANDED.clear()  # cold as the others: the first prediction of its trace, here at 1,024
-        pipeline.trace.cache_clear()
-        pipeline._REPLAYED_PLAN[0] = lambda: None
+        traced._EXPANDED.clear()  # cold as the others: the first prediction of its trace, here at 1,024
+        traced.trace.cache_clear()
+        replay._REPLAYED_PLAN[0] = lambda: None
         cold_s, _ = timed("llama-2-70b", seventy, layout_of(1024), h100, jobs=2)
         cold = f"cold (1,024 GPUs, 2 processes) {cold_s:.2f} s, "
         timed("llama-2-70b", seventy, Layout(Strategy.DDP, 8))  # no GPU (CPU kernels: another trace), traced first

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 from llmsim.enums import Precision
-from llmsim.gpus import load_gpu
-from llmsim.size import size
-from llmsim.spec import TrainSetup, load_model_spec
+from llmsim.inputs.gpus import load_gpu
+from llmsim.app.size import size
+from llmsim.inputs.spec import TrainSetup, load_model_spec
 
 spec, gpu = load_model_spec("llama-2-70b"), load_gpu("h100-80gb")
 setup = TrainSetup(1, 4096, Precision.BF16, grad_ckpt=True)

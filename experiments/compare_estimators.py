@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from llmsim.dsconfig import load_ds_config
+from llmsim.inputs.dsconfig import load_ds_config
 from llmsim.enums import Precision
-from llmsim.pipeline import predict
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.strategies import Layout, Strategy
+from llmsim.sim.pipeline import predict
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.sim.strategies import Layout, Strategy
 
 MODELS = ["llama-2-7b", "llama-2-13b", "llama-2-70b"]
 WORLD_SIZES = [8, 16, 32, 64]

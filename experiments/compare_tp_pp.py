@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from megatron_formulas import korthikanti_activation_bytes, megatron_args_from_hf, report_theoretical_memory  # noqa: E402
 
 from llmsim.enums import Precision  # noqa: E402
-from llmsim.gpus import load_gpu  # noqa: E402
-from llmsim.pipeline import predict  # noqa: E402
-from llmsim.pipelining import Schedule  # noqa: E402
-from llmsim.spec import TrainSetup, load_model_spec  # noqa: E402
-from llmsim.strategies import Layout  # noqa: E402
+from llmsim.inputs.gpus import load_gpu  # noqa: E402
+from llmsim.sim.pipeline import predict  # noqa: E402
+from llmsim.model.pipelining import Schedule  # noqa: E402
+from llmsim.inputs.spec import TrainSetup, load_model_spec  # noqa: E402
+from llmsim.sim.strategies import Layout  # noqa: E402
 
 SEQ_LEN, MICRO_BATCH, MICROBATCHES = 4096, 1, 8
 RUNS = {  # model -> [(tp, pp, checkpointing)]

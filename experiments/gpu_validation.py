@@ -9,10 +9,10 @@ Each configuration runs in its own process (a fresh CUDA context and allocator) 
 `torch.cuda.max_memory_allocated()`, `torch.cuda.max_memory_reserved()` and the device's used memory
 (`torch.cuda.mem_get_info`: total - free, which includes the CUDA context) at the end of step 3, plus the
 storage tracker's exact live-tensor peak. `llmsim validate` then compares allocated (2 %), reserved and device
-total (5 %), see llmsim/tolerances.py. LoRA needs peft, AdamW8bit bitsandbytes' CUDA build.
+total (5 %), see llmsim/measure/tolerances.py. LoRA needs peft, AdamW8bit bitsandbytes' CUDA build.
 
 Liger's fused linear cross-entropy (`--loss fused-linear-ce`): llmsim predicts it with a torch imitation of
-Liger's algorithm (llmsim/losses.py), measured on the CPU only. Its entries here run Liger's real Triton
+Liger's algorithm (llmsim/model/losses.py), measured on the CPU only. Its entries here run Liger's real Triton
 Function (`liger_kernel.transformers.functional.liger_fused_linear_cross_entropy`, liger-kernel 0.8.5 must be
 installed) in place of the imitation, so `llmsim validate` compares the real kernel's
 `max_memory_allocated` with the imitation's prediction for the GPU's branches (logits chunk written with
@@ -51,7 +51,7 @@ PER_RUN_TIMEOUT_S = 120
 # plain PyTorch, AdamW (foreach, CUDA's default) unless an optimizer is named; LoRA through peft on a frozen
 # base; the lever is True for checkpointing with offload (transformers' save_on_cpu into pinned host memory:
 # the device peak must drop by the offloaded inputs, and the host peak is checked against the tracker's host
-# copies -- the CPU rows emulate this boundary, llmsim/offload.py), a loss or an optimizer by name, or "fused"
+# copies -- the CPU rows emulate this boundary, llmsim/model/offload.py), a loss or an optimizer by name, or "fused"
 # (AdamW's fused kernel instead of its foreach path).
 MATRIX = [
     ("gpt2", 8, 1024, "bf16", False, 1),
@@ -96,7 +96,7 @@ FUSED = "fused"  # the lever that turns on the optimizer's fused kernel (AdamW's
 
 def _setup(entry):
     from llmsim.enums import Loss, Optimizer, Precision
-    from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
+    from llmsim.inputs.spec import TrainSetup, load_model_spec, resolve_attention
 
     model, mb, seq, precision, ckpt, every, *extra = entry
     lever = extra[1] if len(extra) > 1 else None  # True: checkpointing with offload; else a loss or an optimizer
@@ -114,12 +114,12 @@ def worker(entry, trace_path: str | None = None) -> dict:
     CUDA caching allocator's own trace (every alloc/free/segment event, no stacks) there."""
     import torch
 
-    from llmsim.measure import environment, setup_columns
-    from llmsim.offload import host_peak_bytes, split_host
-    from llmsim.peaks import replay
-    from llmsim.step import run_canonical_step
-    from llmsim.trace import model_builder
-    from llmsim.tracker import StorageTracker
+    from llmsim.measure.runs import environment, setup_columns
+    from llmsim.model.offload import host_peak_bytes, split_host
+    from llmsim.sim.peaks import replay
+    from llmsim.model.step import run_canonical_step
+    from llmsim.model.trace import model_builder
+    from llmsim.model.tracker import StorageTracker
 
     spec, setup = _setup(entry)
     if setup.loss.value == "fused-linear-ce":
@@ -198,7 +198,7 @@ def device_figures() -> dict:
 
 
 class _RealLiger:
-    """Liger's Triton fused linear cross-entropy where llmsim.losses calls its imitation (`LigerForCausalLMLoss`
+    """Liger's Triton fused linear cross-entropy where llmsim.model.losses calls its imitation (`LigerForCausalLMLoss`
     passes reduction "mean", no bias, accum_dtype None: the imitation's own arguments)."""
 
     @staticmethod
@@ -209,13 +209,13 @@ class _RealLiger:
 
 
 def _use_real_liger() -> None:
-    from llmsim import losses
+    from llmsim.model import losses
 
     losses.FUSED_LINEAR_CROSS_ENTROPY = _RealLiger
 
 
 def _profile_name(device_name: str) -> str:
-    from llmsim.gpus import gpu_names, load_gpu
+    from llmsim.inputs.gpus import gpu_names, load_gpu
 
     for name in gpu_names():
         if load_gpu(name).device_name == device_name:
@@ -224,9 +224,9 @@ def _profile_name(device_name: str) -> str:
 
 
 def dry_run(gpu_name: str) -> int:
-    from llmsim.gpus import load_gpu
-    from llmsim.pipeline import predict
-    from llmsim.report import human_bytes
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.sim.pipeline import predict
+    from llmsim.app.report import human_bytes
 
     gpu = load_gpu(gpu_name)
     for entry in MATRIX:
@@ -257,7 +257,7 @@ def main() -> int:
         return 0
     if args.dry_run:
         return dry_run(args.gpu)
-    from llmsim.measure import append_rows
+    from llmsim.measure.runs import append_rows
 
     csv = args.out / "tier4_gpu.csv" if args.out else TIER4_CSV
     if args.out:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llmsim import size
+from llmsim.app import size
 from llmsim.enums import Attention, Precision
-from llmsim.gpus import load_gpu
-from llmsim.pipeline import predict
-from llmsim.report import human_bytes
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.strategies import Layout
+from llmsim.inputs.gpus import load_gpu
+from llmsim.sim.pipeline import predict
+from llmsim.app.report import human_bytes
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.sim.strategies import Layout
 
 MODELS = ("opt-125m", "opt-350m", "bloom-560m", "codegen-350m-mono")
 SEQ_LEN, MAX_MICRO_BATCH = 512, 512

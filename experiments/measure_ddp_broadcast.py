@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pandas as pd
 
-import llmsim.measure as measure
+import llmsim.measure.runs as measure
 from llmsim.enums import Phase
-from llmsim.launch import run_ranks
-from llmsim.pipeline import predict
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.strategies import Layout, Strategy
-from llmsim.zoo import shrink
+from llmsim.measure.launch import run_ranks
+from llmsim.sim.pipeline import predict
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.sim.strategies import Layout, Strategy
+from llmsim.inputs.zoo import shrink
 
 CSV = measure.MEASUREMENTS_DIR / "tier2_ddp_broadcast_cpu.csv"
 

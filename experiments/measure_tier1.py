@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 from llmsim.enums import Attention, Loss, Optimizer, Precision
-from llmsim.measure import MEASUREMENTS_DIR, TIER1_CSV, append_rows, measure_single
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.zoo import shrink
+from llmsim.measure.runs import MEASUREMENTS_DIR, TIER1_CSV, append_rows, measure_single
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.inputs.zoo import shrink
 
 # (zoo model, hidden, layers, vocab, heads): architectures of every family in the zoo, small enough for 2 cores.
 MODELS = [
@@ -149,7 +149,7 @@ def int8_matrix():
                                                quant="int8", int8_threshold=threshold)
 
 
-# Checkpointing with offload (`activation_checkpointing_enable(every_n_layers, offload=True)`, llmsim/offload.py):
+# Checkpointing with offload (`activation_checkpointing_enable(every_n_layers, offload=True)`, llmsim/model/offload.py):
 # device and host peaks, to data/measurements/tier1_offload_cpu.csv.
 # (zoo model, micro_batch, seq_len, precision, attention, ckpt_every, lora_rank)
 OFFLOAD_CSV = TIER1_CSV.parent / "tier1_offload_cpu.csv"
@@ -179,7 +179,7 @@ def offload_matrix():
         yield model, shape, TrainSetup(mb, seq, Precision(precision), Attention(attn), True, every, ckpt_offload=True)
 
 
-# The loss levers (llmsim/losses.py): TRL's chunked NLL (vocabulary tiles; None = TRL's 32768) and the imitation
+# The loss levers (llmsim/model/losses.py): TRL's chunked NLL (vocabulary tiles; None = TRL's 32768) and the imitation
 # of Liger's fused linear cross-entropy (its own token-chunk rule), next to transformers' loss for the savings:
 # (zoo model, micro_batch, seq_len, precision, grad_ckpt, loss, loss_chunk, extra TrainSetup fields)
 LOSS_CSV = MEASUREMENTS_DIR / "tier1_loss_cpu.csv"

@@ -57,13 +57,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llmsim.dsconfig import load_ds_config
+from llmsim.inputs.dsconfig import load_ds_config
 from llmsim.enums import Attention, Loss, Optimizer, Precision
-from llmsim.launch import LaunchFailure
-from llmsim.measure import MEASUREMENTS_DIR, TIER2_CSV, append_rows, measure_distributed
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.strategies import Layout, Strategy
-from llmsim.zoo import shrink
+from llmsim.measure.launch import LaunchFailure
+from llmsim.measure.runs import MEASUREMENTS_DIR, TIER2_CSV, append_rows, measure_distributed
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.sim.strategies import Layout, Strategy
+from llmsim.inputs.zoo import shrink
 
 SHAPES = {  # zoo model -> (hidden, layers, vocab, heads)
     "llama-2-7b": (128, 4, 2000, 4), "gpt2": (128, 3, 1024, 4), "qwen2.5-0.5b": (112, 3, 3000, 7),

@@ -1,10 +1,10 @@
 """Tier-2 measurement matrix for tensor and pipeline parallelism: real multi-process runs on this CPU
 (torchrun, gloo), the storage tracker in every rank.
 
-TP_RUNS: transformers' own TP plan on DTensor (llmsim/tensor_parallel.py), TP 2 and 4, five architectures
+TP_RUNS: transformers' own TP plan on DTensor (llmsim/model/tensor_parallel.py), TP 2 and 4, five architectures
 (Llama MHA, Mistral GQA, Qwen2 GQA with q/k/v biases, GPT-NeoX fused QKV, Llama-3.1), fp32/bf16/autocast,
 checkpointing on and off. Writes data/measurements/tier2_tp_cpu.csv (one row per rank).
-PP_RUNS: torch.distributed.pipelining (llmsim/pipelining.py), PP 2 and 4, GPipe and 1F1B, 1-8 micro-batches,
+PP_RUNS: torch.distributed.pipelining (llmsim/model/pipelining.py), PP 2 and 4, GPipe and 1F1B, 1-8 micro-batches,
 two hybrids: TP x PP (pp 2 x tp 2) and DP x PP (DistributedDataParallel around each of 2 stages, dp 2), and
 user-given layer splits.
 Writes data/measurements/tier2_pp_cpu.csv.
@@ -17,12 +17,12 @@ import sys
 from pathlib import Path
 
 from llmsim.enums import Precision
-from llmsim.launch import LaunchFailure
-from llmsim.measure import MEASUREMENTS_DIR, append_rows, measure_distributed
-from llmsim.pipelining import Schedule
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.strategies import Layout, Strategy
-from llmsim.zoo import shrink
+from llmsim.measure.launch import LaunchFailure
+from llmsim.measure.runs import MEASUREMENTS_DIR, append_rows, measure_distributed
+from llmsim.model.pipelining import Schedule
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.sim.strategies import Layout, Strategy
+from llmsim.inputs.zoo import shrink
 
 TP_CSV = MEASUREMENTS_DIR / "tier2_tp_cpu.csv"
 PP_CSV = MEASUREMENTS_DIR / "tier2_pp_cpu.csv"

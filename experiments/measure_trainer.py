@@ -2,7 +2,7 @@
 
 Each run is `llmsim measure --training-args ... [--peft-config ...] [--dtype ...]` in a fresh process, as a
 user's script starts: `from_pretrained` from a checkpoint written before the measured region, optional
-`get_peft_model(LoraConfig(...))`, `Trainer(...).train()` for three steps (llmsim/harness/trainer.py).
+`get_peft_model(LoraConfig(...))`, `Trainer(...).train()` for three steps (llmsim/model/trainer_recipe.py).
 Small real shapes of four families: Llama (untied), Qwen2 (tied embeddings, biased q/k/v), GPT-2 (Conv1D, learned
 positions), GPT-NeoX (Pythia). Run: python experiments/measure_trainer.py [--out CSV] [--only N]
 """
@@ -54,7 +54,7 @@ def run_case(model: str, fields: dict, peft: dict | None, dtype: str, out: Path)
     with tempfile.TemporaryDirectory() as directory:
         args_path = Path(directory) / "training_args.json"
         args_path.write_text(json.dumps({**BASE, **fields}))
-        command = [sys.executable, "-m", "llmsim.cli", "measure", "--model", model, "--seq-len", str(SEQ_LEN),
+        command = [sys.executable, "-m", "llmsim.app.cli", "measure", "--model", model, "--seq-len", str(SEQ_LEN),
                    "--training-args", str(args_path), "--dtype", dtype, "--out", str(out)]
         for key, value in MODELS[model].items():
             command += ["--set", f"{key}={json.dumps(value)}"]

@@ -9,8 +9,8 @@ micro-batch 1, CPU kernels. Run: python experiments/seed_figures.py (about a min
 from __future__ import annotations
 
 from llmsim.enums import Category, Precision
-from llmsim.pipeline import predict
-from llmsim.spec import TrainSetup, load_model_spec
+from llmsim.sim.pipeline import predict
+from llmsim.inputs.spec import TrainSetup, load_model_spec
 
 GIB, GB = 2**30, 10**9
 SEED_1B_FP16_GIB = 1e9 * 2 / GIB  # 1.863

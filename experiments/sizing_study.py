@@ -3,7 +3,7 @@
 model and GPU; searching it here for every cell would take hours on 2 cores.)
 
 Models Llama-2-7B/13B/70B, Llama-3.1-8B/70B, Mistral-7B; GPUs A100-40GB, A100-80GB, H100-80GB, H200; layouts
-`llmsim size` enumerates (llmsim/size.py): DDP, DeepSpeed ZeRO-1/2/3, TP over all the GPUs, one pipeline stage
+`llmsim size` enumerates (llmsim/app/size.py): DDP, DeepSpeed ZeRO-1/2/3, TP over all the GPUs, one pipeline stage
 per GPU (1F1B, as many micro-batches as stages), TP 2/4/8 x PP; pipelines of at most 8 stages.
 Setup: bf16 weights built directly in bf16 (as `from_pretrained(dtype=torch.bfloat16)` loads them: no fp32 build
 on the device), full activation checkpointing,
@@ -24,10 +24,10 @@ import numpy as np
 import pandas as pd
 
 from llmsim.enums import Precision
-from llmsim.gpus import load_gpu
-from llmsim.plots import _pyplot, _save
-from llmsim.size import candidates, fits
-from llmsim.spec import TrainSetup, load_model_spec
+from llmsim.inputs.gpus import load_gpu
+from llmsim.app.plots import _pyplot, _save
+from llmsim.app.size import candidates, fits
+from llmsim.inputs.spec import TrainSetup, load_model_spec
 
 MODELS = ["llama-2-7b", "mistral-7b", "llama-3.1-8b", "llama-2-13b", "llama-3.1-70b", "llama-2-70b"]
 GPUS = ["a100-40gb", "a100-80gb", "h100-80gb", "h200"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 
 from llmsim.enums import Attention, Precision
-from llmsim.measure import TIER3_CSV, append_rows, measure_single
-from llmsim.pipeline import predict
-from llmsim.spec import TrainSetup, load_model_spec
+from llmsim.measure.runs import TIER3_CSV, append_rows, measure_single
+from llmsim.sim.pipeline import predict
+from llmsim.inputs.spec import TrainSetup, load_model_spec
 
 CASES = [
     # DESIGN.md's measured fact: 108,863,260,304 B

@@ -15,8 +15,8 @@ import importlib
 from typing import Any
 
 # name -> module: what `llmsim.X` gives, imported when first asked for
-_LAZY = {"Prediction": "llmsim.pipeline", "ModelSpec": "llmsim.spec", "TrainSetup": "llmsim.spec",
-         "load_model_spec": "llmsim.spec", "InputError": "llmsim.errors", "Category": "llmsim.enums",
+_LAZY = {"Prediction": "llmsim.sim.pipeline", "ModelSpec": "llmsim.inputs.spec", "TrainSetup": "llmsim.inputs.spec",
+         "load_model_spec": "llmsim.inputs.spec", "InputError": "llmsim.errors", "Category": "llmsim.enums",
          "Phase": "llmsim.enums", "Precision": "llmsim.enums", "Attention": "llmsim.enums", "Device": "llmsim.enums",
          "Recipe": "llmsim.enums"}
 # the old keyword names of `predict`, kept: the CLI's option they stand for
@@ -27,7 +27,7 @@ def predict(model, seq_len: int, micro_batch: int | None = None, **options: Any)
     """The Python face of `llmsim predict`: `llmsim.predict("llama-2-7b", seq_len=2048, micro_batch=1,
     precision="bf16", grad_ckpt=True, gpu="a100-80gb", ds_config="ds.json")`. Flags take True/False; `set` (or
     `overrides`) a dict of config fields; `training_args` / `peft_config` a file path or a dict of fields."""
-    from llmsim.cli import prediction_from_options
+    from llmsim.app.options import prediction_from_options
 
     return prediction_from_options(model, seq_len, micro_batch, {_RENAMED.get(k, k): v for k, v in options.items()})
 

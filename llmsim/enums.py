@@ -18,7 +18,7 @@ class Category(str, Enum):
     TEMPORARY = "temporary"  # allocated and freed inside one phase
     INPUT = "input"  # the batch: input_ids and labels
     BUFFER = "buffer"  # module buffers (rotary inv_freq, position ids, ...)
-    OFFLOADED = "offloaded"  # host memory: checkpoint inputs offloaded by save_on_cpu (llmsim/offload.py)
+    OFFLOADED = "offloaded"  # host memory: checkpoint inputs offloaded by save_on_cpu (llmsim/model/offload.py)
     # host memory: torch Adam/AdamW's 0-d `step` counters, which their for-loop and foreach paths keep on the host
     # while the parameters are on a GPU (torch/optim/adam.py, `_init_group`); the fused path puts them on the device
     HOST_OPTIMIZER_STATE = "host_optimizer_state"
@@ -70,7 +70,7 @@ class Optimizer(str, Enum):
     SGD = "sgd"  # torch.optim.SGD(lr=1e-3): no state
     SGD_MOMENTUM = "sgd-momentum"  # torch.optim.SGD(lr=1e-3, momentum=0.9): one buffer per parameter
     # torch.optim.Adafactor: factored second moments (row and column vectors of each matrix, the whole tensor for
-    # a vector); its step reads tensor values (`.item()`), answered in the fake trace by llmsim.trace
+    # a vector); its step reads tensor values (`.item()`), answered in the fake trace by llmsim.model.trace
     ADAFACTOR = "adafactor"
     # transformers.optimization.Adafactor with its defaults (scale_parameter, relative_step, no first moment)
     HF_ADAFACTOR = "hf-adafactor"
@@ -90,7 +90,7 @@ class Optimizer(str, Enum):
 
 
 class Loss(str, Enum):
-    """How the causal-LM loss is computed from the last hidden states (llmsim/losses.py)."""
+    """How the causal-LM loss is computed from the last hidden states (llmsim/model/losses.py)."""
 
     HF = "hf"  # transformers' lm_head over every position, logits upcast to fp32 by ForCausalLMLoss
     CHUNKED_NLL = "chunked-nll"  # TRL's SFT loss: its fused LM head in vocabulary tiles (trl 1.16.0)
@@ -100,9 +100,9 @@ class Loss(str, Enum):
 class Recipe(str, Enum):
     """How the user's job runs its steps (DESIGN.md, "Recipes"): the loop the trace runs, under fake tensors."""
 
-    CANONICAL = "canonical"  # llmsim's own minimal loop (llmsim/step.py)
+    CANONICAL = "canonical"  # llmsim's own minimal loop (llmsim/model/step.py)
     # transformers' Trainer itself: `Trainer(model, TrainingArguments(...)).train()` on a model as
-    # `from_pretrained(dir, dtype=...)` returns it, optionally wrapped by `get_peft_model` (llmsim/trainer_step.py)
+    # `from_pretrained(dir, dtype=...)` returns it, optionally wrapped by `get_peft_model` (llmsim/model/trainer_trace.py)
     HF_TRAINER = "hf-trainer"
 
 

@@ -1,15 +1,15 @@
 """The caching-allocator model against the rules of c10/cuda/CUDACachingAllocator.cpp, by hand; its compiled twin
-(llmsim/_allocator.c) against the Python model, on the same hand cases and on random streams."""
+(llmsim/sim/_allocator.c) against the Python model, on the same hand cases and on random streams."""
 import pytest
 
-from llmsim import allocator as allocator_module
-from llmsim.allocator import (AllocatorConfig, CachingAllocator, OutOfMemory, allocation_size, replay_reserved,
+from llmsim.sim import allocator as allocator_module
+from llmsim.sim.allocator import (AllocatorConfig, CachingAllocator, OutOfMemory, allocation_size, replay_reserved,
                               round_size)
-from llmsim.cli import main
+from llmsim.app.cli import main
 
 MiB = 1 << 20
 COMPILED = allocator_module._allocator
-needs_compiled = pytest.mark.skipif(COMPILED is None, reason="llmsim._allocator was not built (no C compiler)")
+needs_compiled = pytest.mark.skipif(COMPILED is None, reason="llmsim.sim._allocator was not built (no C compiler)")
 IMPLEMENTATIONS = [CachingAllocator, pytest.param(COMPILED and COMPILED.Allocator, marks=needs_compiled)]
 
 
@@ -98,7 +98,7 @@ def test_gpu_profile_reports_reserved_and_headroom(capsys):
 
 
 def test_alloc_conf_parsing_and_bad_keys(capsys):
-    from llmsim.allocator import AllocatorConfig, parse_alloc_conf
+    from llmsim.sim.allocator import AllocatorConfig, parse_alloc_conf
 
     assert parse_alloc_conf(None) == AllocatorConfig()
     assert parse_alloc_conf("expandable_segments:True,max_split_size_mb:256") == AllocatorConfig(256 * MiB, True)
@@ -171,12 +171,12 @@ def _stream(seed: int, n: int = 3000):
 @pytest.mark.parametrize("expandable", [False, True])
 def test_a_replay_with_events_spliced_in_is_the_replay_of_the_merged_stream(expandable, implementation,
                                                                             monkeypatch):
-    """`replay(..., at, own_serials, own_deltas)`, window by window (what pipeline._replay_spliced plays), is the
+    """`replay(..., at, own_serials, own_deltas)`, window by window (what replay._replay_spliced plays), is the
     replay of the stream with those events inserted (np.insert): own event j before event at[j], after the last
     where at[j] is the stream's length."""
     import numpy as np
 
-    from llmsim.allocator import new_allocator
+    from llmsim.sim.allocator import new_allocator
 
     monkeypatch.setenv("LLMSIM_ALLOCATOR", implementation)
     config = AllocatorConfig(expandable_segments=expandable)
@@ -207,11 +207,11 @@ def test_a_replay_with_events_spliced_in_is_the_replay_of_the_merged_stream(expa
 @pytest.mark.parametrize("implementation", ["python", pytest.param("compiled", marks=needs_compiled)])
 @pytest.mark.parametrize("expandable", [False, True])
 def test_a_replay_resumed_from_a_paused_state_is_the_whole_replay(expandable, implementation, monkeypatch):
-    """What pipeline._replay_spliced relies on: a copy of the allocator paused before event p, replayed on from p
+    """What replay._replay_spliced relies on: a copy of the allocator paused before event p, replayed on from p
     (`replay(start=p)`), ends as the whole replay; the windows' peaks make the whole peak."""
     import numpy as np
 
-    from llmsim.allocator import new_allocator
+    from llmsim.sim.allocator import new_allocator
 
     monkeypatch.setenv("LLMSIM_ALLOCATOR", implementation)
     config = AllocatorConfig(expandable_segments=expandable)
@@ -299,19 +299,19 @@ def test_the_compiled_allocator_takes_int64_buffers_only_and_unknown_keys_fail_a
 @pytest.mark.parametrize("implementation", ["python", pytest.param("compiled", marks=needs_compiled)])
 @pytest.mark.parametrize("max_states", [1024, 3], ids=["states-kept", "states-let-go"])
 def test_ranks_taking_chunks_from_earlier_ranks_replay_like_alone(implementation, max_states, monkeypatch):
-    """pipeline._replay_spliced on streams built like a ZeRO-1/2 prediction's ranks: one template stream with, at
+    """replay._replay_spliced on streams built like a ZeRO-1/2 prediction's ranks: one template stream with, at
     the same few places, a temporary of the rank's own size (a float64 upcast) or a kept allocation
     (grads_in_partition), some of which leave the allocator as the others left it. Every rank's peak is its own
     whole replay's, also when the tree lets paused states go (and replays them again when asked for)."""
     import numpy as np
 
-    from llmsim import pipeline
-    from llmsim.strategies.events import Spliced
+    from llmsim.sim import replay
+    from llmsim.sim.strategies.events import Spliced
 
     monkeypatch.setenv("LLMSIM_ALLOCATOR", implementation)
-    monkeypatch.setattr(pipeline, "CHECKPOINT_EVERY", 64)
-    monkeypatch.setattr(pipeline, "_MAX_STATES", max_states)
-    monkeypatch.setattr(pipeline, "_REPLAYED", {})
+    monkeypatch.setattr(replay, "CHECKPOINT_EVERY", 64)
+    monkeypatch.setattr(replay, "_MAX_STATES", max_states)
+    monkeypatch.setattr(replay, "_REPLAYED", {})
     serials, deltas = (np.array(values, np.int64) for values in _stream(3, 2000))
     for rank in range(12):
         own = []  # (template position, key, bytes)
@@ -324,8 +324,8 @@ def test_ranks_taking_chunks_from_earlier_ranks_replay_like_alone(implementation
         events = Spliced(serials, deltas, at, keys, sizes)
         expected = replay_reserved(*events.arrays(), config=AllocatorConfig(),
                                    extra_allocations=(4096,)).peak_reserved_bytes
-        assert pipeline._replay_spliced(events, allocator_module.NO_LIMIT, AllocatorConfig(), (4096,)) == expected
-    chunks = next(iter(pipeline._REPLAYED.values()))
+        assert replay._replay_spliced(events, allocator_module.NO_LIMIT, AllocatorConfig(), (4096,)) == expected
+    chunks = next(iter(replay._REPLAYED.values()))
     assert chunks.replayed[0] == chunks.count
     assert sum(own < chunks.count for own in chunks.replayed) >= 8  # most ranks took chunks from earlier ones
     assert len(chunks.kept) <= max_states

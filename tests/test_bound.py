@@ -1,18 +1,18 @@
-"""llmsim/bound.py: the model-state lower bound `size` prunes with is below every rank's predicted peak, counts
+"""llmsim/sim/bound.py: the model-state lower bound `size` prunes with is below every rank's predicted peak, counts
 exactly the parameters the trace holds, and pruning leaves `size`'s answers as they were."""
 from dataclasses import replace
 
 import pytest
 
-from llmsim.bound import EVERY_PARAMETER_TRAINED, STATE_COPIES, rank_lower_bounds
+from llmsim.sim.bound import EVERY_PARAMETER_TRAINED, STATE_COPIES, rank_lower_bounds
 from llmsim.enums import Optimizer, Precision
-from llmsim.gpus import GpuProfile, load_gpu
-from llmsim.pipeline import checked, predict
-from llmsim.pipelining import Schedule
-from llmsim.size import size
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.strategies import Layout, Strategy
-from llmsim.zoo import shrink
+from llmsim.inputs.gpus import GpuProfile, load_gpu
+from llmsim.sim.pipeline import checked, predict
+from llmsim.model.pipelining import Schedule
+from llmsim.app.size import size
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.sim.strategies import Layout, Strategy
+from llmsim.inputs.zoo import shrink
 
 MiB = 1 << 20
 # (hidden, heads) of each shrunken model: kv-heads keep the model's ratio and must divide by tp 2
@@ -80,7 +80,7 @@ def test_pruned_layouts_keep_sizes_answers(monkeypatch, global_batch):
     card = GpuProfile("card", "test card", "9.0", context + workspace + smallest - 1, context, workspace, "test")
     kw = dict(max_gpus=4, max_micro_batch=8, families=("tp", "pp", "tpxpp"), global_batch=global_batch)
     pruned = size(spec, setup, card, **kw)
-    monkeypatch.setattr("llmsim.size.rank_lower_bounds", lambda *args: {})
+    monkeypatch.setattr("llmsim.app.size.rank_lower_bounds", lambda *args: {})
     traced = size(spec, setup, card, **kw)
     columns = ["layout", "gpus", "largest_micro_batch", "passes", "device_total_bytes", "fits"]
     assert pruned[columns].equals(traced[columns])

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from llmsim.cli import main
+from llmsim.app.cli import main
 
 TINY = ["--model", "llama-2-7b", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
         "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
@@ -96,7 +96,7 @@ def test_bad_input_is_one_line_and_status_2(argv, needle, capsys):
 def test_unreadable_or_invalid_config_file(tmp_path, content):
     path = tmp_path / "config.json"
     path.write_text(content)
-    proc = subprocess.run([sys.executable, "-m", "llmsim.cli", "predict", "--model", str(path), "--seq-len", "8",
+    proc = subprocess.run([sys.executable, "-m", "llmsim.app.cli", "predict", "--model", str(path), "--seq-len", "8",
                            "--micro-batch", "1"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

@@ -1,10 +1,10 @@
 """`llmsim compare`: every lever is a real prediction; the chart is written."""
-from llmsim.cli import main
-from llmsim.compare import LEVERS, compare_levers
+from llmsim.app.cli import main
+from llmsim.app.compare import LEVERS, compare_levers
 from llmsim.enums import Loss, Optimizer
-from llmsim.pipeline import predict
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.zoo import shrink
+from llmsim.sim.pipeline import predict
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.inputs.zoo import shrink
 
 
 def test_each_lever_is_the_prediction_of_its_setup():
@@ -48,7 +48,7 @@ def test_compare_command_writes_the_chart(tmp_path, capsys):
 
 def test_levers_modelled_under_ddp_are_compared_there():
     """Under DDP (tp = pp = 1) every lever but QLoRA is modelled: each row is that layout's own prediction."""
-    from llmsim.strategies import Layout, Strategy
+    from llmsim.sim.strategies import Layout, Strategy
 
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 512, 4))
     ddp = Layout(Strategy.DDP, 2)
@@ -67,8 +67,8 @@ def test_levers_in_processes_are_the_same_table():
     """`compare --jobs 2`: the lever sets predicted in two processes give the table one process gives."""
     import pandas as pd
 
-    from llmsim.gpus import load_gpu
-    from llmsim.strategies import Layout, Strategy
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.sim.strategies import Layout, Strategy
 
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 512, 4))
     one = compare_levers(spec, TrainSetup(2, 64), Layout(Strategy.DDP, 2), load_gpu("h100-80gb"))

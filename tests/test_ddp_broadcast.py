@@ -1,7 +1,7 @@
 """DDP's construction broadcast as c10d's `_broadcast_coalesced` runs it (torch/csrc/distributed/c10d/comm.cpp):
 chunks from `compute_bucket_assignment_by_size`, a single-tensor chunk broadcast in place, two in flight."""
 from llmsim.enums import Category
-from llmsim.strategies.ddp import broadcast_events, coalesced_chunks
+from llmsim.sim.strategies.ddp import broadcast_events, coalesced_chunks
 
 MiB = 1 << 20
 

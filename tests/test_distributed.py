@@ -4,15 +4,15 @@ import json
 
 import pytest
 
-from llmsim.cli import main
-from llmsim.dsconfig import load_ds_config
+from llmsim.app.cli import main
+from llmsim.inputs.dsconfig import load_ds_config
 from llmsim.enums import Precision
-from llmsim.measure import measure_distributed
-from llmsim.pipeline import predict
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.strategies import Layout, Strategy
-from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
-from llmsim.zoo import shrink
+from llmsim.measure.runs import measure_distributed
+from llmsim.sim.pipeline import predict
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.sim.strategies import Layout, Strategy
+from llmsim.measure.tolerances import PEAK_ALLOCATED_TOLERANCE
+from llmsim.inputs.zoo import shrink
 
 TINY = ["--model", "llama-2-7b", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
         "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
@@ -128,7 +128,7 @@ FRESH = [
 def test_committed_deepspeed_rows_cover_the_matrix():
     """Issue 3's matrix: >= 60 rank rows over stages 0-3, 2-4 ranks, fp32 and bf16, >= 4 architectures,
     checkpointing on and off, default and small buckets, the stage-3 knobs varied."""
-    from llmsim.validate import load_measurements
+    from llmsim.measure.validate import load_measurements
 
     rows = load_measurements()
     rows = rows[rows["strategy"] == "deepspeed"]
@@ -166,19 +166,19 @@ def test_fresh_multiprocess_run_matches_prediction(tmp_path, model, shape, setup
 def test_zero12_ranks_taking_chunks_from_earlier_ranks_replay_like_alone(tmp_path, monkeypatch, stage, allocator):
     """ZeRO-1/2 ranks differ only in the events of their partition: the allocator model replays a rank's chunks of
     events that no earlier rank replayed from the same state, and takes the others' peaks from the earlier ranks
-    (pipeline._replay_spliced); every rank's reserved peak is what its own whole replay gives."""
-    from llmsim import allocator as allocator_module
-    from llmsim import pipeline
-    from llmsim.allocator import NO_LIMIT, AllocatorConfig, replay_reserved
-    from llmsim.gpus import load_gpu
-    from llmsim.zoo import shrink
+    (replay._replay_spliced); every rank's reserved peak is what its own whole replay gives."""
+    from llmsim.sim import allocator as allocator_module
+    from llmsim.sim import replay
+    from llmsim.sim.allocator import NO_LIMIT, AllocatorConfig, replay_reserved
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.inputs.zoo import shrink
 
     if allocator == "compiled" and allocator_module._allocator is None:
-        pytest.skip("llmsim._allocator was not built")
+        pytest.skip("llmsim.sim._allocator was not built")
     monkeypatch.setenv("LLMSIM_ALLOCATOR", allocator)
-    monkeypatch.setattr(pipeline, "CHECKPOINT_EVERY", 256)  # chunks small enough for a 4-layer model's events
-    monkeypatch.setattr(pipeline, "_REPLAYED", {})
-    monkeypatch.setattr(pipeline, "_LAZY_PREDICTED", {})
+    monkeypatch.setattr(replay, "CHECKPOINT_EVERY", 256)  # chunks small enough for a 4-layer model's events
+    monkeypatch.setattr(replay, "_REPLAYED", {})
+    monkeypatch.setattr(replay, "_LAZY_PREDICTED", {})
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000},
               "bf16": {"enabled": True}}
     world = 12
@@ -186,7 +186,7 @@ def test_zero12_ranks_taking_chunks_from_earlier_ranks_replay_like_alone(tmp_pat
     gpu = load_gpu("h100-80gb")
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 512, 4))
     prediction = predict(spec, TrainSetup(1, 32, Precision.BF16, grad_ckpt=True), layout, gpu)
-    chunks = next(iter(pipeline._REPLAYED.values()))
+    chunks = next(iter(replay._REPLAYED.values()))
     assert len(chunks.replayed) == world and chunks.replayed[0] == chunks.count > 1  # the first replays every chunk
     assert sum(own < chunks.count for own in chunks.replayed) >= world // 2  # most take chunks from earlier ranks
     for rank in prediction.ranks:

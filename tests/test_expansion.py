@@ -2,12 +2,12 @@
 import pytest
 
 from llmsim.enums import Attention, Loss, Optimizer, Precision
-from llmsim.offload import host_peak_bytes, split_host
-from llmsim.peaks import replay
-from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
-from llmsim.timeline import expand
-from llmsim.trace import run_fake, trace
-from llmsim.zoo import shrink
+from llmsim.model.offload import host_peak_bytes, split_host
+from llmsim.sim.peaks import replay
+from llmsim.inputs.spec import TrainSetup, load_model_spec, resolve_attention
+from llmsim.sim.timeline import expand
+from llmsim.model.trace import run_fake, trace
+from llmsim.inputs.zoo import shrink
 
 CASES = [
     ("llama-2-7b", TrainSetup(2, 64)),
@@ -89,7 +89,7 @@ def test_pipeline_stage_expansion_matches_full_stage_trace(model, heads, setup):
 def test_layer_graph_follows_the_full_depth_forward():
     """The layer graph (built on demand): every decoder layer in forward order between the embedding and the head,
     each with its parameters and what its forward saves."""
-    from llmsim.pipeline import predict
+    from llmsim.sim.pipeline import predict
 
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 6, 512, 4))
     graph = predict(spec, TrainSetup(1, 32)).graph

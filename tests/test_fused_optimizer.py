@@ -6,12 +6,12 @@ import json
 import pandas as pd
 import pytest
 
-from llmsim.cli import main
+from llmsim.app.cli import main
 from llmsim.enums import Category, Optimizer, Phase
-from llmsim.gpus import load_gpu, on_gpu
-from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
-from llmsim.trace import run_fake
-from llmsim.validate import row_inputs
+from llmsim.inputs.gpus import load_gpu, on_gpu
+from llmsim.inputs.spec import TrainSetup, load_model_spec, resolve_attention
+from llmsim.model.trace import run_fake
+from llmsim.measure.validate import row_inputs
 
 TINY = ["--model", "llama-2-7b", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
         "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",

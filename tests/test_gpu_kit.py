@@ -22,7 +22,7 @@ def test_dry_run_predicts_every_configuration():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_real_gpu_run_is_within_tier4_tolerances():
-    from llmsim.validate import load_measurements, validate
+    from llmsim.measure.validate import load_measurements, validate
 
     proc = subprocess.run([sys.executable, str(KIT)], timeout=900)
     assert proc.returncode == 0
@@ -32,10 +32,10 @@ def test_real_gpu_run_is_within_tier4_tolerances():
 
 def test_host_step_entry_predicts_one_host_step_per_parameter():
     """The kit's Adam entry: `step` counters are host memory on a GPU, 4 B per parameter tensor, none on the
-    device; the kit's worker labels them host because its tracker sees them on the CPU (llmsim.step.host_state)."""
+    device; the kit's worker labels them host because its tracker sees them on the CPU (llmsim.model.step.host_state)."""
     from experiments.gpu_validation import _setup
-    from llmsim.gpus import load_gpu
-    from llmsim.pipeline import predict
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.sim.pipeline import predict
 
     entry = next(e for e in MATRIX if e[-1] == "adam")
     spec, setup = _setup(entry)
@@ -67,9 +67,9 @@ def test_checkpointing_under_either_transformers_name():
 
     from transformers import AutoModelForCausalLM
 
-    from llmsim.spec import load_model_spec
-    from llmsim.step import enable_checkpointing
-    from llmsim.zoo import shrink
+    from llmsim.inputs.spec import load_model_spec
+    from llmsim.model.step import enable_checkpointing
+    from llmsim.inputs.zoo import shrink
 
     calls = []
     old = types.SimpleNamespace(gradient_checkpointing_enable=lambda **kwargs: calls.append(kwargs))

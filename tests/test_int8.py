@@ -1,15 +1,15 @@
-"""An 8-bit (LLM.int8) base under LoRA (`--quant int8`, llmsim/quantized.py): rows, read-back, the threshold."""
+"""An 8-bit (LLM.int8) base under LoRA (`--quant int8`, llmsim/model/quantized.py): rows, read-back, the threshold."""
 from __future__ import annotations
 
 import pandas as pd
 
 from llmsim.enums import Precision
-from llmsim.measure import MEASUREMENTS_DIR, measure_single
-from llmsim.pipeline import predict
-from llmsim.spec import LLM_INT8_THRESHOLD, TrainSetup, load_model_spec
-from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
-from llmsim.validate import row_inputs
-from llmsim.zoo import shrink
+from llmsim.measure.runs import MEASUREMENTS_DIR, measure_single
+from llmsim.sim.pipeline import predict
+from llmsim.inputs.spec import LLM_INT8_THRESHOLD, TrainSetup, load_model_spec
+from llmsim.measure.tolerances import PEAK_ALLOCATED_TOLERANCE
+from llmsim.measure.validate import row_inputs
+from llmsim.inputs.zoo import shrink
 
 INT8_CSV = MEASUREMENTS_DIR / "tier1_int8_cpu.csv"
 SETUP_COLUMNS = ["model", "overrides", "micro_batch", "seq_len", "precision", "grad_ckpt", "lora_rank"]

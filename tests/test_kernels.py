@@ -4,14 +4,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmsim import kernels
+from llmsim.model import kernels
 from llmsim.enums import Attention, Precision
-from llmsim.gpus import load_gpu, on_gpu
-from llmsim.kernels import SdpaBackend, cuda_autocast_policy, select_sdpa_backend
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.trace import run_fake
-from llmsim.tracker import StorageTracker
-from llmsim.zoo import shrink
+from llmsim.inputs.gpus import load_gpu, on_gpu
+from llmsim.model.kernels import SdpaBackend, cuda_autocast_policy, select_sdpa_backend
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.model.trace import run_fake
+from llmsim.model.tracker import StorageTracker
+from llmsim.inputs.zoo import shrink
 
 A100, H100, V100, RTX4090 = (8, 0), (9, 0), (7, 0), (8, 9)
 

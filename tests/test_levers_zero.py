@@ -1,9 +1,9 @@
 """Issue 5's levers under DeepSpeed ZeRO: every (lever, stage) that check_supported lets through has measured rows."""
 import pandas as pd
 
-from llmsim.measure import MEASUREMENTS_DIR
-from llmsim.strategies import LEVER_ZERO_STAGES
-from llmsim.validate import load_measurements, row_inputs
+from llmsim.measure.runs import MEASUREMENTS_DIR
+from llmsim.sim.strategies import LEVER_ZERO_STAGES
+from llmsim.measure.validate import load_measurements, row_inputs
 
 LEVERS_ZERO_CSV = MEASUREMENTS_DIR / "tier2_levers_zero_cpu.csv"
 ZERO_EXTRAS_CSV = MEASUREMENTS_DIR / "tier2_zero_extras_cpu.csv"  # peft's extras, ZeRO-3 offload

@@ -4,13 +4,13 @@ import json
 import pandas as pd
 import pytest
 
-from llmsim.dsconfig import DeepSpeedSetup
+from llmsim.inputs.dsconfig import DeepSpeedSetup
 from llmsim.enums import Category, Phase, Precision
-from llmsim.measure import MEASUREMENTS_DIR
-from llmsim.pipeline import predict
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.strategies import Layout, Strategy
-from llmsim.zoo import shrink
+from llmsim.measure.runs import MEASUREMENTS_DIR
+from llmsim.sim.pipeline import predict
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.sim.strategies import Layout, Strategy
+from llmsim.inputs.zoo import shrink
 
 LORA_ZERO12_CSV = MEASUREMENTS_DIR / "tier2_lora_zero12_cpu.csv"
 

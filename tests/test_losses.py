@@ -1,12 +1,12 @@
-"""The loss levers (llmsim/losses.py): Liger's chunk rule by hand, and the ported/imitated losses computing the
+"""The loss levers (llmsim/model/losses.py): Liger's chunk rule by hand, and the ported/imitated losses computing the
 same loss and gradients as transformers' own (so the memory measured is that of a working loss)."""
 import pytest
 import torch
 
 from llmsim.enums import Loss
-from llmsim.losses import compute_loss, install_loss, liger_chunk_size
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.zoo import shrink
+from llmsim.model.losses import compute_loss, install_loss, liger_chunk_size
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.inputs.zoo import shrink
 
 
 def test_liger_chunk_rule_by_hand():

@@ -1,14 +1,14 @@
-"""Checkpointing with offload (llmsim/offload.py): hand-computed host bytes, a fresh real run, and the reason the
+"""Checkpointing with offload (llmsim/model/offload.py): hand-computed host bytes, a fresh real run, and the reason the
 canonical step replaces transformers' save_on_cpu on a machine without an accelerator."""
 import pytest
 import torch
 
 from llmsim.enums import Attention, Category, Precision
-from llmsim.measure import measure_single
-from llmsim.pipeline import predict
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
-from llmsim.zoo import shrink
+from llmsim.measure.runs import measure_single
+from llmsim.sim.pipeline import predict
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.measure.tolerances import PEAK_ALLOCATED_TOLERANCE
+from llmsim.inputs.zoo import shrink
 
 HIDDEN, LAYERS, MICRO_BATCH, SEQ = 64, 7, 2, 48
 
@@ -49,7 +49,7 @@ def test_fresh_real_run_matches_device_and_host(model, shape, setup):
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="an accelerator can pin memory")
 def test_transformers_offload_cannot_pin_without_an_accelerator():
-    """Why the step swaps save_on_cpu for llmsim.offload.host_offload: on a CPU-only machine transformers asks for
+    """Why the step swaps save_on_cpu for llmsim.model.offload.host_offload: on a CPU-only machine transformers asks for
     pinned memory with device_type "cpu", which torch refuses. If this starts passing, revisit offload.py."""
     from transformers import AutoModelForCausalLM
 

@@ -6,16 +6,16 @@ import math
 import pandas as pd
 import pytest
 
-from llmsim.dsconfig import DeepSpeedSetup
+from llmsim.inputs.dsconfig import DeepSpeedSetup
 from llmsim.enums import Category, Optimizer, Phase, Precision
 from llmsim.errors import InputError
-from llmsim.measure import MEASUREMENTS_DIR
-from llmsim.pipeline import predict
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.strategies import Layout, Strategy, check_deepspeed_optimizer
-from llmsim.strategies.flat_optimizer import recorded_steps
-from llmsim.strategies.zero_common import EventWriter, adamw
-from llmsim.zoo import shrink
+from llmsim.measure.runs import MEASUREMENTS_DIR
+from llmsim.sim.pipeline import predict
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.sim.strategies import Layout, Strategy, check_deepspeed_optimizer
+from llmsim.sim.strategies.flat_optimizer import recorded_steps
+from llmsim.sim.strategies.zero_common import EventWriter, adamw
+from llmsim.inputs.zoo import shrink
 
 OPTIM_ZERO_CSV = MEASUREMENTS_DIR / "tier2_optim_zero_cpu.csv"
 UNTESTED = {"zero_allow_untested_optimizer": True}

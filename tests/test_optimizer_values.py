@@ -7,11 +7,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from llmsim.enums import Category, Optimizer, Precision
-from llmsim.optimizer_values import answered_optimizer_values
-from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
-from llmsim.trace import run_fake
-from llmsim.tracker import StorageTracker
-from llmsim.zoo import shrink
+from llmsim.model.optimizer_values import answered_optimizer_values
+from llmsim.inputs.spec import TrainSetup, load_model_spec, resolve_attention
+from llmsim.model.trace import run_fake
+from llmsim.model.tracker import StorageTracker
+from llmsim.inputs.zoo import shrink
 
 BNB_BLOCK = 256  # bitsandbytes Optimizer2State.init_state: blocksize
 MIN_8BIT_SIZE = 4096  # bitsandbytes optimizers' min_8bit_size default

@@ -6,10 +6,10 @@ import pytest
 from transformers import AutoConfig
 
 from llmsim.enums import Precision
-from llmsim.measure import measure_single
-from llmsim.pipeline import predict
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
+from llmsim.measure.runs import measure_single
+from llmsim.sim.pipeline import predict
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.measure.tolerances import PEAK_ALLOCATED_TOLERANCE
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=512, num_hidden_layers=5, max_position_embeddings=512)

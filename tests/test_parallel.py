@@ -2,15 +2,15 @@
 The committed rows themselves are re-predicted in test_validate.py."""
 import pytest
 
-from llmsim.cli import main
+from llmsim.app.cli import main
 from llmsim.enums import Precision
-from llmsim.measure import measure_distributed
-from llmsim.pipeline import predict
-from llmsim.pipelining import Schedule, layer_range
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.strategies import Layout, Strategy
-from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
-from llmsim.zoo import shrink
+from llmsim.measure.runs import measure_distributed
+from llmsim.sim.pipeline import predict
+from llmsim.model.pipelining import Schedule, layer_range
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.sim.strategies import Layout, Strategy
+from llmsim.measure.tolerances import PEAK_ALLOCATED_TOLERANCE
+from llmsim.inputs.zoo import shrink
 
 LLAMA = ["--model", "llama-2-7b", "--set", "num_hidden_layers=4", "--set", "hidden_size=64",
          "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=2",
@@ -82,16 +82,16 @@ def test_stages_traced_in_processes_give_the_same_prediction():
     rank's timeline, peak and device total, and the layer graph, are those of tracing every stage here."""
     import pandas as pd
 
-    import llmsim.pipeline as pipeline
-    from llmsim.gpus import load_gpu
-    from llmsim.trace import trace
+    import llmsim.sim.traced as traced
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.model.trace import trace
 
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 2048, 4))
     layout, setup, gpu = Layout(Strategy.DDP, 6, pp=3, n_microbatches=3), TrainSetup(2, 64), load_gpu("h100-80gb")
-    pipeline._EXPANDED.clear()
+    traced._EXPANDED.clear()
     trace.cache_clear()
     here = predict(spec, setup, layout, gpu)
-    pipeline._EXPANDED.clear()
+    traced._EXPANDED.clear()
     trace.cache_clear()
     there = predict(spec, setup, layout, gpu, jobs=2)
     assert trace.cache_info().currsize == 0  # every stage was traced in the other processes
@@ -107,7 +107,7 @@ def test_stages_traced_in_processes_give_the_same_prediction():
 def test_committed_parallel_rows_cover_the_matrix():
     """Issue 4's matrix: >= 40 rank rows over TP 2 and 4, PP 2 and 4, GPipe and 1F1B, >= 3 architectures,
     1-8 micro-batches, and two hybrids (TP x PP, DP x PP)."""
-    from llmsim.validate import load_measurements
+    from llmsim.measure.validate import load_measurements
 
     rows = load_measurements()
     rows = rows[(rows.get("tp", 1).fillna(1) > 1) | (rows.get("pp", 1).fillna(1) > 1)]
@@ -139,7 +139,7 @@ def test_fresh_parallel_run_matches_prediction(model, shape, setup, layout):
 
 
 def test_table_header_names_what_splits_each_rank():
-    from llmsim.report import layout_text
+    from llmsim.app.report import layout_text
 
     assert layout_text(Layout()) == "single x 1"
     assert layout_text(Layout(Strategy.DDP, 8, pp=2, schedule=Schedule.ONE_F_ONE_B, n_microbatches=4)) == \
@@ -154,9 +154,9 @@ def test_predict_pauses_the_cyclic_collector_and_restores_it(monkeypatch):
     the input is refused; a collector the caller switched off stays off."""
     import gc
 
-    from llmsim import pipeline
+    from llmsim.sim import pipeline
     from llmsim.errors import InputError
-    from llmsim.pipeline import predict_stage
+    from llmsim.sim.pipeline import predict_stage
 
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 256, 4))
     seen = []

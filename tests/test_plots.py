@@ -1,9 +1,9 @@
 """The prediction figure: the stacked timeline adds up to the rank's live bytes, and the PNG is written."""
-from llmsim.cli import main
-from llmsim.pipeline import predict
-from llmsim.plots import _envelope, category_timeline
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.zoo import shrink
+from llmsim.app.cli import main
+from llmsim.sim.pipeline import predict
+from llmsim.app.plots import _envelope, category_timeline
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.inputs.zoo import shrink
 
 
 def test_category_timeline_adds_up_and_the_envelope_keeps_the_peak():
@@ -28,7 +28,7 @@ def test_predict_writes_the_figure(tmp_path):
 def test_sizing_heatmap_is_written(tmp_path):
     import pandas as pd
 
-    from llmsim.plots import sizing_heatmap
+    from llmsim.app.plots import sizing_heatmap
 
     frame = pd.DataFrame({"layout": ["single", "ddp", "zero3", "ddp", "zero3"], "gpus": [1, 2, 2, 4, 4],
                           "largest_micro_batch": [0, 0, 3, 0, 7]})

@@ -1,10 +1,10 @@
 """`size` against brute force: doubling-and-bisecting finds what trying every micro-batch finds."""
 import pandas as pd
 
-from llmsim.gpus import GpuProfile
-from llmsim.size import candidates, fits, largest_micro_batch, size
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.zoo import shrink
+from llmsim.inputs.gpus import GpuProfile
+from llmsim.app.size import candidates, fits, largest_micro_batch, size
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.inputs.zoo import shrink
 
 MiB = 1 << 20
 TINY_GPU = GpuProfile("tiny", "test card", "9.0", 120 * MiB, 40 * MiB, 1 * MiB, "test")
@@ -35,7 +35,7 @@ def test_size_table_ranks_fitting_layouts_first():
 
 
 def test_size_bad_input_is_one_line(capsys):
-    from llmsim.cli import main
+    from llmsim.app.cli import main
 
     base = ["size", "--model", "gpt2", "--seq-len", "64"]
     assert main(base + ["--gpu", "b300"]) == 2
@@ -100,7 +100,7 @@ def test_allow_switches_on_the_fewest_levers_that_fit():
 
 
 def test_size_new_options_bad_input_is_one_line(capsys):
-    from llmsim.cli import main
+    from llmsim.app.cli import main
 
     base = ["size", "--model", "gpt2", "--seq-len", "64", "--gpu", "l4"]
     assert main(base + ["--allow", "ckpt,fp8"]) == 2
@@ -116,10 +116,10 @@ def test_pipeline_stage_by_stage_agrees_with_predict(monkeypatch):
     """`size` predicts a pipeline stage by stage and stops at the first stage that cannot fit: the verdict is
     `predict`'s at every micro-batch, the worst rank too where every stage fits; the stages go first, last, the
     others, a failing micro-batch stops at its first stage that cannot fit, and a screen predicts its own stages."""
-    import llmsim.size as sizing
-    from llmsim.allocator import AllocatorConfig
-    from llmsim.pipeline import predict
-    from llmsim.size import _model_parallel, _worst
+    import llmsim.app.size as sizing
+    from llmsim.sim.allocator import AllocatorConfig
+    from llmsim.sim.pipeline import predict
+    from llmsim.app.size import _model_parallel, _worst
 
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 2048, 4))
     verdicts = set()
@@ -170,8 +170,8 @@ def test_pipeline_search_screens_then_predicts_the_answer_whole(monkeypatch):
     pipeline that fits no micro-batch says so from its first stage alone."""
     from types import SimpleNamespace
 
-    import llmsim.size as sizing
-    from llmsim.size import Candidate, _model_parallel
+    import llmsim.app.size as sizing
+    from llmsim.app.size import Candidate, _model_parallel
 
     capacity = 200
     need = {0: lambda mb: 50 + 10 * mb, 1: lambda mb: 20 + 5 * mb, 2: lambda mb: 30 * mb}
@@ -204,8 +204,8 @@ def test_search_from_a_hint_finds_what_brute_force_finds(monkeypatch):
     the answer. Synthetic needs, as many bytes as a formula gives."""
     from types import SimpleNamespace
 
-    import llmsim.size as sizing
-    from llmsim.size import Candidate
+    import llmsim.app.size as sizing
+    from llmsim.app.size import Candidate
 
     trials = []
 

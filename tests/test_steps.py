@@ -6,12 +6,12 @@ import pandas as pd
 import pytest
 
 from llmsim.enums import Attention, Loss, Optimizer, Precision
-from llmsim.peaks import replay
-from llmsim.pipeline import expanded
-from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
-from llmsim.timeline import TRACED_STEPS, expand, repeat_last_step
-from llmsim.trace import trace
-from llmsim.zoo import shrink
+from llmsim.sim.peaks import replay
+from llmsim.sim.pipeline import expanded
+from llmsim.inputs.spec import TrainSetup, load_model_spec, resolve_attention
+from llmsim.sim.timeline import TRACED_STEPS, expand, repeat_last_step
+from llmsim.model.trace import trace
+from llmsim.inputs.zoo import shrink
 
 CASES = [
     ("llama-2-7b", TrainSetup(2, 64)),

@@ -3,10 +3,10 @@ import json
 
 import pandas as pd
 
-from llmsim.cli import main
-from llmsim.pipeline import predict
+from llmsim.app.cli import main
+from llmsim.sim.pipeline import predict
 from llmsim.enums import Precision
-from llmsim.spec import TrainSetup, load_model_spec
+from llmsim.inputs.spec import TrainSetup, load_model_spec
 
 
 def test_sweep_rows_equal_predict_and_bad_combinations_become_error_rows(tmp_path, capsys):

@@ -4,8 +4,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from llmsim.enums import Category
-from llmsim.peaks import replay
-from llmsim.tracker import StorageTracker
+from llmsim.sim.peaks import replay
+from llmsim.model.tracker import StorageTracker
 
 
 def _adamw_step(fake: bool):

@@ -1,5 +1,5 @@
 """The HF Trainer recipe: users' files read with the libraries' classes, the real Trainer measured through its entry
-points (llmsim/harness), the prediction (transformers' Trainer traced under fake tensors) against both."""
+points (llmsim/model/trainer_recipe.py), the prediction (transformers' Trainer traced under fake tensors) against both."""
 import json
 import subprocess
 import sys
@@ -7,16 +7,16 @@ import sys
 import pandas as pd
 import pytest
 
-from llmsim.cli import main
-from llmsim.hf_inputs import TRAINER_OPTIMS, trainer_setup
-from llmsim.measure import MEASUREMENTS_DIR, measure_trainer
-from llmsim.pipeline import predict
-from llmsim.spec import load_model_spec
-from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
+from llmsim.app.cli import main
+from llmsim.inputs.hf import TRAINER_OPTIMS, trainer_setup
+from llmsim.measure.runs import MEASUREMENTS_DIR, measure_trainer
+from llmsim.sim.pipeline import predict
+from llmsim.inputs.spec import load_model_spec
+from llmsim.measure.tolerances import PEAK_ALLOCATED_TOLERANCE
 
 TRAINER_CSV = MEASUREMENTS_DIR / "trainer_cpu.csv"
 # The instrument and its vocabulary: all a measured recipe may import of llmsim
-HARNESS_MAY_IMPORT = {"llmsim", "llmsim.harness", "llmsim.harness.trainer", "llmsim.tracker", "llmsim.enums"}
+HARNESS_MAY_IMPORT = {"llmsim", "llmsim.model", "llmsim.model.trainer_recipe", "llmsim.model.tracker", "llmsim.enums"}
 GPT2_TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1000}
 
 
@@ -24,7 +24,7 @@ def test_a_measured_trainer_run_imports_nothing_of_the_predictor():
     job = {"config": load_model_spec("gpt2", GPT2_TINY).config_dict, "seq_len": 32, "load_dtype": "auto",
            "training_args": {"per_device_train_batch_size": 1, "output_dir": "the_users_dir"},  # set aside, as documented
            "peft_config": {"r": 4, "target_modules": "all-linear"}}
-    code = ("import json, sys; from llmsim.harness import trainer; trainer.run(json.loads(sys.argv[1])); "
+    code = ("import json, sys; from llmsim.model import trainer_recipe; trainer_recipe.run(json.loads(sys.argv[1])); "
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'llmsim')))")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(job)], capture_output=True, text=True, check=True)
     imported = set(json.loads(done.stdout.strip().splitlines()[-1]))

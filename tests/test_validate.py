@@ -5,13 +5,13 @@ import os
 import pandas as pd
 import pytest
 
-from llmsim.measure import MEASUREMENTS_DIR, TIER1_CSV, measure_single
-from llmsim.pipeline import predict
+from llmsim.measure.runs import MEASUREMENTS_DIR, TIER1_CSV, measure_single
+from llmsim.sim.pipeline import predict
 from llmsim.enums import Attention, Loss, Optimizer, Precision
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.tolerances import PEAK_ALLOCATED_TOLERANCE
-from llmsim.validate import load_measurements, row_inputs, validate
-from llmsim.zoo import shrink
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.measure.tolerances import PEAK_ALLOCATED_TOLERANCE
+from llmsim.measure.validate import load_measurements, row_inputs, validate
+from llmsim.inputs.zoo import shrink
 
 
 def test_committed_tier1_rows_cover_the_matrix():
@@ -67,7 +67,7 @@ def test_peft_extras_build_what_the_readme_says():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmsim.step import add_peft
+    from llmsim.model.step import add_peft
 
     spec = load_model_spec("qwen2.5-0.5b", shrink("qwen2.5-0.5b", 64, 2, 300, 4))
     for extra, expected in (({"lora_modules_to_save": ("lm_head",)},

@@ -4,15 +4,15 @@ import json
 
 import pytest
 
-from llmsim.dsconfig import DeepSpeedSetup
+from llmsim.inputs.dsconfig import DeepSpeedSetup
 from llmsim.enums import Category, Phase, Precision
-from llmsim.measure import MEASUREMENTS_DIR
-from llmsim.pipeline import predict
-from llmsim.spec import TrainSetup, load_model_spec
-from llmsim.strategies import Layout, Strategy
-from llmsim.strategies.events import live_sizes_at_end_of_build
-from llmsim.validate import load_measurements, row_inputs, validate
-from llmsim.zoo import shrink
+from llmsim.measure.runs import MEASUREMENTS_DIR
+from llmsim.sim.pipeline import predict
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.sim.strategies import Layout, Strategy
+from llmsim.sim.strategies.events import live_sizes_at_end_of_build
+from llmsim.measure.validate import load_measurements, row_inputs, validate
+from llmsim.inputs.zoo import shrink
 
 ZERO0_DSOPT_CSV = MEASUREMENTS_DIR / "tier2_zero0_dsopt_cpu.csv"
 FUSED = {"type": "AdamW", "params": {"lr": 1e-4}}

@@ -6,15 +6,15 @@ from collections import Counter
 
 import pytest
 
-from llmsim.dsconfig import load_ds_config
+from llmsim.inputs.dsconfig import load_ds_config
 from llmsim.enums import Loss, Optimizer, Precision
-from llmsim.gpus import load_gpu, on_gpu
-from llmsim.offload import host_peak_bytes, split_host
-from llmsim.peaks import replay
-from llmsim.pipeline import expanded, predict
-from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
-from llmsim.strategies import Layout, Strategy, traced_setup, zero12
-from llmsim.zoo import shrink
+from llmsim.inputs.gpus import load_gpu, on_gpu
+from llmsim.model.offload import host_peak_bytes, split_host
+from llmsim.sim.peaks import replay
+from llmsim.sim.pipeline import expanded, predict
+from llmsim.inputs.spec import TrainSetup, load_model_spec, resolve_attention
+from llmsim.sim.strategies import Layout, Strategy, traced_setup, zero12
+from llmsim.inputs.zoo import shrink
 
 SPEC = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 2, 256, 4))
 BF16, FP32 = Precision.BF16, Precision.FP32
@@ -128,7 +128,7 @@ def test_a_template_that_cannot_stand_for_every_rank_walks_each(tmp_path, monkey
     monkeypatch.setattr(zero12._Template, "_keep_slices", diverge)
     timeline, _ = expanded(SPEC, traced_setup(resolve_attention(SPEC, setup), layout))
     assert zero12.plan(timeline, layout, setup).events is None
-    monkeypatch.setattr("llmsim.pipeline._plan", lambda timeline, layout, setup: zero12.plan(timeline, layout, setup))
+    monkeypatch.setattr("llmsim.sim.pipeline.plan", lambda timeline, layout, setup: zero12.plan(timeline, layout, setup))
     walked = predict(SPEC, setup, layout)
     assert [r.to_dict() for r in walked.ranks] == [r.to_dict() for r in fast.ranks]
     assert all(a.timeline.equals(b.timeline) for a, b in zip(walked.ranks, fast.ranks))
@@ -139,21 +139,21 @@ def test_ranks_replayed_in_processes_are_the_ranks_replayed_here(tmp_path, stage
     """`predict(jobs=2)` replays ZeRO-1/2's ranks on a GPU in two forked processes, blocks of neighbouring ranks
     each: every rank's peak, reserved bytes, device total and verdict are those of one process, and its frame is
     rebuilt here on demand."""
-    import llmsim.pipeline as pipeline
+    import llmsim.sim.replay as replay
 
     setup = TrainSetup(1, 16, BF16, grad_ckpt=True)
     layout = _layout(tmp_path, setup, stage, 200, 1, {"reduce_bucket_size": 6000}, None)
     gpu = load_gpu("h100-80gb")
     forks = []
-    real = pipeline._lazy_ranks_in_processes
-    pipeline._lazy_ranks_in_processes = lambda *args: forks.append(args[-1]) or real(*args)
+    real = replay._lazy_ranks_in_processes
+    replay._lazy_ranks_in_processes = lambda *args: forks.append(args[-1]) or real(*args)
     try:
         here = predict(SPEC, setup, layout, gpu).ranks
-        pipeline._REPLAYED_PLAN[0] = lambda: None  # the processes start without this process's replays, and the
+        replay._REPLAYED_PLAN[0] = lambda: None  # the processes start without this process's replays, and the
         there = predict(SPEC, setup, layout, gpu, jobs=2).ranks  # ranks are predicted again
         again = predict(SPEC, setup, layout, gpu, jobs=2).ranks  # kept: no processes
     finally:
-        pipeline._lazy_ranks_in_processes = real
+        replay._lazy_ranks_in_processes = real
     assert forks == [2]  # 200 ranks: one call, two processes (jobs=1 stays here)
     assert [r.to_dict() for r in again] == [r.to_dict() for r in there]
     assert [r.rank for r in there] == list(range(200))
@@ -168,21 +168,21 @@ def test_ranks_replayed_in_processes_are_the_ranks_replayed_here(tmp_path, stage
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_each_rank_in_the_tree_of_chunks_reserves_what_its_own_walk_does(tmp_path, monkeypatch, case, expandable):
     """On a GPU the allocator model reads a rank's events as the template's with its own spliced in, and replays
-    the ranks as one tree of chunks (pipeline._replay_spliced): every rank's reserved peak is the whole replay of
+    the ranks as one tree of chunks (replay._replay_spliced): every rank's reserved peak is the whole replay of
     its own walk's device events. Small chunks and few states kept, so that walks join and states let go are
     replayed again."""
-    from llmsim import pipeline
-    from llmsim.allocator import NO_LIMIT, AllocatorConfig, replay_reserved
+    from llmsim.sim import replay
+    from llmsim.sim.allocator import NO_LIMIT, AllocatorConfig, replay_reserved
 
-    monkeypatch.setattr(pipeline, "CHECKPOINT_EVERY", 64)
-    monkeypatch.setattr(pipeline, "_MAX_STATES", 8)
-    monkeypatch.setattr(pipeline, "_REPLAYED", {})
+    monkeypatch.setattr(replay, "CHECKPOINT_EVERY", 64)
+    monkeypatch.setattr(replay, "_MAX_STATES", 8)
+    monkeypatch.setattr(replay, "_REPLAYED", {})
     timeline, layout, setup, ranks = _ranks(tmp_path, case)
     config, extra = AllocatorConfig(expandable_segments=expandable), (load_gpu("h100-80gb").cublas_workspace_bytes,)
     for rank in sorted({*range(0, layout.world_size, max(1, layout.world_size // 12)), layout.world_size - 1}):
         device, _ = split_host(zero12.walk_rank(timeline, layout, setup, rank))
         alone = replay_reserved(device["serial"].to_numpy(), device["delta_bytes"].to_numpy(), NO_LIMIT, config,
                                 extra).peak_reserved_bytes
-        assert pipeline._replay_spliced(ranks.events(rank).spliced(), NO_LIMIT, config, extra) == alone, rank
-    chunks = next(iter(pipeline._REPLAYED.values()))
+        assert replay._replay_spliced(ranks.events(rank).spliced(), NO_LIMIT, config, extra) == alone, rank
+    chunks = next(iter(replay._REPLAYED.values()))
     assert chunks.count > 8 and sum(chunks.replayed) < chunks.count * len(chunks.replayed)  # the ranks share

@@ -7,15 +7,15 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from llmsim.dsconfig import DeepSpeedSetup
+from llmsim.inputs.dsconfig import DeepSpeedSetup
 from llmsim.enums import Optimizer, Precision
-from llmsim.gpus import load_gpu, on_gpu
-from llmsim.pipeline import expanded
-from llmsim.spec import TrainSetup, load_model_spec, resolve_attention
-from llmsim.strategies import Layout, Strategy, traced_setup
-from llmsim.strategies import zero3
-from llmsim.strategies.zero3_resize import Sized, World, partitions, sub_group_ends
-from llmsim.zoo import shrink
+from llmsim.inputs.gpus import load_gpu, on_gpu
+from llmsim.sim.pipeline import expanded
+from llmsim.inputs.spec import TrainSetup, load_model_spec, resolve_attention
+from llmsim.sim.strategies import Layout, Strategy, traced_setup
+from llmsim.sim.strategies import zero3
+from llmsim.sim.strategies.zero3_resize import Sized, World, partitions, sub_group_ends
+from llmsim.inputs.zoo import shrink
 
 # Llama: hidden 64, 2 layers, vocabulary 250 (16,000 elements: not a multiple of most W), norms of 64 elements
 # (fewer than W from 65 on: every rank past the 64th pads); GPT-2: tied embedding, biases.

@@ -3,9 +3,9 @@ import json
 
 import torch
 
-from llmsim.cli import main
-from llmsim.step import host_state
-from llmsim.strategies.zero0 import buckets
+from llmsim.app.cli import main
+from llmsim.model.step import host_state
+from llmsim.sim.strategies.zero0 import buckets
 
 TINY = ["--model", "llama-2-7b", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
         "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",

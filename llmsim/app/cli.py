@@ -1,0 +1,177 @@
+"""The `llmsim` command: each subcommand's work and its output. Bad input is one line on stderr and exit status 2;
+the arguments themselves are read in `llmsim.app.options`."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from llmsim.app.options import alloc_conf, build_parser, inputs, prediction, quiet_libraries
+from llmsim.enums import Recipe
+from llmsim.errors import InputError
+
+EXIT_BAD_INPUT = 2
+EXIT_OUT_OF_TOLERANCE = 1
+EXIT_RUN_FAILED = 3  # a measured run crashed or timed out
+
+
+def cmd_predict(args) -> int:
+    from llmsim.app.report import prediction_table
+
+    # on a terminal only: an input error found inside a stage's trace must stay one line where stderr is read
+    predicted = prediction(args, progress=not args.quiet and sys.stderr.isatty())
+    if args.format == "json":
+        print(json.dumps(predicted.to_dict(), indent=2))
+    else:
+        print(prediction_table(predicted))
+    if args.plot:
+        from llmsim.app.plots import prediction_figure
+
+        prediction_figure(predicted, args.plot)
+        print(f"figure: {args.plot}", file=sys.stderr if args.format == "json" else sys.stdout)
+    return 0
+
+
+def cmd_compare(args) -> int:
+
+    from llmsim.app.compare import compare_levers
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.app.plots import levers_bar_chart
+    from llmsim.app.report import human_bytes, layout_text
+
+    spec, setup, layout = inputs(args)
+    gpu = load_gpu(args.gpu) if args.gpu else None
+    frame = compare_levers(spec, setup, layout, gpu, alloc_conf(args), args.jobs,
+                           not args.quiet and sys.stderr.isatty())
+    shown = frame.assign(peak=frame["device_total_bytes"].map(human_bytes),
+                         saving=frame["saving_vs_baseline"].map(lambda v: f"{100 * v:+.1f} %"),
+                         host=frame["peak_host_bytes"].map(lambda b: human_bytes(b) if b else "-"))
+    columns = ["lever", "peak", "saving", "peak_phase", "host"] + (["fits"] if gpu else [])
+    print(shown[columns].to_string(index=False))
+    title = (f"{spec.name}, micro-batch {setup.micro_batch}, seq {setup.seq_len}, {layout_text(layout)}"
+             + (f", {gpu.name}" if gpu else ""))
+    path = levers_bar_chart(frame, title, Path(args.out), gpu.capacity_bytes if gpu else None)
+    print(f"chart: {path}")
+    return 0
+
+
+def cmd_size(args) -> int:
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.app.report import human_bytes
+    from llmsim.app.size import size
+
+    if args.max_gpus < 1 or args.max_micro_batch < 1:
+        raise InputError(f"max-gpus({args.max_gpus}) and max-micro-batch({args.max_micro_batch}) must be >= 1")
+    args.micro_batch = 1
+    spec, setup, _ = inputs(args)
+    gpu = load_gpu(args.gpu)
+    from llmsim.app.size import FAMILIES
+
+    families = tuple(f for f in args.layouts.split(",") if f) if args.layouts else FAMILIES
+    if unknown := [f for f in families if f not in FAMILIES]:
+        raise InputError(f"unknown layout families {unknown}; valid choices: {', '.join(FAMILIES)}")
+    allow = tuple(name for name in (args.allow or "").split(",") if name)
+    frame = size(spec, setup, gpu, args.max_gpus, args.max_micro_batch, alloc_conf(args), families,
+                 args.global_batch, allow, args.jobs, not args.quiet)
+    title = (f"{spec.name} on {gpu.name} ({human_bytes(gpu.capacity_bytes)}), seq {setup.seq_len}, "
+             f"{setup.precision.value}{', checkpointing' if setup.grad_ckpt else ''}")
+    if args.plot:
+        from llmsim.app.plots import sizing_heatmap
+
+        sizing_heatmap(frame, f"{title}: largest micro-batch", args.plot)
+    if args.format == "json":
+        print(frame.to_json(orient="records", indent=2))
+        return 0
+    shown = frame.assign(total=frame["device_total_bytes"].map(lambda b: human_bytes(int(b)) if b == b and b else "-"),
+                         headroom=frame["headroom_bytes"].map(lambda b: human_bytes(int(b)) if b == b and b else "-"))
+    print(title)
+    columns = ["layout", "gpus"] + (["levers"] if allow else []) + ["largest_micro_batch"] + \
+        (["passes"] if args.global_batch else []) + ["total", "headroom", "fits", "why"]
+    print(shown[columns].rename(columns={"largest_micro_batch": "micro_batch" if args.global_batch
+                                         else "largest_micro_batch"}).to_string(index=False))
+    return 0
+
+
+def cmd_measure(args) -> int:
+    from llmsim.measure.launch import LaunchFailure
+    from llmsim.measure.runs import TIER1_CSV, TIER2_CSV, append_rows, measure_distributed, measure_single
+    from llmsim.app.report import human_bytes
+
+    spec, setup, layout = inputs(args)
+    if setup.recipe is Recipe.HF_TRAINER:
+        from llmsim.measure.runs import MEASURED_DEFAULT_CSV, measure_trainer
+
+        rows, default_out = [measure_trainer(spec, setup, args.dtype or "auto")], MEASURED_DEFAULT_CSV
+    elif layout.world_size == 1:
+        rows, default_out = [measure_single(spec, setup)], TIER1_CSV
+    else:
+        try:
+            rows, default_out = measure_distributed(spec, setup, layout, args.timeout), TIER2_CSV
+        except LaunchFailure as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_RUN_FAILED
+    if not args.dry_run:
+        append_rows(rows, Path(args.out) if args.out else default_out)
+    for row in rows:
+        host = f", host {human_bytes(row['peak_host_bytes'])}" if row.get("peak_host_bytes") else ""
+        print(f"rank {row['rank']}: measured peak allocated {human_bytes(row['peak_allocated_bytes'])} "
+              f"({row['peak_allocated_bytes']:,} B){host} in {row['wall_s']} s")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from llmsim.app.report import validation_table
+    from llmsim.measure.validate import load_measurements, validate
+
+    results = validate(load_measurements(args.csv or None), jobs=args.jobs)
+    print(validation_table(results))
+    return 0 if results["ok"].all() else EXIT_OUT_OF_TOLERANCE
+
+
+def cmd_models(args) -> int:
+    from llmsim.inputs.spec import load_model_spec, zoo_names
+
+    print(f"{'name':<20} {'model_type':<10} {'layers':>6} {'parameters':>16}")
+    for name in zoo_names():
+        spec = load_model_spec(name)
+        print(f"{name:<20} {spec.config_dict['model_type']:<10} {spec.num_layers:>6} "
+              f"{parameter_count(spec):>16,}")
+    return 0
+
+
+def parameter_count(spec) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(spec.hf_config())
+    return sum(p.numel() for p in model.parameters())
+
+
+def cmd_sweep(args) -> int:
+    from llmsim.app.sweep import load_grid, sweep, write
+
+    configs = load_grid(args.file)
+    frame = sweep(configs, args.jobs, progress=not args.quiet)
+    path = write(frame, args.out)
+    failed = int((frame["error"] != "").sum())
+    print(f"{len(frame)} configurations ({failed} rejected, see the error column) -> {path}")
+    return 0
+
+
+COMMANDS = {"predict": cmd_predict, "compare": cmd_compare, "size": cmd_size, "sweep": cmd_sweep,
+            "measure": cmd_measure, "validate": cmd_validate, "models": cmd_models}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)  # --help and argument errors answer here, before torch is imported
+        quiet_libraries()
+        return COMMANDS[args.command](args)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,361 @@
+"""`llmsim`'s arguments: the parser of every command and what turns parsed arguments into llmsim's inputs
+(model spec, training setup, layout), shared by the CLI, `sweep` and `llmsim.predict`. Strings become enums here;
+bad input is one line (InputError). Nothing here imports torch or transformers when it loads, so `llmsim --help`
+and argument errors answer at once; the readers it calls import them when they run."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from llmsim.enums import Attention, Loss, Optimizer, Precision, parse_enum
+from llmsim.errors import InputError
+from llmsim.inputs.spec import LLM_INT8_THRESHOLD
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors: one line, status 2
+        raise InputError(f"{self.prog}: {message}")
+
+
+def _override(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise InputError(f"--set expects KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """What defines the model and its training step (every command that predicts)."""
+    p.add_argument("--model", required=True, help="zoo name (llmsim models), path to an HF config.json, "
+                   "or module:factory")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=str,
+                   help="override a config field (JSON value), e.g. --set num_hidden_layers=4")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--precision", default=None, help="fp32 | bf16 | bf16-autocast | fp16 | fp16-autocast "
+                   "(default fp32, or the DeepSpeed config's)")
+    p.add_argument("--attn", default=None, help="sdpa | eager (default: transformers' choice for the model)")
+    p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
+    p.add_argument("--grad-accum", type=int, default=None, help="gradient accumulation: forward/backward passes per "
+                   "optimizer step (default 1, or the DeepSpeed config's gradient_accumulation_steps, which it fills "
+                   "where \"auto\" and must equal otherwise)")
+    p.add_argument("--ckpt-every", type=int, default=1, help="checkpoint every N-th layer (every_n_layers)")
+    p.add_argument("--ckpt-offload", action="store_true", help="hold the checkpointed layers' inputs in (pinned) "
+                   "host memory: activation_checkpointing_enable(offload=True); needs --grad-ckpt")
+    p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd-momentum | adafactor (torch.optim) "
+                   "| hf-adafactor (transformers) | adamw8bit | paged-adamw | paged-adamw8bit (bitsandbytes)")
+    p.add_argument("--foreach", action="store_true", help="the optimizer's foreach path (foreach=True; the default "
+                   "with --gpu, as torch's for CUDA parameters; else the for-loop path, the CPU's default)")
+    p.add_argument("--fused", action="store_true", help="the optimizer's fused kernel (fused=True): adamw, adam, "
+                   "sgd, sgd-momentum; not with --foreach")
+    p.add_argument("--build-dtype", default="fp32", help="fp32 (build, then cast: the canonical step) | bf16 "
+                   "(build in bf16, as from_pretrained(dtype=bfloat16) loads; needs --precision bf16)")
+    p.add_argument("--lora-rank", type=int, default=0, help="peft LoRA adapters of this rank on a frozen base")
+    p.add_argument("--lora-alpha", type=int, default=16)
+    p.add_argument("--quant", default=None, help="nf4 | fp4: QLoRA, a bitsandbytes 4-bit base under the LoRA "
+                   "adapters | int8: an LLM.int8 8-bit base (load_in_8bit; CPU only) (needs --lora-rank)")
+    p.add_argument("--int8-threshold", type=float, default=LLM_INT8_THRESHOLD, help="with --quant int8: "
+                   "llm_int8_threshold, LLM.int8's outlier threshold (0: no outlier split); a CPU training step "
+                   "never reads it")
+    p.add_argument("--double-quant", action="store_true", help="bitsandbytes double quantization of the 4-bit "
+                   "absmax (bnb_4bit_use_double_quant)")
+    p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: peft's for the "
+                   "model type)")
+    p.add_argument("--lora-modules-to-save", default=None, help="comma-separated module names trained in full next "
+                   "to the adapters (LoraConfig modules_to_save: peft trains a copy, the original stays frozen), e.g. "
+                   "lm_head; needs --lora-rank")
+    p.add_argument("--trainable-tokens", default=None, help="comma-separated vocabulary indices whose embedding rows "
+                   "train (peft's trainable tokens: LoraConfig trainable_token_indices with --lora-rank, else "
+                   "TrainableTokensConfig), e.g. 0,1,2")
+    p.add_argument("--loss", default="hf", help="hf (transformers' loss over the full logits) | chunked-nll (TRL's "
+                   "SFT loss: its fused LM head in vocabulary tiles) | fused-linear-ce (Liger's fused linear "
+                   "cross-entropy, chunked over tokens)")
+    p.add_argument("--loss-chunk", type=int, default=None, help="chunked-nll's vocabulary columns per tile "
+                   "(default TRL's 32768)")
+    p.add_argument("--device", default="cpu", help="cpu: the CPU's kernels are traced (--gpu switches to the "
+                   "GPU's CUDA kernels)")
+    p.add_argument("--training-args", default=None, metavar="FILE", help="JSON or YAML of transformers "
+                   "TrainingArguments fields: predict the HF Trainer's own run (Trainer(...).train()), its batch size, "
+                   "accumulation, bf16/fp16, optim, max_grad_norm and gradient checkpointing as the file sets them")
+    p.add_argument("--peft-config", default=None, metavar="FILE", help="with --training-args: a LoraConfig as JSON "
+                   "or YAML (an adapter_config.json), given to get_peft_model; target_modules \"all-linear\" too")
+    p.add_argument("--dtype", default=None, help="with --training-args: from_pretrained's dtype, auto (default: the "
+                   "config's dtype, as transformers 5 loads) | float32 | bfloat16 | float16")
+
+
+def _add_layout_args(p: argparse.ArgumentParser) -> None:
+    """One layout: micro-batch, ranks, strategy, and optionally the GPU."""
+    p.add_argument("--micro-batch", type=int, default=None, help="required unless the DeepSpeed config sets it")
+    p.add_argument("--strategy", default=None, help="single | ddp (deepspeed when --ds-config is given)")
+    p.add_argument("--world-size", type=int, default=None, help="number of ranks (default: tp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: transformers' TP plan on DTensor "
+                   "(colwise/rowwise, the LM head's logits gathered); world-size = dp x pp x tp")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (torch.distributed.pipelining, layers split "
+                   "as transformers splits them)")
+    p.add_argument("--pp-split", default=None, help="layers per stage, e.g. 9,10,10,11 (default: transformers' "
+                   "balanced split, the remainder one layer each to the first stages)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world-size / (pp x tp))")
+    p.add_argument("--schedule", default="gpipe", help="pipeline schedule with --pp: gpipe | 1f1b")
+    p.add_argument("--microbatches", type=int, default=1, help="micro-batches through the pipeline per step, each "
+                   "of --micro-batch samples (with --pp)")
+    p.add_argument("--ds-config", default=None, help="DeepSpeed JSON, as passed to deepspeed.initialize")
+    p.add_argument("--gpu", default=None, help="GPU profile (data/gpus): the kernels CUDA picks on it (SDPA backend, "
+                   "autocast policy, foreach AdamW), reserved via the caching-allocator model, device total, headroom")
+    p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF as the run will set it, e.g. "
+                   "expandable_segments:True,max_split_size_mb:256 (with --gpu)")
+
+
+def _split(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise InputError(f"pp-split({text}) must be layer counts separated by commas, e.g. 10,10,12") from None
+
+
+# Flags that spell a TrainingArguments field: with --training-args they set it (the file's value overridden)
+
+
+TRAINING_ARGS_SHORTCUTS = {"micro_batch": "per_device_train_batch_size", "grad_accum": "gradient_accumulation_steps",
+                           "grad_ckpt": "gradient_checkpointing"}
+# Flags of the canonical recipe that the Trainer's files decide instead: (flag, its default, where to say it; None
+# where the hf-trainer recipe does not model the flag yet). Each is refused rather than silently dropped.
+
+
+TRAINER_DECIDES = (("precision", None, "bf16 / fp16 in the TrainingArguments, --dtype for the weights"),
+                   ("optimizer", "adamw", "optim in the TrainingArguments"), ("fused", False, "optim adamw_torch_fused"),
+                   ("foreach", False, "optim"), ("build_dtype", "fp32", "--dtype"),
+                   ("lora_rank", 0, "--peft-config"), ("lora_targets", None, "target_modules in --peft-config"),
+                   ("lora_alpha", 16, "lora_alpha in --peft-config"),
+                   ("lora_modules_to_save", None, "modules_to_save in --peft-config"),
+                   ("trainable_tokens", None, "trainable_token_indices in --peft-config"),
+                   ("device", "cpu", "--gpu NAME for a GPU's kernels"),
+                   *((flag, default, None) for flag, default in (  # None: not modelled yet with the Trainer
+                       ("attn", None), ("ckpt_every", 1), ("ckpt_offload", False), ("quant", None),
+                       ("double_quant", False), ("int8_threshold", LLM_INT8_THRESHOLD), ("ds_config", None),
+                       ("loss", "hf"), ("loss_chunk", None))))
+
+
+def _trainer_inputs(args):
+    """--training-args [--peft-config] [--dtype]: the HF Trainer recipe, read with the libraries' own classes."""
+    from llmsim.inputs.hf import read_mapping, trainer_setup
+    from llmsim.inputs.spec import load_model_spec
+    from llmsim.sim.strategies import Layout
+
+    for flag, default, where in TRAINER_DECIDES:
+        if getattr(args, flag, default) != default:
+            name = f"--{flag.replace('_', '-')}"
+            raise InputError(f"{name} with --training-args: the Trainer's files decide it ({where})" if where else
+                             f"{name} with --training-args is not modelled yet (the hf-trainer recipe)")
+    if (args.world_size or 1) * args.tp * args.pp * (args.dp or 1) > 1 or args.strategy not in (None, "single"):
+        raise InputError("--training-args predicts one process of the Trainer; several ranks are not modelled yet "
+                         "for the hf-trainer recipe")
+    spec = load_model_spec(args.model, dict(_override(t) for t in args.set))
+    given = getattr(args, "given_mappings", {})  # dicts handed to llmsim.predict(...) instead of files
+    fields = dict(given.get("training_args") or read_mapping(args.training_args, "TrainingArguments"))
+    for flag, field in TRAINING_ARGS_SHORTCUTS.items():
+        value = getattr(args, flag, None)
+        if value not in (None, False):
+            fields[field] = value
+    peft = (given.get("peft_config") or read_mapping(args.peft_config, "LoraConfig")) if args.peft_config else None
+    setup = trainer_setup(spec, args.seq_len, fields, peft, args.dtype or "auto")
+    return spec, setup, Layout()
+
+
+def inputs(args):
+    from llmsim.inputs.dsconfig import load_ds_config
+    from llmsim.enums import Device
+    from llmsim.inputs.spec import TrainSetup, load_model_spec
+    from llmsim.model.pipelining import Schedule
+    from llmsim.sim.strategies import Layout, Strategy
+
+    if args.training_args:
+        return _trainer_inputs(args)
+    for flag, what in (("peft_config", "--peft-config"), ("dtype", "--dtype")):
+        if getattr(args, flag):
+            raise InputError(f"{what} is read with --training-args (the HF Trainer recipe); for the canonical step "
+                             "use --lora-rank / --lora-targets and --precision / --build-dtype")
+    spec = load_model_spec(args.model, dict(_override(t) for t in args.set))
+    precision = parse_enum(Precision, args.precision, "precision") if args.precision else None
+    world_size = (args.dp or 1) * args.tp * args.pp if args.world_size is None else args.world_size
+    if args.dp is not None and args.dp * args.tp * args.pp != world_size:
+        raise InputError(f"dp({args.dp}) x pp({args.pp}) x tp({args.tp}) must equal world-size({world_size})")
+    strategy = parse_enum(Strategy, args.strategy, "strategy") if args.strategy else None
+    deepspeed = None
+    if args.ds_config:
+        if strategy not in (None, Strategy.DEEPSPEED):
+            raise InputError(f"--strategy {strategy.value} contradicts --ds-config (a DeepSpeed run)")
+        strategy = Strategy.DEEPSPEED
+        deepspeed = load_ds_config(args.ds_config, world_size, int(spec.hf_config().hidden_size),
+                                   args.micro_batch, precision, args.grad_accum)
+        micro_batch, precision = deepspeed.micro_batch, deepspeed.precision
+        grad_accum = deepspeed.gradient_accumulation_steps
+    else:
+        if args.micro_batch is None:
+            raise InputError("--micro-batch is required (or a DeepSpeed config that sets it)")
+        micro_batch = args.micro_batch
+        grad_accum = 1 if args.grad_accum is None else args.grad_accum
+    layout = Layout(strategy or (Strategy.DDP if world_size > args.tp * args.pp else Strategy.SINGLE), world_size,
+                    deepspeed, tp=args.tp, pp=args.pp, schedule=parse_enum(Schedule, args.schedule, "schedule"),
+                    n_microbatches=args.microbatches, pp_split=_split(args.pp_split))
+    setup = TrainSetup(
+        micro_batch=micro_batch, seq_len=args.seq_len, precision=precision or Precision.FP32,
+        attention=parse_enum(Attention, args.attn, "attention") if args.attn else None,
+        grad_ckpt=args.grad_ckpt, ckpt_every=args.ckpt_every, grad_accum=grad_accum,
+        ckpt_offload=args.ckpt_offload,
+        device=parse_enum(Device, args.device, "device"),
+        optimizer=parse_enum(Optimizer, args.optimizer, "optimizer"), foreach=args.foreach, fused=args.fused,
+        build_bf16=_build_bf16(args.build_dtype), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        lora_targets=tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets else None,
+        quant=args.quant, double_quant=args.double_quant, int8_threshold=args.int8_threshold,
+        loss=parse_enum(Loss, args.loss, "loss"),
+        loss_chunk=args.loss_chunk, lora_modules_to_save=_names(args.lora_modules_to_save),
+        trainable_tokens=_token_indices(args.trainable_tokens))
+    return spec, setup, layout
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    return tuple(t.strip() for t in text.split(",") if t.strip()) if text else None
+
+
+def _token_indices(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise InputError(f"trainable-tokens({text}) must be vocabulary indices separated by commas, e.g. 0,1,2") \
+            from None
+
+
+def _build_bf16(value: str) -> bool:
+    if value not in ("fp32", "bf16"):
+        raise InputError(f"unknown build-dtype {value!r}; valid choices: fp32, bf16")
+    return value == "bf16"
+
+
+def alloc_conf(args):
+    from llmsim.sim.allocator import parse_alloc_conf
+
+    if getattr(args, "alloc_conf", None) and not args.gpu:
+        raise InputError("--alloc-conf configures the CUDA caching allocator: it needs --gpu NAME")
+    return parse_alloc_conf(getattr(args, "alloc_conf", None))
+
+
+def prediction(args, progress: bool):
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.sim.pipeline import predict
+
+    gpu = load_gpu(args.gpu) if args.gpu else None
+    return predict(*inputs(args), gpu=gpu, alloc_conf=alloc_conf(args), progress=progress, jobs=args.jobs)
+
+
+def prediction_from_options(model, seq_len: int, micro_batch: int | None, options: dict):
+    """`llmsim.predict(...)`: keyword options become `llmsim predict`'s argv and go through its parser, so the
+    Python API and the CLI share every name, default and refusal."""
+    from llmsim.inputs.spec import ModelSpec
+
+    argv = ["predict", "--quiet"]
+    if isinstance(model, ModelSpec):
+        options = {**options, "set": {**dict(model.overrides), **dict(options.get("set") or {})}}
+        model = model.name
+    options = {"model": model, "seq_len": seq_len, "micro_batch": micro_batch, **options}
+    quiet_libraries()
+    parser = build_parser()
+    actions = {a.dest: a for a in parser.predict_parser._actions}
+    dicts = {}
+    for key, value in options.items():
+        if key not in actions or key in ("help", "format", "plot", "quiet"):
+            valid = sorted(k for k in actions if k not in ("help", "format", "plot", "quiet"))
+            raise InputError(f"unknown option {key!r}; valid options: {', '.join(valid)}")
+        if value is None or value is False:
+            continue
+        flag = actions[key].option_strings[0]
+        if key in ("training_args", "peft_config") and isinstance(value, dict):
+            dicts[key] = value
+            value = f"<{key}>"  # read back from `dicts` below
+        if key == "set":
+            argv += [arg for k, v in dict(value).items() for arg in ("--set", f"{k}={json.dumps(v)}")]
+        elif value is True:
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    args = parser.parse_args(argv)
+    args.given_mappings = dicts
+    return prediction(args, progress=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="llmsim", description="Predict per-GPU peak memory of LLM fine-tuning.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser("predict", help="predict one layout: per-rank peak and breakdown")
+    _add_model_args(p)
+    _add_layout_args(p)
+    p.add_argument("--format", choices=["table", "json"], default="table")
+    p.add_argument("--plot", metavar="PNG", help="also draw the fullest rank's memory over the step, stacked by "
+                   "category with the peak marked, and every rank's breakdown at its peak")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="local processes to trace a pipeline's stages in, or to replay ZeRO-1/2's ranks on a GPU "
+                   "(default: every core)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (a pipeline's stages)")
+    parser.predict_parser = p  # its options are llmsim.predict's keywords
+    p = sub.add_parser("compare", help="the peak under each memory lever and common combinations (+ PNG chart)")
+    _add_model_args(p)
+    _add_layout_args(p)
+    p.add_argument("--out", default="llmsim-levers.png", help="where to write the bar chart")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="local processes to share the lever sets (one trace each; default: every core)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p = sub.add_parser("size", help="layouts that fit a GPU, each with its largest micro-batch")
+    _add_model_args(p)
+    p.add_argument("--gpu", required=True, help="GPU profile (data/gpus)")
+    p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True")
+    p.add_argument("--max-gpus", type=int, default=8)
+    p.add_argument("--max-micro-batch", type=int, default=64)
+    p.add_argument("--layouts", default=None, help="layout families to try, comma-separated (default all): "
+                   "single, ddp, zero, tp, pp, tpxpp")
+    p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step each layout must "
+                   "make up (DDP/ZeRO replicas split it, one process accumulates, a pipeline splits it into "
+                   "micro-batches)")
+    p.add_argument("--allow", default=None, help="levers size may switch on to make a layout fit, comma-separated, "
+                   "fewest first: ckpt, bf16, lora, offload")
+    p.add_argument("--format", choices=["table", "json"], default="table")
+    p.add_argument("--plot", metavar="PNG", help="also draw the answer as a heatmap: layout x GPUs -> largest "
+                   "micro-batch")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="local processes (layouts in parallel)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(strategy=None, world_size=None, ds_config=None, tp=1, pp=1, schedule="gpipe",
+                   microbatches=1, pp_split=None, dp=None)
+    p = sub.add_parser("sweep", help="predict every combination of a YAML/JSON grid of predict's options")
+    p.add_argument("file", help="YAML or JSON: option -> value or list of values (llmsim/app/sweep.py)")
+    p.add_argument("--out", default="llmsim-sweep.csv", help=".csv or .parquet")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="local processes")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p = sub.add_parser("measure", help="run the canonical step for real on this CPU and append a row")
+    _add_model_args(p)
+    _add_layout_args(p)
+    p.add_argument("--out", default=None, help="CSV to append to (default data/measurements/tier1_cpu.csv)")
+    p.add_argument("--dry-run", action="store_true", help="measure but write nothing")
+    p.add_argument("--timeout", type=int, default=900, help="seconds before a multi-process run is killed")
+    p = sub.add_parser("validate", help="re-predict every measured row; exit 1 if any is out of tolerance")
+    p.add_argument("csv", nargs="*", help="measurement CSVs (default: data/measurements/*.csv)")
+    p.add_argument("--jobs", type=int, default=1, help="local processes to share the rows between")
+    p = sub.add_parser("models", help="list the model zoo")
+    return parser
+
+
+def quiet_libraries() -> None:
+    """transformers, peft and DeepSpeed log advice meant for training scripts; the CLI prints its own report."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)

@@ -1,0 +1,89 @@
+"""Human-readable output: bytes become GiB/MiB only here (STYLE.md rule 1)."""
+from __future__ import annotations
+
+import pandas as pd
+
+from llmsim.sim.pipeline import Prediction
+
+GIB = 2**30
+MIB = 2**20
+
+
+def human_bytes(n: int) -> str:
+    if abs(n) >= GIB:
+        return f"{n / GIB:,.2f} GiB"
+    if abs(n) >= MIB:
+        return f"{n / MIB:,.2f} MiB"
+    return f"{n:,} B"
+
+
+def layout_text(layout) -> str:
+    """"ddp x 8 (pp 2, 1f1b over 4 micro-batches)": the strategy over the world, then what splits each rank."""
+    parts = [f"ZeRO-{layout.deepspeed.stage}"] if layout.deepspeed is not None else []
+    if layout.tp > 1:
+        parts.append(f"tp {layout.tp}")
+    if layout.pp > 1:
+        parts.append(f"pp {layout.pp}, {layout.schedule.value} over {layout.n_microbatches} micro-batches")
+    return f"{layout.strategy.value} x {layout.world_size}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def prediction_table(prediction: Prediction) -> str:
+    s = prediction.setup
+    ckpt = f"checkpointing every {s.ckpt_every} layer(s)" if s.grad_ckpt else "no checkpointing"
+    if s.ckpt_offload:
+        ckpt += " (inputs offloaded to the host)"
+    if s.lora_rank:
+        ckpt += f", LoRA r={s.lora_rank}"
+    lines = [f"{prediction.model.name}: micro-batch {s.micro_batch}, seq {s.seq_len}, {s.precision.value}, "
+             f"attention {s.attention.value}, {ckpt}, {layout_text(prediction.layout)}, device {s.device.value}",
+             _recipe_line(s), "",
+             f"{'rank':>4}  {'peak allocated':>16}  {'peak reserved':>16}  {'device total':>16}  "
+             + (f"{'host peak':>16}  " if s.ckpt_offload else "") + "peak at",
+             ]
+    for r in prediction.ranks:
+        host = f"{human_bytes(r.peak_host_bytes):>16}  " if s.ckpt_offload else ""
+        lines.append(f"{r.rank:>4}  {human_bytes(r.peak_allocated_bytes):>16}  "
+                     f"{human_bytes(r.peak_reserved_bytes):>16}  {human_bytes(r.device_total_bytes):>16}  {host}"
+                     f"step {r.peak.step + 1} {r.peak.phase}, {r.peak.layer}")
+    if prediction.gpu is not None:
+        tightest = max(prediction.ranks, key=lambda r: r.device_total_bytes)
+        verdict = "fits" if all(r.fits for r in prediction.ranks) else "does NOT fit"
+        headroom = tightest.capacity_bytes - tightest.device_total_bytes
+        lines += ["", f"{prediction.gpu.name} ({human_bytes(prediction.gpu.capacity_bytes)}): {verdict}; "
+                      f"headroom on the fullest rank {human_bytes(headroom)} "
+                      f"(device total = reserved + CUDA context; kernels traced: {prediction.setup.device.value})"]
+    worst = max(prediction.ranks, key=lambda r: r.peak_allocated_bytes)
+    if worst.peak.phase == "build" and not s.build_bf16 and s.precision.value == "bf16":
+        lines += ["", "note: the peak is the fp32 build of the canonical step; --build-dtype bf16 builds the way "
+                      "from_pretrained(dtype=torch.bfloat16) loads"]
+    lines += ["", f"breakdown at the peak of rank {worst.rank}:"]
+    total = worst.peak_allocated_bytes
+    for category, nbytes in sorted(worst.peak.breakdown_bytes.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {category:<18} {human_bytes(nbytes):>14}  {100 * nbytes / total:5.1f} %")
+    return "\n".join(lines)
+
+
+def _recipe_line(setup) -> str:
+    from llmsim.inputs.hf import recipe_facts
+
+    f = recipe_facts(setup)
+    clip = f", max_grad_norm {f['max_grad_norm']}" if f["max_grad_norm"] is not None else ""
+    return (f"recipe {f['recipe']}: weights {f['load_dtype']}, mixed precision {f['mixed_precision']}, optimizer "
+            f"{f['optimizer']}, accumulation {f['grad_accum']}{clip}, peft {f['peft']}")
+
+
+def validation_table(results: pd.DataFrame) -> str:
+    shown = results.assign(
+        measured=results["measured_bytes"].map(human_bytes),
+        predicted=results["predicted_bytes"].map(human_bytes),
+        error=results["rel_error"].map(lambda e: f"{100 * e:+.3f} %"))
+    columns = ["tier", "model", "micro_batch", "seq_len", "precision", "attention", "grad_ckpt", "ckpt_every",
+               "lora", "strategy", "world_size", "rank", "measured", "predicted", "error", "ok"]
+    worst = results["rel_error"].abs().max() if len(results) else 0.0
+    summary = (f"{len(results)} rows, {int((~results['ok']).sum())} outside tolerance, "
+               f"worst |error| {100 * worst:.3f} %")
+    host = results[results["measured_host_bytes"] > 0] if len(results) else results
+    if len(host):  # rows with offloaded activations: their host peak is checked too
+        summary += (f"; host peak of {len(host)} offload rows: worst |error| "
+                    f"{100 * host['host_rel_error'].abs().max():.3f} %")
+    return shown[columns].to_string(index=False) + "\n" + summary

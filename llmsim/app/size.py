@@ -1,0 +1,374 @@
+"""Issue 7's question, for the layouts modelled so far: on this GPU, which layouts fit, and with what largest
+micro-batch? Pure compute; the CLI prints the table.
+
+A layout is a strategy and a number of GPUs: one GPU, DDP, DeepSpeed ZeRO-1/2/3 (defaults, bf16 when the setup
+is bf16), tensor parallelism over all the GPUs (`tp`), a pipeline of one stage per GPU (`pp`: 1F1B over as many
+micro-batches as stages, the fewest it takes), and TP x PP with TP 2, 4 or 8 (`tp2xpp`: pp = GPUs / 2), on
+2, 4, 8, ... up to `max_gpus`; TP and PP only where the model has transformers' plans and its sizes divide.
+For each, the largest micro-batch up to `max_micro_batch` whose every
+rank fits is found by doubling then bisecting, which assumes that memory grows with the micro-batch. Live bytes
+do; the caching allocator can make "fits" non-monotonic within about one segment of the capacity (a larger
+micro-batch can fit where a smaller one did not). The answer is always a micro-batch that fits next to one that
+does not (or the maximum), and equals trying every micro-batch whenever "fits" is monotonic (tests check both).
+With `global_batch` (samples per optimizer step) each layout must make up that batch: DDP and ZeRO replicas split
+it evenly (gradient accumulation is modelled for one process only), one process may accumulate over passes, and a
+pipeline splits its share into micro-batches (at least one per stage); the largest micro-batch that fits wins.
+With `allow`, levers the user accepts (checkpointing, a bf16 build, LoRA, offloaded checkpoints) are switched on,
+fewest first, until the layout fits; a layout that never fits says why (the bytes it needs, or what is not
+modelled).
+Before tracing a TP or PP layout (one trace per TP degree and per stage), a lower bound of every rank's peak
+allocated bytes from the meta-device build (llmsim/sim/bound.py: its parameters, gradients and optimizer states) is
+checked: a layout whose bound alone cannot fit is reported as needing "at least" that much, untraced. A pipeline
+is predicted stage by stage, the likely fullest first, and a micro-batch stops at the first stage that cannot fit
+it (its other stages are not traced; the "needs" then names the fullest rank of the stages predicted). Its search
+predicts only the stages that have bound it so far (the first stage to begin with) and then its answer whole;
+a stage that cannot fit the answer joins them and the search goes on below (`_search`). With "fits" monotonic
+the answer is the same as predicting every stage at every micro-batch; in any case it is predicted whole.
+A layout's GPU counts (a pipeline's aside) are evaluated in turn, fewest first, and the search on more GPUs starts
+from the answer on fewer (a hint it gallops from: the same answer whenever "fits" is monotonic, in a few trials
+where it moves little); layouts are evaluated in `jobs` local processes.
+DeepSpeed's bf16 keeps fp32 master weights, so ZeRO layouts in bf16 carry 16 bytes of model state per parameter
+where the single-process pure-bf16 step carries 8.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import tempfile
+from dataclasses import dataclass, replace
+
+import pandas as pd
+
+from llmsim.inputs.dsconfig import load_ds_config
+from llmsim.enums import Precision
+from llmsim.sim.allocator import AllocatorConfig
+from llmsim.inputs.gpus import GpuProfile
+from llmsim.errors import InputError
+from llmsim.sim.bound import rank_lower_bounds
+from llmsim.sim.pipeline import checked, predict, predict_stage
+from llmsim.app.report import human_bytes
+from llmsim.app.sweep import in_processes
+from llmsim.model.pipelining import Schedule, check_pipeline
+from llmsim.model.tensor_parallel import check_tensor_parallel
+from llmsim.inputs.spec import ModelSpec, TrainSetup
+from llmsim.sim.strategies import ZERO_ALLOW_UNTESTED_OPTIMIZER, Layout, Strategy, deepspeed_tested
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    gpus: int
+    layout_for: object  # (micro_batch) -> Layout
+
+
+FAMILIES = ("single", "ddp", "zero", "tp", "pp", "tpxpp")
+
+
+def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
+               families: tuple[str, ...] = FAMILIES) -> list[Candidate]:
+    out = [Candidate("single", 1, lambda mb: Layout())] if "single" in families else []
+    world = 2
+    while world <= max_gpus:
+        if "ddp" in families:
+            out.append(Candidate("ddp", world, lambda mb, w=world: Layout(Strategy.DDP, w)))
+        if "zero" in families and setup.precision in (Precision.FP32, Precision.BF16):
+            for stage in (1, 2, 3):
+                out.append(Candidate(f"zero{stage}", world,
+                                     lambda mb, w=world, s=stage: _zero(spec, setup, w, s, mb)))
+        splits = ([(world, 1)] if "tp" in families else []) + ([(1, world)] if "pp" in families else []) + \
+            ([(t, world // t) for t in (2, 4, 8) if t < world and world % t == 0] if "tpxpp" in families else [])
+        for tp, pp in splits:
+            if _model_parallel_ok(spec, setup, tp, pp):
+                name = "tp" if pp == 1 else "pp" if tp == 1 else f"tp{tp}xpp"
+                out.append(Candidate(name, world, lambda mb, t=tp, p=pp, m=None: _model_parallel(t, p, m)))
+        world *= 2
+    return out
+
+
+def _model_parallel(tp: int, pp: int, n_microbatches: int | None = None) -> Layout:
+    return Layout(world_size=tp * pp, tp=tp, pp=pp, schedule=Schedule.ONE_F_ONE_B, n_microbatches=n_microbatches or pp)
+
+
+def _model_parallel_ok(spec: ModelSpec, setup: TrainSetup, tp: int, pp: int) -> bool:
+    if setup.lora_rank or spec.config_json is None:
+        return False
+    try:
+        check_tensor_parallel(spec.hf_config(), tp)
+        check_pipeline(spec.hf_config(), pp, pp, Schedule.ONE_F_ONE_B, None, setup.precision)
+    except InputError:
+        return False
+    return True
+
+
+def _zero(spec: ModelSpec, setup: TrainSetup, world: int, stage: int, micro_batch: int) -> Layout:
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "zero_optimization": {"stage": stage},
+              "bf16": {"enabled": setup.precision is Precision.BF16}}
+    if not deepspeed_tested(setup.optimizer):  # as a user running it must (llmsim.sim.strategies.check_deepspeed_optimizer)
+        config[ZERO_ALLOW_UNTESTED_OPTIMIZER] = True
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(config, f)
+    deepspeed = load_ds_config(f.name, world, int(spec.hf_config().hidden_size), micro_batch, setup.precision)
+    return Layout(Strategy.DEEPSPEED, world, deepspeed)
+
+
+def fits(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, micro_batch: int, gpu: GpuProfile,
+         alloc_conf: AllocatorConfig = AllocatorConfig()) -> tuple:
+    ok, worst, _ = _worst(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
+                          alloc_conf)
+    return ok, worst.device_total_bytes
+
+
+def _worst(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile, alloc_conf: AllocatorConfig,
+           only: list[int] | None = None):
+    """(whether every rank predicted fits, the rank with the largest device total among them, how many pipeline
+    stages were not predicted). A pipeline is predicted stage by stage (one trace each) and stops at the first
+    stage with a rank that does not fit: then the layout does not, whatever the other stages need. The likely
+    fullest go first: the first stage (the most micro-batches in flight under 1F1B), then the last (the LM head
+    and loss), then the others. `only`: predict these stages alone (a screen: "fits" then means that they fit)."""
+    if layout.pp == 1:
+        prediction = predict(spec, setup, layout, gpu, alloc_conf)
+        return all(r.fits for r in prediction.ranks), max(prediction.ranks, key=lambda r: r.device_total_bytes), 0
+    order = [0, layout.pp - 1] + list(range(1, layout.pp - 1)) if only is None else only
+    ranks = []
+    for predicted_stages, stage in enumerate(order, 1):
+        predicted = predict_stage(spec, setup, layout, stage, gpu, alloc_conf)
+        ranks += predicted
+        if not all(r.fits for r in predicted):
+            return False, max(ranks, key=lambda r: r.device_total_bytes), layout.pp - predicted_stages
+    return True, max(ranks, key=lambda r: r.device_total_bytes), layout.pp - len(order)
+
+
+def largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch: int,
+                        alloc_conf: AllocatorConfig = AllocatorConfig(),
+                        hint: int | None = None) -> tuple[int, int | None]:
+    """(largest micro-batch that fits or 0, its device total): `_search`."""
+    return _search(spec, setup, candidate, gpu, max_micro_batch, alloc_conf, hint)[:2]
+
+
+def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: AllocatorConfig,
+            hint: int | None = None) -> tuple:
+    """(largest micro-batch that fits or 0, its device total, and when it is 0: micro-batch 1's worst rank and
+    how many pipeline stages it left unpredicted). Doubling from 1 until a micro-batch does not fit, then
+    bisecting; with a `hint` (the answer of the same layout on fewer GPUs), galloping from it instead: up by 1, 2,
+    4, ... while they fit, down by 1, 2, 4, ... while they do not, then bisecting (`_next_trial`). A pipeline's
+    trials predict only the stages that have bound it so far (the first stage, the fullest under 1F1B, to begin
+    with): a trial they cannot fit does not fit (exact); the answer they find is then predicted whole, and where
+    another stage cannot fit it, that stage joins them and the search goes on below. The answer is always
+    predicted whole, next to a micro-batch that does not fit (or the maximum)."""
+    first = candidate.layout_for(1)
+    screen = [0] if first.pp > 1 else None
+
+    def trial(micro_batch: int, only: list[int] | None) -> tuple:
+        return _worst(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
+                      alloc_conf, only)
+
+    verified, verified_total = 0, None  # the largest micro-batch predicted whole that fits
+    good, bad, failure = 0, None, None
+    while True:
+        # double until it stops fitting, then bisect between the last fit and the first miss
+        while (good < max_micro_batch) if bad is None else (bad - good > 1):
+            micro_batch = _next_trial(good, bad, hint, max_micro_batch)
+            ok, worst, unpredicted = trial(micro_batch, screen)
+            if not ok:
+                bad, failure = micro_batch, (worst, unpredicted) if micro_batch == 1 else failure
+                continue
+            good = micro_batch
+            if not unpredicted:
+                verified, verified_total = micro_batch, worst.device_total_bytes
+        if good == verified:
+            return verified, verified_total, failure
+        ok, worst, unpredicted = trial(good, None)  # the screen's answer, predicted whole
+        if ok:
+            return good, worst.device_total_bytes, None
+        screen.append(worst.rank % (first.pp * first.tp) // first.tp)  # the stage that did not fit it
+        failure = (worst, unpredicted) if good == 1 else failure
+        good, bad, hint = verified, good, None
+
+
+def _next_trial(good: int, bad: int | None, hint: int | None, max_micro_batch: int) -> int:
+    """The next micro-batch `_search` tries, knowing the largest that fits so far (`good`, 0 for none) and the
+    smallest that does not (`bad`, None for none). Without a hint: 1, then doubling, then bisecting. With one:
+    the hint, then galloping away from it (up: hint + 1, + 3, + 7, ... while they fit; down: hint - 1, - 3, - 7,
+    ... while they do not), then bisecting; with "fits" monotonic both end at the same answer, the hint in
+    log2(distance) trials when it is close."""
+    if hint is not None:
+        hint = min(max(hint, 1), max_micro_batch)
+        if good == 0 and bad is None:
+            return hint
+        if bad is None:  # every trial so far fits: up from the hint
+            return min(good + (good - hint + 1), max_micro_batch)
+        if good == 0 and bad > 1:  # none fits so far: down from the hint
+            return max(bad - (hint - bad + 1), 1)
+    if bad is None:
+        return min(max(2 * good, 1), max_micro_batch)
+    return (good + bad) // 2
+
+
+# What `--allow` may switch on to make a layout fit, tried fewest first (then in this order).
+LEVERS: dict[str, dict] = {
+    "ckpt": {"grad_ckpt": True},
+    "bf16": {"precision": Precision.BF16, "build_bf16": True},
+    "lora": {"lora_rank": 16},
+    "offload": {"grad_ckpt": True, "ckpt_offload": True},
+}
+
+
+def lever_sets(allow: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """(), then each allowed lever alone, then pairs, ...: the least change to the user's setup first."""
+    if unknown := [name for name in allow if name not in LEVERS]:
+        raise InputError(f"unknown levers {unknown} for --allow; valid choices: {', '.join(LEVERS)}")
+    return [combo for n in range(len(allow) + 1) for combo in itertools.combinations(allow, n)]
+
+
+def with_levers(setup: TrainSetup, levers: tuple[str, ...]) -> TrainSetup:
+    for name in levers:
+        setup = replace(setup, **LEVERS[name])
+    return setup
+
+
+def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
+         max_micro_batch: int = 64, alloc_conf: AllocatorConfig = AllocatorConfig(),
+         families: tuple[str, ...] = FAMILIES, global_batch: int | None = None,
+         allow: tuple[str, ...] = (), jobs: int = 1, progress: bool = False) -> pd.DataFrame:
+    """One row per layout (and GPU count): whether it fits, with which of the allowed levers (the fewest that
+    make it fit), its micro-batch (the largest that fits; with `global_batch`, the one that makes up the batch),
+    and why it does not fit when it does not. A layout other than a pipeline is evaluated on its GPU counts in
+    turn, fewest first (`_layout_rows`: the answer on fewer GPUs starts the search on more); a pipeline on each
+    GPU count apart (its traces are per stage, and on few GPUs a large model's pipelines fit nothing to start
+    from). They are evaluated in `jobs` local processes (each traces what its layouts need), the pipelines first
+    (they take longest), the most stages first."""
+    if global_batch is not None and global_batch < 1:
+        raise InputError(f"global-batch must be a positive integer, got {global_batch}")
+    combos = lever_sets(allow)
+    keys: dict[tuple[str, int], list[tuple[str, ...]]] = {}
+    for levers in combos:
+        for candidate in candidates(spec, with_levers(setup, levers), max_gpus, families):
+            keys.setdefault((candidate.name, candidate.gpus), []).append(levers)
+    work = functools.partial(_layout_rows, spec, setup, gpu, max_gpus, max_micro_batch, alloc_conf, families,
+                             global_batch)
+    # The longest first: each pipeline on its own (a trace per stage; the most GPUs, the most stages, first), then
+    # the other layouts each as a chain of its GPU counts, fewest first, ZeRO-3's first (traces of its own).
+    pipelines = sorted((key for key in keys if "pp" in key[0]), key=lambda key: -key[1])
+    chains: dict[str, list[tuple[tuple[str, int], list[tuple[str, ...]]]]] = {}
+    for key in sorted(keys, key=lambda key: key[1]):
+        if "pp" not in key[0]:
+            chains.setdefault(key[0], []).append((key, keys[key]))
+    items = [[(key, keys[key])] for key in pipelines] + \
+        [chains[name] for name in sorted(chains, key=lambda name: (name != "zero3", -len(chains[name])))]
+    rows = {row_key: row for chain in in_processes(work, items, jobs, progress, "layout") for row_key, row in chain}
+    frame = pd.DataFrame([rows[key] for key in keys])
+    return frame.sort_values(["fits", "gpus", "largest_micro_batch"], ascending=[False, True, False],
+                             kind="stable").reset_index(drop=True)
+
+
+def _layout_rows(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int, max_micro_batch: int,
+                 alloc_conf: AllocatorConfig, families: tuple[str, ...], global_batch: int | None,
+                 chain: list[tuple[tuple[str, int], list[tuple[str, ...]]]]) -> list[tuple[tuple[str, int], dict]]:
+    """The rows of one layout on each of its GPU counts ((name, GPUs), the lever sets to try), fewest GPUs first,
+    each trying the levers in turn: a layout that never fits is shown with every lever it was allowed. The
+    largest micro-batch a lever set found on fewer GPUs is where the search on more starts (`_search`'s hint):
+    it moves by a few from one GPU count to the next, and the search gallops from it."""
+    rows, found = [], {}
+    for key, tries in chain:
+        for levers in tries:
+            candidate = _candidate(spec, setup, levers, key, max_gpus, families)
+            row = _evaluate(spec, with_levers(setup, levers), candidate, gpu, max_micro_batch, alloc_conf,
+                            global_batch, found.get(levers))
+            row = {"layout": key[0], "gpus": key[1], "levers": "+".join(levers) or "-", **row}
+            if row["largest_micro_batch"]:
+                found[levers] = row["largest_micro_batch"]
+            if row["fits"]:
+                break
+        rows.append((key, row))
+    return rows
+
+
+def _candidate(spec: ModelSpec, setup: TrainSetup, levers: tuple[str, ...], key: tuple[str, int], max_gpus: int,
+               families: tuple[str, ...]) -> Candidate:
+    """The candidate (name, GPUs) with these levers: rebuilt where it runs (a candidate holds a closure)."""
+    return next(c for c in candidates(spec, with_levers(setup, levers), max_gpus, families) if (c.name, c.gpus) == key)
+
+
+def _evaluate(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, gpu: GpuProfile, max_micro_batch: int,
+              alloc_conf: AllocatorConfig, global_batch: int | None, hint: int | None = None) -> dict:
+    try:
+        if global_batch is None:
+            if why := _cannot_fit(spec, replace(setup, micro_batch=1), candidate.layout_for(1), gpu):
+                return _row(0, 1, None, gpu, why)
+            micro_batch, total, failure = _search(spec, setup, candidate, gpu, max_micro_batch, alloc_conf, hint)
+            if not micro_batch:
+                return _row(0, 1, None, gpu, _needs(1, "", failure[0], gpu, failure[1]))
+            return _row(micro_batch, 1, total, gpu, "")
+        return _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch)
+    except InputError as error:  # a combination llmsim refuses (e.g. a lever not modelled with this layout)
+        return _row(0, 1, None, gpu, f"not modelled: {error}")
+
+
+def _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch: int) -> dict:
+    """The global batch is micro-batch x replicas x passes: DDP and ZeRO replicas split it (gradient
+    accumulation is modelled for one process only, so each takes its share at once); one process may accumulate;
+    a pipeline splits its share into micro-batches (1F1B needs at least as many as stages). The largest
+    micro-batch that fits wins."""
+    replicas = candidate.gpus if candidate.name == "ddp" or candidate.name.startswith("zero") else 1
+    if global_batch % replicas:
+        return _row(0, 1, None, gpu, f"global batch {global_batch} is not a multiple of {replicas} replicas")
+    share = global_batch // replicas
+    stages = _stages(candidate)
+    if stages > 1:
+        options = [(mb, share // mb) for mb in _divisors(share) if share // mb >= stages]
+        if not options:
+            return _row(0, 1, None, gpu, f"global batch {global_batch} gives fewer micro-batches than {stages} "
+                        "stages (1F1B)")
+    elif candidate.name == "single":
+        options = [(mb, share // mb) for mb in _divisors(share)]
+    else:
+        options = [(share, 1)]
+    for i, (micro_batch, passes) in enumerate(options):  # largest micro-batch first
+        trial = replace(setup, micro_batch=micro_batch, grad_accum=passes if stages == 1 else 1)
+        layout = candidate.layout_for(micro_batch, m=passes) if stages > 1 else candidate.layout_for(micro_batch)
+        if i == 0 and (why := _cannot_fit(spec, trial, layout, gpu)):  # the model states alone, at any split
+            return _row(0, options[-1][1], None, gpu, why)
+        ok, worst, unpredicted = _worst(spec, trial, layout, gpu, alloc_conf)
+        if ok:
+            return _row(micro_batch, passes, worst.device_total_bytes, gpu, "")
+    micro_batch, passes = options[-1]
+    split = f" x {passes} {'micro-batches' if stages > 1 else 'passes'}" if passes > 1 else ""
+    return _row(0, passes, None, gpu, _needs(micro_batch, split, worst, gpu, unpredicted))
+
+
+def _cannot_fit(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile) -> str | None:
+    """Why `layout` fits at no micro-batch, from a lower bound of its ranks' peak allocated bytes that needs no
+    trace (llmsim/sim/bound.py: the model states alone; TP and PP layouts), or None where the bound fits or is not
+    modelled. A rank fits only if its live bytes and the cuBLAS workspace fit in the capacity less the CUDA
+    context (`replay.on_device`). Raises the InputError `predict` would raise for this layout."""
+    bounds = rank_lower_bounds(spec, checked(spec, setup, layout, gpu), layout)
+    if not bounds:
+        return None
+    rank = max(bounds, key=bounds.get)  # the lowest such rank
+    usable = gpu.capacity_bytes - gpu.cuda_context_bytes - gpu.cublas_workspace_bytes
+    if bounds[rank] <= usable:
+        return None
+    total = bounds[rank] + gpu.cublas_workspace_bytes + gpu.cuda_context_bytes
+    return (f"needs at least {human_bytes(total)} on rank {rank} of {human_bytes(gpu.capacity_bytes)} "
+            "(its model states alone, before activations)")
+
+
+def _needs(micro_batch: int, split: str, worst, gpu: GpuProfile, unpredicted: int = 0) -> str:
+    other = f" (the other {unpredicted} pipeline stage{'s' * (unpredicted > 1)} not predicted)" if unpredicted else ""
+    return (f"micro-batch {micro_batch}{split} needs {human_bytes(worst.device_total_bytes)} on rank {worst.rank} "
+            f"of {human_bytes(gpu.capacity_bytes)}{other}")
+
+
+def _row(micro_batch: int, passes: int, total: int | None, gpu: GpuProfile, why: str) -> dict:
+    return {"largest_micro_batch": micro_batch, "passes": passes, "device_total_bytes": total,
+            "headroom_bytes": gpu.capacity_bytes - total if total is not None else None,
+            "fits": micro_batch > 0, "why": why}
+
+
+def _stages(candidate: Candidate) -> int:
+    return candidate.layout_for(1).pp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]

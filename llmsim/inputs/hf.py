@@ -1,0 +1,185 @@
+"""The files users already have, read with the ecosystem's own classes: TrainingArguments and LoraConfig.
+
+`--training-args FILE` (JSON or YAML of `TrainingArguments` fields) and `--peft-config FILE` (`LoraConfig` fields, an
+`adapter_config.json`) become one `TrainSetup` of the HF Trainer recipe. The libraries validate them, so their
+defaults and their refusals hold (transformers 5's `TrainingArguments.__post_init__`, peft's `LoraConfig`); llmsim
+adds one line where a value is outside what it has measured. Precision has the ecosystem's two axes:
+- the dtype the weights are loaded in, `from_pretrained(dir, dtype=...)`: "auto" (transformers 5's default) is the
+  config's `dtype` / `torch_dtype`, float32 where the config names none;
+- mixed precision, the Trainer's `bf16` / `fp16`: autocast (and, for fp16, accelerate's GradScaler).
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+from llmsim.enums import Optimizer, Precision, Recipe
+from llmsim.errors import InputError, one_line
+from llmsim.inputs.spec import ModelSpec, TrainSetup
+
+LOAD_DTYPES = ("auto", "float32", "bfloat16", "float16")  # from_pretrained's `dtype` words
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # llmsim's short words for the same
+# The Trainer's `optim` values measured through Trainer.train() (data/measurements/trainer_cpu.csv), with the
+# optimizer transformers builds for each (transformers/trainer_optimizer.py, `_OPTIMIZER_HANDLERS`): (llmsim's name
+# for it, fused). The trace runs the Trainer's own factory; this table names the result in the report and checks.
+TRAINER_OPTIMS = {
+    "adamw_torch": (Optimizer.ADAMW, False),  # torch.optim.AdamW
+    "adamw_torch_fused": (Optimizer.ADAMW, True),  # torch.optim.AdamW(fused=True): the Trainer's default
+    "adafactor": (Optimizer.HF_ADAFACTOR, False),  # transformers' Adafactor(scale_parameter=False, relative_step=False)
+    "sgd": (Optimizer.SGD, False),  # torch.optim.SGD
+    "adamw_8bit": (Optimizer.ADAMW_8BIT, False),  # bitsandbytes AdamW(optim_bits=8)
+    "adamw_bnb_8bit": (Optimizer.ADAMW_8BIT, False),
+}
+# Fields whose run is not one process of the Trainer on its own; refused until a strategy module models them
+NOT_MODELLED_FIELDS = {
+    "deepspeed": "the Trainer with DeepSpeed (give the JSON as --ds-config to predict the canonical DeepSpeed step)",
+    "fsdp": "the Trainer with FSDP",
+    "torch_compile": "torch.compile",
+}
+# Fields the run itself sets (llmsim/model/trainer_recipe.py, MEASUREMENT_ARGS): the CPU the trace plays, three steps,
+# nothing written; a user's value for them changes no byte of a step's memory
+FORCED_FIELDS = ("use_cpu", "max_steps", "report_to", "save_strategy", "disable_tqdm", "output_dir")
+
+
+def read_mapping(path: str, what: str) -> dict[str, Any]:
+    """A JSON or YAML file holding one mapping of field names to values."""
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read {what} file {path!r}: {exc}") from None
+    try:
+        fields = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise InputError(f"{what} file {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
+                         f"{one_line(exc)}") from None
+    if not isinstance(fields, dict):
+        raise InputError(f"{what} file {path!r} must hold a mapping of field names to values")
+    return fields
+
+
+def training_arguments(fields: dict[str, Any], **forced: Any):
+    """`TrainingArguments(**fields, **forced)` on this machine's CPU, the library's own validation and defaults; one
+    line when it refuses. `forced`: the run's own FORCED_FIELDS (the user's values for them are set aside)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    valid = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
+    unknown = [name for name in fields if name not in valid]
+    if unknown:
+        hints = {name: difflib.get_close_matches(name, valid, n=1) for name in unknown}
+        said = ", ".join(f"{n!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for n, h in hints.items())
+        raise InputError(f"unknown TrainingArguments field {said}; see transformers.TrainingArguments for the "
+                         f"{len(valid)} valid fields")
+    for name, why in NOT_MODELLED_FIELDS.items():
+        if fields.get(name):
+            raise InputError(f"TrainingArguments {name}={fields[name]!r}: {why} is not modelled yet for the "
+                             "hf-trainer recipe; modelled: one process")
+    settable = {k: v for k, v in fields.items() if k not in FORCED_FIELDS}
+    try:
+        return TrainingArguments(**{"output_dir": "trainer_output", **settable, "use_cpu": True, **forced})
+    except (ValueError, TypeError) as exc:
+        raise InputError(f"invalid TrainingArguments: {one_line(exc)}") from None
+
+
+def lora_config(fields: dict[str, Any]):
+    """`LoraConfig(**fields)`, peft's validation; an adapter_config.json's own bookkeeping keys are accepted."""
+    from peft import LoraConfig
+
+    fields = dict(fields)
+    peft_type = fields.pop("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise InputError(f"peft config of peft_type {peft_type!r} is not modelled; modelled: LORA (LoraConfig)")
+    try:
+        return LoraConfig(**fields)
+    except (ValueError, TypeError) as exc:
+        raise InputError(f"invalid LoraConfig: {one_line(exc)}") from None
+
+
+def resolve_load_dtype(spec: ModelSpec, dtype: str) -> str:
+    """`from_pretrained(dtype=...)` as transformers 5 resolves it: "auto" is the config's dtype, else float32."""
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
+    if dtype not in LOAD_DTYPES:
+        raise InputError(f"unknown dtype {dtype!r}; valid choices: {', '.join(LOAD_DTYPES)} (or fp32, bf16, fp16)")
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    config_dtype = getattr(spec.hf_config(), "dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = getattr(torch, config_dtype, None)
+    name = str(config_dtype or torch.float32).removeprefix("torch.")
+    if name not in LOAD_DTYPES:
+        raise InputError(f"{spec.name}'s config dtype {name!r} is not modelled; pass dtype float32, bfloat16 or "
+                         "float16")
+    return name
+
+
+def _mixed_precision(args) -> str | None:
+    """The Trainer's mixed precision: "bf16" (`bf16=True`), "fp16" (`fp16=True`) or None."""
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else None
+
+
+def _optim_name(args) -> str:
+    return str(getattr(args.optim, "value", args.optim))  # an OptimizerNames member once TrainingArguments holds it
+
+
+def _precision(load_dtype: str, args) -> Precision:
+    """The (load dtype, mixed precision) pair as llmsim's single precision word, where it has one."""
+    mixed = _mixed_precision(args)
+    table = {("float32", None): Precision.FP32, ("float32", "bf16"): Precision.BF16_AUTOCAST,
+             ("float32", "fp16"): Precision.FP16_AUTOCAST, ("bfloat16", None): Precision.BF16,
+             ("float16", None): Precision.FP16, ("bfloat16", "bf16"): Precision.BF16}
+    if (load_dtype, mixed) not in table:
+        raise InputError(f"weights loaded in {load_dtype} with the Trainer's {mixed}=True are not modelled yet; "
+                         "modelled: float32 with bf16 or fp16, bfloat16 with or without bf16, float16 without fp16")
+    return table[(load_dtype, mixed)]
+
+
+def trainer_setup(spec: ModelSpec, seq_len: int, fields: dict[str, Any], peft_fields: dict[str, Any] | None = None,
+                  dtype: str = "auto") -> TrainSetup:
+    """The HF Trainer recipe's TrainSetup: the user's fields kept as given (the trace runs the Trainer on them), the
+    loop fields llmsim reports and checks derived from the arguments the Trainer would hold."""
+    if spec.config_json is None:
+        raise InputError(f"the hf-trainer recipe loads {spec.name} with from_pretrained: it needs an HF config "
+                         "(a zoo name or a config.json), not a module factory")
+    args = training_arguments(fields)
+    optim = _optim_name(args)
+    if optim not in TRAINER_OPTIMS:
+        raise InputError(f"TrainingArguments optim {optim!r} is not modelled yet; modelled: "
+                         f"{', '.join(TRAINER_OPTIMS)}")
+    optimizer, fused = TRAINER_OPTIMS[optim]
+    load_dtype = resolve_load_dtype(spec, dtype)
+    precision = _precision(load_dtype, args)
+    lora_rank = 0
+    if peft_fields is not None:
+        lora_rank = int(lora_config(peft_fields).r)
+    return TrainSetup(
+        micro_batch=args.per_device_train_batch_size, seq_len=seq_len, precision=precision,
+        grad_ckpt=bool(args.gradient_checkpointing), grad_accum=args.gradient_accumulation_steps,
+        optimizer=optimizer, fused=fused, build_bf16=load_dtype == "bfloat16", lora_rank=lora_rank,
+        recipe=Recipe.HF_TRAINER, training_args=json.dumps(fields, sort_keys=True),
+        peft_config=json.dumps(peft_fields, sort_keys=True) if peft_fields is not None else None,
+        load_dtype=load_dtype)
+
+
+def recipe_facts(setup: TrainSetup) -> dict[str, Any]:
+    """What is predicted, in the ecosystem's words: the recipe, the two precision axes, the optimizer, accumulation."""
+    if setup.recipe is Recipe.HF_TRAINER:
+        args = training_arguments(json.loads(setup.training_args))
+        return {"recipe": setup.recipe.value, "load_dtype": setup.load_dtype,
+                "mixed_precision": _mixed_precision(args) or "no", "optimizer": _optim_name(args),
+                "grad_accum": setup.grad_accum,
+                "max_grad_norm": args.max_grad_norm,
+                "peft": "LoRA r=%d" % setup.lora_rank if setup.lora_rank else "none"}
+    build = "bfloat16" if setup.build_bf16 else "float32"  # build_bf16 holds with precision bf16 only
+    mixed = {Precision.BF16_AUTOCAST: "bf16", Precision.FP16_AUTOCAST: "fp16"}.get(setup.precision, "no")
+    cast = {Precision.BF16: ", then cast to bfloat16", Precision.FP16: ", then cast to float16"}.get(setup.precision, "")
+    optimizer = setup.optimizer.value + (" (fused)" if setup.fused else " (foreach)" if setup.foreach else "")
+    return {"recipe": setup.recipe.value, "load_dtype": build + ("" if setup.build_bf16 else cast),
+            "mixed_precision": mixed, "optimizer": optimizer, "grad_accum": setup.grad_accum, "max_grad_norm": None,
+            "peft": f"LoRA r={setup.lora_rank}" if setup.lora_rank else "none"}

@@ -1,0 +1,331 @@
+"""The two inputs of every prediction: which model (`ModelSpec`) and which training loop (`TrainSetup`).
+
+Both are frozen and validated on construction, so everything downstream can trust them.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from llmsim.enums import Attention, Device, Loss, Optimizer, Precision, Recipe
+from llmsim.errors import InputError, one_line
+
+ZOO_DIR = Path(__file__).resolve().parents[2] / "data" / "models"
+CANONICAL_STEPS = 3  # DESIGN.md: the peak is taken from just before the build to the end of step 3
+# Model types whose position embedding is a learned table: a longer sequence indexes past its end.
+LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt", "gpt_neo", "biogpt"})
+
+
+# Optimizers whose step is not traced on DTensor parameters: bitsandbytes' custom ops have no sharding rule, and
+# the Adafactors' norms of a sharded parameter would need a traced all-reduce
+NOT_WITH_TP = frozenset({Optimizer.ADAFACTOR, Optimizer.HF_ADAFACTOR, Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW,
+                         Optimizer.PAGED_ADAMW_8BIT})
+
+# torch.optim classes with a `fused` argument among the optimizers llmsim models (torch 2.13: Adam, AdamW, SGD)
+FUSED_OPTIMIZERS = (Optimizer.ADAMW, Optimizer.ADAM, Optimizer.SGD, Optimizer.SGD_MOMENTUM)
+
+LLM_INT8_THRESHOLD = 6.0  # BitsAndBytesConfig's llm_int8_threshold default (transformers/utils/quantization_config.py)
+
+
+def zoo_names() -> list[str]:
+    return sorted(p.stem for p in ZOO_DIR.glob("*.json"))
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """One process's canonical training loop (DESIGN.md, "The canonical training step")."""
+
+    micro_batch: int
+    seq_len: int
+    precision: Precision = Precision.FP32
+    attention: Attention | None = None  # None: transformers' own choice (sdpa where supported, else eager)
+    grad_ckpt: bool = False
+    ckpt_every: int = 1  # transformers' `every_n_layers`: layer i is checkpointed iff i % ckpt_every == 0
+    steps: int = CANONICAL_STEPS
+    device: Device = Device.CPU
+    cuda_capability: str | None = None  # with device cuda: "8.0", "9.0", ... (the kernels CUDA picks depend on it)
+    foreach: bool = False  # the optimizer's foreach path: torch's default for CUDA parameters, not for CPU ones
+    optimizer: Optimizer = Optimizer.ADAMW
+    build_bf16: bool = False  # build directly in bf16, as from_pretrained(dtype=torch.bfloat16) loads (else the
+    # canonical fp32 build and cast, whose 4 bytes/parameter can be the whole step's peak)
+    lora_rank: int = 0  # 0: full fine-tuning; else peft LoRA adapters of this rank on a frozen base
+    lora_alpha: int = 16
+    lora_targets: tuple[str, ...] | None = None  # None: peft's default target modules for the model type
+    zero3_hooks: bool = False  # trace with DeepSpeed ZeRO-3's module hooks mirrored (llmsim/model/zero3_hooks.py)
+    tp: int = 1  # tensor-parallel degree: trace one rank of transformers' TP plan (llmsim/model/tensor_parallel.py)
+    pp: int = 1  # pipeline stages: trace stage `pp_stage` of the canonical PP step (llmsim/model/pipelining.py)
+    pp_stage: int = 0
+    schedule: str = "gpipe"  # llmsim.model.pipelining.Schedule
+    n_microbatches: int = 1  # micro-batches per step through the pipeline (each `micro_batch` samples)
+    pp_split: tuple[int, ...] | None = None  # layers per stage; None: transformers' balanced split
+    grad_accum: int = 1  # forward/backward passes per optimizer step (the loss divided by it)
+    quant: str | None = None  # "nf4" | "fp4" | "int8": a bitsandbytes 4-/8-bit base under LoRA (llmsim/model/quantized.py)
+    double_quant: bool = False  # bnb_4bit_use_double_quant
+    ckpt_offload: bool = False  # activation_checkpointing_enable(offload=True): checkpoint inputs held in host memory
+    loss: Loss = Loss.HF  # transformers' loss, TRL's chunked NLL or Liger's fused linear CE (llmsim/model/losses.py)
+    loss_chunk: int | None = None  # chunked-nll's vocabulary tile width; None: TRL's 32768 (losses.TRL_CHUNK_SIZE)
+    # LoraConfig(modules_to_save=...): peft's ModulesToSaveWrapper keeps each matched module frozen and trains a
+    # deepcopy of it (peft/utils/other.py); module names matched by their FQN's ending, as peft matches them
+    lora_modules_to_save: tuple[str, ...] | None = None
+    # Vocabulary rows trained alone (peft's TrainableTokensLayer on the input embedding): through LoraConfig's
+    # `trainable_token_indices` with a LoRA rank, else peft's own TrainableTokensConfig(token_indices=...)
+    trainable_tokens: tuple[int, ...] | None = None
+    # DeepSpeed's engine (no zero.Init) casts the parameters after get_peft_model instead of the canonical cast
+    # before it: every parameter, the adapters included, to the precision's dtype, the buffers left as built
+    # (deepspeed/runtime/engine.py, `_cast_module_mixed_precision`); set for LoRA under ZeRO-1/2 (llmsim.sim.strategies)
+    cast_after_peft: bool = False
+    # torch.optim's `fused=True`: the optimizer's fused kernel (`_fused_adamw_`, `_fused_adam_`, `_fused_sgd_`),
+    # which updates every state in place (no temporaries) and keeps AdamW's `step` on the parameters' device
+    fused: bool = False
+    # Name each micro-step's own gradient (what autograd hands a parameter's AccumulateGrad) a GRADIENT of that
+    # parameter, where it is added in place into the accumulated one: DeepSpeed ZeRO-2 sets every `param.grad` to
+    # None at the end of each backward (stage_1_and_2.py, `_clear_param_grad_only`), so there autograd keeps that
+    # storage as the new `.grad` and the reduction takes it over (llmsim.sim.strategies, `traced_setup`). The events
+    # are those of the canonical step; only their names change.
+    label_micro_grads: bool = False
+    # BitsAndBytesConfig(llm_int8_threshold=...) with quant int8: LLM.int8's outlier threshold (bitsandbytes' default
+    # 6.0); a CPU training step never reads it (llmsim/model/quantized.py), so it changes no byte there
+    int8_threshold: float = LLM_INT8_THRESHOLD
+    # The recipe (llmsim.enums.Recipe). With HF_TRAINER the fields below are the user's own inputs, as canonical
+    # JSON (llmsim/inputs/hf.py reads and validates them); the loop fields above are derived from them, for the
+    # report and the checks, while the trace runs the Trainer itself.
+    recipe: Recipe = Recipe.CANONICAL
+    training_args: str | None = None  # TrainingArguments fields as the user's file gives them
+    peft_config: str | None = None  # LoraConfig fields (an adapter_config.json), or None: full fine-tuning
+    load_dtype: str | None = None  # from_pretrained(dtype=...) resolved: "float32" | "bfloat16" | "float16"
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InputError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise InputError(f"lora-rank must be a positive integer (or 0 for full fine-tuning), "
+                             f"got {self.lora_rank!r}")
+        if self.lora_targets is not None and not self.lora_rank:
+            raise InputError("lora-targets needs a LoRA rank (--lora-rank)")
+        self._check_peft_extras()
+        if self.build_bf16 and self.precision is not Precision.BF16:
+            raise InputError(f"build-dtype bf16 needs precision bf16, got {self.precision.value}")
+        if (self.recipe is Recipe.HF_TRAINER) != (self.training_args is not None and self.load_dtype is not None):
+            raise InputError("recipe hf-trainer needs its TrainingArguments and load dtype (and only it takes them)")
+        if (self.device is Device.CUDA) != (self.cuda_capability is not None):
+            raise InputError("device cuda needs a GPU (--gpu NAME), whose compute capability picks the kernels")
+        if self.loss_chunk is not None:
+            if not isinstance(self.loss_chunk, int) or self.loss_chunk < 1:
+                raise InputError(f"loss-chunk must be a positive integer, got {self.loss_chunk!r}")
+            if self.loss is not Loss.CHUNKED_NLL:
+                raise InputError(f"loss-chunk({self.loss_chunk}) needs --loss chunked-nll (TRL's vocabulary tile); "
+                                 f"loss {self.loss.value} has no chunk to set (Liger derives its own)")
+        if self.optimizer.paged and self.device is Device.CUDA:
+            raise InputError(f"optimizer {self.optimizer.value} on a GPU is not modelled: its states of 1e5 elements "
+                             "or more live in CUDA unified memory outside PyTorch's allocator (bitsandbytes "
+                             "get_paged); on the CPU bitsandbytes falls back to ordinary buffers")
+        if self.tp > 1 and self.optimizer in NOT_WITH_TP:
+            raise InputError(f"optimizer {self.optimizer.value} with tp({self.tp}) is not modelled yet; modelled "
+                             "with tp: adamw, adam, sgd, sgd-momentum")
+        self._check_fused()
+        if not isinstance(self.int8_threshold, (int, float)) or not self.int8_threshold >= 0:
+            raise InputError(f"int8-threshold must be a number >= 0 (0 turns LLM.int8's outlier split off), "
+                             f"got {self.int8_threshold!r}")
+        if self.int8_threshold != LLM_INT8_THRESHOLD and self.quant != "int8":
+            raise InputError(f"int8-threshold({self.int8_threshold}) is LLM.int8's outlier threshold: it needs "
+                             "--quant int8")
+        if self.ckpt_every != 1 and not self.grad_ckpt:
+            raise InputError(f"ckpt-every({self.ckpt_every}) needs activation checkpointing (--grad-ckpt)")
+        if self.ckpt_offload and not self.grad_ckpt:
+            raise InputError("ckpt-offload offloads the checkpointed layers' inputs: it needs activation "
+                             "checkpointing (--grad-ckpt)")
+
+    def _check_fused(self) -> None:
+        if not self.fused:
+            return
+        if self.foreach:  # torch/optim/adam.py, sgd.py: the constructors raise this
+            raise InputError("fused and foreach cannot both be on (torch.optim raises \"`fused` and `foreach` "
+                             "cannot be `True` together\"); pick one")
+        if self.optimizer not in FUSED_OPTIMIZERS:
+            raise InputError(f"optimizer {self.optimizer.value} has no fused path; fused: "
+                             f"{', '.join(o.value for o in FUSED_OPTIMIZERS)}")
+        if self.tp > 1 or self.pp > 1:
+            raise InputError(f"fused optimizer with tp({self.tp}) / pp({self.pp}) is not modelled yet; modelled: "
+                             "one process and ddp (tp = pp = 1)")
+
+    def _check_peft_extras(self) -> None:
+        if self.lora_modules_to_save is not None:
+            if not self.lora_rank:
+                raise InputError("lora-modules-to-save is a LoraConfig field (modules_to_save): it needs a LoRA rank "
+                                 "(--lora-rank)")
+            if not self.lora_modules_to_save or not all(self.lora_modules_to_save):
+                raise InputError(f"lora-modules-to-save needs module names, got {self.lora_modules_to_save!r}")
+        if self.trainable_tokens is not None:
+            tokens = self.trainable_tokens
+            if not tokens or not all(isinstance(t, int) for t in tokens):
+                raise InputError(f"trainable-tokens must be vocabulary indices, e.g. 0,1,2; got {tokens!r}")
+            if negative := [t for t in tokens if t < 0]:
+                raise InputError(f"trainable-tokens must be vocabulary indices >= 0, got {negative}")
+            if len(set(tokens)) != len(tokens):
+                raise InputError(f"trainable-tokens lists an index twice: {list(tokens)}")
+        if (self.lora_modules_to_save or self.trainable_tokens) and self.quant is not None:
+            raise InputError(f"lora-modules-to-save / trainable-tokens with quant {self.quant} are not modelled yet; "
+                             "modelled: an fp32 or bf16 base")
+
+    @property
+    def ckpt_period(self) -> int:
+        """Layers repeat their memory behaviour with this period."""
+        return self.ckpt_every if self.grad_ckpt else 1
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A causal LM: an HF config (zoo name or config.json path, plus overrides) or a `module:factory`."""
+
+    name: str
+    config_json: str | None = None  # canonical JSON of the HF config dict, overrides applied
+    factory: str | None = None  # "package.module:function" returning an nn.Module
+    overrides: tuple[tuple[str, Any], ...] = field(default=())
+
+    @property
+    def config_dict(self) -> dict[str, Any]:
+        assert self.config_json is not None
+        return json.loads(self.config_json)
+
+    def hf_config(self, num_layers: int | None = None):
+        """The transformers config, optionally cut to `num_layers` decoder layers (for the trace)."""
+        config = copy.deepcopy(_hf_config_from_json(self.config_json))  # from_config mutates its config
+        if num_layers is not None:
+            _set_depth(config, num_layers)
+        return config
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config().num_hidden_layers)
+
+    @property
+    def layer_period(self) -> int:
+        """Smallest period of the per-layer attention types (1 for homogeneous models)."""
+        types = getattr(self.hf_config(), "layer_types", None) or []
+        return _smallest_period(list(types)) if types else 1
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config().vocab_size)
+
+    @property
+    def max_positions(self) -> int | None:
+        config = self.hf_config()
+        for key in ("max_position_embeddings", "n_positions"):
+            value = getattr(config, key, None)
+            if isinstance(value, int):
+                return value
+        return None
+
+    def factory_callable(self) -> Callable[[], Any]:
+        module_name, _, attr = self.factory.partition(":")  # type: ignore[union-attr]
+        return getattr(importlib.import_module(module_name), attr)
+
+
+def _smallest_period(items: list) -> int:
+    for period in range(1, len(items) + 1):
+        if all(items[i] == items[i % period] for i in range(len(items))):
+            return period
+    return len(items)
+
+
+def _set_depth(config, num_layers: int) -> None:
+    types = getattr(config, "layer_types", None)
+    config.num_hidden_layers = num_layers  # attribute_map turns this into n_layer for GPT-2, BLOOM, CodeGen
+    if isinstance(types, list):
+        config.layer_types = types[:num_layers]
+
+
+@functools.lru_cache(maxsize=64)
+def _hf_config_from_json(config_json: str):
+    from transformers import AutoConfig
+
+    config_dict = json.loads(config_json)
+    return AutoConfig.for_model(**config_dict)
+
+
+def load_model_spec(name: str, overrides: dict[str, Any] | None = None) -> ModelSpec:
+    """Resolve `name` (zoo name, path to an HF config.json, or module:factory) into a validated spec."""
+    overrides = dict(overrides or {})
+    if ":" in name and not Path(name).exists():
+        if overrides:
+            raise InputError(f"config overrides {sorted(overrides)} cannot apply to a module:factory model")
+        spec = ModelSpec(name=name, factory=name)
+        try:
+            spec.factory_callable()
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise InputError(f"cannot load model factory {name!r}: {exc}") from None
+        return spec
+    config_dict = _read_config(name)
+    config_dict.update(overrides)
+    _check_architecture(name, config_dict)
+    config_json = json.dumps(config_dict, sort_keys=True)
+    try:
+        config = _hf_config_from_json(config_json)
+    except Exception as exc:  # transformers raises many types for invalid configs
+        raise InputError(f"invalid config for model {name!r}: {one_line(exc)}") from None
+    spec = ModelSpec(name=name, config_json=config_json, overrides=tuple(sorted(overrides.items())))
+    if getattr(config, "num_hidden_layers", 0) < 1:
+        raise InputError(f"model {name!r} has num_hidden_layers({config.num_hidden_layers}); need >= 1")
+    return spec
+
+
+def _read_config(name: str) -> dict[str, Any]:
+    path = ZOO_DIR / f"{name}.json"
+    if not path.exists():
+        path = Path(name)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise InputError(f"unknown model {name!r}; valid zoo names: {', '.join(zoo_names())} "
+                             "(or a path to an HF config.json, or module:factory)")
+    try:
+        config_dict = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot read model config {str(path)!r}: {exc}") from None
+    if not isinstance(config_dict, dict):
+        raise InputError(f"model config {str(path)!r} is not a JSON object")
+    return config_dict
+
+
+def _check_architecture(name: str, config_dict: dict[str, Any]) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config_dict.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        valid = ", ".join(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+        raise InputError(f"model {name!r} has model_type {model_type!r}, which transformers cannot build as a "
+                         f"causal LM; valid model types: {valid}")
+
+
+def check_fits_positions(spec: ModelSpec, setup: TrainSetup) -> None:
+    """A sequence longer than a learned position table cannot run at all."""
+    if spec.config_json is None:
+        return
+    limit = spec.max_positions
+    learned = spec.config_dict.get("model_type") in LEARNED_POSITION_MODEL_TYPES
+    if limit is not None and learned and setup.seq_len > limit:
+        raise InputError(f"seq-len({setup.seq_len}) exceeds {spec.name}'s max positions({limit})")
+
+
+def resolve_attention(spec: ModelSpec, setup: TrainSetup) -> TrainSetup:
+    """Fix the attention implementation the way transformers would, and reject one the model lacks."""
+    if spec.config_json is None:
+        return setup if setup.attention is not None else replace(setup, attention=Attention.SDPA)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(spec.hf_config())]
+    supported = [Attention.EAGER] + ([Attention.SDPA] if model_class._supports_sdpa else [])
+    if setup.attention is None:
+        return replace(setup, attention=supported[-1])
+    if setup.attention not in supported:
+        raise InputError(f"{spec.name} ({model_class.__name__}) does not support attention "
+                         f"{setup.attention.value!r}; valid choices: {', '.join(a.value for a in supported)}")
+    return setup

@@ -1,0 +1,194 @@
+"""One rank of a measured multi-process canonical step (tier 2), launched by `llmsim.measure.launch` via torchrun.
+
+    loss = engine(input_ids=x, labels=x).loss; engine.backward(loss); engine.step()     # DeepSpeed (every
+                                                      # micro-step: the engine steps at gradient_accumulation_steps)
+    loss = ddp(input_ids=x, labels=x).loss; loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    loss = model(input_ids=x, labels=x).loss; ...       # tensor parallel: the model is this rank's TP shards
+
+The storage tracker runs in every rank from before the model is built to the end of step 3; each rank
+writes its peak and its timeline to the output folder.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmsim.enums import Attention, Category, Loss, Optimizer, Phase, Precision
+from llmsim.model.losses import compute_loss, install_loss
+from llmsim.model.offload import host_peak_bytes, offloading, split_host
+from llmsim.sim.peaks import replay
+from llmsim.inputs.spec import ModelSpec, TrainSetup
+from llmsim.model.step import (LayerHooks, add_peft, enable_checkpointing, import_peft, make_optimizer, optimizer_class,
+                         run_canonical_step, run_pipeline_step, uses_peft)
+from llmsim.model.tensor_parallel import parallel_mesh
+from llmsim.model.trace import model_builder
+from llmsim.model.tracker import StorageTracker
+
+
+DDP_BUCKET_CAP_MB = 25  # torch DistributedDataParallel's default
+GLOO_SETTLE_S = 0.001
+
+
+def _build(job: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**json.loads(job["config_json"]))
+    dtype = torch.bfloat16 if job.get("build_bf16") else torch.float32
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=job["attention"])
+
+
+def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
+    """The canonical step's levers as a DeepSpeed script pulls them: the loss lever patches the model's forward
+    and peft wraps it before `deepspeed.initialize`, checkpointing (with its offload) is enabled on the base
+    model, and the engine's forward takes the lever's arguments (llmsim/model/losses.py, `compute_loss`)."""
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    ds_config = job["ds_config"]
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    setup = _setup(job)
+    import_peft(setup)
+    optimizer_class(setup.optimizer)  # imported before the step, as a training script does
+    with tracker, offloading(tracker, setup.ckpt_offload):
+        keep_alive = HfDeepSpeedConfig(ds_config) if stage == 3 else None  # zero.Init inside from_config
+        base = model = _build(job)
+        hooks = LayerHooks(tracker, model, None)
+        model.train()
+        install_loss(base, setup)
+        vocab_size = base.get_input_embeddings().num_embeddings  # before peft wraps it (trainable tokens)
+        if uses_peft(setup):  # as a Trainer script does: get_peft_model outside zero.Init, then initialize
+            model = add_peft(model, setup)
+            hooks.adopt_new_parameters()
+        if job["grad_ckpt"]:
+            enable_checkpointing(base, job["ckpt_every"], setup.ckpt_offload)
+        # the client optimizer, built as the canonical step builds it (torch.optim.AdamW unless --optimizer,
+        # with --foreach / --fused)
+        optimizer = None if "optimizer" in ds_config else make_optimizer(model.parameters(), setup)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        hooks.label_model()
+        batch = torch.randint(0, vocab_size, (job["micro_batch"], job["seq_len"]))
+        tracker.label([batch], Category.INPUT)
+        for step in range(job["steps"]):
+            for _ in range(setup.grad_accum):  # gradient_accumulation_steps micro-steps, each ending in step()
+                tracker.set_phase(step, Phase.FORWARD)
+                loss = compute_loss(engine, batch, setup)
+                tracker.set_phase(step, Phase.BACKWARD)
+                hooks.enter_backward()
+                engine.backward(loss)  # divides the loss by gradient_accumulation_steps itself
+                if engine.is_gradient_accumulation_boundary():  # else step() only counts the micro-step
+                    tracker.set_phase(step, Phase.OPTIMIZER)
+                engine.step()
+        tracker.finish()
+    del keep_alive
+
+
+def _setup(job: dict) -> TrainSetup:
+    return TrainSetup(job["micro_batch"], job["seq_len"], Precision(job["precision"]), Attention(job["attention"]),
+                      job["grad_ckpt"], job["ckpt_every"], job["steps"], build_bf16=bool(job.get("build_bf16")),
+                      tp=job.get("tp", 1), pp=job.get("pp", 1), schedule=job.get("schedule", "gpipe"),
+                      n_microbatches=job.get("n_microbatches", 1),
+                      pp_split=tuple(job["pp_split"]) if job.get("pp_split") else None,
+                      lora_rank=job.get("lora_rank", 0), lora_alpha=job.get("lora_alpha", 16),
+                      lora_targets=tuple(job["lora_targets"]) if job.get("lora_targets") else None,
+                      optimizer=Optimizer(job.get("optimizer", Optimizer.ADAMW.value)),
+                      grad_accum=job.get("grad_accum", 1), ckpt_offload=bool(job.get("ckpt_offload")),
+                      loss=Loss(job.get("loss", Loss.HF.value)), loss_chunk=job.get("loss_chunk"),
+                      lora_modules_to_save=_tuple(job.get("lora_modules_to_save")),
+                      trainable_tokens=_tuple(job.get("trainable_tokens")), foreach=bool(job.get("foreach")),
+                      fused=bool(job.get("fused")))
+
+
+def _tuple(values: list | None) -> tuple | None:
+    return tuple(values) if values else None
+
+
+def run_ddp(job: dict, tracker: StorageTracker) -> None:
+    """The canonical step with the model wrapped in DistributedDataParallel before the optimizer is built."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    bucket_cap_mb = job.get("bucket_cap_mb", DDP_BUCKET_CAP_MB)
+    run_canonical_step(lambda: _build(job), _setup(job), tracker,
+                       wrap=lambda model: DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb))
+
+
+class GlooWorkSettles(TorchDispatchMode):
+    """After each collective's `wait_tensor`, give gloo's worker thread a millisecond to drop its reference to
+    the collective's tensors while this thread still holds them.
+
+    Without it, which step keeps the LM head's gathered logits (and their local shard) alive until the
+    backward is a thread race: when the worker is descheduled between completing the work and destroying
+    it, its reference becomes the last one, and the free then waits for the GIL, which the forward holds
+    until `loss.backward()` releases it (seen on a 3-layer Llama, TP 2: +9 % in one step out of three,
+    rank and step changing run to run). NCCL releases a work's tensors when it is waited on; the
+    prediction keeps that order, and with this mode the measured runs agree event for event with it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            time.sleep(GLOO_SETTLE_S)
+        return out
+
+
+def run_model_parallel(job: dict, tracker: StorageTracker) -> None:
+    """This rank's pipeline stage (llmsim.model.pipelining) and shards of transformers' TP plan
+    (llmsim.model.tensor_parallel): the canonical PP step, or the canonical step when there is one stage. With
+    dp > 1 the stage is wrapped in DistributedDataParallel over its data-parallel group."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    dp = job.get("dp", 1)
+    mesh = parallel_mesh(dp, job.get("pp", 1), job.get("tp", 1))
+    setup = replace(_setup(job), pp_stage=mesh.get_coordinate()[1])
+    spec = ModelSpec(job["model"], job["config_json"])
+    build = model_builder(spec, setup, None, mesh)
+    wrap = None
+    if dp > 1:
+        def wrap(model):
+            return DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
+                                           bucket_cap_mb=DDP_BUCKET_CAP_MB)
+    with GlooWorkSettles():
+        if setup.pp > 1:
+            run_pipeline_step(build, setup, tracker, mesh["pp"].get_group(), wrap)
+        else:
+            run_canonical_step(build, setup, tracker, wrap=wrap)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("job", type=Path)
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    job = json.loads(args.job.read_text())
+    torch.manual_seed(0)
+    if job["framework"] == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    tracker = StorageTracker()
+    runners = {"deepspeed": run_deepspeed, "ddp": run_ddp, "model_parallel": run_model_parallel}
+    runners[job["framework"]](job, tracker)
+    timeline = tracker.timeline()
+    timeline.to_csv(args.out / f"rank{rank}.timeline.csv", index=False)
+    device, host = split_host(timeline)  # offloaded checkpoint inputs are host memory (llmsim/model/offload.py)
+    peak = replay(device)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "peak_allocated_bytes": peak.allocated_bytes, "peak_phase": peak.phase,
+         "peak_step": peak.step, "peak_layer": peak.layer, "breakdown_bytes": peak.breakdown_bytes,
+         "peak_host_bytes": host_peak_bytes(host)}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""Launch a measured multi-process canonical step (tier 2) with torchrun, and never hang.
+
+Every rank runs `llmsim.measure.dist_worker` under the storage tracker. A run that crashes or passes its timeout
+is killed as a process group and reported as a failure; it never leaves processes behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    peak_allocated_bytes: int
+    peak_phase: str
+    peak_step: int
+    peak_layer: str
+    breakdown_bytes: dict
+    peak_host_bytes: int = 0  # host memory: checkpoint inputs offloaded by save_on_cpu (--ckpt-offload)
+
+
+class LaunchFailure(RuntimeError):
+    """A measured run that crashed or timed out; the message holds the tail of its output."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(job: dict, world_size: int, timeout_s: int = DEFAULT_TIMEOUT_S,
+              keep: Path | None = None) -> list[RankResult]:
+    """Run `job` on `world_size` local ranks; return one result per rank, in rank order."""
+    with tempfile.TemporaryDirectory(prefix="llmsim-") as tmp:
+        out = keep or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        job_path = Path(tmp) / "job.json"
+        job_path.write_text(json.dumps(job))
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
+                   f"--master_port={_free_port()}", "-m", "llmsim.measure.dist_worker", str(job_path), str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise LaunchFailure(f"measured run timed out after {timeout_s} s") from None
+        if proc.returncode != 0:
+            tail = "\n".join(output.strip().splitlines()[-15:])
+            raise LaunchFailure(f"measured run failed (exit {proc.returncode}):\n{tail}")
+        results = []
+        for rank in range(world_size):
+            data = json.loads((out / f"rank{rank}.json").read_text())
+            results.append(RankResult(**data))
+        return results

@@ -1,0 +1,165 @@
+"""Measured truth: run the canonical step for real and record what the storage tracker saw (tier 1).
+
+Each run becomes one CSV row per rank in data/measurements/, holding every column needed to re-predict
+it (model, config overrides, the setup) and the environment that produced it.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import time
+from importlib import metadata
+from pathlib import Path
+
+import pandas as pd
+
+from llmsim.model.losses import check_loss
+from llmsim.measure.launch import DEFAULT_TIMEOUT_S, run_ranks
+from llmsim.model.offload import host_peak_bytes, split_host
+from llmsim.sim.peaks import replay
+from llmsim.inputs.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
+from llmsim.model.step import run_canonical_step
+from llmsim.sim.strategies import Layout, Strategy, check_supported
+from llmsim.model.pipelining import check_pipeline
+from llmsim.model.quantized import check_quantized
+from llmsim.model.tensor_parallel import check_tensor_parallel
+from llmsim.model.trace import model_builder, run_fake
+from llmsim.model.tracker import StorageTracker
+
+MEASUREMENTS_DIR = Path(__file__).resolve().parents[2] / "data" / "measurements"
+TIER1_CSV = MEASUREMENTS_DIR / "tier1_cpu.csv"
+TIER3_CSV = MEASUREMENTS_DIR / "tier3_fake_fullsize.csv"
+TIER2_CSV = MEASUREMENTS_DIR / "tier2_cpu.csv"
+MEASURED_DEFAULT_CSV = Path("llmsim-measurements.csv")  # the entry-point recipes' rows, where the user runs llmsim
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def environment() -> dict[str, str]:
+    return {"torch": _version("torch"), "transformers": _version("transformers"),
+            "deepspeed": _version("deepspeed"), "python": platform.python_version(),
+            "machine": f"{platform.machine()} {platform.system()}".strip()}
+
+
+def setup_columns(spec: ModelSpec, setup: TrainSetup) -> dict:
+    return {"model": spec.name, "overrides": json.dumps(dict(spec.overrides), sort_keys=True),
+            "micro_batch": setup.micro_batch, "seq_len": setup.seq_len, "precision": setup.precision.value,
+            "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt, "ckpt_every": setup.ckpt_every,
+            "steps": setup.steps, "optimizer": setup.optimizer.value, "foreach": setup.foreach,
+            "build_bf16": setup.build_bf16, "lora_rank": setup.lora_rank, "lora_alpha": setup.lora_alpha,
+            "lora_targets": ",".join(setup.lora_targets) if setup.lora_targets else "",
+            "grad_accum": setup.grad_accum, "quant": setup.quant or "", "double_quant": setup.double_quant,
+            "int8_threshold": setup.int8_threshold, "ckpt_offload": setup.ckpt_offload,
+            "loss": setup.loss.value, "loss_chunk": setup.loss_chunk or "",
+            "lora_modules_to_save": ",".join(setup.lora_modules_to_save or ()),
+            "trainable_tokens": ",".join(map(str, setup.trainable_tokens or ())), "fused": setup.fused}
+
+
+def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> dict:
+    """One canonical step at full size on this CPU; returns the row (not yet written).
+
+    Real tensors give a tier-1 row. `fake` runs the whole model under FakeTensorMode instead (tier 3:
+    real PyTorch and transformers code at any size, no memory) -- an oracle, never the predictor.
+    """
+    setup = resolve_attention(spec, setup)
+    check_fits_positions(spec, setup)
+    check_quantized(spec, setup)
+    check_loss(spec, setup)
+    start = time.perf_counter()
+    if fake:
+        timeline, _ = run_fake(spec, setup, None)
+    else:
+        tracker = StorageTracker()
+        run_canonical_step(model_builder(spec, setup, None), setup, tracker, None)
+        timeline = tracker.timeline()
+    wall_s = time.perf_counter() - start
+    device, host = split_host(timeline)  # what a GPU run holds on the device, and offloaded to the host
+    peak = replay(device)
+    return {"tier": 3 if fake else 1, **setup_columns(spec, setup), "strategy": "single", "world_size": 1,
+            "rank": 0, "peak_allocated_bytes": peak.allocated_bytes, "peak_host_bytes": host_peak_bytes(host),
+            "device": "cpu-fake" if fake else "cpu",
+            **environment(), "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "wall_s": round(wall_s, 2)}
+
+
+def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str) -> dict:
+    """The HF Trainer recipe run for real through the entry points (llmsim/model/trainer_recipe.py: nothing of the
+    predictor's loop); returns the row. `dtype`: from_pretrained's word as the user gave it (resolved in `setup`)."""
+    from llmsim.model import trainer_recipe as trainer
+    from llmsim.inputs.hf import DTYPE_ALIASES
+
+    check_fits_positions(spec, setup)
+    job = {"config": spec.config_dict, "seq_len": setup.seq_len, "load_dtype": DTYPE_ALIASES.get(dtype, dtype),
+           "training_args": json.loads(setup.training_args),
+           "peft_config": json.loads(setup.peft_config) if setup.peft_config else None}
+    start = time.perf_counter()
+    result = trainer.run(job)
+    wall_s = time.perf_counter() - start
+    if result["loaded_dtype"] != setup.load_dtype:
+        raise RuntimeError(f"from_pretrained(dtype={dtype!r}) loaded {result['loaded_dtype']}, where llmsim resolves "
+                           f"{setup.load_dtype}")
+    peak = replay(result["timeline"])
+    attention = resolve_attention(spec, setup).attention.value  # transformers' default, which from_pretrained takes
+    return {"tier": 1, "recipe": setup.recipe.value, "model": spec.name,
+            "overrides": json.dumps(dict(spec.overrides), sort_keys=True), "seq_len": setup.seq_len,
+            "training_args": setup.training_args, "peft_config": setup.peft_config or "", "dtype": dtype,
+            "load_dtype": setup.load_dtype, "micro_batch": setup.micro_batch, "grad_accum": setup.grad_accum,
+            "precision": setup.precision.value, "attention": attention, "grad_ckpt": setup.grad_ckpt,
+            "ckpt_every": 1, "lora_rank": setup.lora_rank, "strategy": "single", "world_size": 1, "rank": 0,
+            "peak_allocated_bytes": peak.allocated_bytes, "peak_host_bytes": 0, "peak_phase": peak.phase, "device": "cpu", **environment(),
+            "peft": _version("peft"), "accelerate": _version("accelerate"),
+            "bitsandbytes": _version("bitsandbytes"),
+            "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "wall_s": round(wall_s, 2)}
+
+
+def append_rows(rows: list[dict], path: Path = TIER1_CSV) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame(rows)
+    if path.exists():
+        frame = pd.concat([pd.read_csv(path), frame], ignore_index=True)
+    frame.to_csv(path, index=False)
+
+
+def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
+                        timeout_s: int = DEFAULT_TIMEOUT_S) -> list[dict]:
+    """A real multi-process run (torchrun, gloo) on this CPU: one tier-2 row per rank."""
+    setup = resolve_attention(spec, setup)
+    check_fits_positions(spec, setup)
+    check_supported(setup, layout)  # what is not modelled (e.g. ckpt-offload with ZeRO) is not measured either
+    check_tensor_parallel(spec.hf_config(), layout.tp)
+    check_pipeline(spec.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
+                   setup.precision)
+    framework = ("deepspeed" if layout.strategy is Strategy.DEEPSPEED
+                 else "model_parallel" if layout.tp * layout.pp > 1 else "ddp")
+    job = {"framework": framework, "model": spec.name, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
+           "schedule": layout.schedule.value, "n_microbatches": layout.n_microbatches, "pp_split": layout.pp_split,
+           "config_json": spec.config_json, "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt,
+           "ckpt_every": setup.ckpt_every, "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
+           "steps": setup.steps, "precision": setup.precision.value, "build_bf16": setup.build_bf16,
+           "lora_rank": setup.lora_rank, "lora_alpha": setup.lora_alpha,
+           "lora_targets": list(setup.lora_targets) if setup.lora_targets else None,
+           "optimizer": setup.optimizer.value, "grad_accum": setup.grad_accum, "ckpt_offload": setup.ckpt_offload,
+           "loss": setup.loss.value, "loss_chunk": setup.loss_chunk,
+           "lora_modules_to_save": list(setup.lora_modules_to_save) if setup.lora_modules_to_save else None,
+           "trainable_tokens": list(setup.trainable_tokens) if setup.trainable_tokens else None,
+           "foreach": setup.foreach, "fused": setup.fused,
+           "ds_config": layout.deepspeed.config if layout.deepspeed else None}
+    start = time.perf_counter()
+    results = run_ranks(job, layout.world_size, timeout_s)
+    wall_s = round(time.perf_counter() - start, 2)
+    stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    ds_config = layout.deepspeed.config_json if layout.deepspeed else ""
+    return [{"tier": 2, **setup_columns(spec, setup), "strategy": layout.strategy.value,
+             "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
+             "schedule": layout.schedule.value if layout.pp > 1 else "", "n_microbatches": layout.n_microbatches,
+             "pp_split": ",".join(map(str, layout.pp_split)) if layout.pp_split else "",
+             "rank": r.rank, "ds_config": ds_config,
+             "peak_allocated_bytes": r.peak_allocated_bytes, "peak_host_bytes": r.peak_host_bytes,
+             "device": "cpu", **environment(),
+             "measured_at": stamp, "wall_s": wall_s} for r in results]

@@ -1,0 +1,163 @@
+"""Re-predict every measured row and compare (DESIGN.md, "Measured truth")."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+from llmsim.enums import Attention, Loss, Optimizer, Precision
+from llmsim.measure.runs import MEASUREMENTS_DIR
+from llmsim.sim.pipeline import predict
+from llmsim.inputs.spec import LLM_INT8_THRESHOLD, ModelSpec, TrainSetup, load_model_spec
+from llmsim.inputs.dsconfig import DeepSpeedSetup
+from llmsim.inputs.hf import trainer_setup
+from llmsim.model.pipelining import Schedule
+from llmsim.sim.strategies import Layout, Strategy
+from llmsim.inputs.gpus import load_gpu
+from llmsim.measure.tolerances import DEVICE_TOTAL_TOLERANCE, PEAK_ALLOCATED_TOLERANCE, RESERVED_TOLERANCE
+
+
+def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
+    overrides = json.loads(row["overrides"]) if isinstance(row["overrides"], str) else {}
+    spec = load_model_spec(row["model"], overrides)
+    if row.get("recipe") == "hf-trainer":  # re-read as the CLI reads the user's files (llmsim/inputs/hf.py)
+        peft = row.get("peft_config")
+        setup = trainer_setup(spec, int(row["seq_len"]), json.loads(row["training_args"]),
+                              json.loads(peft) if isinstance(peft, str) and peft else None, row["dtype"])
+        return spec, setup, Layout()
+    setup = TrainSetup(micro_batch=int(row["micro_batch"]), seq_len=int(row["seq_len"]),
+                       precision=Precision(row["precision"]), attention=Attention(row["attention"]),
+                       grad_ckpt=bool(row["grad_ckpt"]), ckpt_every=int(row["ckpt_every"]),
+                       steps=int(row["steps"]), build_bf16=_flag(row, "build_bf16"), foreach=_flag(row, "foreach"),
+                       optimizer=Optimizer(row["optimizer"]) if isinstance(row.get("optimizer"), str)
+                       else Optimizer.ADAMW, grad_accum=_int(row, "grad_accum", 1),
+                       quant=row["quant"] if isinstance(row.get("quant"), str) and row["quant"] else None,
+                       double_quant=_flag(row, "double_quant"),
+                       int8_threshold=_float(row, "int8_threshold", LLM_INT8_THRESHOLD),
+                       ckpt_offload=_flag(row, "ckpt_offload"),
+                       loss=Loss(row["loss"]) if isinstance(row.get("loss"), str) and row["loss"] else Loss.HF,
+                       loss_chunk=_int(row, "loss_chunk", None),
+                       lora_modules_to_save=_names(row, "lora_modules_to_save"),
+                       trainable_tokens=_tokens(row), fused=_flag(row, "fused"), **_lora(row))
+    ds_config = row.get("ds_config")
+    deepspeed = (DeepSpeedSetup(ds_config, int(row["world_size"])) if isinstance(ds_config, str) and ds_config
+                 else None)
+    schedule = row.get("schedule")
+    layout = Layout(Strategy(row["strategy"]), int(row["world_size"]), deepspeed, tp=_int(row, "tp", 1),
+                    pp=_int(row, "pp", 1), n_microbatches=_int(row, "n_microbatches", 1),
+                    schedule=Schedule(schedule) if isinstance(schedule, str) and schedule else Schedule.GPIPE,
+                    pp_split=_split(row))
+    return spec, setup, layout
+
+
+def load_measurements(paths: Iterable[Path] | None = None) -> pd.DataFrame:
+    paths = sorted(MEASUREMENTS_DIR.glob("*.csv")) if paths is None else [Path(p) for p in paths]
+    frames = [pd.read_csv(p).assign(source=p.name) for p in paths]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def validate(measurements: pd.DataFrame, jobs: int = 1) -> pd.DataFrame:
+    """One row per measured rank: measured, predicted, relative error and whether it is in tolerance.
+    With `jobs` > 1 the rows are shared out between fresh local processes (spawned: each starts as a new
+    `llmsim validate` would), rows of one model and configuration file kept together so they reuse a trace."""
+    if jobs <= 1 or len(measurements) < 2:
+        return _validate_rows(measurements)
+    keys = measurements["source"].astype(str) + "|" + measurements["model"].astype(str) + "|" + \
+        measurements["overrides"].astype(str)
+    groups = sorted(measurements.groupby(keys, sort=False).groups.values(), key=len, reverse=True)
+    shares: list[list[int]] = [[] for _ in range(jobs)]
+    for index in groups:  # the largest group first, to the share with the fewest rows
+        min(shares, key=len).extend(index)
+    chunks = [measurements.loc[sorted(share)] for share in shares if share]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=context) as pool:
+        frames = list(pool.map(_validate_rows, chunks))
+    order = [i for chunk in chunks for i in chunk.index]
+    return pd.concat(frames, ignore_index=True).set_axis(order).sort_index().reset_index(drop=True)
+
+
+def _validate_rows(measurements: pd.DataFrame) -> pd.DataFrame:
+    results = []
+    for _, row in measurements.iterrows():
+        spec, setup, layout = row_inputs(row)
+        gpu = load_gpu(row["gpu"]) if isinstance(row.get("gpu"), str) and row["gpu"] else None
+        predicted_rank = predict(spec, setup, layout, gpu).ranks[int(row["rank"])]
+        predicted = predicted_rank.peak_allocated_bytes
+        measured = int(row["peak_allocated_bytes"])
+        error = (predicted - measured) / measured
+        tolerance = PEAK_ALLOCATED_TOLERANCE[int(row["tier"])]
+        device_ok = True
+        measured_host = _int(row, "peak_host_bytes", 0)  # host memory (--ckpt-offload); rows before it: none
+        predicted_host = predicted_rank.peak_host_bytes
+        host_error = (predicted_host - measured_host) / measured_host if measured_host else float(predicted_host != 0)
+        if gpu is not None:  # tier 4: the allocator model and the device total too
+            for column, value, limit in (("peak_reserved_bytes", predicted_rank.peak_reserved_bytes,
+                                          RESERVED_TOLERANCE),
+                                         ("device_total_bytes", predicted_rank.device_total_bytes,
+                                          DEVICE_TOTAL_TOLERANCE)):
+                device_ok &= abs(value - int(row[column])) / int(row[column]) <= limit
+        results.append({"source": row["source"], "tier": int(row["tier"]), "model": row["model"],
+                        "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
+                        "precision": setup.precision.value, "attention": row["attention"],
+                        "grad_ckpt": setup.grad_ckpt, "ckpt_every": setup.ckpt_every, "lora": setup.lora_rank,
+                        "strategy": _strategy_name(layout), "world_size": layout.world_size,
+                        "tp": layout.tp, "pp": layout.pp, "rank": int(row["rank"]),
+                        "measured_bytes": measured, "predicted_bytes": predicted, "rel_error": error,
+                        "measured_host_bytes": measured_host, "predicted_host_bytes": predicted_host,
+                        "host_rel_error": host_error, "tolerance": tolerance,
+                        "ok": abs(error) <= tolerance and abs(host_error) <= tolerance and device_ok})
+    return pd.DataFrame(results)
+
+
+def _strategy_name(layout: Layout) -> str:
+    if layout.deepspeed is not None:
+        return f"zero{layout.deepspeed.stage}"
+    return layout.strategy.value
+
+
+def _lora(row: pd.Series) -> dict:
+    rank = row.get("lora_rank")
+    if rank is None or pd.isna(rank) or not int(rank):
+        return {}
+    targets = row.get("lora_targets")
+    return {"lora_rank": int(rank), "lora_alpha": int(row["lora_alpha"]),
+            "lora_targets": tuple(targets.split(",")) if isinstance(targets, str) and targets else None}
+
+
+def _names(row: pd.Series, column: str) -> tuple[str, ...] | None:
+    value = row.get(column)
+    return tuple(value.split(",")) if isinstance(value, str) and value else None
+
+
+def _tokens(row: pd.Series) -> tuple[int, ...] | None:
+    """Trainable token indices: "0,1,5" (a single index reads back from the CSV as a number)."""
+    value = row.get("trainable_tokens")
+    if value is None or (not isinstance(value, str) and pd.isna(value)) or not str(value):
+        return None
+    return tuple(int(float(v)) for v in str(value).split(","))
+
+
+def _split(row: pd.Series) -> tuple[int, ...] | None:
+    value = row.get("pp_split")
+    if value is None or pd.isna(value) or not str(value):
+        return None
+    return tuple(int(v) for v in str(value).split(","))
+
+
+def _int(row: pd.Series, column: str, default: int | None) -> int | None:
+    value = row.get(column)
+    return default if value is None or pd.isna(value) else int(value)
+
+
+def _float(row: pd.Series, column: str, default: float) -> float:
+    value = row.get(column)
+    return default if value is None or pd.isna(value) else float(value)
+
+
+def _flag(row: pd.Series, column: str) -> bool:
+    value = row.get(column)
+    return bool(value) and not pd.isna(value) and str(value) != "False"

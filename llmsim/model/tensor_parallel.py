@@ -1,0 +1,150 @@
+"""Tensor parallelism as transformers runs it: the model's own TP plan on DTensor, one rank per shard.
+
+The canonical TP build (what `--tp N` predicts and what a measured TP rank runs):
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=...)          # no memory
+    plan = model._resolve_parallel_plans(DistributedConfig(tp_size=N))[0]    # base_model_tp_plan + _tp_plan
+    apply_tensor_parallelism(model, mesh, plan)       # colwise / rowwise DTensor placeholders, forward hooks
+    every parameter and buffer -> torch.empty_like(..., device="cpu")        # this rank's shards only
+    model.init_weights()
+
+This is `from_pretrained(..., tp_plan="auto")` (transformers/distributed/mixin.py, `maybe_distribute_model`)
+with the checkpoint read replaced by `init_weights`: the same placeholders, filled in place. For Llama-style
+models the plan shards q/k/v, gate and up by columns and o and down by rows (an all-reduce of their output
+in the forward); the LM head is `colwise_gather_output`, so every rank all-gathers the full logits.
+
+The predictor runs this under FakeTensorMode on a fake process group (torch's "fake" backend) of N ranks:
+the collectives allocate their outputs as the real ones do, with no communication. Two facts make the fake
+run byte-exact with a real gloo run (checked event by event on a 3-layer Llama, TP 2):
+- `_c10d_functional.wait_tensor` returns its input tensor itself; its fake kernel allocates a new one
+  (`WaitReturnsInput` below restores the real behaviour);
+- the device mesh holds a real tensor of ranks, so it is created before entering FakeTensorMode.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmsim.errors import InputError, one_line
+
+
+def check_tensor_parallel(config, tp: int) -> None:
+    """The model has a TP plan, and every rank holds an equal shard: heads, kv-heads, MLP width and vocabulary
+    divide by tp."""
+    if tp == 1:
+        return
+    if not getattr(config, "base_model_tp_plan", None):
+        raise InputError(f"model type {config.model_type!r} has no tensor-parallel plan in transformers "
+                         "(base_model_tp_plan); tp must be 1")
+    if getattr(config, "tie_word_embeddings", False):
+        raise InputError("transformers' TP plan shards the LM head, which this model ties to its embedding "
+                         "(tie_word_embeddings): apply_tensor_parallelism fails on it; tp must be 1")
+    sizes = {"num_attention_heads": getattr(config, "num_attention_heads", None),
+             "num_key_value_heads": getattr(config, "num_key_value_heads", None),
+             "intermediate_size": getattr(config, "intermediate_size", None),
+             "vocab_size": getattr(config, "vocab_size", None)}
+    for name, size in sizes.items():
+        if isinstance(size, int) and size % tp:
+            raise InputError(f"tp({tp}) must divide {name}({size}); valid tp degrees: "
+                             f"{', '.join(str(d) for d in _common_divisors(sizes.values()))}")
+
+
+def _common_divisors(sizes) -> list[int]:
+    sizes = [s for s in sizes if isinstance(s, int)]
+    return [d for d in range(1, min(sizes) + 1) if all(s % d == 0 for s in sizes)][:12]
+
+
+def build_parallel(build_on_meta: Callable[[], nn.Module], name: str, mesh=None,
+                   cut: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """The canonical build of one rank (module docstring): on the meta device, cut to a pipeline stage
+    (`cut`), transformers' TP plan over `mesh` (when given), then this rank's shards only, initialised."""
+    model = parallel_on_meta(build_on_meta, name, mesh, cut)
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                module._parameters[key] = nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                       requires_grad=param.requires_grad)
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = torch.empty_like(buffer, device="cpu")
+    with warnings.catch_warnings():  # DTensor's RNG tracker has no CPU support: each rank draws its own values
+        warnings.filterwarnings("ignore", message="DTensor random operators")
+        model.init_weights()
+    return model
+
+
+def parallel_on_meta(build_on_meta: Callable[[], nn.Module], name: str, mesh=None,
+                     cut: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """The canonical build of one rank up to its allocation: the model on the meta device, cut to a pipeline
+    stage (`cut`), transformers' TP plan applied over `mesh` (when given; parameters become DTensors whose local
+    tensors are this rank's shards). No memory: llmsim/sim/bound.py reads the shards' shapes from it."""
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    with torch.device("meta"):
+        model = build_on_meta()
+    if cut is not None:
+        cut(model)
+    if mesh is not None:  # check_tensor_parallel has made sure the model has a plan
+        try:
+            plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=mesh.size()))
+            modules = dict(model.named_modules())  # a pipeline stage has no LM head to shard: it was cut away
+            plan = {key: style for key, style in plan.items() if not isinstance(modules.get(key), nn.Identity)}
+            apply_tensor_parallelism(model, mesh, plan)
+        except (KeyError, ValueError) as exc:  # e.g. a tied LM head, which the plan names but the model shares
+            raise InputError(f"transformers cannot apply its TP plan to {name}: {one_line(exc)}") from exc
+    return model
+
+
+def parallel_mesh(dp: int, pp: int, tp: int):
+    """The ranks as (dp, pp, tp), TP innermost (neighbouring ranks share a TP group), created outside any fake
+    mode (the mesh holds a real tensor of ranks); None for one rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dp * pp * tp == 1:
+        return None
+    return init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+
+
+class WaitReturnsInput(TorchDispatchMode):
+    """Under FakeTensorMode: `wait_tensor` returns the tensor it waited on, as its C++ kernel does."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int = 0):
+    """torch's fake backend: collectives that allocate like the real ones and never communicate."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """DTensor caches sharding decisions by op schema, device mesh included, and an equal mesh of the next
+    process group would find the old one's groups there (their names are reused): drop them."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own copy

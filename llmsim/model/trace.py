@@ -1,0 +1,255 @@
+"""Stage 1: model -> traced timeline of a reduced-depth copy, run under fake tensors (no memory).
+
+A decoder stack repeats one layer (or a short pattern of layers: `every_n_layers` checkpointing,
+alternating attention types) L times. The trace runs the canonical step on a copy with `trace_depth`
+layers -- one leading group, one template group and a trailing group -- so that every edge effect
+(the first layer's input, the last layer's output) is seen once, and the timeline stage replicates the
+template group's events to reach L. The full-depth fake run is the tier-3 oracle, never the predictor.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from unittest import mock
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from llmsim.errors import InputError, one_line
+from llmsim.model.kernels import cuda_kernels
+from llmsim.model.optimizer_values import answered_optimizer_values
+from llmsim.enums import Recipe
+from llmsim.inputs.spec import ModelSpec, TrainSetup
+from llmsim.model.step import StepInfo, optimizer_class, run_canonical_step, run_pipeline_step
+from llmsim.model.pipelining import cut, layer_range
+from llmsim.model.quantized import fake_loading, header_checkpoint, load_quantized, real_checkpoint
+from llmsim.model.tensor_parallel import WaitReturnsInput, build_parallel, fake_process_group, parallel_mesh
+from llmsim.model.tracker import StorageTracker
+from llmsim.model.trainer_trace import run_trainer_step
+
+
+@dataclass(frozen=True)
+class Trace:
+    timeline: pd.DataFrame  # events of the traced run, in order (see tracker.TIMELINE_COLUMNS)
+    info: StepInfo
+    depth: int  # decoder layers in the traced copy
+    period: int  # layers repeat their behaviour with this period
+    num_layers: int  # decoder layers of the real model
+
+
+def layer_period(spec: ModelSpec, setup: TrainSetup) -> int:
+    return math.lcm(setup.ckpt_period, spec.layer_period)
+
+
+def trace_depth(num_layers: int, period: int) -> int:
+    """Leading group + template group + trailing group (plus the remainder of a partial group)."""
+    depth = 3 * period + num_layers % period
+    return min(depth, num_layers)
+
+
+def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, mesh=None, fake: bool = False):
+    """How the canonical step builds the model: fp32 (the cast to bf16 is part of the step), or directly in bf16;
+    with tp or pp > 1, this rank's stage and shards over `mesh` (llmsim.model.tensor_parallel.parallel_mesh)."""
+    if spec.factory is not None:
+        if setup.tp > 1:
+            raise InputError(f"tp({setup.tp}) needs an HF config with a TP plan; {spec.name} is a module factory")
+        return spec.factory_callable()
+    config = spec.hf_config(num_layers if setup.pp == 1 else None)  # a stage is cut from the full stack
+    if setup.quant is not None:  # loaded from a checkpoint: a real one, or for a fake run its header alone
+        directory = header_checkpoint(spec.config_json, num_layers) if fake else real_checkpoint(config)
+        return functools.partial(load_quantized, directory, setup)
+    build = hf_builder(spec, setup, config)
+    if setup.tp > 1 or setup.pp > 1:
+        return functools.partial(
+            build_parallel, build, spec.name, mesh["tp"] if setup.tp > 1 else None,
+            functools.partial(cut, stage=setup.pp_stage, num_stages=setup.pp, keep=num_layers,
+                              split=setup.pp_split) if setup.pp > 1
+            else None)
+    return build
+
+
+def _build_dtype(setup: TrainSetup) -> torch.dtype:
+    """fp32 (the canonical build), bf16 (`build_bf16`), or the dtype a recipe's `from_pretrained` loads in."""
+    if setup.load_dtype is not None:
+        return getattr(torch, setup.load_dtype)
+    return torch.bfloat16 if setup.build_bf16 else torch.float32
+
+
+def hf_builder(spec: ModelSpec, setup: TrainSetup, config):
+    """`AutoModelForCausalLM.from_config` as the canonical step calls it: fp32, or bf16 with `build_bf16`."""
+    def build():
+        from transformers import AutoModelForCausalLM
+
+        try:
+            return AutoModelForCausalLM.from_config(config, dtype=_build_dtype(setup),
+                                                    attn_implementation=setup.attention.value)
+        except (ValueError, TypeError, RuntimeError, AssertionError) as exc:  # what transformers raises
+            raise InputError(f"transformers cannot build {spec.name}: {one_line(exc)}") from exc
+    return build
+
+
+@contextlib.contextmanager
+def decide_like_a_real_run():
+    """transformers counts a FakeTensor as "tracing" and then skips value-dependent shortcuts, so a fake
+    run would materialise a causal mask that a real run leaves to SDPA's `is_causal=True`
+    (masking_utils.sdpa_mask). Two questions decide it; the canonical step answers both without values:
+    - `find_packed_sequence_indices(position_ids)`: its position ids are `arange(seq_len)` for every row,
+      one sequence per row, so a real run computes the packing mask and returns None;
+    - `_ignore_causal_mask_sdpa(..., q_offset)`: it has no KV cache, so the offset a real run reads is 0.
+    """
+    from transformers import masking_utils
+
+    find_packed = masking_utils.find_packed_sequence_indices
+    ignore_mask = masking_utils._ignore_causal_mask_sdpa
+
+    def find_packed_sequence_indices(position_ids):
+        result = find_packed(position_ids)  # the same intermediates a real run allocates
+        return None if isinstance(position_ids, FakeTensor) else result
+
+    def ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, *args, **kwargs):
+        if isinstance(q_offset, FakeTensor):
+            q_offset = 0
+        return ignore_mask(padding_mask, q_length, kv_length, q_offset, *args, **kwargs)
+
+    with mock.patch.object(masking_utils, "find_packed_sequence_indices", find_packed_sequence_indices), \
+            mock.patch.object(masking_utils, "_ignore_causal_mask_sdpa", ignore_causal_mask_sdpa):
+        yield
+
+
+def _apply_as_on_cpu(self, fn, recurse=True):
+    """`Module._apply` as it runs for real CPU parameters: `param.data = fn(param)` (the old storage is freed
+    at once), buffers replaced. For fake parameters torch forces `swap_tensors` instead, which fails because
+    FakeTensorMode holds weakrefs to them (torch/nn/modules/module.py, `Module._apply`); `model.to(bf16)` and
+    peft's adapter placement go through here."""
+    if recurse:
+        for module in self.children():
+            module._apply(fn)
+    with torch.no_grad():
+        for param in self._parameters.values():
+            if param is None:
+                continue
+            if is_traceable_wrapper_subclass(param):  # a DTensor: torch swaps it for real parameters too
+                torch.utils.swap_tensors(param, torch.nn.Parameter(fn(param), requires_grad=param.requires_grad))
+            else:
+                param.data = fn(param)
+        for key, buffer in self._buffers.items():
+            if buffer is not None:
+                self._buffers[key] = fn(buffer)
+    return self
+
+
+def _deepcopy_as_on_cpu(self, memo):
+    """`copy.deepcopy` of a fake tensor as it runs for a real CPU one: a Parameter's `__deepcopy__` is
+    `Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)` (torch/nn/parameter.py);
+    a plain tensor's copies its storage. Under FakeTensorMode a parameter is a FakeTensor whose inherited
+    `Tensor.__deepcopy__` would copy the storage into another fake mode; peft's ModulesToSaveWrapper deepcopies
+    the module it trains (peft/utils/other.py, `ModulesToSaveWrapper.update`)."""
+    if id(self) in memo:
+        return memo[id(self)]
+    with torch.no_grad():
+        copied = self.data.clone(memory_format=torch.preserve_format)
+    if isinstance(self, torch.nn.Parameter):
+        copied = torch.nn.Parameter(copied, self.requires_grad)
+    memo[id(self)] = copied
+    return copied
+
+
+def _step_without_overflow(self, optimizer, optimizer_state, *args, **kwargs):
+    """`GradScaler._maybe_opt_step` as a real run without overflow takes it: it reads the found-inf flags
+    (`.item()`, which a fake tensor cannot answer) and steps when they are all zero (torch/amp/grad_scaler.py)."""
+    return optimizer.step(*args, **kwargs)
+
+
+def _warmup_p2p_static(self, stages, has_backward, p2p_done):
+    """`_PipelineSchedule._warmup_p2p` as a real run of the canonical PP step decides it: every stage is
+    given its input and output shapes, so every stage votes STATIC and the vote's product is 1. The votes
+    are still sent (their 4-byte tensors are real allocations); only their value, which a fake tensor cannot
+    answer (`.item()`), is taken from the stage's own `needs_dynamic`."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    acc = None
+    for stage in stages:
+        acc = stage._warmup_forward_vote(has_backward, received_acc=acc)
+    result = acc
+    for stage in reversed(stages):
+        result = stage._warmup_backward_result(received_result=result)
+        stage._inference_mode = (InferenceMode.DYNAMIC if InferenceMode.needs_dynamic(stage._user_meta, has_backward)
+                                 else InferenceMode.STATIC)
+
+
+class _SendingWork:
+    """A fake process group's Work that, like a real one, keeps the tensors it sends alive until it is dropped."""
+
+    def __init__(self, work, tensors: list[torch.Tensor]) -> None:
+        self._work, self._tensors = work, tensors
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _holding_sends(real_batch_p2p):
+    """torch.distributed.pipelining's `_batch_p2p` with the sent tensors held by the returned works: a real
+    (gloo or NCCL) send work references its tensor until the schedule has waited on it and let it go, so an
+    input gradient sent back stays allocated until the schedule waits on its sends."""
+    import torch.distributed as dist
+
+    def batch_p2p(p2p_ops, desc=None):
+        works = real_batch_p2p(p2p_ops, desc)
+        sent = [op.tensor for op in p2p_ops if op.op is dist.isend]
+        return [_SendingWork(work, sent) for work in works] if sent else works
+    return batch_p2p
+
+
+def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tuple[pd.DataFrame, StepInfo]:
+    """The canonical step under FakeTensorMode: exact bytes, no memory."""
+    tracker = StorageTracker()
+    with contextlib.ExitStack() as stack:
+        mesh = None
+        if setup.tp * setup.pp > 1:  # TP rank 0 of the stage's group; the mesh is built before the fake mode
+            stack.enter_context(fake_process_group(setup.tp * setup.pp, rank=setup.pp_stage * setup.tp))
+            mesh = parallel_mesh(1, setup.pp, setup.tp)  # data-parallel replica 0
+        build = model_builder(spec, setup, num_layers, mesh, fake=True)  # a checkpoint is written for real
+        optimizer_class(setup.optimizer)  # imported for real: a module imported under the fake mode keeps fakes
+        if setup.recipe is Recipe.HF_TRAINER:
+            import transformers.trainer  # noqa: F401  (and accelerate with it)
+        stack.enter_context(FakeTensorMode())
+        if setup.tp > 1:  # functional collectives (DTensor): only with TP; a pipeline sends and receives
+            stack.enter_context(WaitReturnsInput())
+        if setup.quant is not None:
+            stack.enter_context(fake_loading())
+        from torch.distributed.pipelining import schedules
+        from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+        for patch in (decide_like_a_real_run(), mock.patch.object(torch.nn.Module, "_apply", _apply_as_on_cpu),
+                      mock.patch.object(FakeTensor, "__deepcopy__", _deepcopy_as_on_cpu, create=True),
+                      mock.patch.object(_PipelineSchedule, "_warmup_p2p", _warmup_p2p_static),
+                      mock.patch.object(schedules, "_batch_p2p", _holding_sends(schedules._batch_p2p)),
+                      mock.patch.object(torch.amp.GradScaler, "_maybe_opt_step", _step_without_overflow),
+                      cuda_kernels(setup), answered_optimizer_values(setup.optimizer)):
+            stack.enter_context(patch)
+        if setup.pp > 1:
+            info = run_pipeline_step(build, setup, tracker, mesh["pp"].get_group())
+        elif setup.recipe is Recipe.HF_TRAINER:
+            info = run_trainer_step(build, setup, tracker, num_layers)
+        else:
+            info = run_canonical_step(build, setup, tracker, num_layers)
+    return tracker.timeline(), info
+
+
+@functools.lru_cache(maxsize=128)  # a sizing sweep reuses a model's traces across GPUs of one architecture
+def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
+    if spec.factory is not None:  # an arbitrary nn.Module cannot be cut to fewer layers: trace it whole
+        timeline, info = run_fake(spec, setup, None)
+        return Trace(timeline, info, info.num_blocks, 1, info.num_blocks)
+    num_layers = spec.num_layers
+    if setup.pp > 1:  # a pipeline stage: its own share of the layers, traced at reduced depth like a model
+        start, end = layer_range(setup.pp_stage, setup.pp, num_layers, setup.pp_split)
+        num_layers = end - start
+    period = layer_period(spec, setup)
+    depth = trace_depth(num_layers, period)
+    timeline, info = run_fake(spec, setup, depth)
+    return Trace(timeline, info, depth, period, num_layers)

@@ -1,0 +1,129 @@
+"""The HF Trainer recipe, measured: `from_pretrained` -> optional `get_peft_model` -> `Trainer(...).train()`.
+
+What a user's script does, on this CPU (`use_cpu=True`), with the user's `TrainingArguments` fields and these
+measurement-only ones forced (`MEASUREMENT_ARGS`): three optimizer steps, no saving, logging or reporting.
+The data is a tokenized dataset as `datasets.map(tokenizer)` leaves it: rows of Python lists `input_ids` and
+`labels` (equal, no padding), collated by transformers' `default_data_collator` (which the Trainer picks when
+it has no processing class). The checkpoint is written before the tracker starts, in the config's own dtype, as
+a hub checkpoint is stored. Peak = the most live tensor bytes from `from_pretrained` to the end of `train()`.
+"""
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+
+from llmsim.enums import Phase
+from llmsim.model.tracker import StorageTracker
+
+MEASURED_STEPS = 3  # optimizer steps: the canonical three (the first builds the optimizer's states lazily)
+DATA_SEED = 0
+# Forced for the measurement: the CPU, the steps, and nothing the run writes outside memory
+MEASUREMENT_ARGS = {"use_cpu": True, "max_steps": MEASURED_STEPS, "report_to": "none", "save_strategy": "no",
+                    "disable_tqdm": True}
+DTYPES = {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def write_checkpoint(config_dict: dict, directory: Path) -> None:
+    """A checkpoint as the hub stores one: the config's weights in its `torch_dtype` (fp32 where it has none)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**config_dict)
+    dtype = getattr(config, "dtype", None) or torch.float32
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(directory)
+
+
+def token_rows(vocab_size: int, seq_len: int, count: int) -> list[dict]:
+    rng = random.Random(DATA_SEED)
+    rows = []
+    for _ in range(count):
+        ids = [rng.randrange(vocab_size) for _ in range(seq_len)]
+        rows.append({"input_ids": ids, "labels": list(ids)})
+    return rows
+
+
+class _Phases:
+    """Names the Trainer's phases in the tracker (for the breakdown only; the peak does not depend on them):
+    forward from the model's forward, backward from its return, optimizer from `on_pre_optimizer_step`."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        self.tracker, self.step = tracker, 0
+
+    def forward(self, *_):
+        self.tracker.set_phase(self.step, Phase.FORWARD)
+
+    def backward(self, *_):
+        self.tracker.set_phase(self.step, Phase.BACKWARD)
+
+    def optimizer(self):
+        self.tracker.set_phase(self.step, Phase.OPTIMIZER)
+
+    def step_end(self):
+        self.step += 1
+
+
+def _callback(phases: _Phases):
+    from transformers import TrainerCallback
+
+    class PhaseCallback(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            phases.optimizer()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            phases.step_end()
+
+    return PhaseCallback()
+
+
+def run(job: dict) -> dict:
+    """Measure one Trainer run; `job`: config (the HF config dict), seq_len, load_dtype (from_pretrained's
+    `dtype`), training_args (TrainingArguments fields), peft_config (LoraConfig fields or None)."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    with tempfile.TemporaryDirectory() as directory:
+        write_checkpoint(job["config"], Path(directory) / "model")
+        # the user's output_dir, like the other MEASUREMENT_ARGS, gives way to the measurement's own
+        args = TrainingArguments(**{**job["training_args"], **MEASUREMENT_ARGS,
+                                    "output_dir": str(Path(directory) / "out")})
+        count = MEASURED_STEPS * args.per_device_train_batch_size * args.gradient_accumulation_steps
+        dataset = token_rows(job["config"]["vocab_size"], job["seq_len"], count)
+        peft_config = _peft_config(job.get("peft_config"))
+        tracker = StorageTracker()
+        phases = _Phases(tracker)
+        with tracker:
+            model = AutoModelForCausalLM.from_pretrained(Path(directory) / "model", dtype=DTYPES[job["load_dtype"]])
+            tracker.adopt([*model.parameters(), *model.buffers()])  # what stayed memory-mapped (on a GPU: copied)
+            if peft_config is not None:
+                from peft import get_peft_model
+
+                model = get_peft_model(model, peft_config)
+            model.register_forward_pre_hook(phases.forward)
+            model.register_forward_hook(phases.backward)
+            trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[_callback(phases)])
+            trainer.train()
+            _label(tracker, trainer)
+            tracker.finish()
+        loaded_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return {"timeline": tracker.timeline(), "loaded_dtype": loaded_dtype}
+
+
+def _label(tracker: StorageTracker, trainer) -> None:
+    """Name what outlives the run, for the breakdown: the parameters and buffers by FQN, the optimizer's states."""
+    from llmsim.enums import Category
+
+    named = list(trainer.model.named_parameters())
+    tracker.label([p for _, p in named], Category.PARAMETER, [n for n, _ in named], retag=True)
+    buffers = list(trainer.model.named_buffers())
+    tracker.label([b for _, b in buffers], Category.BUFFER, [n for n, _ in buffers], retag=True)
+    states = [s for state in trainer.optimizer.state.values() for s in state.values() if hasattr(s, "untyped_storage")]
+    tracker.label(states, Category.OPTIMIZER_STATE, retag=True)
+
+
+def _peft_config(fields: dict | None):
+    if not fields:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(**fields)

@@ -1,0 +1,127 @@
+"""The HF Trainer recipe, traced: transformers' own `Trainer(...).train()` under the storage tracker.
+
+Where the canonical step (llmsim/model/step.py) is llmsim's loop, this runs the library's: the model as
+`from_pretrained(dir, dtype=...)` returns it (built here by `from_config` in that dtype: the same parameters, no
+checkpoint read), `get_peft_model(model, LoraConfig(**fields))` when a peft config is given, then
+`Trainer(model, TrainingArguments(**fields), train_dataset=rows).train()` for three optimizer steps. So the
+Trainer's optimizer factory and parameter groups, its prefetched batches (`get_batch_samples` holds a step's
+`gradient_accumulation_steps` batches and accelerate's `DataLoaderShard` one more), `num_items_in_batch`, the
+loss accumulator, clipping (`max_grad_norm`), accelerate's autocast and GradScaler, and `model.zero_grad()` are the
+library's, not a copy of them. Under FakeTensorMode (llmsim/model/trace.py) the values a fake tensor cannot give are
+answered as a clean run reads them (`_CLEAN_RUN`).
+
+The data are the measured recipe's (llmsim/model/trainer_recipe.py): rows of `input_ids` and `labels` lists, collated
+by `default_data_collator`. Phases for the layer bookkeeping: forward from the model's forward, backward from its
+return, optimizer from the gradient clipping (which runs with no layer) to the end of the step.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from unittest import mock
+from typing import Callable
+
+import torch
+from torch import nn
+
+from llmsim.enums import Device, Phase
+from llmsim.model.trainer_recipe import MEASURED_STEPS, MEASUREMENT_ARGS, token_rows
+from llmsim.inputs.spec import TrainSetup
+from llmsim.model.step import LayerHooks, StepInfo
+from llmsim.model.tracker import StorageTracker
+
+# Values a fake tensor cannot give, answered as a clean real run reads them: no NaN or inf loss
+# (`logging_nan_inf_filter`), the data loader's seeds and the sampler's order (any value: every row is alike),
+# the logged loss and gradient norm (floats that allocate nothing). (llmsim/model/optimizer_values.py, `_AnswerScalars`)
+CLEAN_RUN_NUMBER, CLEAN_RUN_FLAG = 0, False
+
+
+class _Phases:
+    """Moves the tracker's phase with the Trainer's loop, and the layer hooks with it."""
+
+    def __init__(self, tracker: StorageTracker, hooks: LayerHooks, gpu: bool) -> None:
+        self.tracker, self.hooks, self.step, self.gpu = tracker, hooks, 0, gpu
+
+    def forward(self, module, args, kwargs):
+        self.tracker.set_phase(self.step, Phase.FORWARD)
+
+    def backward(self, module, args, output):
+        self.tracker.set_phase(self.step, Phase.BACKWARD)
+        self.hooks.enter_backward()
+
+    def optimizer(self, fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            if self.tracker.phase is not Phase.OPTIMIZER:
+                self.tracker.set_phase(self.step, Phase.OPTIMIZER)
+            return fn(*args, **kwargs)
+        return wrapped
+
+
+@contextlib.contextmanager
+def _cuda_optimizer_defaults(setup: TrainSetup):
+    """On a GPU target, torch.optim's own choice for CUDA parameters: the foreach path where the Trainer leaves
+    `foreach=None` (`optim="adamw_torch"`, "sgd"), as `_default_to_fused_or_foreach` decides from the parameters'
+    device (torch/optim/optimizer.py); the trace's fake parameters are on the CPU, where torch picks the for-loop."""
+    if setup.device is not Device.CUDA:
+        yield
+        return
+    from torch.optim import optimizer
+
+    supported = optimizer._get_foreach_kernels_supported_devices
+    with mock.patch.object(optimizer, "_get_foreach_kernels_supported_devices", lambda: [*supported(), "cpu"]):
+        yield
+
+
+def _callback(phases: _Phases):
+    from transformers import TrainerCallback
+
+    class LayerBookkeeping(TrainerCallback):
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            # accelerate's AcceleratedOptimizer holds torch's; on a GPU target Adam's `step` lives on the host
+            phases.hooks.watch(getattr(optimizer, "optimizer", optimizer), gpu=phases.gpu)
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            phases.tracker.frees_by_owner = True  # model.zero_grad() comes next: each gradient freed by its layer
+
+        def on_step_end(self, args, state, control, **kwargs):
+            phases.step += 1
+
+    return LayerBookkeeping()
+
+
+def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
+                     expected_blocks: int | None = None) -> StepInfo:
+    """`Trainer(...).train()` on the built model under `tracker` (inside a FakeTensorMode for the trace)."""
+    from transformers import Trainer
+    from transformers.trainer_callback import PrinterCallback
+
+    from llmsim.inputs.hf import lora_config, training_arguments
+    from llmsim.model.optimizer_values import _AnswerScalars
+
+    fields = json.loads(setup.training_args)
+    peft = lora_config(json.loads(setup.peft_config)) if setup.peft_config else None
+    torch.manual_seed(0)  # peft is imported by now (lora_config), before the tracked region, as step.py does
+    with tempfile.TemporaryDirectory() as directory, tracker:
+        args = training_arguments(fields, **MEASUREMENT_ARGS, output_dir=directory)
+        count = MEASURED_STEPS * args.per_device_train_batch_size * args.gradient_accumulation_steps
+        model = build()
+        hooks = LayerHooks(tracker, model, expected_blocks)
+        vocab_size = model.get_input_embeddings().num_embeddings
+        if peft is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft)
+            hooks.adopt_new_parameters()
+        phases = _Phases(tracker, hooks, setup.device is Device.CUDA)
+        model.register_forward_pre_hook(phases.forward, with_kwargs=True, prepend=True)
+        model.register_forward_hook(phases.backward)
+        trainer = Trainer(model=model, args=args, train_dataset=token_rows(vocab_size, setup.seq_len, count),
+                          callbacks=[_callback(phases)])
+        trainer.remove_callback(PrinterCallback)  # its end-of-training print: library code stays silent
+        trainer._clip_grad_norm = phases.optimizer(trainer._clip_grad_norm)
+        trainer._get_grad_norm = phases.optimizer(trainer._get_grad_norm)
+        with _AnswerScalars(CLEAN_RUN_NUMBER, CLEAN_RUN_FLAG), _cuda_optimizer_defaults(setup):
+            trainer.train()
+        tracker.finish()
+    return hooks.info(vocab_size)

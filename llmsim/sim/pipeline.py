@@ -1,0 +1,77 @@
+"""The whole pipeline, in `predict`: model -> checks -> trace -> strategy's per-rank plan -> replay -> peaks.
+Each step lives in its own module: the trace and its expansion in `traced`, the strategies in `strategies/`, the
+replay of each rank's timeline (peak, caching allocator, device total) in `replay`, what comes out in
+`prediction`."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llmsim.errors import InputError
+from llmsim.inputs.gpus import GpuProfile, on_gpu
+from llmsim.inputs.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
+from llmsim.model.losses import check_loss
+from llmsim.model.pipelining import check_pipeline
+from llmsim.model.quantized import check_quantized
+from llmsim.model.tensor_parallel import check_tensor_parallel
+from llmsim.sim.allocator import AllocatorConfig
+from llmsim.sim.prediction import Prediction, RankPrediction
+from llmsim.sim.processes import collector_paused
+from llmsim.sim.replay import replay_ranks
+from llmsim.sim.strategies import Layout, check_supported, traced_setup
+from llmsim.sim.traced import expanded, plan, stage_ranks, stage_timeline, stage_timelines
+
+__all__ = ["Prediction", "RankPrediction", "checked", "expanded", "predict", "predict_stage"]
+
+
+def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
+            gpu: GpuProfile | None = None, alloc_conf: AllocatorConfig = AllocatorConfig(),
+            progress: bool = False, jobs: int = 1) -> Prediction:
+    """Every rank's peak for `model` trained as `setup` says, laid out as `layout`, on `gpu` (None: the CPU).
+    `progress`: a bar over a pipeline's stages (one trace each); `jobs`: local processes for the stages not yet
+    traced and for ZeRO-1/2's rank replays on a GPU. Python's cyclic collector is paused meanwhile."""
+    if jobs < 1:
+        raise InputError(f"jobs({jobs}) must be >= 1")
+    with collector_paused():
+        setup = checked(model, setup, layout, gpu)  # what is refused, one line each; the setup the trace runs
+        if layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks in every replica
+            stages = stage_timelines(model, setup, layout, progress, jobs)
+            rank_timelines = {rank: timeline for stage, (timeline, _) in enumerate(stages)
+                              for rank in stage_ranks(layout, stage)}
+            graph = stages[-1][1]
+        else:  # one trace, at full depth; the strategy plans each rank's timeline from it
+            timeline, graph = expanded(model, setup)
+            rank_timelines = plan(timeline, layout, setup)
+        ranks = replay_ranks(rank_timelines, gpu, alloc_conf, jobs)  # peak, reserved and device total per rank
+        return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf)
+
+
+def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile | None = None) -> TrainSetup:
+    """What `predict` checks before any trace (one line of InputError for what is refused), and the setup it
+    traces: on this GPU, transformers' attention resolved, the strategy's tracing flags, the TP degree."""
+    if gpu is not None:
+        setup = on_gpu(setup, gpu)
+    setup = resolve_attention(model, setup)
+    check_supported(setup, layout)
+    check_quantized(model, setup)
+    check_loss(model, setup)
+    if layout.deepspeed is not None and layout.deepspeed.stage == 3:
+        setup = replace(setup, zero3_hooks=True)
+    setup = traced_setup(setup, layout)
+    if layout.tp > 1:
+        check_tensor_parallel(model.hf_config(), layout.tp)
+        setup = replace(setup, tp=layout.tp)
+    check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
+                   setup.precision)
+    check_fits_positions(model, setup)
+    return setup
+
+
+def predict_stage(model: ModelSpec, setup: TrainSetup, layout: Layout, stage: int, gpu: GpuProfile | None = None,
+                  alloc_conf: AllocatorConfig = AllocatorConfig()) -> list[RankPrediction]:
+    """The ranks of one pipeline stage (`layout.pp > 1`), as `predict` gives them: one trace, shared by the stage's
+    TP ranks in every replica. `size` asks stage by stage, so that a micro-batch one stage cannot fit costs no
+    other stage's trace."""
+    with collector_paused():
+        setup = checked(model, setup, layout, gpu)
+        timeline = stage_timeline(model, setup, layout, stage)[0]
+        return replay_ranks(dict.fromkeys(stage_ranks(layout, stage), timeline), gpu, alloc_conf)

@@ -1,0 +1,264 @@
+"""Stage 2: per-rank plans. One module per strategy, registered here by enum (STYLE.md rule 3).
+
+A strategy turns the single-process timeline (the canonical step traced as one process) into one
+timeline per rank. Adding a strategy is one new file plus one line in STRATEGIES.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Callable
+
+import pandas as pd
+
+from llmsim.inputs.dsconfig import DeepSpeedSetup
+from llmsim.enums import Precision, Recipe
+from llmsim.errors import InputError
+from llmsim.model.pipelining import Schedule
+from llmsim.sim.strategies import ddp, single
+
+
+class Strategy(str, Enum):
+    SINGLE = "single"  # one process, plain PyTorch: the canonical step as is
+    DDP = "ddp"  # torch DistributedDataParallel
+    DEEPSPEED = "deepspeed"  # DeepSpeed engine, ZeRO stage 0-3 from the JSON
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Ranks = dp x pp x tp: `strategy` is what runs across the data-parallel replicas (none for single), and
+    each replica is a pipeline of `pp` stages (llmsim/model/pipelining.py), each stage `tp` ranks of a
+    tensor-parallel group (llmsim/model/tensor_parallel.py). Rank = stage * tp + tp-rank within a replica."""
+
+    strategy: Strategy = Strategy.SINGLE
+    world_size: int = 1
+    deepspeed: DeepSpeedSetup | None = None
+    tp: int = 1
+    pp: int = 1
+    schedule: Schedule = Schedule.GPIPE
+    n_microbatches: int = 1  # micro-batches through the pipeline per step (pp > 1)
+    pp_split: tuple[int, ...] | None = None  # layers per stage (pp > 1); None: transformers' balanced split
+
+    def __post_init__(self) -> None:
+        for name, flag in (("tp", "tp"), ("pp", "pp"), ("n_microbatches", "microbatches"),
+                           ("world_size", "world-size")):
+            if getattr(self, name) < 1:
+                raise InputError(f"{flag}({getattr(self, name)}) must be >= 1")
+        if self.world_size % (self.tp * self.pp):
+            raise InputError(f"dp x pp x tp must equal world-size: pp({self.pp}) x tp({self.tp}) does not divide "
+                             f"world-size({self.world_size})")
+        if self.strategy is Strategy.SINGLE and self.dp != 1:
+            raise InputError(f"strategy single runs one replica; world-size({self.world_size}) must equal "
+                             f"pp({self.pp}) x tp({self.tp}) (use --strategy ddp or --ds-config for several)")
+        if self.tp * self.pp > 1 and not (self.strategy is Strategy.SINGLE or
+                                          (self.strategy is Strategy.DDP and self.pp > 1 and self.tp == 1)):
+            raise InputError(f"pp({self.pp}) x tp({self.tp}) with strategy {self.strategy.value} is not modelled "
+                             "yet; modelled: tp and pp with single (dp = 1), and pp with ddp (tp = 1)")
+        if (self.strategy is Strategy.DEEPSPEED) != (self.deepspeed is not None):
+            raise InputError("strategy deepspeed needs a DeepSpeed config (--ds-config), and only it takes one")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+
+def _deepspeed(timeline: pd.DataFrame, layout: Layout, setup) -> dict[int, pd.DataFrame]:
+    from llmsim.sim.strategies import zero0, zero12, zero3
+
+    stages = {0: zero0.plan, 1: zero12.plan, 2: zero12.plan, 3: zero3.plan}
+    if layout.deepspeed.stage not in stages:
+        raise InputError(f"DeepSpeed ZeRO stage {layout.deepspeed.stage} is not modelled yet; "
+                         f"modelled stages: {', '.join(map(str, sorted(stages)))}")
+    ds = layout.deepspeed
+    if (ds.stage == 0 and ds.optimizer_kind == "fused" and ds.precision is Precision.BF16
+            and ds.config["optimizer"].get("legacy_fusion")):
+        raise InputError("DeepSpeed optimizer legacy_fusion with ZeRO stage 0 and bf16 does not run: FP16_Optimizer's "
+                         "step_fused_adam calls FusedAdam.step(grads=...), which raises; drop legacy_fusion")
+    return stages[layout.deepspeed.stage](timeline, layout, setup)
+
+
+# Where LoRA's frozen base is modelled (measured in data/measurements/tier2_lora_cpu.csv): DDP buckets only the
+# trainable gradients; ZeRO-3 partitions the frozen parameters and gathers them like any other, but gives them no
+# gradient, no fp32 master and no optimizer state. ZeRO-1/2 (tier2_lora_zero12_cpu.csv) flatten and partition the
+# adapters alone and leave the frozen base where it is (measured with the client AdamW, fp32 and bf16, and with a
+# DeepSpeed "optimizer" section in tier2_zero0_dsopt_cpu.csv); ZeRO-0's fp16 wrappers and reduction own the adapters
+# alone (tier2_zero0_dsopt_cpu.csv). Every ZeRO stage is modelled with LoRA.
+
+
+def traced_setup(setup, layout: Layout):
+    """The setup the single-process trace runs for `layout`: under ZeRO-0/1/2 DeepSpeed's engine casts the model
+    after get_peft_model (adapters, a modules_to_save copy and trainable tokens' delta included), not before it as
+    the canonical step does; under ZeRO-2/3 with gradient accumulation (they set every `.grad` to None after each
+    backward's reduction) each micro-step's own gradients are named (TrainSetup.label_micro_grads)."""
+    from llmsim.model.step import uses_peft
+
+    if (uses_peft(setup) and layout.deepspeed is not None and layout.deepspeed.stage in (0, 1, 2)
+            and setup.precision.cast_dtype is not None):
+        setup = replace(setup, cast_after_peft=True)
+    if setup.grad_accum > 1 and layout.deepspeed is not None and layout.deepspeed.stage in (2, 3):
+        setup = replace(setup, label_micro_grads=True)
+    return setup
+
+
+# Issue 5's levers under DeepSpeed (tp = pp = 1, the client torch.optim.AdamW): the ZeRO stages where each is
+# modelled and measured (data/measurements/tier2_levers_zero_cpu.csv; gradient accumulation, the JSON's
+# gradient_accumulation_steps, in tier2_ga_zero_cpu.csv). ZeRO-0/1/2 keep the single-process forward
+# and backward and replace only what follows each gradient hook and the step (strategies/zero0.py, zero12.py):
+# a loss lever changes how the LM head's gradient is made (Liger's in the forward, TRL's in its backward) and
+# checkpoint offload moves checkpoint inputs to host memory, neither of which DeepSpeed's engine sees.
+LEVER_ZERO_STAGES = {
+    "loss": (0, 1, 2),
+    "ckpt-offload": (0, 1, 2, 3),
+    "peft-extras": (0, 1, 2),
+    "grad-accum": (0, 1, 2, 3),
+}
+# The levers also modelled with a DeepSpeed JSON "optimizer" section (FusedAdam or `torch_adam`) under those stages
+# (data/measurements/tier2_zero_extras_cpu.csv): the optimizer is built and stepped by DeepSpeed's part alone
+# (zero_common.step_optimizer), which none of these levers touches.
+LEVER_ZERO_DS_OPTIMIZER = frozenset({"loss", "ckpt-offload", "peft-extras"})
+# Why a lever stays refused under a ZeRO stage where the reason is known. Both losses read `lm_head.weight` in the
+# model's forward without calling the lm_head module, whose ZeRO-3 hooks alone gather it: outside them it is the
+# numel-0 placeholder (`free_param`, deepspeed/runtime/zero/partition_parameters.py). Real 2-rank runs fail: the
+# Liger imitation in its forward ("size of tensor a (0) must match ... 128"; Liger's kernel divides by V = 0,
+# linkedin/Liger-Kernel#767), TRL's port in its backward (a [0] weight gradient); TRL's own trainers gather the
+# head with deepspeed.zero.GatheredParameters (`maybe_gather_lm_head_ctx`), which the ZeRO-3 replay does not model.
+# peft's own ZeRO-3 paths: `ModulesToSaveWrapper.update` gathers the module's partitions (GatheredParameters) to
+# deep-copy it, which makes a trainable copy in the base's dtype outside zero.Init (not the fp32 adapters zero3.py
+# models); `TrainableTokensLayer._collect_token_weights` builds the rows on CUDA on every rank but 0 (a CPU run
+# fails: "Torch not compiled with CUDA enabled").
+LEVER_ZERO_REASONS = {
+    ("loss", 3): "both losses read lm_head.weight outside the lm_head module, where ZeRO-3 leaves it a numel-0 "
+                 "shard (a run fails; TRL's GatheredParameters gather is not modelled)",
+    ("peft-extras", 3): "peft gathers the module's partitions to deep-copy it (a base-dtype copy outside zero.Init, "
+                        "not modelled) and builds trainable tokens' rows on CUDA only (no CPU run measures it)",
+}
+
+
+def _levers_modelled(layout: Layout, lever: str) -> bool:
+    """Where issue 5's levers (peft's extras, checkpoint offload, the loss levers, gradient accumulation) are
+    modelled and measured: one process, torch DDP around the whole model (tp = pp = 1; measured in
+    data/measurements/tier2_levers_ddp_cpu.csv; DDP adds its broadcast chunks and reducer buckets to the
+    single-process step, neither of which these levers change, llmsim/sim/strategies/ddp.py), and the DeepSpeed ZeRO
+    stages of LEVER_ZERO_STAGES with the client optimizer."""
+    if layout.tp * layout.pp > 1:
+        return False
+    if layout.strategy in (Strategy.SINGLE, Strategy.DDP):
+        return True
+    return (layout.deepspeed.stage in LEVER_ZERO_STAGES[lever]
+            and (layout.deepspeed.optimizer_kind == "client" or lever in LEVER_ZERO_DS_OPTIMIZER))
+
+
+def levers_modelled_text(lever: str) -> str:
+    stages = "/".join(map(str, LEVER_ZERO_STAGES[lever]))
+    optimizer = "" if lever in LEVER_ZERO_DS_OPTIMIZER else " with the client optimizer"
+    zero = f", and DeepSpeed ZeRO-{stages}{optimizer}" if stages else ""
+    return f"modelled: single and ddp{zero} (tp = pp = 1)"
+
+
+LEVERS_MODELLED = levers_modelled_text("peft-extras")  # the text for a lever modelled for single and ddp alone
+
+
+def _refuse_lever(lever: str, what: str, layout: Layout, note: str = "") -> None:
+    if _levers_modelled(layout, lever):
+        return
+    where = f"strategy {layout.strategy.value}{' and tp/pp' if layout.tp * layout.pp > 1 else ''}"
+    if layout.deepspeed is not None and layout.tp * layout.pp == 1:
+        where = f"DeepSpeed ZeRO-{layout.deepspeed.stage}"
+        if layout.deepspeed.stage in LEVER_ZERO_STAGES[lever]:
+            where += " and a DeepSpeed \"optimizer\" section"
+        reason = LEVER_ZERO_REASONS.get((lever, layout.deepspeed.stage))
+        if reason:
+            raise InputError(f"{what} with {where} is not modelled: {reason}; {levers_modelled_text(lever)}")
+    raise InputError(f"{what} with {where} is not modelled yet; {levers_modelled_text(lever)}{note}")
+
+
+def check_supported(setup, layout: Layout) -> None:
+    """Before any trace: peft's extras, checkpoint offload, the loss levers and gradient accumulation are modelled
+    for one process and DDP, and under the DeepSpeed ZeRO stages of LEVER_ZERO_STAGES (gradient accumulation as the
+    JSON's gradient_accumulation_steps); LoRA for one process, DDP and ZeRO-0/1/2/3; a pipeline's own micro-batches
+    are not."""
+    if setup.recipe is not Recipe.CANONICAL and (layout.world_size > 1 or layout.strategy is not Strategy.SINGLE):
+        raise InputError(f"recipe {setup.recipe.value} with strategy {layout.strategy.value} (world size "
+                         f"{layout.world_size}) is not modelled yet; modelled: one process")
+    if layout.deepspeed is not None:
+        check_deepspeed_optimizer(setup, layout.deepspeed)
+    if setup.lora_rank:
+        _check_lora(setup, layout)
+    extras = [name for name, on in (("lora-modules-to-save", setup.lora_modules_to_save),
+                                    ("trainable-tokens", setup.trainable_tokens)) if on]
+    if extras:
+        _refuse_lever("peft-extras", " and ".join(extras), layout)
+    if setup.ckpt_offload:
+        _refuse_lever("ckpt-offload", "ckpt-offload", layout)
+    if setup.loss.value != "hf":
+        _refuse_lever("loss", f"loss {setup.loss.value}", layout)
+    if layout.deepspeed is not None and setup.grad_accum != layout.deepspeed.gradient_accumulation_steps:
+        raise InputError(f"grad-accum({setup.grad_accum}) contradicts the DeepSpeed config's "
+                         f"gradient_accumulation_steps({layout.deepspeed.gradient_accumulation_steps})")
+    if setup.grad_accum > 1 and layout.deepspeed is not None:
+        others = [name for name, on in (("LoRA", setup.lora_rank), (" and ".join(extras), extras),
+                                        ("ckpt-offload", setup.ckpt_offload),
+                                        (f"loss {setup.loss.value}", setup.loss.value != "hf")) if on]
+        if others:  # each is measured under ZeRO without accumulation only (tier2_ga_zero_cpu.csv: full fine-tuning)
+            raise InputError(f"grad-accum({setup.grad_accum}) with {' and '.join(others)} under DeepSpeed is not "
+                             "modelled yet; measured: with full fine-tuning and transformers' loss")
+    if setup.grad_accum > 1:
+        _refuse_lever("grad-accum", f"grad-accum({setup.grad_accum})", layout,
+                      " (DDP all-reducing every backward, no no_sync); a pipeline accumulates over its "
+                      "--microbatches")
+
+
+def _check_lora(setup, layout: Layout) -> None:
+    modelled = "modelled with LoRA: single, ddp and DeepSpeed ZeRO-0/1/2/3 (tp = pp = 1)"
+    if layout.tp * layout.pp > 1:
+        raise InputError(f"LoRA with tp/pp is not modelled yet; {modelled}")
+    if layout.strategy is Strategy.SINGLE:
+        return
+    if setup.quant is not None:
+        raise InputError(f"LoRA with strategy {layout.strategy.value} and a quantized base (quant {setup.quant}) is "
+                         "not modelled yet; modelled with QLoRA: single")
+
+
+# Where DeepSpeed is modelled with a client optimizer other than torch.optim.AdamW (measured in
+# data/measurements/tier2_optim_zero_cpu.csv): ZeRO-1/2 and ZeRO-3 step it on their flat fp32 partitions
+# (llmsim/sim/strategies/flat_optimizer.py). ZeRO-0 is not: in bf16 it wraps the client optimizer in
+# FP16_UnfusedOptimizer (per-parameter fp32 masters, an initial step), modelled for AdamW only.
+CLIENT_OPTIMIZER_STAGES = (1, 2, 3)
+ZERO_ALLOW_UNTESTED_OPTIMIZER = "zero_allow_untested_optimizer"  # deepspeed/runtime/constants.py, default False
+
+
+def deepspeed_tested(optimizer) -> bool:
+    """Whether DeepSpeed takes this client optimizer under ZeRO without zero_allow_untested_optimizer: its type is
+    in ZERO_SUPPORTED_OPTIMIZERS (deepspeed/runtime/zero/utils.py, `is_zero_supported_optimizer`: torch's Adam,
+    AdamW and Adagrad, DeepSpeed's own)."""
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    from llmsim.model.step import optimizer_class
+
+    return optimizer_class(optimizer) in ZERO_SUPPORTED_OPTIMIZERS
+
+
+def check_deepspeed_optimizer(setup, deepspeed: DeepSpeedSetup) -> None:
+    """The client optimizer `--optimizer` names, as DeepSpeed takes it: replaced by a JSON "optimizer" section
+    (modelled with adamw only), refused by `_do_optimizer_sanity_check` under ZeRO (stage >= 1) when it is not a
+    type in ZERO_SUPPORTED_OPTIMIZERS and the JSON does not set zero_allow_untested_optimizer (engine.py)."""
+    if setup.optimizer.value == "adamw":
+        return
+    if deepspeed.optimizer_kind != "client":
+        raise InputError(f"optimizer {setup.optimizer.value} is a client optimizer, which the DeepSpeed config's "
+                         "\"optimizer\" section replaces; modelled with it: adamw")
+    if deepspeed.stage not in CLIENT_OPTIMIZER_STAGES:
+        raise InputError(f"DeepSpeed ZeRO stage {deepspeed.stage} with optimizer {setup.optimizer.value} is not "
+                         f"modelled yet; modelled: adamw, or stages {', '.join(map(str, CLIENT_OPTIMIZER_STAGES))}")
+    if not deepspeed_tested(setup.optimizer) and not deepspeed.config.get(ZERO_ALLOW_UNTESTED_OPTIMIZER, False):
+        raise InputError(f"DeepSpeed refuses optimizer {setup.optimizer.value} under ZeRO: 'You are using an "
+                         f"untested ZeRO Optimizer. Please add <\"{ZERO_ALLOW_UNTESTED_OPTIMIZER}\": true> in the "
+                         "configuration file to use it.'")
+
+
+# strategy -> function(full-depth single-process timeline, layout, setup) -> {rank: timeline}
+STRATEGIES: dict[Strategy, Callable[[pd.DataFrame, Layout, object], dict[int, pd.DataFrame]]] = {
+    Strategy.SINGLE: single.plan,
+    Strategy.DDP: ddp.plan,
+    Strategy.DEEPSPEED: _deepspeed,
+}

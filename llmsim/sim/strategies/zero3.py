@@ -1,0 +1,584 @@
+"""DeepSpeed ZeRO stage 3 (deepspeed/runtime/zero/stage3.py, partitioned_param_coordinator.py,
+partition_parameters.py, DeepSpeed 0.19), client AdamW.
+
+The single-process trace, run with ZeRO-3's module hooks mirrored (llmsim/model/zero3_hooks.py), holds the forward and
+backward with a marker wherever DeepSpeed fetches or releases a module's parameters. Per rank this replays:
+- `zero.Init`: each parameter is built whole, its partition of ceil(n / W) elements kept, the whole freed;
+- initialize: the partitions are copied into one flat buffer (`defragment`); an fp32 master copy per sub-group
+  (`sub_group_size`); a dropped zero fp32 gradient of the largest sub-group; the reduction bucket of
+  `reduce_bucket_size` elements, kept for the whole run when `contiguous_gradients`; the flat gradient-partition
+  buffer, kept; each parameter gathered and released once while the gradient hooks are registered;
+- the parameter coordinator: iteration 1 records the module trace, fetching a module's own parameters before
+  it runs and releasing all of them after; from iteration 2 it prefetches along the trace
+  (`stage3_prefetch_bucket_size`, bounded by `stage3_max_live_parameters`), and keeps a parameter gathered when
+  it is used again within `stage3_max_reuse_distance` elements or already prefetched for a later use;
+  parameters of at most `stage3_param_persistence_threshold` elements stay gathered from the end of a step to
+  the start of the next. One parameter is gathered into a buffer of ceil(n / W) * W elements; several into one
+  flat buffer of W * sum(ceil(n_i / W)) elements, from which each is copied out (`torch.cat`) when first waited
+  for, the flat buffer living until the last of them is waited for;
+- backward: each gradient is copied into the bucket (its own storage freed) unless it does not fit; a full
+  bucket is reduce-scattered through a padded `torch.cat` copy (none for a single tensor divisible by W), the
+  rank's slices copied into the gradient partitions and the gradients dropped;
+- step: every gathered parameter released; the norm upcasts each gradient partition to float64 one at a time;
+  per sub-group the partitions are flattened (then converted to fp32 in bf16), AdamW updates the fp32 master
+  (states at the first step), the fp32 gradient is freed; the persistent parameters are gathered again. Another
+  client optimizer runs its own step on each sub-group's fp32 vector (llmsim/sim/strategies/flat_optimizer.py).
+With LoRA (peft's get_peft_model after the zero.Init build): the frozen base is partitioned and gathered like
+any parameter but has no gradient hook, bucket slot, fp32 master, gradient partition or optimizer state (the
+trainable groups are filtered, `is_optimized_parameter`), and its partitions stay out of the defragmented flat
+buffer; the adapters are created whole (fp32) and partitioned by `_convert_to_zero_parameters` at initialize.
+Gradient accumulation (gradient_accumulation_steps n): every micro-step's backward reduces as above into the same
+gradient-partition buffer (`partition_grads`: copied at the first micro-step, added into in place after it) and
+sets `.grad` to None, so each later backward makes its gradients anew, as the first does (the trace names them,
+TrainSetup.label_micro_grads); the coordinator's `reset_step` runs at every forward; the step runs at the n-th.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from llmsim.enums import Category, Device, Optimizer, Phase, Precision
+from llmsim.model.step import ROOT_MODULE
+from llmsim.sim.strategies.events import per_timeline, trainable_names
+from llmsim.sim.strategies.flat_optimizer import FlatOptimizer
+from llmsim.sim.strategies.zero3_resize import MAX_TERMS, Program, Recorder, Sized, World, sub_group_ends
+from llmsim.sim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, construct_optimizer, optimizer_of, rank_writer,
+                                           own_runs, parameters, rows_of, step_optimizer, torch_fused,
+                                           walk_phases)
+from llmsim.model.tracker import BACKWARD_POST, BACKWARD_PRE, FORWARD_POST, FORWARD_PRE, GRAD_READY, TIED
+
+NOT_AVAILABLE, INFLIGHT, AVAILABLE = "not_available", "inflight", "available"  # ZeroParamStatus
+# the values `_row` compares every row with (an enum's `.value` is a property lookup)
+_BUILD, _BACKWARD = Phase.BUILD.value, Phase.BACKWARD.value
+_PARAMETER, _GRADIENT = Category.PARAMETER.value, Category.GRADIENT.value
+GATHERED = Category.ALLGATHER_BUFFER
+
+
+@dataclass(eq=False)
+class _Param:
+    ds_id: int
+    name: str
+    numel: int
+    partition: int  # ceil(numel / W)
+    persist: bool
+    status: str = NOT_AVAILABLE
+    storage: tuple[int, int] | None = None  # (serial, bytes) of the gathered data
+    active: set = field(default_factory=set)  # ds_active_sub_modules
+    elem: int = FP32_BYTES  # bytes per element of the parameter (its partition, its gathered copy)
+    frozen: bool = False  # requires_grad False (LoRA's base): no gradient hook, bucket slot, master or state
+    adapter: bool = False  # a LoRA adapter: built by get_peft_model after zero.Init, whole until initialize
+
+
+@dataclass(eq=False)
+class _Handle:
+    """A pending all-gather: one parameter (its buffer is its storage) or several (`flats`: one flat buffer per
+    dtype, `_all_gather_coalesced` grouping them with `sort_dtypes`)."""
+
+    params: list[_Param]
+    flats: list[tuple[int, int]] = field(default_factory=list)
+    coalesced: bool = False
+    complete: bool = False
+
+
+class _Rank:
+    """One rank's walk. `recording` (strategies/zero3_resize.py): W and the partitions are `World`/`Sized` values
+    and the writer a `Recorder`, so that the events carry their sizes' formulas; the walk's decisions read W only
+    through `int(...)`, where zero3_resize evaluates the same decision for another W."""
+
+    def __init__(self, timeline: pd.DataFrame, rows: list[tuple], layout, setup, recording: bool = False) -> None:
+        self.zero = layout.deepspeed.zero()
+        self.recording = recording
+        self.world = World(layout.world_size) if self.recording else layout.world_size
+        self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
+        self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
+        self.fused = torch_fused(layout.deepspeed, setup)
+        self.gloo = setup.device is Device.CPU  # the process group's backend: gloo on the CPU, NCCL on GPUs
+        self.timeline = timeline
+        self.rows = rows
+        self.w = rank_writer(timeline, setup)
+        if recording:
+            self.w = Recorder(self.w.next_serial, self.w.module, self.w.steps_on_host)
+        self.params = self._parameters(timeline, setup)
+        self.trainable = [p for p in self.params if not p.frozen]
+        self.micro = 0  # the micro-step of the optimizer step whose backward runs (gradient accumulation)
+        self.by_name = {p.name: p for p in self.params}
+        self.built = False  # zero.Init's partitions emitted (before the first adapter is created)
+        self.whole: dict[str, tuple[int, int]] = {}  # adapter -> its whole storage until initialize partitions it
+        self._mark_persistent()
+        self.module_params: dict[str, list[_Param]] = collections.defaultdict(list)
+        for p in self.params:
+            self.module_params[_module_of(p.name)].append(p)
+        self.sub_groups = self._sub_groups()
+        # another client optimizer: its own step on each sub-group's fp32 partition (strategies/flat_optimizer.py)
+        self.client = (FlatOptimizer(setup.optimizer, [self._psum(group) for group in self.sub_groups],
+                                     setup.steps, self.foreach, self.fused)
+                       if uses_flat_optimizer(layout, setup) else None)
+        # coordinator state
+        self.mode = "invalid"  # `_register_deepspeed_module` invalidates the trace; the first forward records
+        self.module_order: list[str] = []
+        self.param_order: list[tuple[_Param, int]] = []
+        self.queue: collections.deque = collections.deque()
+        self.most_recent: dict[_Param, int] = {}
+        self.step_id = 0
+        self.n_available = 0
+        self.inflight: dict[_Param, _Handle] = {}
+        self.release_cache: dict[tuple[str, int], set] = {}
+        self.active_backward: dict[str, None] = {}
+        # gradient state
+        self.bucket: list[_Param] = []
+        self.bucket_elements = 0
+        self.in_bucket: set[str] = set()
+        self.grads: dict[str, tuple[int, int]] = {}  # param -> autograd gradient storage still alive
+
+    # ---- setup ---------------------------------------------------------------------------------------
+    def _parameters(self, timeline: pd.DataFrame, setup) -> list[_Param]:
+        """Every parameter in `model.parameters()` order (ds_id order: zero.Init numbers the base model's, and
+        `_convert_to_zero_parameters` the adapters after them). With LoRA the parameters without a gradient are
+        the frozen base; the adapters are fp32 whatever the base's dtype (peft's `autocast_adapter_dtype`, and
+        `_cast_module_mixed_precision` leaves a zero.Init model's parameters alone)."""
+        trainable = trainable_names(timeline) if setup.lora_rank else None
+        params = []
+        for i, p in enumerate(parameters(timeline, 1)):  # numel in bytes: the dtype is per parameter here
+            adapter = trainable is not None and p.name in trainable
+            elem = FP32_BYTES if adapter else self.elem
+            numel = p.numel // elem
+            partition = math.ceil(numel / int(self.world))
+            if self.recording:
+                partition = Sized(partition, ((i, 1),))
+            params.append(_Param(i, p.name, numel, partition, False, elem=elem,
+                                 frozen=trainable is not None and not adapter, adapter=adapter))
+        return params
+
+    def _psum(self, params: list[_Param], per_element: bool = False) -> int | Sized:
+        """The sum of the partitions of `params` (in bytes with `per_element`: each partition x its elem)."""
+        if self.recording:
+            value = sum(int(p.partition) * (p.elem if per_element else 1) for p in params)
+            return Sized(value, tuple((p.ds_id, p.elem if per_element else 1) for p in params))
+        return sum(p.partition * p.elem for p in params) if per_element else sum(p.partition for p in params)
+
+    def _mark_persistent(self) -> None:
+        """parameter_offload.py, `mark_persistent_parameters`."""
+        total = 0
+        for p in self.params:
+            if p.numel + total > self.zero.model_persistence_threshold:
+                continue
+            if p.numel <= self.zero.param_persistence_threshold:
+                p.persist = True
+                total += p.numel
+
+    def _sub_groups(self) -> list[list[_Param]]:
+        """stage3.py, `_create_fp16_sub_groups` (zero3_resize.sub_group_ends)."""
+        self.sub_group_ends = sub_group_ends([int(p.partition) for p in self.trainable], self.zero.sub_group_size)
+        return [self.trainable[start:end] for start, end in zip((0,) + self.sub_group_ends, self.sub_group_ends)]
+
+    def _largest(self) -> int | Sized:
+        """The largest sub-group's partitions (`initialize_optimizer_states`' zero gradient)."""
+        sums = [self._psum(group) for group in self.sub_groups]
+        if self.recording:
+            return Sized(max(int(n) for n in sums), (MAX_TERMS, tuple(n.formula[0] for n in sums)))
+        return max(sums)
+
+    def build(self) -> None:
+        """`zero.Init`: each parameter of the base model allocated whole, partitioned, the whole freed."""
+        self.built = True
+        self.ds_tensors: dict[_Param, tuple[int, int]] = {}
+        for p in self.params:
+            if not p.adapter:
+                whole = self.w.alloc(p.numel * p.elem, Category.TEMPORARY)
+                self.ds_tensors[p] = (self.w.alloc(p.partition * p.elem, Category.PARAMETER), p.partition * p.elem)
+                self.w.free(whole, p.numel * p.elem, Category.TEMPORARY)
+
+    def initialize(self) -> None:
+        """DeepSpeedZeroOptimizer_Stage3.__init__ (after the basic optimizer is built)."""
+        construct_optimizer(self.w, self.optimizer)
+        for p in self.params:  # DeepSpeedZeRoOffload `_convert_to_zero_parameters`: the adapters partitioned
+            if p.adapter:
+                self.ds_tensors[p] = (self.w.alloc(p.partition * p.elem, Category.PARAMETER), p.partition * p.elem)
+                self.w.free(*self.whole.pop(p.name), Category.PARAMETER)
+        total = self._psum(self.trainable)
+        self.w.alloc(self._psum(self.trainable, per_element=True), Category.PARAMETER)  # lp_param_buffer
+        for p in self.trainable:  # defragment: the frozen parameters' partitions stay where they are
+            self.w.free(*self.ds_tensors.pop(p), Category.PARAMETER)
+        for group in self.sub_groups:  # fp32 master: flat.to(fp32).clone()
+            numel = self._psum(group)
+            if group[0].elem != FP32_BYTES:
+                upcast = self.w.alloc(numel * FP32_BYTES, Category.TEMPORARY)
+                self.w.alloc(numel * FP32_BYTES, Category.MASTER_WEIGHTS)
+                self.w.free(upcast, numel * FP32_BYTES, Category.TEMPORARY)
+            else:
+                self.w.alloc(numel * FP32_BYTES, Category.MASTER_WEIGHTS)
+        largest = self._largest() * FP32_BYTES
+        zeros = self.w.alloc(largest, Category.TEMPORARY)  # initialize_optimizer_states
+        self.w.free(zeros, largest, Category.TEMPORARY)
+        if self.zero.contiguous_gradients:
+            self.w.alloc(self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
+        self.w.alloc(total * self.elem, Category.GRADIENT)  # grad_partitions_flat_buffer
+        for p in self.trainable:  # create_reduce_and_remove_grad_hooks: gather, register, partition
+            nbytes = p.partition * self.world * p.elem
+            buffer = self.w.alloc(nbytes, GATHERED)
+            self.w.free(buffer, nbytes, GATHERED)
+
+    # ---- gathering ---------------------------------------------------------------------------------------
+    def _all_gather(self, params: list[_Param]) -> None:
+        """partitioned_param_coordinator.py `__all_gather_params` -> partition_parameters.py `all_gather_coalesced`."""
+        params = [p for p in params if p.status == NOT_AVAILABLE]
+        if not params:
+            return
+        self.n_available += sum(p.numel for p in params)
+        if len(params) == 1:  # _all_gather_sequential: the buffer is the parameter's data
+            p = params[0]
+            nbytes = p.partition * self.world * p.elem
+            p.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
+            handle = _Handle(params)
+        else:
+            handle = _Handle(params, coalesced=True)
+            for elem in sorted({p.elem for p in params}):  # sort_dtypes: by name, bfloat16 before float32
+                nbytes = self._psum([p for p in params if p.elem == elem]) * self.world * elem
+                handle.flats.append((self.w.alloc(nbytes, GATHERED), nbytes))
+        for p in params:
+            p.status = INFLIGHT
+            self.inflight[p] = handle
+
+    def _wait(self, p: _Param) -> None:
+        """Pop `p`'s handle and wait on it: a coalesced handle copies every parameter out of its flat buffer,
+        which is freed once no parameter waits on it any more."""
+        handle = self.inflight.pop(p)
+        if not handle.complete:
+            for q in handle.params:
+                if handle.coalesced:
+                    nbytes = q.numel * q.elem
+                    q.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
+                q.status = AVAILABLE
+            handle.complete = True
+        if handle.flats and not any(h is handle for h in self.inflight.values()):
+            for flat in handle.flats:
+                self.w.free(*flat, GATHERED)
+            handle.flats = []
+
+    def _release_param(self, p: _Param) -> None:
+        if p.status == AVAILABLE and not p.active:
+            self.w.free(*p.storage, GATHERED)
+            p.storage = None
+            p.status = NOT_AVAILABLE
+            self.n_available -= p.numel
+
+    def _clean_inflight(self) -> None:
+        for p in list(self.inflight):
+            self._wait(p)
+            self._release_param(p)
+
+    def reset_step(self) -> None:
+        """`reset_step`, run by the root module's first forward pre-hook."""
+        self._clean_inflight()
+        if self.mode != "complete":
+            if self.mode == "record":
+                self.param_order = [(p, step) for step, module in enumerate(self.module_order)
+                                    for p in sorted(self._params_of(module), key=lambda q: q.ds_id)]
+                self.mode = "complete"
+            else:
+                self.mode = "record"
+        self.queue = collections.deque(self.param_order)
+        self.most_recent = collections.defaultdict(lambda: int(-1e10))
+        self.step_id = 0
+        self.n_available = 0
+
+    def _params_of(self, module: str) -> list[_Param]:
+        return self.module_params.get(module, [])
+
+    def fetch(self, module: str, forward: bool) -> None:
+        """`fetch_sub_module`."""
+        if self.mode == "record":
+            self.module_order.append(module)
+        if not forward:
+            self.active_backward[module] = None
+        to_fetch = self._params_of(module)
+        self._all_gather(to_fetch)
+        for p in to_fetch:
+            p.active.add(module)
+            if p in self.inflight:
+                self._wait(p)
+        if self.mode == "complete":
+            not_fetched = {p for p in to_fetch if self.most_recent[p] < self.step_id}
+            discarded = set()
+            while self.queue and len(discarded) < len(not_fetched):
+                p, step = self.queue.popleft()
+                self.most_recent[p] = step
+                discarded.add(p)
+            if self.zero.prefetch_bucket_size > 0:
+                budget = min(self.zero.max_live_parameters - self.n_available, self.zero.prefetch_bucket_size)
+                prefetch, numel = [], 0
+                while self.queue and numel < budget:
+                    p, step = self.queue.popleft()
+                    do = p.status == NOT_AVAILABLE and p not in prefetch
+                    self.most_recent[p] = max(self.most_recent[p], step)
+                    if do:
+                        prefetch.append(p)
+                        numel += p.numel
+                if numel > 0:
+                    self._all_gather(prefetch)
+        self.step_id += 1
+
+    def _to_release(self, module: str) -> set:
+        """`__params_to_release` (cached per module and step, as DeepSpeed's lru_cache does)."""
+        key = (module, self.step_id)
+        if key not in self.release_cache:
+            candidates = {p for p in self._params_of(module) if not p.persist}
+            candidates -= {p for p in self._params_of(module) if self.most_recent[p] > self.step_id}
+            traversed = 0
+            for later in self.module_order[self.step_id:]:
+                if traversed >= self.zero.max_reuse_distance:
+                    break
+                for p in self._params_of(later):
+                    candidates.discard(p)
+                    traversed += p.numel
+            self.release_cache[key] = candidates
+        return self.release_cache[key]
+
+    def release(self, module: str, forward: bool) -> None:
+        """`release_sub_module`."""
+        to_release = self._to_release(module) if self.mode == "complete" else set(self._params_of(module))
+        if not forward:
+            self.active_backward.pop(module, None)
+        for p in self._params_of(module):
+            p.active.discard(module)
+            if p in to_release:
+                self._release_param(p)
+
+    def release_backward_leftovers(self) -> None:
+        while self.active_backward:
+            module, _ = self.active_backward.popitem()
+            for p in self._params_of(module):
+                p.active.discard(module)
+                if not p.persist:
+                    self._release_param(p)
+
+    def release_all(self) -> None:
+        """`release_and_reset_all` (`_partition_all_parameters`, at the start of the step)."""
+        for p in self.params:
+            if p in self.inflight:
+                self._wait(p)
+            p.active.clear()
+            self._release_param(p)
+
+    # ---- gradients ---------------------------------------------------------------------------------------
+    def on_gradient(self, name: str) -> None:
+        """`reduce_independent_p_g_buckets_and_remove_grads`."""
+        p = self.by_name[name]
+        if self.bucket_elements + p.numel > self.zero.reduce_bucket_size and self.bucket_elements > 0:
+            self.flush()
+        if self.zero.contiguous_gradients and self.bucket_elements + p.numel <= self.zero.reduce_bucket_size:
+            self._free_grad(name)  # copied into the bucket; param.grad.data now views it
+            self.in_bucket.add(name)
+        self.bucket.append(p)
+        self.bucket_elements += p.numel
+
+    def flush(self) -> None:
+        """`__reduce_and_partition_ipg_grads` -> `__avg_scatter_grads` -> `reduce_scatter_coalesced`."""
+        if not self.bucket:
+            return
+        params = sorted(self.bucket, key=lambda q: q.ds_id)
+        cat = None
+        flat_bytes = self._psum(params) * self.world * self.elem
+        if self.recording:  # the paddings and the torch.cat below, for every W
+            cat = self.w.padded_cat([p.ds_id for p in params], self.elem, flat_bytes, Category.TEMPORARY)
+        elif not (len(params) == 1 and params[0].numel % self.world == 0):
+            paddings = [(self.w.alloc(nbytes, Category.TEMPORARY), nbytes)
+                        for _, _, nbytes in sorted(self._paddings(params))]
+            cat = (self.w.alloc(flat_bytes, Category.TEMPORARY), flat_bytes)
+            for padding in paddings:
+                self.w.free(*padding, Category.TEMPORARY)
+        if self.gloo:  # ProcessGroupGloo's reduce_scatter_tensor reduces a clone of its input (NCCL does not)
+            clone = self.w.alloc(flat_bytes, Category.TEMPORARY)
+            self.w.free(clone, flat_bytes, Category.TEMPORARY)
+        for p in params:  # partition_grads: param.grad = None
+            if p.name in self.in_bucket:
+                self.in_bucket.discard(p.name)
+            elif p.name in self.grads:
+                self._free_grad(p.name)
+        if cat is not None:
+            self.w.free(*cat, Category.TEMPORARY)
+        self.bucket, self.bucket_elements = [], 0
+
+    def _paddings(self, params: list[_Param]):
+        """(rank, index, bytes) of each zero padding `__avg_scatter_grads` allocates, rank by rank and parameter by
+        parameter: rank r holds min(partition, numel - r * partition) real elements, so every rank from
+        numel // partition on pads (the first of them by the remainder only). zero3_resize.Program._assemble
+        generates the same, vectorised."""
+        for index, p in enumerate(params):
+            first, held = divmod(p.numel, p.partition)
+            for rank in range(first, self.world):
+                yield rank, index, (p.partition - (held if rank == first else 0)) * self.elem
+
+    def _free_grad(self, name: str) -> None:
+        serial, nbytes = self.grads.pop(name)
+        self.w.free(serial, nbytes, Category.GRADIENT)
+
+    # ---- step ------------------------------------------------------------------------------------------
+    def step(self, step: int) -> None:
+        self.release_all()
+        for p in self.trainable:  # get_grad_norm_direct: g.to(float64) per partition
+            upcast = self.w.alloc(p.partition * FP64_BYTES, Category.TEMPORARY)
+            self.w.free(upcast, p.partition * FP64_BYTES, Category.TEMPORARY)
+        for index, group in enumerate(self.sub_groups):
+            numel = self._psum(group)
+            flat = self.w.alloc(numel * self.elem, Category.GRADIENT)
+            if self.elem != FP32_BYTES:
+                fp32 = self.w.alloc(numel * FP32_BYTES, Category.GRADIENT)
+                self.w.free(flat, numel * self.elem, Category.GRADIENT)
+                flat = fp32
+            if self.client is not None:
+                self.client.step(self.w, step, index)
+            else:
+                step_optimizer(self.w, [numel], step == 0, self.foreach, self.optimizer, self.fused)
+            self.w.free(flat, numel * FP32_BYTES, Category.GRADIENT)
+        persistent = [p for p in self.params if p.persist]  # _post_step: one buffer each
+        for p in persistent:
+            nbytes = p.partition * self.world * p.elem
+            p.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
+            p.status = AVAILABLE
+
+    # ---- the walk --------------------------------------------------------------------------------------
+    def run(self) -> None:
+        walk_phases(self.rows, self._row, self._leave, self.w, _runs(self.timeline))
+
+    def _row(self, row: tuple) -> None:
+        self.w.step, self.w.phase = row[0], row[1]  # what a marker row makes DeepSpeed allocate happens here
+        phase, serial, category, name = row[1], int(row[4]), row[6], row[7]
+        if serial == TIED:
+            module = self.module_params[_module_of(row[3])]
+            if self.by_name[name] not in module:  # each module lists a parameter once (`iter_params`)
+                module.append(self.by_name[name])
+        elif serial == FORWARD_PRE:
+            if name == ROOT_MODULE:
+                self.reset_step()
+            self.fetch(name, forward=True)
+        elif serial == FORWARD_POST:
+            self.release(name, forward=True)
+        elif serial == BACKWARD_PRE:
+            self.fetch(name, forward=False)
+        elif serial == BACKWARD_POST:
+            self.release(name, forward=False)
+        elif serial == GRAD_READY:
+            self.on_gradient(name)
+        elif category == _PARAMETER and phase == _BUILD:
+            self._build_row(row)
+        elif category == _GRADIENT and phase == _BACKWARD:
+            self._gradient_row(row)
+        else:
+            self.w.keep(row)
+
+    def _build_row(self, row: tuple) -> None:
+        """The single process's whole base parameters are dropped (zero.Init partitions them instead); an
+        adapter, created whole by get_peft_model once zero.Init has run, is kept until initialize partitions it."""
+        p = self.by_name.get(row[7])
+        if p is None or not p.adapter:
+            return
+        if not self.built:
+            self.build()
+        self.w.keep(row)
+        if int(row[5]) > 0:
+            self.whole[p.name] = (int(row[4]), int(row[5]))
+
+    def _gradient_row(self, row: tuple) -> None:
+        name, serial, delta = row[7], int(row[4]), int(row[5])
+        if delta > 0:
+            self.w.keep(row)
+            self.grads[name] = (serial, delta)
+        elif name in self.grads and self.grads[name][0] == serial:
+            if self.micro > 0:  # a later micro-step's own gradient (TrainSetup.label_micro_grads), which the trace
+                return          # adds into `.grad` and drops: here `.grad` is None after every partition_grads, so
+                                # autograd keeps it as `.grad` and the reduction frees it
+            self.w.keep(row)  # autograd replaced the gradient storage itself
+            del self.grads[name]
+
+    def _leave(self, step: int, phase: str) -> None:
+        self.w.step, self.w.phase = step, phase
+        if phase == Phase.BUILD.value:
+            if not self.built:
+                self.build()
+            self.initialize()
+        elif phase == Phase.BACKWARD.value:
+            self.flush()  # independent_gradient_partition_epilogue
+            self.release_backward_leftovers()
+            self.micro += 1
+        elif phase == Phase.OPTIMIZER.value:
+            self.step(step)
+            self.micro = 0
+
+
+@per_timeline
+def _runs(t: pd.DataFrame) -> list[tuple[int, int, int]]:
+    """The rows a ZeRO-3 rank acts on (markers, the build's parameters, the backward's gradients), those it copies
+    and the client optimizer's, which it leaves out: the same for every layout of one traced timeline."""
+    phase, category = t["phase"], t["category"]
+    own = ((t["serial"] < 0)  # markers
+           | ((category == Category.PARAMETER.value) & (phase == Phase.BUILD.value))
+           | ((category == Category.GRADIENT.value) & (phase == Phase.BACKWARD.value))).to_numpy()
+    dropped = (phase == Phase.OPTIMIZER.value).to_numpy()  # the client optimizer's rows
+    return own_runs(rows_of(t), own, dropped)
+
+
+def _module_of(param: str) -> str:
+    return param.rsplit(".", 1)[0] if "." in param else ROOT_MODULE
+
+
+def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
+    """Every rank runs the same events: partitions are ceil(n / W) elements everywhere (the last rank's
+    padding included), so one timeline serves all ranks: the walk's (`walk`), evaluated from a program a walk of the
+    same step and config recorded at a world size with the same sub-groups (zero3_resize.py), else recorded now; a
+    client optimizer other than AdamW is walked every time."""
+    shared = None if uses_flat_optimizer(layout, setup) else _resized(timeline, layout, setup)
+    if shared is None:
+        shared = walk(timeline, layout, setup)
+    return {rank: shared for rank in range(layout.world_size)}
+
+
+def walk(timeline: pd.DataFrame, layout, setup) -> pd.DataFrame:
+    """A rank's timeline, walked event by event: the reference the recorded programs are checked against
+    (tests/test_zero3_resize.py)."""
+    rank = _Rank(timeline, rows_of(timeline), layout, setup)
+    rank.run()
+    return rank.w.frame(timeline)
+
+
+def record(timeline: pd.DataFrame, layout, setup) -> Program:
+    """The walk at `layout`'s world size, recorded for every world size with the same sub-groups."""
+    rank = _Rank(timeline, rows_of(timeline), layout, setup, recording=True)
+    rank.run()
+    return Program(rank.w, timeline, [p.numel for p in rank.params], [p.ds_id for p in rank.trainable],
+                   rank.zero.sub_group_size, rank.sub_group_ends)
+
+
+def uses_flat_optimizer(layout, setup) -> bool:
+    """A client optimizer other than AdamW (strategies/flat_optimizer.py): its recorded step depends on the
+    sub-groups' sizes in ways of its own (8-bit blocks, `min_8bit_size`), so it is walked at every W."""
+    return layout.deepspeed.optimizer_kind == "client" and setup.optimizer is not Optimizer.ADAMW
+
+
+PROGRAMS_PER_CONFIG = 4  # programs kept per step and config (one per set of sub-groups; 70B: ~11 MiB each)
+
+
+def _resized(timeline: pd.DataFrame, layout, setup) -> pd.DataFrame:
+    config = layout.deepspeed.config  # what the walk reads of it (`zero()`, `optimizer_of`, `torch_fused`)
+    programs = _programs(timeline, json.dumps([config.get("zero_optimization"), config.get("optimizer")],
+                                              sort_keys=True), setup)
+    world = layout.world_size
+    for index, program in enumerate(programs):
+        if program.matches(world):
+            programs.append(programs.pop(index))
+            return program.frame(world)
+    if len(programs) >= PROGRAMS_PER_CONFIG:
+        programs.pop(0)
+    programs.append(record(timeline, layout, setup))
+    return programs[-1].frame(world)
+
+
+@per_timeline(maxsize=4)
+def _programs(timeline: pd.DataFrame, config: str, setup) -> list[Program]:
+    """The programs recorded on `timeline` for one DeepSpeed config (its W-independent sections) and setup, most
+    recently used last."""
+    return []

@@ -1,0 +1,110 @@
+"""Each traced process's timeline at full depth, kept for the next prediction with the same inputs (`expanded`);
+a pipeline's stages, traced in local processes when several are missing (`stage_timelines`); and the strategy's
+per-rank timelines planned from a traced one (`plan`)."""
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from typing import Callable
+
+import networkx as nx
+import pandas as pd
+
+from llmsim.inputs.spec import ModelSpec, TrainSetup
+from llmsim.model.step import StepInfo
+from llmsim.model.trace import trace
+from llmsim.sim.graph import layer_graph
+from llmsim.sim.processes import in_processes
+from llmsim.sim.strategies import STRATEGIES, Layout, Strategy
+from llmsim.sim.strategies.events import per_timeline
+from llmsim.sim.timeline import TRACED_STEPS, expand, repeat_last_step
+
+
+def expanded(model: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, Callable[[], nx.DiGraph]]:
+    """The full-depth timeline of one traced process and its layer graph (built when first asked for), kept for
+    the next prediction with the same inputs (the latest `_MAX_EXPANDED`; the strategies and the replay read
+    them, never change them). With pipeline stages, the graph is the last stage's."""
+    key = (model, setup)
+    if key in _EXPANDED:
+        _EXPANDED[key] = _EXPANDED.pop(key)  # the most recently used is the last to go
+        return _EXPANDED[key]
+    return _remember(key, *_expand_key(key))
+
+
+def _expand_key(key: tuple[ModelSpec, TrainSetup]) -> tuple[pd.DataFrame, StepInfo]:
+    """Trace and expand to full depth (what `expanded` keeps). Two steps are traced and the steady second one
+    repeated (`repeat_last_step`)."""
+    model, setup = key
+    traced = trace(model, replace(setup, steps=min(setup.steps, TRACED_STEPS)))
+    timeline = repeat_last_step(expand(traced), setup.steps)
+    if timeline is None:  # the last traced step is not steady: trace every step
+        traced = trace(model, setup)
+        timeline = expand(traced)
+    return timeline, traced.info
+
+
+def _remember(key: tuple[ModelSpec, TrainSetup], timeline: pd.DataFrame,
+              info: StepInfo) -> tuple[pd.DataFrame, Callable[[], nx.DiGraph]]:
+    if len(_EXPANDED) >= _MAX_EXPANDED:
+        _EXPANDED.pop(next(iter(_EXPANDED)))
+    _EXPANDED[key] = (timeline, functools.cache(functools.partial(layer_graph, timeline, info)))
+    return _EXPANDED[key]
+
+
+_MAX_EXPANDED = 16
+_EXPANDED: dict[tuple[ModelSpec, TrainSetup], tuple[pd.DataFrame, Callable[[], nx.DiGraph]]] = {}
+
+
+def stage_ranks(layout: Layout, stage: int) -> list[int]:
+    """The global ranks of pipeline stage `stage`: its TP ranks in every data-parallel replica."""
+    per_replica = layout.pp * layout.tp
+    return [replica * per_replica + stage * layout.tp + t for replica in range(layout.dp) for t in range(layout.tp)]
+
+
+def stage_timeline(model: ModelSpec, setup: TrainSetup, layout: Layout,
+                    stage: int) -> tuple[pd.DataFrame, Callable[[], nx.DiGraph]]:
+    return _stage_planned(expanded(model, _stage_setup(setup, layout, stage)), layout, setup)
+
+
+def stage_timelines(model: ModelSpec, setup: TrainSetup, layout: Layout, progress: bool = False,
+                     jobs: int = 1) -> list[tuple[pd.DataFrame, Callable[[], nx.DiGraph]]]:
+    """Every stage's `stage_timeline`; with `jobs` > 1 the stages not cached are traced in that many processes
+    (the traces are independent), then cached here as if traced here."""
+    from tqdm import tqdm
+
+    keys = [(model, _stage_setup(setup, layout, stage)) for stage in range(layout.pp)]
+    found = {key: _EXPANDED[key] for key in keys if key in _EXPANDED}
+    missing = [key for key in keys if key not in found]
+    if jobs > 1 and len(missing) > 1:
+        # the bar is in_processes' (a stage a tick, as its trace comes back), left on screen like sweep's
+        for key, result in zip(missing, in_processes(_expand_key, missing, min(jobs, len(missing)), progress,
+                                                     "stage")):
+            found[key] = _remember(key, *result)
+        progress = False
+    stages = []
+    with tqdm(total=layout.pp, disable=not progress, unit="stage", leave=False) as bar:  # cleared at the end
+        for key in keys:
+            stages.append(_stage_planned(found[key] if key in found else expanded(*key), layout, setup))
+            bar.update()
+    return stages
+
+
+def _stage_setup(setup: TrainSetup, layout: Layout, stage: int) -> TrainSetup:
+    return replace(setup, pp=layout.pp, pp_stage=stage, schedule=layout.schedule.value,
+                   n_microbatches=layout.n_microbatches, pp_split=layout.pp_split)
+
+
+def _stage_planned(traced: tuple[pd.DataFrame, Callable[[], nx.DiGraph]], layout: Layout, setup: TrainSetup):
+    timeline, graph = traced
+    if layout.strategy is not Strategy.SINGLE:  # the stage's DDP buffers, the same in every replica
+        timeline = plan(timeline, layout, setup)[0]
+    return timeline, graph
+
+
+@per_timeline(maxsize=32)
+def plan(timeline: pd.DataFrame, layout: Layout, setup: TrainSetup):
+    """The strategy's per-rank timelines, kept for the next prediction of the same layout on the same traced
+    timeline (another GPU or allocator setting of a sweep, `size` trying GPUs): a ZeRO-3 plan walks every event
+    of the step. The last few are kept (as many as a 32-stage pipeline's stages, each with its DDP buffers); a
+    ZeRO-1/2 plan keeps one template walk (about 9 MiB at 70B)."""
+    return STRATEGIES[layout.strategy](timeline, layout, setup)
