@@ -261,3 +261,38 @@ def test_levers_under_ddp_are_predicted(capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["ranks"]) == 2 and out["ranks"][0]["peak_allocated_bytes"] == out["ranks"][1]["peak_allocated_bytes"]
     assert out["peak_host_bytes"] == 2 * 2 * 16 * 64 * 4  # two layers' fp32 inputs (2 x 16 x 64), as one process
+
+
+def test_measure_appends_to_an_untracked_file_where_it_runs(tmp_path, monkeypatch, capsys):
+    """`llmsim measure` without --out writes ./llmsim-measurements.csv where the user runs it (ignored by git
+    here), never the committed rows in data/measurements/."""
+    import pandas as pd
+
+    from llmsim.measure.runs import MEASUREMENTS_DIR
+
+    committed = {path.name: path.stat().st_mtime_ns for path in MEASUREMENTS_DIR.glob("*.csv")}
+    monkeypatch.chdir(tmp_path)
+    assert main(["measure", *TINY, "--seq-len", "16", "--micro-batch", "1"]) == 0
+    assert main(["measure", *TINY, "--seq-len", "16", "--micro-batch", "2"]) == 0
+    rows = pd.read_csv(tmp_path / "llmsim-measurements.csv")
+    assert rows["micro_batch"].tolist() == [1, 2]
+    assert {path.name: path.stat().st_mtime_ns for path in MEASUREMENTS_DIR.glob("*.csv")} == committed
+
+
+def test_help_and_argument_errors_do_not_import_torch():
+    """`llmsim --help` and an option argparse refuses answer before torch (seconds to import) is loaded."""
+    code = ("import sys; from llmsim.app.cli import main\n"
+            "for argv in (['--help'], ['predict', '--help'], ['predict', '--model', 'gpt2', '--seq-len', 'x']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "False False"
+    assert "argument --seq-len: invalid int value: 'x'" in done.stderr
+
+
+def test_a_lora_prediction_prints_no_library_noise():
+    """transformers', peft's and bitsandbytes' advice for training scripts (bitsandbytes' CPU backend warns on
+    import about an optional kernel package) stays out of llmsim's output: stderr is empty."""
+    done = subprocess.run([sys.executable, "-m", "llmsim.app.cli", "predict", *TINY, "--seq-len", "16",
+                           "--micro-batch", "1", "--lora-rank", "4"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == ""

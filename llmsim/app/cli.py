@@ -93,23 +93,24 @@ def cmd_size(args) -> int:
 
 
 def cmd_measure(args) -> int:
-    from llmsim.measure.launch import LaunchFailure
-    from llmsim.measure.runs import TIER1_CSV, TIER2_CSV, append_rows, measure_distributed, measure_single
     from llmsim.app.report import human_bytes
+    from llmsim.measure.launch import LaunchFailure
+    from llmsim.measure.runs import MEASURED_DEFAULT_CSV, append_rows, measure_distributed, measure_single
 
     spec, setup, layout = inputs(args)
     if setup.recipe is Recipe.HF_TRAINER:
-        from llmsim.measure.runs import MEASURED_DEFAULT_CSV, measure_trainer
+        from llmsim.measure.runs import measure_trainer
 
-        rows, default_out = [measure_trainer(spec, setup, args.dtype or "auto")], MEASURED_DEFAULT_CSV
+        rows = [measure_trainer(spec, setup, args.dtype or "auto")]
     elif layout.world_size == 1:
-        rows, default_out = [measure_single(spec, setup)], TIER1_CSV
+        rows = [measure_single(spec, setup)]
     else:
         try:
-            rows, default_out = measure_distributed(spec, setup, layout, args.timeout), TIER2_CSV
+            rows = measure_distributed(spec, setup, layout, args.timeout)
         except LaunchFailure as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_RUN_FAILED
+    default_out = MEASURED_DEFAULT_CSV  # where the user runs llmsim: the committed rows change only when asked
     if not args.dry_run:
         append_rows(rows, Path(args.out) if args.out else default_out)
     for row in rows:

@@ -335,10 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="llmsim-sweep.csv", help=".csv or .parquet")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="local processes")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p = sub.add_parser("measure", help="run the canonical step for real on this CPU and append a row")
+    p = sub.add_parser("measure", help="run the step for real on this CPU (the canonical loop, or the Trainer with --training-args) and append its rows")
     _add_model_args(p)
     _add_layout_args(p)
-    p.add_argument("--out", default=None, help="CSV to append to (default data/measurements/tier1_cpu.csv)")
+    p.add_argument("--out", default=None, help="CSV to append to (default ./llmsim-measurements.csv)")
     p.add_argument("--dry-run", action="store_true", help="measure but write nothing")
     p.add_argument("--timeout", type=int, default=900, help="seconds before a multi-process run is killed")
     p = sub.add_parser("validate", help="re-predict every measured row; exit 1 if any is out of tolerance")
@@ -349,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def quiet_libraries() -> None:
-    """transformers, peft and DeepSpeed log advice meant for training scripts; the CLI prints its own report."""
+    """transformers, peft, DeepSpeed and bitsandbytes log advice meant for training scripts; the CLI prints its
+    own report."""
     import logging
     import warnings
 
@@ -359,3 +360,6 @@ def quiet_libraries() -> None:
 
     hf_logging.set_verbosity_error()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    # bitsandbytes' CPU backend warns on import that an optional kernel package is missing (its fallback is the
+    # kernel a CPU run takes either way): not a word about the user's job
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

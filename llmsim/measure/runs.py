@@ -31,7 +31,7 @@ MEASUREMENTS_DIR = Path(__file__).resolve().parents[2] / "data" / "measurements"
 TIER1_CSV = MEASUREMENTS_DIR / "tier1_cpu.csv"
 TIER3_CSV = MEASUREMENTS_DIR / "tier3_fake_fullsize.csv"
 TIER2_CSV = MEASUREMENTS_DIR / "tier2_cpu.csv"
-MEASURED_DEFAULT_CSV = Path("llmsim-measurements.csv")  # the entry-point recipes' rows, where the user runs llmsim
+MEASURED_DEFAULT_CSV = Path("llmsim-measurements.csv")  # `llmsim measure`'s rows, where the user runs llmsim
 
 
 def _version(package: str) -> str:
