@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import networkx as nx
 import pandas as pd
 
 from llmsim.inputs.gpus import GpuProfile
@@ -14,6 +13,9 @@ from llmsim.inputs.spec import ModelSpec, TrainSetup
 from llmsim.sim.allocator import AllocatorConfig
 from llmsim.sim.peaks import Peak
 from llmsim.sim.strategies import Layout
+
+if TYPE_CHECKING:  # networkx loads when a graph is first asked for
+    import networkx as nx
 
 
 def torch_version() -> str:

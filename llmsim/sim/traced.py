@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import networkx as nx
 import pandas as pd
 
 from llmsim.inputs.spec import ModelSpec, TrainSetup
 from llmsim.model.step import StepInfo
 from llmsim.model.trace import trace
-from llmsim.sim.graph import layer_graph
 from llmsim.sim.processes import in_processes
 from llmsim.sim.strategies import STRATEGIES, Layout, Strategy
 from llmsim.sim.strategies.events import per_timeline
 from llmsim.sim.timeline import TRACED_STEPS, expand, repeat_last_step
+
+if TYPE_CHECKING:  # networkx loads when a graph is first asked for
+    import networkx as nx
 
 
 def expanded(model: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, Callable[[], nx.DiGraph]]:
@@ -47,8 +48,14 @@ def _remember(key: tuple[ModelSpec, TrainSetup], timeline: pd.DataFrame,
               info: StepInfo) -> tuple[pd.DataFrame, Callable[[], nx.DiGraph]]:
     if len(_EXPANDED) >= _MAX_EXPANDED:
         _EXPANDED.pop(next(iter(_EXPANDED)))
-    _EXPANDED[key] = (timeline, functools.cache(functools.partial(layer_graph, timeline, info)))
+    _EXPANDED[key] = (timeline, functools.cache(functools.partial(_layer_graph, timeline, info)))
     return _EXPANDED[key]
+
+
+def _layer_graph(timeline: pd.DataFrame, info: StepInfo) -> nx.DiGraph:
+    from llmsim.sim.graph import layer_graph
+
+    return layer_graph(timeline, info)
 
 
 _MAX_EXPANDED = 16
