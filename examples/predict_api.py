@@ -6,4 +6,3 @@ for gpu in ("a100-40gb", "a100-80gb", "h200"):
     r = p.ranks[0]                                   # one process: one rank
     print(f"{gpu}: device total {r.device_total_bytes / 2**30:.2f} GiB, fits {r.fits}, peak in the {r.peak.phase}")
 print({k: round(v / 2**30, 2) for k, v in r.peak.breakdown_bytes.items()})   # GiB by category at the peak
-print(len(r.timeline), "events in the timeline (a DataFrame: one row per allocation or free)")

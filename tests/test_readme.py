@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
-INSTALL = 'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]"'
+INSTALL = 'python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt -e ".[test]"'
 TEST_COMMAND = "python -m pytest -q"
 README_MAX_LINES = 200
 
