@@ -86,6 +86,31 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
     return out
 
 
+def _why_none(spec: ModelSpec, setup: TrainSetup, families: tuple[str, ...], max_gpus: int) -> str:
+    """Why `candidates` found no layout: the first refusal of the families asked for, as `predict` words it."""
+    if max_gpus < 2:
+        return "every family but single needs 2 GPUs or more (--max-gpus)"
+    reasons = []
+    if "zero" in families and setup.precision not in (Precision.FP32, Precision.BF16):
+        reasons.append(f"DeepSpeed ZeRO takes fp32 or bf16, not {setup.precision.value}")
+    if {"tp", "pp", "tpxpp"} & set(families):
+        if setup.lora_rank:
+            reasons.append("LoRA is not modelled with tensor or pipeline parallelism")
+        elif spec.config_json is None:
+            reasons.append("tensor and pipeline parallelism need an HF config, not a module factory")
+        else:
+            for degree in (2, 4, 8)[: max(1, max_gpus.bit_length() - 1)]:
+                for check in (lambda: check_tensor_parallel(spec.hf_config(), degree),
+                              lambda: check_pipeline(spec.hf_config(), degree, degree, Schedule.ONE_F_ONE_B, None,
+                                                     setup.precision)):
+                    try:
+                        check()
+                    except InputError as error:
+                        if str(error) not in reasons:
+                            reasons.append(str(error))
+    return "; ".join(reasons) or "none of them is modelled for this setup"
+
+
 def _model_parallel(tp: int, pp: int, n_microbatches: int | None = None) -> Layout:
     return Layout(world_size=tp * pp, tp=tp, pp=pp, schedule=Schedule.ONE_F_ONE_B, n_microbatches=n_microbatches or pp)
 
@@ -245,6 +270,9 @@ def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
     for levers in combos:
         for candidate in candidates(spec, with_levers(setup, levers), max_gpus, families):
             keys.setdefault((candidate.name, candidate.gpus), []).append(levers)
+    if not keys:
+        raise InputError(f"no layout of the families {', '.join(families)} applies to {spec.name} on up to "
+                         f"{max_gpus} GPU(s): {_why_none(spec, setup, families, max_gpus)}")
     work = functools.partial(_layout_rows, spec, setup, gpu, max_gpus, max_micro_batch, alloc_conf, families,
                              global_batch)
     # The longest first: each pipeline on its own (a trace per stage; the most GPUs, the most stages, first), then
