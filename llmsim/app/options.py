@@ -11,6 +11,7 @@ import os
 from llmsim.enums import Attention, Loss, Optimizer, Precision, parse_enum
 from llmsim.errors import InputError
 from llmsim.inputs.spec import LLM_INT8_THRESHOLD
+from llmsim.model.quiet import quiet_libraries
 
 
 class _Parser(argparse.ArgumentParser):
@@ -346,20 +347,3 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=1, help="local processes to share the rows between")
     p = sub.add_parser("models", help="list the model zoo")
     return parser
-
-
-def quiet_libraries() -> None:
-    """transformers, peft, DeepSpeed and bitsandbytes log advice meant for training scripts; the CLI prints its
-    own report."""
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module="peft")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    # bitsandbytes' CPU backend warns on import that an optional kernel package is missing (its fallback is the
-    # kernel a CPU run takes either way): not a word about the user's job
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

@@ -11,6 +11,7 @@ import pandas as pd
 
 from llmsim.enums import Attention, Loss, Optimizer, Precision
 from llmsim.measure.runs import MEASUREMENTS_DIR
+from llmsim.model.quiet import quiet_libraries
 from llmsim.sim.pipeline import predict
 from llmsim.inputs.spec import LLM_INT8_THRESHOLD, ModelSpec, TrainSetup, load_model_spec
 from llmsim.inputs.dsconfig import DeepSpeedSetup
@@ -74,7 +75,8 @@ def validate(measurements: pd.DataFrame, jobs: int = 1) -> pd.DataFrame:
         min(shares, key=len).extend(index)
     chunks = [measurements.loc[sorted(share)] for share in shares if share]
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=context) as pool:
+    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=context,
+                             initializer=quiet_libraries) as pool:
         frames = list(pool.map(_validate_rows, chunks))
     order = [i for chunk in chunks for i in chunk.index]
     return pd.concat(frames, ignore_index=True).set_axis(order).sort_index().reset_index(drop=True)

@@ -1,0 +1,20 @@
+"""Third-party noise silenced at llmsim's edges (the CLI, `llmsim.predict`, and the fresh processes `validate`
+spawns): advice the libraries print for training scripts, not about the user's job."""
+from __future__ import annotations
+
+
+def quiet_libraries() -> None:
+    """transformers, peft, DeepSpeed and bitsandbytes log advice meant for training scripts; the CLI prints its
+    own report."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    # bitsandbytes' CPU backend warns on import that an optional kernel package is missing (its fallback is the
+    # kernel a CPU run takes either way): not a word about the user's job
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
