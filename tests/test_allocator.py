@@ -92,7 +92,8 @@ def test_gpu_profile_reports_reserved_and_headroom(capsys):
     rank = json.loads(capsys.readouterr().out)["ranks"][0]
     assert rank["peak_reserved_bytes"] >= rank["peak_allocated_bytes"]
     assert rank["peak_reserved_bytes"] % (2 * MiB) == 0  # whole segments
-    assert rank["headroom_bytes"] == rank["capacity_bytes"] - rank["device_total_bytes"] and rank["fits"]
+    assert rank["headroom_bytes"] == rank["capacity_bytes"] - rank["needed_bytes"] and rank["fits"]
+    assert rank["needed_bytes"] == rank["device_total_bytes"] and rank["verdict"] == "fits"  # far from the card
     assert main(argv + ["--gpu", "b200"]) == 2
     assert "valid choices" in capsys.readouterr().err
 

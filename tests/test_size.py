@@ -129,9 +129,9 @@ def test_pipeline_stage_by_stage_agrees_with_predict(monkeypatch):
             whole = {r.rank: r for r in predict(spec, TrainSetup(micro_batch, 512), layout, TINY_GPU).ranks}
             ok, worst, _ = _worst(spec, TrainSetup(micro_batch, 512), layout, TINY_GPU, AllocatorConfig())
             assert ok == all(r.fits for r in whole.values()), (tp, pp, micro_batch)
-            assert worst.device_total_bytes == whole[worst.rank].device_total_bytes
+            assert worst.needed_bytes == whole[worst.rank].needed_bytes
             if ok:
-                assert worst.device_total_bytes == max(r.device_total_bytes for r in whole.values())
+                assert worst.needed_bytes == max(r.needed_bytes for r in whole.values())
             else:
                 assert not whole[worst.rank].fits
             verdicts.add(ok)
@@ -180,7 +180,7 @@ def test_pipeline_search_screens_then_predicts_the_answer_whole(monkeypatch):
     def stage_ranks(spec, setup, layout, stage, gpu, alloc_conf):
         predicted.append((setup.micro_batch, stage))
         total = need[stage](setup.micro_batch)
-        return [SimpleNamespace(rank=stage, device_total_bytes=total, fits=total <= capacity)]
+        return [SimpleNamespace(rank=stage, needed_bytes=total, fits=total <= capacity)]
 
     monkeypatch.setattr(sizing, "predict_stage", stage_ranks)
     candidate = Candidate("pp", 3, lambda mb, m=None: _model_parallel(1, 3))
@@ -212,7 +212,7 @@ def test_search_from_a_hint_finds_what_brute_force_finds(monkeypatch):
     def worst(spec, setup, layout, gpu, alloc_conf, only=None):
         trials.append(setup.micro_batch)
         total = need(setup.micro_batch)
-        return total <= 100, SimpleNamespace(rank=0, device_total_bytes=total), 0
+        return total <= 100, SimpleNamespace(rank=0, needed_bytes=total), 0
 
     monkeypatch.setattr(sizing, "_worst", worst)
     candidate = Candidate("ddp", 2, lambda mb: SimpleNamespace(pp=1, tp=1))

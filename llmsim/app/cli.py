@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from llmsim.app.options import alloc_conf, build_parser, inputs, prediction, quiet_libraries
+from llmsim.app.options import alloc_conf, build_parser, gpu_of, inputs, prediction, quiet_libraries
 from llmsim.enums import Recipe
 from llmsim.errors import InputError
 
@@ -35,12 +35,11 @@ def cmd_predict(args) -> int:
 def cmd_compare(args) -> int:
 
     from llmsim.app.compare import compare_levers
-    from llmsim.inputs.gpus import load_gpu
     from llmsim.app.plots import levers_bar_chart
     from llmsim.app.report import human_bytes, layout_text
 
     spec, setup, layout = inputs(args)
-    gpu = load_gpu(args.gpu) if args.gpu else None
+    gpu = gpu_of(args)
     frame = compare_levers(spec, setup, layout, gpu, alloc_conf(args), args.jobs,
                            not args.quiet and sys.stderr.isatty())
     shown = frame.assign(peak=frame["device_total_bytes"].map(human_bytes),
@@ -56,7 +55,6 @@ def cmd_compare(args) -> int:
 
 
 def cmd_size(args) -> int:
-    from llmsim.inputs.gpus import load_gpu
     from llmsim.app.report import human_bytes
     from llmsim.app.size import size
 
@@ -64,7 +62,7 @@ def cmd_size(args) -> int:
         raise InputError(f"max-gpus({args.max_gpus}) and max-micro-batch({args.max_micro_batch}) must be >= 1")
     args.micro_batch = 1
     spec, setup, _ = inputs(args)
-    gpu = load_gpu(args.gpu)
+    gpu = gpu_of(args)
     from llmsim.app.size import FAMILIES
 
     families = tuple(f for f in args.layouts.split(",") if f) if args.layouts else FAMILIES
@@ -73,7 +71,8 @@ def cmd_size(args) -> int:
     allow = tuple(name for name in (args.allow or "").split(",") if name)
     frame = size(spec, setup, gpu, args.max_gpus, args.max_micro_batch, alloc_conf(args), families,
                  args.global_batch, allow, args.jobs, not args.quiet)
-    title = (f"{spec.name} on {gpu.name} ({human_bytes(gpu.capacity_bytes)}), seq {setup.seq_len}, "
+    title = (f"{spec.name} on {gpu.name} ({human_bytes(gpu.capacity_bytes)}, margin "
+             f"{human_bytes(gpu.margin_bytes)}), seq {setup.seq_len}, "
              f"{setup.precision.value}{', checkpointing' if setup.grad_ckpt else ''}")
     if args.plot:
         from llmsim.app.plots import sizing_heatmap
@@ -82,11 +81,11 @@ def cmd_size(args) -> int:
     if args.format == "json":
         print(frame.to_json(orient="records", indent=2))
         return 0
-    shown = frame.assign(total=frame["device_total_bytes"].map(lambda b: human_bytes(int(b)) if b == b and b else "-"),
+    shown = frame.assign(needs=frame["needed_bytes"].map(lambda b: human_bytes(int(b)) if b == b and b else "-"),
                          headroom=frame["headroom_bytes"].map(lambda b: human_bytes(int(b)) if b == b and b else "-"))
     print(title)
     columns = ["layout", "gpus"] + (["levers"] if allow else []) + ["largest_micro_batch"] + \
-        (["passes"] if args.global_batch else []) + ["total", "headroom", "fits", "why"]
+        (["passes"] if args.global_batch else []) + ["needs", "headroom", "fits", "why"]
     print(shown[columns].rename(columns={"largest_micro_batch": "micro_batch" if args.global_batch
                                          else "largest_micro_batch"}).to_string(index=False))
     return 0
@@ -160,8 +159,21 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_gpus(args) -> int:
+    from llmsim.app.report import human_bytes
+    from llmsim.inputs.gpus import gpu_names, load_gpu
+
+    print(f"{'name':<12} {'device':<28} {'capability':>10} {'capacity':>12} {'CUDA context':>13}  source")
+    for name in gpu_names():
+        gpu = load_gpu(name)
+        print(f"{name:<12} {gpu.device_name:<28} {gpu.compute_capability:>10} {human_bytes(gpu.capacity_bytes):>12} "
+              f"{human_bytes(gpu.cuda_context_bytes):>13}  {gpu.source}")
+    return 0
+
+
 COMMANDS = {"predict": cmd_predict, "compare": cmd_compare, "size": cmd_size, "sweep": cmd_sweep,
-            "measure": cmd_measure, "validate": cmd_validate, "models": cmd_models}
+            "measure": cmd_measure, "validate": cmd_validate, "models": cmd_models,
+            "gpus": cmd_gpus}
 
 
 def main(argv: list[str] | None = None) -> int:

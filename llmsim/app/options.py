@@ -107,6 +107,9 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    "autocast policy, foreach AdamW), reserved via the caching-allocator model, device total, headroom")
     p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF as the run will set it, e.g. "
                    "expandable_segments:True,max_split_size_mb:256 (with --gpu)")
+    p.add_argument("--margin", default=None, metavar="PCT", help="with --gpu: the verdict's margin, in percent of "
+                   "the card (default 5: the error llmsim's targets allow its GPU figures); a job predicted to "
+                   "need more than capacity - margin is 'tight', not 'fits'")
 
 
 def _split(text: str | None) -> tuple[int, ...] | None:
@@ -247,11 +250,28 @@ def alloc_conf(args):
     return parse_alloc_conf(getattr(args, "alloc_conf", None))
 
 
-def prediction(args, progress: bool):
+def gpu_of(args):
+    """--gpu NAME [--margin PCT]: the GPU profile with the verdict's margin, or None (the CPU)."""
     from llmsim.inputs.gpus import load_gpu
+
+    text = getattr(args, "margin", None)
+    if text is not None and not args.gpu:
+        raise InputError("--margin is the verdict's margin on a GPU: it needs --gpu NAME")
+    if not args.gpu:
+        return None
+    margin = None
+    if text is not None:
+        try:
+            margin = float(str(text).strip().removesuffix("%")) / 100
+        except ValueError:
+            raise InputError(f"margin({text}) must be a percentage of the card, e.g. 5 or 5%") from None
+    return load_gpu(args.gpu, margin)
+
+
+def prediction(args, progress: bool):
     from llmsim.sim.pipeline import predict
 
-    gpu = load_gpu(args.gpu) if args.gpu else None
+    gpu = gpu_of(args)
     return predict(*inputs(args), gpu=gpu, alloc_conf=alloc_conf(args), progress=progress, jobs=args.jobs)
 
 
@@ -315,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--gpu", required=True, help="GPU profile (data/gpus)")
     p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True")
+    p.add_argument("--margin", default=None, metavar="PCT", help="the verdict's margin in percent of the card "
+                   "(default 5): a layout must need less than capacity - margin to fit")
     p.add_argument("--max-gpus", type=int, default=8)
     p.add_argument("--max-micro-batch", type=int, default=64)
     p.add_argument("--layouts", default=None, help="layout families to try, comma-separated (default all): "
@@ -346,4 +368,5 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("csv", nargs="*", help="measurement CSVs (default: data/measurements/*.csv)")
     p.add_argument("--jobs", type=int, default=1, help="local processes to share the rows between")
     p = sub.add_parser("models", help="list the model zoo")
+    p = sub.add_parser("gpus", help="list the GPU profiles (data/gpus) --gpu takes")
     return parser

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import pandas as pd
 
-from llmsim.sim.pipeline import Prediction
+from llmsim.sim.prediction import Prediction, RankPrediction, verdict_why
 
 GIB = 2**30
 MIB = 2**20
+# Said under every GPU verdict until GPU runs (tier 4, data/measurements/tier4_*.csv) check the figures
+GPU_VALIDATION = ("GPU figures (CUDA's kernels, the caching-allocator model, the CUDA context) are modelled from "
+                  "CUDA's and PyTorch's source and not yet checked on a GPU: docs/gpu-kit.md")
 
 
 def human_bytes(n: int) -> str:
@@ -34,25 +37,25 @@ def prediction_table(prediction: Prediction) -> str:
         ckpt += " (inputs offloaded to the host)"
     if s.lora_rank:
         ckpt += f", LoRA r={s.lora_rank}"
+    width = max(4, 2 * len(str(prediction.ranks[-1].rank)) + 1)
     lines = [f"{prediction.model.name}: micro-batch {s.micro_batch}, seq {s.seq_len}, {s.precision.value}, "
              f"attention {s.attention.value}, {ckpt}, {layout_text(prediction.layout)}, device {s.device.value}",
              _recipe_line(s), "",
-             f"{'rank':>4}  {'peak allocated':>16}  {'peak reserved':>16}  {'device total':>16}  "
+             f"{'rank':>{width}}  {'peak allocated':>16}  {'peak reserved':>16}  {'device total':>16}  "
              + (f"{'host peak':>16}  " if s.ckpt_offload else "") + "peak at",
              ]
-    for r in prediction.ranks:
+    for first, last, r in _rank_groups(prediction.ranks):
         host = f"{human_bytes(r.peak_host_bytes):>16}  " if s.ckpt_offload else ""
-        lines.append(f"{r.rank:>4}  {human_bytes(r.peak_allocated_bytes):>16}  "
+        ranks = f"{first}" if first == last else f"{first}-{last}"
+        lines.append(f"{ranks:>{width}}  {human_bytes(r.peak_allocated_bytes):>16}  "
                      f"{human_bytes(r.peak_reserved_bytes):>16}  {human_bytes(r.device_total_bytes):>16}  {host}"
                      f"step {r.peak.step + 1} {r.peak.phase}, {r.peak.layer}")
+    worst = prediction.deciding_rank
     if prediction.gpu is not None:
-        tightest = max(prediction.ranks, key=lambda r: r.device_total_bytes)
-        verdict = "fits" if all(r.fits for r in prediction.ranks) else "does NOT fit"
-        headroom = tightest.capacity_bytes - tightest.device_total_bytes
-        lines += ["", f"{prediction.gpu.name} ({human_bytes(prediction.gpu.capacity_bytes)}): {verdict}; "
-                      f"headroom on the fullest rank {human_bytes(headroom)} "
-                      f"(device total = reserved + CUDA context; kernels traced: {prediction.setup.device.value})"]
-    worst = max(prediction.ranks, key=lambda r: r.peak_allocated_bytes)
+        lines += ["", f"{prediction.gpu.name} ({human_bytes(prediction.gpu.capacity_bytes)}): "
+                      f"{worst.verdict.upper() if worst.verdict != 'fits' else 'fits'}: {verdict_why(prediction)}",
+                  f"(needed = what the allocator reserves, or near the card the least it runs on, + CUDA context; "
+                  f"--margin sets the margin; kernels traced: {prediction.setup.device.value})", GPU_VALIDATION]
     if worst.peak.phase == "build" and not s.build_bf16 and s.precision.value == "bf16":
         lines += ["", "note: the peak is the fp32 build of the canonical step; --build-dtype bf16 builds the way "
                       "from_pretrained(dtype=torch.bfloat16) loads"]
@@ -61,6 +64,20 @@ def prediction_table(prediction: Prediction) -> str:
     for category, nbytes in sorted(worst.peak.breakdown_bytes.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {category:<18} {human_bytes(nbytes):>14}  {100 * nbytes / total:5.1f} %")
     return "\n".join(lines)
+
+
+def _rank_groups(ranks: list[RankPrediction]):
+    """(first, last, rank) for each run of consecutive ranks whose row would read the same."""
+    def row(r):
+        return (r.peak_allocated_bytes, r.peak_reserved_bytes, r.device_total_bytes, r.peak_host_bytes,
+                r.peak.step, r.peak.phase, r.peak.layer, r.verdict)
+    groups = []
+    for r in ranks:
+        if groups and groups[-1][1] == r.rank - 1 and row(groups[-1][2]) == row(r):
+            groups[-1][1] = r.rank
+        else:
+            groups.append([r.rank, r.rank, r])
+    return [tuple(group) for group in groups]
 
 
 def _recipe_line(setup) -> str:

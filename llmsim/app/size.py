@@ -141,7 +141,7 @@ def fits(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, micro_batch: 
          alloc_conf: AllocatorConfig = AllocatorConfig()) -> tuple:
     ok, worst, _ = _worst(spec, replace(setup, micro_batch=micro_batch), candidate.layout_for(micro_batch), gpu,
                           alloc_conf)
-    return ok, worst.device_total_bytes
+    return ok, worst.needed_bytes
 
 
 def _worst(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile, alloc_conf: AllocatorConfig,
@@ -153,15 +153,15 @@ def _worst(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile, 
     and loss), then the others. `only`: predict these stages alone (a screen: "fits" then means that they fit)."""
     if layout.pp == 1:
         prediction = predict(spec, setup, layout, gpu, alloc_conf)
-        return all(r.fits for r in prediction.ranks), max(prediction.ranks, key=lambda r: r.device_total_bytes), 0
+        return all(r.fits for r in prediction.ranks), max(prediction.ranks, key=lambda r: r.needed_bytes), 0
     order = [0, layout.pp - 1] + list(range(1, layout.pp - 1)) if only is None else only
     ranks = []
     for predicted_stages, stage in enumerate(order, 1):
         predicted = predict_stage(spec, setup, layout, stage, gpu, alloc_conf)
         ranks += predicted
         if not all(r.fits for r in predicted):
-            return False, max(ranks, key=lambda r: r.device_total_bytes), layout.pp - predicted_stages
-    return True, max(ranks, key=lambda r: r.device_total_bytes), layout.pp - len(order)
+            return False, max(ranks, key=lambda r: r.needed_bytes), layout.pp - predicted_stages
+    return True, max(ranks, key=lambda r: r.needed_bytes), layout.pp - len(order)
 
 
 def largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch: int,
@@ -200,12 +200,12 @@ def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: Alloc
                 continue
             good = micro_batch
             if not unpredicted:
-                verified, verified_total = micro_batch, worst.device_total_bytes
+                verified, verified_total = micro_batch, worst.needed_bytes
         if good == verified:
             return verified, verified_total, failure
         ok, worst, unpredicted = trial(good, None)  # the screen's answer, predicted whole
         if ok:
-            return good, worst.device_total_bytes, None
+            return good, worst.needed_bytes, None
         screen.append(worst.rank % (first.pp * first.tp) // first.tp)  # the stage that did not fit it
         failure = (worst, unpredicted) if good == 1 else failure
         good, bad, hint = verified, good, None
@@ -359,7 +359,7 @@ def _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch: int
             return _row(0, options[-1][1], None, gpu, why)
         ok, worst, unpredicted = _worst(spec, trial, layout, gpu, alloc_conf)
         if ok:
-            return _row(micro_batch, passes, worst.device_total_bytes, gpu, "")
+            return _row(micro_batch, passes, worst.needed_bytes, gpu, "")
     micro_batch, passes = options[-1]
     split = f" x {passes} {'micro-batches' if stages > 1 else 'passes'}" if passes > 1 else ""
     return _row(0, passes, None, gpu, _needs(micro_batch, split, worst, gpu, unpredicted))
@@ -369,27 +369,27 @@ def _cannot_fit(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProf
     """Why `layout` fits at no micro-batch, from a lower bound of its ranks' peak allocated bytes that needs no
     trace (llmsim/sim/bound.py: the model states alone; TP and PP layouts), or None where the bound fits or is not
     modelled. A rank fits only if its live bytes and the cuBLAS workspace fit in the capacity less the CUDA
-    context (`replay.on_device`). Raises the InputError `predict` would raise for this layout."""
+    context and the verdict's margin (`replay.on_device`). Raises the InputError `predict` would raise for this layout."""
     bounds = rank_lower_bounds(spec, checked(spec, setup, layout, gpu), layout)
     if not bounds:
         return None
     rank = max(bounds, key=bounds.get)  # the lowest such rank
-    usable = gpu.capacity_bytes - gpu.cuda_context_bytes - gpu.cublas_workspace_bytes
+    usable = gpu.capacity_bytes - gpu.margin_bytes - gpu.cuda_context_bytes - gpu.cublas_workspace_bytes
     if bounds[rank] <= usable:
         return None
     total = bounds[rank] + gpu.cublas_workspace_bytes + gpu.cuda_context_bytes
-    return (f"needs at least {human_bytes(total)} on rank {rank} of {human_bytes(gpu.capacity_bytes)} "
-            "(its model states alone, before activations)")
+    return (f"needs at least {human_bytes(total)} on rank {rank} of {human_bytes(gpu.capacity_bytes)} less its "
+            f"{human_bytes(gpu.margin_bytes)} margin (its model states alone, before activations)")
 
 
 def _needs(micro_batch: int, split: str, worst, gpu: GpuProfile, unpredicted: int = 0) -> str:
     other = f" (the other {unpredicted} pipeline stage{'s' * (unpredicted > 1)} not predicted)" if unpredicted else ""
-    return (f"micro-batch {micro_batch}{split} needs {human_bytes(worst.device_total_bytes)} on rank {worst.rank} "
-            f"of {human_bytes(gpu.capacity_bytes)}{other}")
+    return (f"micro-batch {micro_batch}{split} needs {human_bytes(worst.needed_bytes)} on rank {worst.rank} "
+            f"of {human_bytes(gpu.capacity_bytes)} ({worst.verdict}: margin {human_bytes(gpu.margin_bytes)}){other}")
 
 
 def _row(micro_batch: int, passes: int, total: int | None, gpu: GpuProfile, why: str) -> dict:
-    return {"largest_micro_batch": micro_batch, "passes": passes, "device_total_bytes": total,
+    return {"largest_micro_batch": micro_batch, "passes": passes, "needed_bytes": total,
             "headroom_bytes": gpu.capacity_bytes - total if total is not None else None,
             "fits": micro_batch > 0, "why": why}
 

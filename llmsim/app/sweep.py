@@ -32,7 +32,7 @@ OPTIONS = {"model": "--model", "seq_len": "--seq-len", "micro_batch": "--micro-b
            "tp": "--tp", "pp": "--pp", "dp": "--dp", "pp_split": "--pp-split", "schedule": "--schedule",
            "microbatches": "--microbatches", "grad_accum": "--grad-accum", "quant": "--quant",
            "int8_threshold": "--int8-threshold",
-           "ds_config": "--ds-config", "gpu": "--gpu", "alloc_conf": "--alloc-conf"}
+           "ds_config": "--ds-config", "gpu": "--gpu", "alloc_conf": "--alloc-conf", "margin": "--margin"}
 FLAGS = {"grad_ckpt": "--grad-ckpt", "double_quant": "--double-quant", "ckpt_offload": "--ckpt-offload",
          "foreach": "--foreach", "fused": "--fused"}
 
@@ -84,14 +84,13 @@ def _parser():
 
 def predict_row(config: dict) -> dict:
     """One combination through `predict`'s own argument handling: the worst rank's figures, or the error."""
-    from llmsim.app.options import alloc_conf, inputs
-    from llmsim.inputs.gpus import load_gpu
+    from llmsim.app.options import alloc_conf, gpu_of, inputs
     from llmsim.sim.pipeline import predict
 
     row = dict(config)
     try:
         args = _parser().parse_args(_argv(config))
-        gpu = load_gpu(args.gpu) if args.gpu else None
+        gpu = gpu_of(args)
         prediction = predict(*inputs(args), gpu=gpu, alloc_conf=alloc_conf(args))
     except InputError as exc:
         return {**row, "error": str(exc)}
@@ -101,6 +100,7 @@ def predict_row(config: dict) -> dict:
     return {**row, "ranks": len(prediction.ranks), "peak_allocated_bytes": worst.peak_allocated_bytes,
             "peak_reserved_bytes": worst.peak_reserved_bytes, "device_total_bytes": worst.device_total_bytes,
             "peak_rank": worst.rank, "peak_phase": worst.peak.phase, "fits": worst.fits,
+            "verdict": prediction.verdict, "needed_bytes": prediction.deciding_rank.needed_bytes,
             "peak_host_bytes": worst.peak_host_bytes, "error": ""}
 
 

@@ -33,8 +33,14 @@ class RankPrediction:
     device_total_bytes: int  # reserved + CUDA context (on the CPU: == reserved)
     frame: pd.DataFrame | Callable[[], pd.DataFrame] = field(repr=False)  # the timeline, or how to rebuild it
     capacity_bytes: int | None = None  # the GPU's, when one is given
-    fits: bool | None = None
+    fits: bool | None = None  # verdict == "fits": outside the margin of the card (None without a GPU)
     peak_host_bytes: int = 0  # host memory: the most checkpoint inputs offloaded at once (--ckpt-offload)
+    # What the job needs of the card, CUDA context included: the reserved peak where the allocator never has to
+    # release its cache within the margin; nearer the capacity, the smallest card on which the allocator model
+    # runs it (at capacity PyTorch's allocator frees its cached blocks and retries before it raises OOM)
+    needed_bytes: int | None = None
+    margin_bytes: int | None = None
+    verdict: str | None = None  # "fits" | "tight" (needs more than capacity - margin) | "oom"; None without a GPU
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -48,11 +54,12 @@ class RankPrediction:
     def to_dict(self) -> dict:
         return {"rank": self.rank, "peak_allocated_bytes": self.peak.allocated_bytes,
                 "peak_reserved_bytes": self.peak_reserved_bytes, "device_total_bytes": self.device_total_bytes,
-                "peak_step": self.peak.step, "peak_phase": self.peak.phase, "peak_layer": self.peak.layer,
+                "peak_step": self.peak.step + 1, "peak_phase": self.peak.phase, "peak_layer": self.peak.layer,
                 "breakdown_bytes": dict(self.peak.breakdown_bytes), "capacity_bytes": self.capacity_bytes,
-                "headroom_bytes": (self.capacity_bytes - self.device_total_bytes
+                "headroom_bytes": (self.capacity_bytes - self.needed_bytes
                                    if self.capacity_bytes is not None else None),
-                "fits": self.fits, "peak_host_bytes": self.peak_host_bytes}
+                "fits": self.fits, "verdict": self.verdict, "needed_bytes": self.needed_bytes,
+                "margin_bytes": self.margin_bytes, "peak_host_bytes": self.peak_host_bytes}
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,18 @@ class Prediction:
         """The layer graph (llmsim/sim/graph.py) of the traced process (with pipeline stages, the last stage's)."""
         return self.graph_of()
 
+    @property
+    def deciding_rank(self) -> RankPrediction:
+        """The rank the verdict is about: the worst verdict (oom, then tight, then fits), the most needed of it;
+        without a GPU, the rank with the highest peak."""
+        if self.gpu is None:
+            return max(self.ranks, key=lambda r: r.peak_allocated_bytes)
+        return max(self.ranks, key=lambda r: (_SEVERITY[r.verdict], r.needed_bytes))
+
+    @property
+    def verdict(self) -> str | None:
+        return self.deciding_rank.verdict
+
     def breakdown(self) -> pd.DataFrame:
         """Bytes by category at each rank's peak: one row per rank."""
         return pd.DataFrame([r.peak.breakdown_bytes for r in self.ranks]).fillna(0).astype("int64")
@@ -95,5 +114,32 @@ class Prediction:
                 "gpu": self.gpu.name if self.gpu else None,
                 "expandable_segments": self.alloc_conf.expandable_segments,
                 "peak_allocated_bytes": self.peak_allocated_bytes, "peak_host_bytes": self.peak_host_bytes,
+                **({"verdict": self.verdict, "verdict_rank": self.deciding_rank.rank,
+                    "needed_bytes": self.deciding_rank.needed_bytes, "margin": self.gpu.margin,
+                    "margin_bytes": self.gpu.margin_bytes, "verdict_why": verdict_why(self)}
+                   if self.gpu is not None else {"verdict": None}),
                 **recipe_facts(self.setup), "torch": torch_version(),
                 "ranks": [r.to_dict() for r in self.ranks]}
+
+
+_SEVERITY = {"fits": 0, "tight": 1, "oom": 2}
+
+
+def verdict_why(prediction: Prediction) -> str:
+    """The verdict in one sentence, about the rank that decides it."""
+    rank, gpu = prediction.deciding_rank, prediction.gpu
+    gib = 2**30
+    need, card, margin = rank.needed_bytes / gib, gpu.capacity_bytes / gib, gpu.margin_bytes / gib
+    where = f"rank {rank.rank}" if len(prediction.ranks) > 1 else "the job"
+    if rank.verdict == "oom":
+        if rank.peak_allocated_bytes + gpu.cublas_workspace_bytes + gpu.cuda_context_bytes > gpu.capacity_bytes:
+            return (f"{where}: its live tensors alone ({rank.peak_allocated_bytes / gib:.2f} GiB, with the CUDA "
+                    f"context and cuBLAS workspace) exceed the {card:.2f} GiB card")
+        return (f"{where}: the caching allocator model runs out of the {card:.2f} GiB card even after freeing its "
+                f"cache and retrying (it reserves {need:.2f} GiB unconstrained)")
+    if rank.verdict == "tight":
+        return (f"{where} needs {need:.2f} GiB of the {card:.2f} GiB card, inside the {margin:.2f} GiB margin "
+                f"({100 * gpu.margin:g} % of the card): a prediction error that size would be an OOM")
+    return (f"{where} needs {need:.2f} GiB of the {card:.2f} GiB card, "
+            f"{(gpu.capacity_bytes - rank.needed_bytes) / gib:.2f} GiB to spare, more than the {margin:.2f} GiB "
+            f"margin ({100 * gpu.margin:g} % of the card)")

@@ -124,34 +124,67 @@ def _device_timeline(rank_timelines: LazyRanks, rank: int) -> pd.DataFrame:
 
 
 def on_device(rank: int, peak: Peak, timeline: pd.DataFrame | None, gpu: GpuProfile | None,
-               alloc_conf: AllocatorConfig, spliced: Callable[[], Spliced] | None = None) -> RankPrediction:
-    """Reserved and device total: the caching allocator model on a GPU; the live bytes themselves on the CPU.
-    The allocator model reads the timeline's (serials, delta bytes), or `spliced()` where there is no timeline
-    (a ZeRO-1/2 rank: `_replay_spliced`)."""
+              alloc_conf: AllocatorConfig, spliced: Callable[[], Spliced] | None = None) -> RankPrediction:
+    """Reserved, device total, what the job needs and the verdict: the caching allocator model on a GPU; the live
+    bytes themselves on the CPU. The allocator model reads the timeline's (serials, delta bytes), or `spliced()`
+    where there is no timeline (a ZeRO-1/2 rank: `_replay_spliced`)."""
     if gpu is None:
         return RankPrediction(rank, peak, peak.allocated_bytes, peak.allocated_bytes, timeline)
     usable = gpu.capacity_bytes - gpu.cuda_context_bytes
     events = spliced() if spliced is not None else None
     extra = (gpu.cublas_workspace_bytes,)
+
+    def arrays():
+        return events.arrays() if events is not None else (timeline["serial"].to_numpy(),
+                                                           timeline["delta_bytes"].to_numpy())
     # Unbounded first: when its reserved peak fits, the bounded run (whose only difference is releasing the
     # cache when a segment would not fit) is the same run; when even the live bytes cannot fit, it is an OOM.
     if events is not None:
         reserved = _replay_spliced(events, NO_LIMIT, alloc_conf, extra)
     else:
-        reserved = _replay_reserved(timeline["serial"].to_numpy(), timeline["delta_bytes"].to_numpy(), NO_LIMIT,
-                                    alloc_conf, extra)
-    fits = reserved <= usable
-    if not fits and peak.allocated_bytes + sum(extra) <= usable:
-        serials, deltas = events.arrays() if events is not None else (timeline["serial"].to_numpy(),
-                                                                      timeline["delta_bytes"].to_numpy())
+        reserved = _replay_reserved(*arrays(), NO_LIMIT, alloc_conf, extra)
+    needed = reserved  # the allocator never has to release its cache: what it reserves is what the job needs
+    runs = reserved <= usable
+    if not runs and peak.allocated_bytes + sum(extra) <= usable:
         try:
-            reserved = _replay_reserved(serials, deltas, usable, alloc_conf, extra)
-            fits = True
+            reserved = _replay_reserved(*arrays(), usable, alloc_conf, extra)
+            runs = True
         except OutOfMemory:
             pass
+    room = usable - gpu.margin_bytes
+    if runs and needed > room:  # near the card: the least it runs on (an OOM keeps its unbounded reserved peak)
+        needed = _least_capacity(*arrays(), peak.allocated_bytes + sum(extra), min(needed, usable), alloc_conf,
+                                 extra)
     total = reserved + gpu.cuda_context_bytes
-    return RankPrediction(rank, peak, reserved, total, timeline, gpu.capacity_bytes,
-                          fits and total <= gpu.capacity_bytes)
+    needed_total = max(needed, peak.allocated_bytes + sum(extra)) + gpu.cuda_context_bytes
+    verdict = "oom" if not runs or total > gpu.capacity_bytes else \
+        "tight" if needed_total > gpu.capacity_bytes - gpu.margin_bytes else "fits"
+    return RankPrediction(rank, peak, reserved, total, timeline, gpu.capacity_bytes, verdict == "fits",
+                          needed_bytes=needed_total, margin_bytes=gpu.margin_bytes, verdict=verdict)
+
+
+def _least_capacity(serials: np.ndarray, deltas: np.ndarray, lo: int, hi: int, config: AllocatorConfig,
+                    extra: tuple[int, ...]) -> int:
+    """The smallest capacity, to 2 MiB, on which the allocator model runs the events without OOM, between `lo`
+    (the live bytes: nothing runs below) and `hi` (a capacity it runs on), by bisection over bounded replays (at
+    capacity the model frees its cached blocks and retries, as PyTorch's does). The verdict reads it only where
+    the unbounded reserved peak comes within the margin of the card; whether it fits there is the bounded replay
+    at the card itself, never this search."""
+    key = (hashlib.blake2b(serials.tobytes() + b"|" + deltas.tobytes(), digest_size=16).digest(), lo, hi, config,
+           extra)
+    if key not in _LEAST:
+        low, high = lo - 1, hi  # replays at `high` run; at `low` they cannot
+        while high - low > _LEAST_STEP:
+            middle = (low + high) // 2
+            try:
+                replay_reserved(serials, deltas, middle, config, extra)
+                high = middle
+            except OutOfMemory:
+                low = middle
+        if len(_LEAST) >= 256:
+            _LEAST.pop(next(iter(_LEAST)))
+        _LEAST[key] = high
+    return _LEAST[key]
 
 
 def _replay_reserved(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: int, config: AllocatorConfig,
@@ -312,3 +345,5 @@ _REPLAYED: dict[tuple, _Chunks] = {}
 _REPLAYED_PLAN: list[weakref.ref] = [lambda: None]  # the layout (its LazyRanks) whose ranks _REPLAYED holds
 _LAZY_PREDICTED: dict[tuple, list[RankPrediction]] = {}  # that layout's ranks, by GPU and allocator setting
 _RESERVED: dict[tuple, int] = {}
+_LEAST: dict[tuple, int] = {}
+_LEAST_STEP = 2 << 20  # the least capacity's precision: one small segment of the allocator
