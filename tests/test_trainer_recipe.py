@@ -115,3 +115,20 @@ def test_python_api_takes_the_clis_options():
     assert canonical.setup.grad_ckpt and canonical.peak_allocated_bytes > 0
     with pytest.raises(llmsim.InputError, match="unknown option 'precisoin'"):
         llmsim.predict("gpt2", micro_batch=1, precisoin="bf16", **tiny)
+
+
+def test_a_trainer_with_an_8bit_optimizer_leaves_no_overrides_for_later_predictions():
+    """With an 8-bit optimizer the Trainer registers the embeddings for 32-bit states in bitsandbytes'
+    process-wide GlobalOptimManager, which also keeps them by (group, parameter) position: left there, a later
+    prediction's 8-bit optimizer in the same process gave 32-bit states to whatever sat at those positions (up to
+    19 % over, seen validating the committed rows in one process). A Trainer row, then two canonical 8-bit rows,
+    in one process: each as its own process predicts it."""
+    from llmsim.measure.validate import _validate_rows
+
+    trainer = pd.read_csv(TRAINER_CSV).assign(source=TRAINER_CSV.name)
+    eight_bit = trainer[trainer["training_args"].str.contains('"adamw_8bit"|"adamw_bnb_8bit"')]
+    optim = pd.read_csv(MEASUREMENTS_DIR / "tier1_optim_cpu.csv").assign(source="tier1_optim_cpu.csv")
+    later = optim[optim["optimizer"].isin(["adamw8bit", "paged-adamw8bit"])].head(2)
+    assert len(eight_bit) and len(later) == 2
+    results = _validate_rows(pd.concat([eight_bit.head(1), later], ignore_index=True))
+    assert (results["predicted_bytes"] == results["measured_bytes"]).all(), results[["model", "rel_error"]]

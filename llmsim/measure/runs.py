@@ -25,6 +25,7 @@ from llmsim.model.pipelining import check_pipeline
 from llmsim.model.quantized import check_quantized
 from llmsim.model.tensor_parallel import check_tensor_parallel
 from llmsim.model.trace import model_builder, run_fake
+from llmsim.model.trainer_recipe import own_bitsandbytes_overrides
 from llmsim.model.tracker import StorageTracker
 
 MEASUREMENTS_DIR = Path(__file__).resolve().parents[2] / "data" / "measurements"
@@ -76,7 +77,8 @@ def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> di
         timeline, _ = run_fake(spec, setup, None)
     else:
         tracker = StorageTracker()
-        run_canonical_step(model_builder(spec, setup, None), setup, tracker, None)
+        with own_bitsandbytes_overrides():  # none of an earlier Trainer run's in this process
+            run_canonical_step(model_builder(spec, setup, None), setup, tracker, None)
         timeline = tracker.timeline()
     wall_s = time.perf_counter() - start
     device, host = split_host(timeline)  # what a GPU run holds on the device, and offloaded to the host

@@ -29,6 +29,7 @@ from llmsim.model.pipelining import cut, layer_range
 from llmsim.model.quantized import fake_loading, header_checkpoint, load_quantized, real_checkpoint
 from llmsim.model.tensor_parallel import WaitReturnsInput, build_parallel, fake_process_group, parallel_mesh
 from llmsim.model.tracker import StorageTracker
+from llmsim.model.trainer_recipe import own_bitsandbytes_overrides
 from llmsim.model.trainer_trace import run_trainer_step
 
 
@@ -208,6 +209,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
     """The canonical step under FakeTensorMode: exact bytes, no memory."""
     tracker = StorageTracker()
     with contextlib.ExitStack() as stack:
+        stack.enter_context(own_bitsandbytes_overrides())  # no earlier trace's 8-bit overrides in this one
         mesh = None
         if setup.tp * setup.pp > 1:  # TP rank 0 of the stage's group; the mesh is built before the fake mode
             stack.enter_context(fake_process_group(setup.tp * setup.pp, rank=setup.pp_stage * setup.tp))

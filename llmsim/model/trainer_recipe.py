@@ -9,7 +9,9 @@ a hub checkpoint is stored. Peak = the most live tensor bytes from `from_pretrai
 """
 from __future__ import annotations
 
+import contextlib
 import random
+import sys
 import tempfile
 from pathlib import Path
 
@@ -77,12 +79,29 @@ def _callback(phases: _Phases):
     return PhaseCallback()
 
 
+@contextlib.contextmanager
+def own_bitsandbytes_overrides():
+    """A run's bitsandbytes optimizer overrides start and end empty. With an 8-bit optimizer the Trainer registers
+    every embedding for 32-bit states (trainer.py, `create_optimizer`: GlobalOptimManager.register_module_override),
+    in a process-wide singleton that also keeps them by (group, parameter) position: left there, they give 32-bit
+    states to whatever parameters sit at those positions in every later 8-bit optimizer of the process (a job
+    runs one Trainer per process; a sweep or `validate` runs many). A no-op unless bitsandbytes is loaded."""
+    def reset():
+        if "bitsandbytes" in sys.modules:
+            sys.modules["bitsandbytes"].optim.GlobalOptimManager.get_instance().initialize()
+    reset()
+    try:
+        yield
+    finally:
+        reset()
+
+
 def run(job: dict) -> dict:
     """Measure one Trainer run; `job`: config (the HF config dict), seq_len, load_dtype (from_pretrained's
     `dtype`), training_args (TrainingArguments fields), peft_config (LoraConfig fields or None)."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    with tempfile.TemporaryDirectory() as directory:
+    with tempfile.TemporaryDirectory() as directory, own_bitsandbytes_overrides():
         write_checkpoint(job["config"], Path(directory) / "model")
         # the user's output_dir, like the other MEASUREMENT_ARGS, gives way to the measurement's own
         args = TrainingArguments(**{**job["training_args"], **MEASUREMENT_ARGS,
