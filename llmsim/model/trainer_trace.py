@@ -62,14 +62,19 @@ class _Phases:
 def _cuda_optimizer_defaults(setup: TrainSetup):
     """On a GPU target, torch.optim's own choice for CUDA parameters: the foreach path where the Trainer leaves
     `foreach=None` (`optim="adamw_torch"`, "sgd"), as `_default_to_fused_or_foreach` decides from the parameters'
-    device (torch/optim/optimizer.py); the trace's fake parameters are on the CPU, where torch picks the for-loop."""
+    device and type (torch/optim/optimizer.py). The trace's parameters are fake tensors on the CPU, where torch
+    picks the for-loop; and their type is FakeTensor, which is not among `_foreach_supported_types` (a real
+    parameter's is nn.Parameter): both are answered as for a real CUDA parameter."""
     if setup.device is not Device.CUDA:
         yield
         return
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.optim import optimizer
 
     supported = optimizer._get_foreach_kernels_supported_devices
-    with mock.patch.object(optimizer, "_get_foreach_kernels_supported_devices", lambda: [*supported(), "cpu"]):
+    with mock.patch.object(optimizer, "_get_foreach_kernels_supported_devices", lambda: [*supported(), "cpu"]), \
+            mock.patch.object(optimizer, "_foreach_supported_types", [*optimizer._foreach_supported_types,
+                                                                       FakeTensor]):
         yield
 
 
