@@ -12,6 +12,7 @@ from experiments.gpu_validation import MATRIX
 KIT = Path(__file__).resolve().parent.parent / "experiments" / "gpu_validation.py"
 
 
+@pytest.mark.slow  # 30 s: the kit's 24 predictions in a subprocess; run it (-m slow) before a GPU is used
 def test_dry_run_predicts_every_configuration():
     proc = subprocess.run([sys.executable, str(KIT), "--dry-run", "--gpu", "a100-80gb"], capture_output=True,
                           text=True, timeout=600)
