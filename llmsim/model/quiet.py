@@ -11,6 +11,10 @@ def quiet_libraries() -> None:
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+    # bitsandbytes' paged optimizers on the CPU ("falling back to non-paged"): what the CPU rows measure anyway
+    warnings.filterwarnings("ignore", category=UserWarning, module="bitsandbytes")
+    # the Trainer counts the embeddings an 8-bit optimizer skips by data_ptr(), which a traced fake tensor warns of
+    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
