@@ -56,7 +56,7 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
     """Peak per lever set (device total with a GPU, else allocated) and its saving against the baseline; with
     offload, the host memory it costs (`peak_host_bytes`: pinned host memory, not counted on the device). Each
     lever set is its own trace: `jobs` local processes share them."""
-    from llmsim.app.sweep import in_processes
+    from llmsim.sim.processes import in_processes
 
     base = replace(base, precision=Precision.FP32, grad_ckpt=False, ckpt_every=1, build_bf16=False, lora_rank=0,
                    lora_targets=None, optimizer=Optimizer.ADAMW, quant=None, double_quant=False, grad_accum=1,

@@ -47,8 +47,8 @@ from llmsim.inputs.gpus import GpuProfile
 from llmsim.errors import InputError
 from llmsim.sim.bound import rank_lower_bounds
 from llmsim.sim.pipeline import checked, predict, predict_stage
+from llmsim.sim.processes import in_processes
 from llmsim.app.report import human_bytes
-from llmsim.app.sweep import in_processes
 from llmsim.model.pipelining import Schedule, check_pipeline
 from llmsim.model.tensor_parallel import check_tensor_parallel
 from llmsim.inputs.spec import ModelSpec, TrainSetup
@@ -79,7 +79,7 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
         splits = ([(world, 1)] if "tp" in families else []) + ([(1, world)] if "pp" in families else []) + \
             ([(t, world // t) for t in (2, 4, 8) if t < world and world % t == 0] if "tpxpp" in families else [])
         for tp, pp in splits:
-            if _model_parallel_ok(spec, setup, tp, pp):
+            if _model_parallel_refusal(spec, setup, tp, pp) is None:
                 name = "tp" if pp == 1 else "pp" if tp == 1 else f"tp{tp}xpp"
                 out.append(Candidate(name, world, lambda mb, t=tp, p=pp, m=None: _model_parallel(t, p, m)))
         world *= 2
@@ -87,27 +87,18 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
 
 
 def _why_none(spec: ModelSpec, setup: TrainSetup, families: tuple[str, ...], max_gpus: int) -> str:
-    """Why `candidates` found no layout: the first refusal of the families asked for, as `predict` words it."""
+    """Why `candidates` found no layout: the refusals of the families asked for, as `predict` words them."""
     if max_gpus < 2:
         return "every family but single needs 2 GPUs or more (--max-gpus)"
     reasons = []
     if "zero" in families and setup.precision not in (Precision.FP32, Precision.BF16):
         reasons.append(f"DeepSpeed ZeRO takes fp32 or bf16, not {setup.precision.value}")
     if {"tp", "pp", "tpxpp"} & set(families):
-        if setup.lora_rank:
-            reasons.append("LoRA is not modelled with tensor or pipeline parallelism")
-        elif spec.config_json is None:
-            reasons.append("tensor and pipeline parallelism need an HF config, not a module factory")
-        else:
-            for degree in (2, 4, 8)[: max(1, max_gpus.bit_length() - 1)]:
-                for check in (lambda: check_tensor_parallel(spec.hf_config(), degree),
-                              lambda: check_pipeline(spec.hf_config(), degree, degree, Schedule.ONE_F_ONE_B, None,
-                                                     setup.precision)):
-                    try:
-                        check()
-                    except InputError as error:
-                        if str(error) not in reasons:
-                            reasons.append(str(error))
+        for degree in (2, 4, 8)[: max(1, max_gpus.bit_length() - 1)]:
+            for tp, pp in ((degree, 1), (1, degree)):
+                reason = _model_parallel_refusal(spec, setup, tp, pp)
+                if reason is not None and reason not in reasons:
+                    reasons.append(reason)
     return "; ".join(reasons) or "none of them is modelled for this setup"
 
 
@@ -115,15 +106,18 @@ def _model_parallel(tp: int, pp: int, n_microbatches: int | None = None) -> Layo
     return Layout(world_size=tp * pp, tp=tp, pp=pp, schedule=Schedule.ONE_F_ONE_B, n_microbatches=n_microbatches or pp)
 
 
-def _model_parallel_ok(spec: ModelSpec, setup: TrainSetup, tp: int, pp: int) -> bool:
-    if setup.lora_rank or spec.config_json is None:
-        return False
+def _model_parallel_refusal(spec: ModelSpec, setup: TrainSetup, tp: int, pp: int) -> str | None:
+    """Why TP `tp` x PP `pp` is not modelled for this model and setup, or None where it is."""
+    if setup.lora_rank:
+        return "LoRA is not modelled with tensor or pipeline parallelism"
+    if spec.config_json is None:
+        return "tensor and pipeline parallelism need an HF config, not a module factory"
     try:
         check_tensor_parallel(spec.hf_config(), tp)
         check_pipeline(spec.hf_config(), pp, pp, Schedule.ONE_F_ONE_B, None, setup.precision)
-    except InputError:
-        return False
-    return True
+    except InputError as error:
+        return str(error)
+    return None
 
 
 def _zero(spec: ModelSpec, setup: TrainSetup, world: int, stage: int, micro_batch: int) -> Layout:

@@ -43,7 +43,8 @@ def load_gpu(name: str, margin: float | None = None) -> GpuProfile:
     if not path.exists():
         raise InputError(f"unknown GPU {name!r}; valid choices: {', '.join(gpu_names())}")
     fields = json.loads(path.read_text())
-    fields.pop("margin", None)  # a profile describes the card; the margin is the user's
+    if "margin" in fields:  # a profile describes the card; the margin is the user's (--margin)
+        raise InputError(f"GPU profile {path.name} sets 'margin': the margin is --margin's, not the card's")
     if margin is not None and not 0 <= margin < 0.5:
         raise InputError(f"margin({100 * margin:g} %) must be at least 0 % and below 50 % of the card")
     return GpuProfile(**fields, **({} if margin is None else {"margin": margin}))

@@ -134,7 +134,8 @@ def on_device(rank: int, peak: Peak, timeline: pd.DataFrame | None, gpu: GpuProf
     events = spliced() if spliced is not None else None
     extra = (gpu.cublas_workspace_bytes,)
 
-    def arrays():
+    @functools.cache
+    def arrays():  # built once, when a replay needs them (a ZeRO-1/2 rank's splice copies the template's)
         return events.arrays() if events is not None else (timeline["serial"].to_numpy(),
                                                            timeline["delta_bytes"].to_numpy())
     # Unbounded first: when its reserved peak fits, the bounded run (whose only difference is releasing the
@@ -170,8 +171,7 @@ def _least_capacity(serials: np.ndarray, deltas: np.ndarray, lo: int, hi: int, c
     capacity the model frees its cached blocks and retries, as PyTorch's does). The verdict reads it only where
     the unbounded reserved peak comes within the margin of the card; whether it fits there is the bounded replay
     at the card itself, never this search."""
-    key = (hashlib.blake2b(serials.tobytes() + b"|" + deltas.tobytes(), digest_size=16).digest(), lo, hi, config,
-           extra)
+    key = (_digest(serials, deltas), lo, hi, config, extra)
     if key not in _LEAST:
         low, high = lo - 1, hi  # replays at `high` run; at `low` they cannot
         while high - low > _LEAST_STEP:
@@ -192,13 +192,17 @@ def _replay_reserved(serials: np.ndarray, deltas: np.ndarray, capacity_bytes: in
     """The allocator model's reserved peak, kept by the events' content: ranks and layouts that differ only in
     what the allocator does not see (DDP at any world size, ZeRO ranks alike, another GPU of the same
     kernels) replay once."""
-    key = (hashlib.blake2b(serials.tobytes() + b"|" + deltas.tobytes(), digest_size=16).digest(),
-           capacity_bytes, config, extra)
+    key = (_digest(serials, deltas), capacity_bytes, config, extra)
     if key not in _RESERVED:
         if len(_RESERVED) >= 256:
             _RESERVED.pop(next(iter(_RESERVED)))
         _RESERVED[key] = replay_reserved(serials, deltas, capacity_bytes, config, extra).peak_reserved_bytes
     return _RESERVED[key]
+
+
+def _digest(serials: np.ndarray, deltas: np.ndarray) -> bytes:
+    """The events' content, as the replay caches key it."""
+    return hashlib.blake2b(serials.tobytes() + b"|" + deltas.tobytes(), digest_size=16).digest()
 
 
 def _replay_spliced(events: Spliced, capacity_bytes: int, config: AllocatorConfig, extra: tuple[int, ...]) -> int:
