@@ -4,7 +4,11 @@ Each run is `llmsim measure --training-args ... [--peft-config ...] [--dtype ...
 user's script starts: `from_pretrained` from a checkpoint written before the measured region, optional
 `get_peft_model(LoraConfig(...))`, `Trainer(...).train()` for three steps (llmsim/model/trainer_recipe.py).
 Small real shapes of four families: Llama (untied), Qwen2 (tied embeddings, biased q/k/v), GPT-2 (Conv1D, learned
-positions), GPT-NeoX (Pythia). Run: python experiments/measure_trainer.py [--out CSV] [--only N]
+positions), GPT-NeoX (Pythia). QLORA_CASES add a BitsAndBytesConfig (`--quantization-config`): from_pretrained
+quantizes on load, then peft's prepare_model_for_kbit_training (unless the case skips it) and get_peft_model.
+DDP_CASES run under torchrun on 2 ranks (`--world-size 2`: the Trainer wraps the model in DistributedDataParallel
+over gloo), one row per rank, in data/measurements/trainer_ddp_cpu.csv.
+Run: python experiments/measure_trainer.py [--out CSV] [--only N] [--cases all|plain|qlora|ddp]
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "data" / "measurements" / "trainer_cpu.csv"
+DDP_OUT = OUT.with_name("trainer_ddp_cpu.csv")
+DDP_WORLD_SIZE = 2
 SEQ_LEN = 128
 MODELS = {
     "llama-2-7b": {"hidden_size": 128, "intermediate_size": 344, "num_attention_heads": 4, "num_hidden_layers": 4,
@@ -49,34 +55,78 @@ CASES = [
      {**LORA, "use_rslora": True, "bias": "lora_only"}, "float32"),
 ]
 
+# The QLoRA recipe as peft's and TRL's docs write it, and its variations:
+# (name, TrainingArguments fields over BASE, LoraConfig, from_pretrained dtype, BitsAndBytesConfig, kbit_prep)
+NF4_DQ_BF16 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+               "bnb_4bit_compute_dtype": "bfloat16"}
+QLORA_CASES = [
+    ("QLoRA: nf4 double-quant, bf16 load, bf16=True", {"bf16": True}, LORA, "bfloat16", NF4_DQ_BF16, True),
+    ("QLoRA + checkpointing (reentrant)", {"bf16": True, "gradient_checkpointing": True}, LORA, "bfloat16",
+     NF4_DQ_BF16, True),
+    ("QLoRA + checkpointing use_reentrant=False", {"bf16": True, "gradient_checkpointing": True,
+                                                   "gradient_checkpointing_kwargs": {"use_reentrant": False}},
+     LORA, "bfloat16", NF4_DQ_BF16, True),
+    ("QLoRA without prepare_model_for_kbit_training", {"bf16": True}, LORA, "bfloat16", NF4_DQ_BF16, False),
+    ("QLoRA, paged_adamw_32bit, dropout 0.05", {"bf16": True, "optim": "paged_adamw_32bit"},
+     {**LORA, "lora_dropout": 0.05}, "bfloat16", NF4_DQ_BF16, True),
+    ("nf4, compute fp32 (the default), fp32 load", {}, LORA, "float32", {"load_in_4bit": True,
+                                                                          "bnb_4bit_quant_type": "nf4"}, True),
+    ("fp4, bf16 compute, fp32 load, bf16=True", {"bf16": True}, LORA, "float32",
+     {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4", "bnb_4bit_compute_dtype": "bfloat16"}, True),
+    ("LLM.int8 base, fp32 load", {}, LORA, "float32", {"load_in_8bit": True}, True),
+    ("QLoRA, paged_adamw_8bit", {"bf16": True, "optim": "paged_adamw_8bit"}, LORA, "bfloat16", NF4_DQ_BF16, True),
+]
 
-def run_case(model: str, fields: dict, peft: dict | None, dtype: str, out: Path) -> int:
+# The Trainer under torchrun: the plain cases DDP could change (its buckets hold the trainable gradients; under
+# accumulation accelerate skips the all-reduce with no_sync until the boundary)
+DDP_CASES = [case for case in CASES if case[0] in (
+    "default optim (adamw_torch_fused)", "adamw_torch", "accumulation 4", "bf16 autocast", "loaded in bf16",
+    "checkpointing, bf16", "LoRA all-linear")]
+
+
+def run_case(model: str, fields: dict, peft: dict | None, dtype: str, out: Path, quantization: dict | None = None,
+             kbit_prep: bool = True, world_size: int = 1) -> int:
     with tempfile.TemporaryDirectory() as directory:
         args_path = Path(directory) / "training_args.json"
         args_path.write_text(json.dumps({**BASE, **fields}))
         command = [sys.executable, "-m", "llmsim.app.cli", "measure", "--model", model, "--seq-len", str(SEQ_LEN),
                    "--training-args", str(args_path), "--dtype", dtype, "--out", str(out)]
+        if world_size > 1:
+            command += ["--world-size", str(world_size)]
         for key, value in MODELS[model].items():
             command += ["--set", f"{key}={json.dumps(value)}"]
         if peft is not None:
             peft_path = Path(directory) / "adapter_config.json"
             peft_path.write_text(json.dumps(peft))
             command += ["--peft-config", str(peft_path)]
+        if quantization is not None:
+            quant_path = Path(directory) / "bnb_config.json"
+            quant_path.write_text(json.dumps(quantization))
+            command += ["--quantization-config", str(quant_path)] + ([] if kbit_prep else ["--no-kbit-prep"])
         done = subprocess.run(command, capture_output=True, text=True)
-        last = (done.stdout.strip().splitlines() or [done.stderr.strip()[-300:]])[-1]
-        print(f"{model:14} {dtype:9} {json.dumps(fields)[:60]:60} {'lora' if peft else '':4} -> {last}", flush=True)
+        last = " | ".join((done.stdout.strip().splitlines() or [done.stderr.strip()[-300:]])[-world_size:])
+        quant = "" if quantization is None else ("int8" if quantization.get("load_in_8bit") else
+                                                 quantization.get("bnb_4bit_quant_type", "fp4"))
+        print(f"{model:14} {dtype:9} {json.dumps(fields)[:60]:60} {'lora' if peft else '':4} {quant:4} "
+              f"{'' if kbit_prep else 'no-prep':7} -> {last}", flush=True)
         return done.returncode
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--out", default=None, help="default: OUT (DDP_OUT for --cases ddp)")
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
+    parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp"], default="all",
+                        help="all: plain and qlora, one process (ddp: the DDP cases on 2 ranks, to --out or DDP_OUT)")
     args = parser.parse_args()
+    world_size, out = (DDP_WORLD_SIZE, args.out or DDP_OUT) if args.cases == "ddp" else (1, args.out or OUT)
+    cases = ([(*case, None, True) for case in CASES] if args.cases in ("all", "plain") else []) + \
+        (QLORA_CASES if args.cases in ("all", "qlora") else []) + \
+        ([(*case, None, True) for case in DDP_CASES] if args.cases == "ddp" else [])
     failures = 0
     for model in MODELS:
-        for name, fields, peft, dtype in CASES[: args.only]:
-            failures += run_case(model, fields, peft, dtype, Path(args.out)) != 0
+        for name, fields, peft, dtype, quantization, kbit_prep in cases[: args.only]:
+            failures += run_case(model, fields, peft, dtype, Path(out), quantization, kbit_prep, world_size) != 0
     return 1 if failures else 0
 
 

@@ -39,14 +39,23 @@ FRESH = [  # (model, overrides, TrainingArguments fields, LoraConfig fields, dty
     ("gpt2", {**GPT2_TINY, "n_layer": 4}, {"per_device_train_batch_size": 3, "optim": "adamw_torch",
                                            "gradient_checkpointing": True}, None, "bfloat16"),
 ]
+# The QLoRA recipe through the Trainer: from_pretrained(quantization_config=...), prepare_model_for_kbit_training,
+# get_peft_model; a Mistral-shaped model (not among the committed rows' families), 5 layers
+FRESH_QLORA = [("mistral-7b", {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+                               "num_hidden_layers": 5, "num_key_value_heads": 2, "vocab_size": 1200},
+                {"per_device_train_batch_size": 2, "bf16": True, "gradient_checkpointing": True},
+                {"r": 4, "target_modules": "all-linear", "lora_dropout": 0.05}, "bfloat16",
+                {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                 "bnb_4bit_compute_dtype": "bfloat16"})]
 
 
-@pytest.mark.parametrize("model, overrides, fields, peft, dtype", FRESH)
-def test_a_fresh_trainer_run_matches_its_prediction(model, overrides, fields, peft, dtype):
+@pytest.mark.parametrize("model, overrides, fields, peft, dtype, quantization",
+                         [(*case, None) for case in FRESH] + FRESH_QLORA)
+def test_a_fresh_trainer_run_matches_its_prediction(model, overrides, fields, peft, dtype, quantization):
     """Deeper than the trace (5 and 4 layers): the Trainer's per-layer events replicated by the expansion."""
     spec = load_model_spec(model, overrides)
-    setup = trainer_setup(spec, 48, fields, peft, dtype)
-    measured = measure_trainer(spec, setup, dtype)["peak_allocated_bytes"]
+    setup = trainer_setup(spec, 48, fields, peft, dtype, quantization)
+    measured = measure_trainer(spec, setup, dtype)[0]["peak_allocated_bytes"]
     predicted = predict(spec, setup).peak_allocated_bytes
     assert abs(predicted - measured) / measured <= PEAK_ALLOCATED_TOLERANCE[1], (predicted, measured)
 
@@ -57,7 +66,7 @@ def test_committed_trainer_rows_cover_the_recipe():
     fields = rows["training_args"].map(json.loads)
     assert {load_model_spec(m).config_dict["model_type"] for m in rows["model"]} >= {"llama", "qwen2", "gpt2",
                                                                                        "gpt_neox"}
-    assert set(fields.map(lambda f: f.get("optim", "adamw_torch_fused"))) == set(TRAINER_OPTIMS) - {"adamw_bnb_8bit"}
+    assert set(fields.map(lambda f: f.get("optim", "adamw_torch_fused"))) == set(TRAINER_OPTIMS) - {"adamw_bnb_8bit"}  # its alias
     assert fields.map(lambda f: f.get("bf16", False)).any() and fields.map(lambda f: f.get("fp16", False)).any()
     assert fields.map(lambda f: f.get("max_grad_norm") == 0.0).any()
     assert fields.map(lambda f: f.get("gradient_accumulation_steps", 1) > 1).any()
@@ -65,6 +74,13 @@ def test_committed_trainer_rows_cover_the_recipe():
     peft = rows["peft_config"].dropna().map(json.loads)
     assert (peft.map(lambda p: p["target_modules"]) == "all-linear").all()
     assert peft.map(lambda p: p.get("use_dora", False)).any() and peft.map(lambda p: p.get("lora_dropout", 0)).any()
+    quantized = rows[rows["quantization_config"].notna()]
+    quants = quantized["quantization_config"].map(json.loads)
+    assert len(quantized) >= 32 and set(quantized["load_dtype"]) == {"float32", "bfloat16"}
+    assert set(quants.map(lambda q: "int8" if q.get("load_in_8bit") else q.get("bnb_4bit_quant_type", "fp4"))) == \
+        {"nf4", "fp4", "int8"}
+    assert quants.map(lambda q: q.get("bnb_4bit_use_double_quant", False)).any()
+    assert (~quantized["kbit_prep"].astype(bool)).any() and quantized["kbit_prep"].astype(bool).any()
 
 
 def _error(capsys, *argv) -> str:
@@ -98,6 +114,42 @@ def test_bad_trainer_inputs_are_one_line(tmp_path, capsys):
     assert "--training-args" in _error(capsys, *base, "--micro-batch", "1", "--peft-config", lora)
     ds = _file(tmp_path, "ds.json", {"deepspeed": "ds.json"})
     assert "not modelled yet" in _error(capsys, *base, "--training-args", ds)
+
+
+def test_bad_quantization_configs_are_one_line(tmp_path, capsys):
+    """BitsAndBytesConfig drops unknown keywords with a log line: llmsim refuses them instead of quantizing with the
+    defaults; the library's own refusals come as one line; a quantized base needs adapters."""
+    lora = _file(tmp_path, "lora.json", {"r": 4, "target_modules": "all-linear"})
+    base = ["predict", "--model", "gpt2", "--seq-len", "32", "--training-args",
+            _file(tmp_path, "args.json", {"per_device_train_batch_size": 1}), "--peft-config", lora]
+
+    def quant(fields):
+        return ["--quantization-config", _file(tmp_path, "bnb.json", fields)]
+    message = _error(capsys, *base, *quant({"load_in_4bit": True, "bnb_4bit_quant_typ": "nf4"}))
+    assert "did you mean 'bnb_4bit_quant_type'" in message
+    assert "only one can be used" in _error(capsys, *base, *quant({"load_in_4bit": True, "load_in_8bit": True}))
+    assert "quantizes nothing" in _error(capsys, *base, *quant({"bnb_4bit_quant_type": "nf4"}))
+    assert "quant_method 'gptq'" in _error(capsys, *base, *quant({"quant_method": "gptq", "bits": 4}))
+    assert "not modelled yet" in _error(capsys, *base, *quant({"load_in_4bit": True,
+                                                                "bnb_4bit_quant_storage": "bfloat16"}))
+    no_adapters = base[:-2]
+    assert "peft adapters" in _error(capsys, *no_adapters, *quant({"load_in_4bit": True}))
+    assert "--quantization-config" in _error(capsys, *base, "--quant", "nf4")
+    assert "--training-args" in _error(capsys, "predict", "--model", "gpt2", "--seq-len", "32", "--micro-batch", "1",
+                                       *quant({"load_in_4bit": True}))
+    assert "needs --quantization-config" in _error(capsys, *base, "--no-kbit-prep")
+
+
+def test_a_checkpoints_saved_quantization_config_is_read_as_transformers_writes_it():
+    """A quantized checkpoint's config.json holds BitsAndBytesConfig.to_dict(): its bookkeeping keys are accepted."""
+    from transformers import BitsAndBytesConfig
+
+    from llmsim.inputs.hf import bitsandbytes_config, quant_of
+
+    saved = json.loads(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                          bnb_4bit_use_double_quant=True).to_json_string())
+    assert quant_of(bitsandbytes_config(saved)) == ("nf4", True)
+    assert quant_of(bitsandbytes_config({"load_in_8bit": True})) == ("int8", False)
 
 
 def test_auto_dtype_is_the_configs_as_transformers_loads_it():

@@ -100,7 +100,11 @@ def cmd_measure(args) -> int:
     if setup.recipe is Recipe.HF_TRAINER:
         from llmsim.measure.runs import measure_trainer
 
-        rows = [measure_trainer(spec, setup, args.dtype or "auto")]
+        try:
+            rows = measure_trainer(spec, setup, args.dtype or "auto", layout, args.timeout)
+        except LaunchFailure as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_RUN_FAILED
     elif layout.world_size == 1:
         rows = [measure_single(spec, setup)]
     else:

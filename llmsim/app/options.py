@@ -85,6 +85,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "or YAML (an adapter_config.json), given to get_peft_model; target_modules \"all-linear\" too")
     p.add_argument("--dtype", default=None, help="with --training-args: from_pretrained's dtype, auto (default: the "
                    "config's dtype, as transformers 5 loads) | float32 | bfloat16 | float16")
+    p.add_argument("--quantization-config", default=None, metavar="FILE", help="with --training-args: a "
+                   "BitsAndBytesConfig as JSON or YAML, given to from_pretrained(quantization_config=...) (QLoRA: "
+                   "load_in_4bit, bnb_4bit_quant_type nf4, ...); the script then calls peft's "
+                   "prepare_model_for_kbit_training, as TRL's SFTTrainer does")
+    p.add_argument("--no-kbit-prep", action="store_true", help="with --quantization-config: the script does not call "
+                   "prepare_model_for_kbit_training (the base's other weights stay in the loaded dtype)")
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -138,9 +144,11 @@ TRAINER_DECIDES = (("precision", None, "bf16 / fp16 in the TrainingArguments, --
                    ("lora_modules_to_save", None, "modules_to_save in --peft-config"),
                    ("trainable_tokens", None, "trainable_token_indices in --peft-config"),
                    ("device", "cpu", "--gpu NAME for a GPU's kernels"),
+                   ("quant", None, "--quantization-config, a BitsAndBytesConfig"),
+                   ("double_quant", False, "bnb_4bit_use_double_quant in --quantization-config"),
+                   ("int8_threshold", LLM_INT8_THRESHOLD, "llm_int8_threshold in --quantization-config"),
                    *((flag, default, None) for flag, default in (  # None: not modelled yet with the Trainer
-                       ("attn", None), ("ckpt_every", 1), ("ckpt_offload", False), ("quant", None),
-                       ("double_quant", False), ("int8_threshold", LLM_INT8_THRESHOLD), ("ds_config", None),
+                       ("attn", None), ("ckpt_every", 1), ("ckpt_offload", False), ("ds_config", None),
                        ("loss", "hf"), ("loss_chunk", None))))
 
 
@@ -148,16 +156,19 @@ def _trainer_inputs(args):
     """--training-args [--peft-config] [--dtype]: the HF Trainer recipe, read with the libraries' own classes."""
     from llmsim.inputs.hf import read_mapping, trainer_setup
     from llmsim.inputs.spec import load_model_spec
-    from llmsim.sim.strategies import Layout
+    from llmsim.sim.strategies import Layout, Strategy
 
     for flag, default, where in TRAINER_DECIDES:
         if getattr(args, flag, default) != default:
             name = f"--{flag.replace('_', '-')}"
             raise InputError(f"{name} with --training-args: the Trainer's files decide it ({where})" if where else
                              f"{name} with --training-args is not modelled yet (the hf-trainer recipe)")
-    if (args.world_size or 1) * args.tp * args.pp * (args.dp or 1) > 1 or args.strategy not in (None, "single"):
-        raise InputError("--training-args predicts one process of the Trainer; several ranks are not modelled yet "
-                         "for the hf-trainer recipe")
+    world_size = args.world_size or args.dp or 1
+    if args.tp * args.pp > 1 or args.strategy not in (None, "single", "ddp") or \
+            (args.strategy == "single" and world_size > 1):
+        raise InputError("--training-args with tp, pp or a strategy other than ddp is not modelled yet; modelled: "
+                         "one process, or --world-size N ranks of DistributedDataParallel (torchrun with the "
+                         "Trainer)")
     spec = load_model_spec(args.model, dict(_override(t) for t in args.set))
     given = getattr(args, "given_mappings", {})  # dicts handed to llmsim.predict(...) instead of files
     fields = dict(given.get("training_args") or read_mapping(args.training_args, "TrainingArguments"))
@@ -166,8 +177,14 @@ def _trainer_inputs(args):
         if value not in (None, False):
             fields[field] = value
     peft = (given.get("peft_config") or read_mapping(args.peft_config, "LoraConfig")) if args.peft_config else None
-    setup = trainer_setup(spec, args.seq_len, fields, peft, args.dtype or "auto")
-    return spec, setup, Layout()
+    quantization_file = getattr(args, "quantization_config", None)
+    quantization = (given.get("quantization_config") or read_mapping(quantization_file, "BitsAndBytesConfig")
+                    if quantization_file else None)
+    setup = trainer_setup(spec, args.seq_len, fields, peft, args.dtype or "auto", quantization,
+                          kbit_prep=not getattr(args, "no_kbit_prep", False))
+    if world_size == 1 and args.strategy != "ddp":
+        return spec, setup, Layout()
+    return spec, setup, Layout(Strategy.DDP, world_size)  # torchrun: the Trainer wraps the model in DDP
 
 
 def inputs(args):
@@ -179,10 +196,11 @@ def inputs(args):
 
     if args.training_args:
         return _trainer_inputs(args)
-    for flag, what in (("peft_config", "--peft-config"), ("dtype", "--dtype")):
-        if getattr(args, flag):
+    for flag, what in (("peft_config", "--peft-config"), ("dtype", "--dtype"),
+                       ("quantization_config", "--quantization-config"), ("no_kbit_prep", "--no-kbit-prep")):
+        if getattr(args, flag, None):
             raise InputError(f"{what} is read with --training-args (the HF Trainer recipe); for the canonical step "
-                             "use --lora-rank / --lora-targets and --precision / --build-dtype")
+                             "use --lora-rank / --lora-targets, --quant and --precision / --build-dtype")
     spec = load_model_spec(args.model, dict(_override(t) for t in args.set))
     precision = parse_enum(Precision, args.precision, "precision") if args.precision else None
     world_size = (args.dp or 1) * args.tp * args.pp if args.world_size is None else args.world_size
@@ -296,7 +314,7 @@ def prediction_from_options(model, seq_len: int, micro_batch: int | None, option
         if value is None or value is False:
             continue
         flag = actions[key].option_strings[0]
-        if key in ("training_args", "peft_config") and isinstance(value, dict):
+        if key in ("training_args", "peft_config", "quantization_config") and isinstance(value, dict):
             dicts[key] = value
             value = f"<{key}>"  # read back from `dicts` below
         if key == "set":

@@ -1,7 +1,10 @@
-"""The files users already have, read with the ecosystem's own classes: TrainingArguments and LoraConfig.
+"""The files users already have, read with the ecosystem's own classes: TrainingArguments, LoraConfig and
+BitsAndBytesConfig.
 
-`--training-args FILE` (JSON or YAML of `TrainingArguments` fields) and `--peft-config FILE` (`LoraConfig` fields, an
-`adapter_config.json`) become one `TrainSetup` of the HF Trainer recipe. The libraries validate them, so their
+`--training-args FILE` (JSON or YAML of `TrainingArguments` fields), `--peft-config FILE` (`LoraConfig` fields, an
+`adapter_config.json`) and `--quantization-config FILE` (`BitsAndBytesConfig` fields, as a script passes them to
+`from_pretrained(quantization_config=...)` or a quantized checkpoint's config.json holds them) become one
+`TrainSetup` of the HF Trainer recipe. The libraries validate them, so their
 defaults and their refusals hold (transformers 5's `TrainingArguments.__post_init__`, peft's `LoraConfig`); llmsim
 adds one line where a value is outside what it has measured. Precision has the ecosystem's two axes:
 - the dtype the weights are loaded in, `from_pretrained(dir, dtype=...)`: "auto" (transformers 5's default) is the
@@ -17,7 +20,7 @@ from typing import Any
 
 from llmsim.enums import Optimizer, Precision, Recipe
 from llmsim.errors import InputError, one_line
-from llmsim.inputs.spec import ModelSpec, TrainSetup
+from llmsim.inputs.spec import LLM_INT8_THRESHOLD, ModelSpec, TrainSetup
 
 LOAD_DTYPES = ("auto", "float32", "bfloat16", "float16")  # from_pretrained's `dtype` words
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # llmsim's short words for the same
@@ -31,6 +34,10 @@ TRAINER_OPTIMS = {
     "sgd": (Optimizer.SGD, False),  # torch.optim.SGD
     "adamw_8bit": (Optimizer.ADAMW_8BIT, False),  # bitsandbytes AdamW(optim_bits=8)
     "adamw_bnb_8bit": (Optimizer.ADAMW_8BIT, False),
+    # bitsandbytes' paged AdamW (the QLoRA paper's optim): on a GPU its large states live in CUDA unified memory,
+    # refused there (TrainSetup); on the CPU bitsandbytes falls back to ordinary buffers
+    "paged_adamw_32bit": (Optimizer.PAGED_ADAMW, False),
+    "paged_adamw_8bit": (Optimizer.PAGED_ADAMW_8BIT, False),
 }
 # Fields whose run is not one process of the Trainer on its own; refused until a strategy module models them
 NOT_MODELLED_FIELDS = {
@@ -100,6 +107,62 @@ def lora_config(fields: dict[str, Any]):
         raise InputError(f"invalid LoraConfig: {one_line(exc)}") from None
 
 
+# BitsAndBytesConfig's own keys (its __init__), and the ones its `to_dict()` adds (a checkpoint's config.json)
+BNB_BOOKKEEPING = ("quant_method", "_load_in_4bit", "_load_in_8bit")
+# Fields whose run is not modelled: (field, the value every measured row has, why)
+BNB_NOT_MODELLED = (("llm_int8_enable_fp32_cpu_offload", False, "modules kept in fp32 on the host"),
+                    ("llm_int8_has_fp16_weight", False, "an int8 base that keeps fp16 weights"))
+
+
+def bitsandbytes_config(fields: dict[str, Any]):
+    """`BitsAndBytesConfig(**fields)`, transformers' validation; one line when it refuses. The class accepts (and
+    drops, with a log line) any keyword it does not know: a typo'd field would quantize as the defaults do, so
+    unknown fields are refused here."""
+    import inspect
+
+    from transformers import BitsAndBytesConfig
+
+    valid = [n for n in inspect.signature(BitsAndBytesConfig.__init__).parameters if n not in ("self", "kwargs")]
+    fields = dict(fields)
+    method = fields.pop("quant_method", "bitsandbytes")
+    if str(getattr(method, "value", method)) != "bitsandbytes":
+        raise InputError(f"quantization config of quant_method {method!r} is not modelled; modelled: bitsandbytes "
+                         "(BitsAndBytesConfig)")
+    for private in ("_load_in_4bit", "_load_in_8bit"):  # to_dict() writes both spellings; they must agree
+        public = private[1:]
+        if private in fields:
+            value = fields.pop(private)
+            if fields.setdefault(public, value) != value:
+                raise InputError(f"BitsAndBytesConfig {private}={value!r} contradicts {public}={fields[public]!r}")
+    unknown = [name for name in fields if name not in valid]
+    if unknown:
+        hints = {name: difflib.get_close_matches(name, valid, n=1) for name in unknown}
+        said = ", ".join(f"{n!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for n, h in hints.items())
+        raise InputError(f"unknown BitsAndBytesConfig field {said}; valid fields: {', '.join(valid)}")
+    try:
+        config = BitsAndBytesConfig(**fields)
+    except (ValueError, TypeError) as exc:
+        raise InputError(f"invalid BitsAndBytesConfig: {one_line(exc)}") from None
+    if not (config.load_in_4bit or config.load_in_8bit):
+        raise InputError("BitsAndBytesConfig quantizes nothing: set load_in_4bit or load_in_8bit to true")
+    for name, measured, what in BNB_NOT_MODELLED:
+        if getattr(config, name) != measured:
+            raise InputError(f"BitsAndBytesConfig {name}={getattr(config, name)!r} ({what}) is not modelled yet")
+    import torch
+
+    if config.load_in_4bit and config.bnb_4bit_quant_storage != torch.uint8:
+        raise InputError(f"BitsAndBytesConfig bnb_4bit_quant_storage={config.bnb_4bit_quant_storage} is not "
+                         "modelled yet; modelled: uint8 (the default)")
+    return config
+
+
+def quant_of(config) -> tuple[str, bool]:
+    """llmsim's words for a BitsAndBytesConfig: ("nf4" | "fp4" | "int8", double quantization)."""
+    if config.load_in_8bit:
+        return "int8", False
+    return config.bnb_4bit_quant_type, bool(config.bnb_4bit_use_double_quant)
+
+
 def resolve_load_dtype(spec: ModelSpec, dtype: str) -> str:
     """`from_pretrained(dtype=...)` as transformers 5 resolves it: "auto" is the config's dtype, else float32."""
     dtype = DTYPE_ALIASES.get(dtype, dtype)
@@ -141,7 +204,8 @@ def _precision(load_dtype: str, args) -> Precision:
 
 
 def trainer_setup(spec: ModelSpec, seq_len: int, fields: dict[str, Any], peft_fields: dict[str, Any] | None = None,
-                  dtype: str = "auto") -> TrainSetup:
+                  dtype: str = "auto", quantization: dict[str, Any] | None = None,
+                  kbit_prep: bool = True) -> TrainSetup:
     """The HF Trainer recipe's TrainSetup: the user's fields kept as given (the trace runs the Trainer on them), the
     loop fields llmsim reports and checks derived from the arguments the Trainer would hold."""
     if spec.config_json is None:
@@ -158,13 +222,26 @@ def trainer_setup(spec: ModelSpec, seq_len: int, fields: dict[str, Any], peft_fi
     lora_rank = 0
     if peft_fields is not None:
         lora_rank = int(lora_config(peft_fields).r)
+    quant, double_quant, threshold = None, False, LLM_INT8_THRESHOLD
+    if quantization is not None:
+        config = bitsandbytes_config(quantization)
+        if not lora_rank:
+            raise InputError("a BitsAndBytesConfig base is frozen: the Trainer trains it through peft adapters "
+                             "(--peft-config)")
+        quant, double_quant = quant_of(config)
+        threshold = float(config.llm_int8_threshold) if quant == "int8" else LLM_INT8_THRESHOLD
+    elif not kbit_prep:
+        raise InputError("--no-kbit-prep names a step of a quantized model's recipe: it needs "
+                         "--quantization-config")
     return TrainSetup(
         micro_batch=args.per_device_train_batch_size, seq_len=seq_len, precision=precision,
         grad_ckpt=bool(args.gradient_checkpointing), grad_accum=args.gradient_accumulation_steps,
         optimizer=optimizer, fused=fused, build_bf16=load_dtype == "bfloat16", lora_rank=lora_rank,
         recipe=Recipe.HF_TRAINER, training_args=json.dumps(fields, sort_keys=True),
         peft_config=json.dumps(peft_fields, sort_keys=True) if peft_fields is not None else None,
-        load_dtype=load_dtype)
+        load_dtype=load_dtype, quant=quant, double_quant=double_quant, int8_threshold=threshold,
+        quantization_config=json.dumps(quantization, sort_keys=True) if quantization is not None else None,
+        kbit_prep=kbit_prep if quantization is not None else False)
 
 
 def recipe_facts(setup: TrainSetup) -> dict[str, Any]:
@@ -175,11 +252,30 @@ def recipe_facts(setup: TrainSetup) -> dict[str, Any]:
                 "mixed_precision": _mixed_precision(args) or "no", "optimizer": _optim_name(args),
                 "grad_accum": setup.grad_accum,
                 "max_grad_norm": args.max_grad_norm,
-                "peft": "LoRA r=%d" % setup.lora_rank if setup.lora_rank else "none"}
+                "peft": "LoRA r=%d" % setup.lora_rank if setup.lora_rank else "none",
+                "quantization": _quantization_words(setup)}
     build = "bfloat16" if setup.build_bf16 else "float32"  # build_bf16 holds with precision bf16 only
     mixed = {Precision.BF16_AUTOCAST: "bf16", Precision.FP16_AUTOCAST: "fp16"}.get(setup.precision, "no")
     cast = {Precision.BF16: ", then cast to bfloat16", Precision.FP16: ", then cast to float16"}.get(setup.precision, "")
     optimizer = setup.optimizer.value + (" (fused)" if setup.fused else " (foreach)" if setup.foreach else "")
     return {"recipe": setup.recipe.value, "load_dtype": build + ("" if setup.build_bf16 else cast),
             "mixed_precision": mixed, "optimizer": optimizer, "grad_accum": setup.grad_accum, "max_grad_norm": None,
-            "peft": f"LoRA r={setup.lora_rank}" if setup.lora_rank else "none"}
+            "peft": f"LoRA r={setup.lora_rank}" if setup.lora_rank else "none",
+            "quantization": _quantization_words(setup)}
+
+
+def _quantization_words(setup: TrainSetup) -> str:
+    """The quantized base as bitsandbytes names it, and whether peft's prepare_model_for_kbit_training ran."""
+    if setup.quant is None:
+        return "none"
+    if setup.quant == "int8":
+        words = f"bitsandbytes int8 (llm_int8_threshold {setup.int8_threshold:g})"
+    else:
+        words = f"bitsandbytes {setup.quant}" + (" double-quant" if setup.double_quant else "")
+        compute = "bfloat16"  # the canonical build's (llmsim/model/quantized.py, quantization_config)
+        if setup.quantization_config is not None:
+            compute = str(bitsandbytes_config(json.loads(setup.quantization_config)).bnb_4bit_compute_dtype)
+        words += f", compute {compute.removeprefix('torch.')}"
+    if setup.recipe is Recipe.HF_TRAINER:
+        words += ", prepare_model_for_kbit_training" if setup.kbit_prep else ", no prepare_model_for_kbit_training"
+    return words

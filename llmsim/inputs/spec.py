@@ -98,6 +98,10 @@ class TrainSetup:
     training_args: str | None = None  # TrainingArguments fields as the user's file gives them
     peft_config: str | None = None  # LoraConfig fields (an adapter_config.json), or None: full fine-tuning
     load_dtype: str | None = None  # from_pretrained(dtype=...) resolved: "float32" | "bfloat16" | "float16"
+    # BitsAndBytesConfig fields as the user's file gives them (`quant`, `double_quant`, `int8_threshold` derived from
+    # them), and whether the script calls peft's prepare_model_for_kbit_training before get_peft_model
+    quantization_config: str | None = None
+    kbit_prep: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):
@@ -114,6 +118,9 @@ class TrainSetup:
             raise InputError(f"build-dtype bf16 needs precision bf16, got {self.precision.value}")
         if (self.recipe is Recipe.HF_TRAINER) != (self.training_args is not None and self.load_dtype is not None):
             raise InputError("recipe hf-trainer needs its TrainingArguments and load dtype (and only it takes them)")
+        if (self.quantization_config is not None or self.kbit_prep) and self.recipe is not Recipe.HF_TRAINER:
+            raise InputError("a BitsAndBytesConfig file is read with --training-args (the hf-trainer recipe); for "
+                             "the canonical step use --quant")
         if (self.device is Device.CUDA) != (self.cuda_capability is not None):
             raise InputError("device cuda needs a GPU (--gpu NAME), whose compute capability picks the kernels")
         if self.loss_chunk is not None:

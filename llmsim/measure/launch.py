@@ -39,28 +39,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(module: str, job: dict, world_size: int, out: Path, timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
+    """`torchrun --nproc_per_node world_size -m module JOB OUT`: every rank reads the job and writes its results under
+    `out`. A crash or a timeout kills the process group and raises LaunchFailure."""
+    out.mkdir(parents=True, exist_ok=True)
+    job_path = out / "job.json"
+    job_path.write_text(json.dumps(job))
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
+               f"--master_port={_free_port()}", "-m", module, str(job_path), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise LaunchFailure(f"measured run timed out after {timeout_s} s") from None
+    if proc.returncode != 0:
+        tail = "\n".join(output.strip().splitlines()[-15:])
+        raise LaunchFailure(f"measured run failed (exit {proc.returncode}):\n{tail}")
+
+
 def run_ranks(job: dict, world_size: int, timeout_s: int = DEFAULT_TIMEOUT_S,
               keep: Path | None = None) -> list[RankResult]:
     """Run `job` on `world_size` local ranks; return one result per rank, in rank order."""
     with tempfile.TemporaryDirectory(prefix="llmsim-") as tmp:
         out = keep or Path(tmp)
-        out.mkdir(parents=True, exist_ok=True)
-        job_path = Path(tmp) / "job.json"
-        job_path.write_text(json.dumps(job))
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
-                   f"--master_port={_free_port()}", "-m", "llmsim.measure.dist_worker", str(job_path), str(out)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env, start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise LaunchFailure(f"measured run timed out after {timeout_s} s") from None
-        if proc.returncode != 0:
-            tail = "\n".join(output.strip().splitlines()[-15:])
-            raise LaunchFailure(f"measured run failed (exit {proc.returncode}):\n{tail}")
+        torchrun("llmsim.measure.dist_worker", job, world_size, out, timeout_s)
         results = []
         for rank in range(world_size):
             data = json.loads((out / f"rank{rank}.json").read_text())

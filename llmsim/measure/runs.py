@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import platform
+import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from llmsim.model.losses import check_loss
-from llmsim.measure.launch import DEFAULT_TIMEOUT_S, run_ranks
+from llmsim.measure.launch import DEFAULT_TIMEOUT_S, run_ranks, torchrun
 from llmsim.model.offload import host_peak_bytes, split_host
 from llmsim.sim.peaks import replay
 from llmsim.inputs.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
@@ -90,34 +91,54 @@ def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> di
             "wall_s": round(wall_s, 2)}
 
 
-def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str) -> dict:
+def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layout = Layout(),
+                    timeout_s: int = DEFAULT_TIMEOUT_S) -> list[dict]:
     """The HF Trainer recipe run for real through the entry points (llmsim/model/trainer_recipe.py: nothing of the
-    predictor's loop); returns the row. `dtype`: from_pretrained's word as the user gave it (resolved in `setup`)."""
+    predictor's loop); returns one row per rank. `dtype`: from_pretrained's word as the user gave it (resolved in
+    `setup`). With several ranks, `torchrun` launches the recipe's script as a user launches theirs and the Trainer
+    runs DistributedDataParallel over gloo (tier 2)."""
     from llmsim.model import trainer_recipe as trainer
     from llmsim.inputs.hf import DTYPE_ALIASES
 
     check_fits_positions(spec, setup)
+    check_supported(setup, layout)
     job = {"config": spec.config_dict, "seq_len": setup.seq_len, "load_dtype": DTYPE_ALIASES.get(dtype, dtype),
            "training_args": json.loads(setup.training_args),
-           "peft_config": json.loads(setup.peft_config) if setup.peft_config else None}
+           "peft_config": json.loads(setup.peft_config) if setup.peft_config else None,
+           "quantization_config": json.loads(setup.quantization_config) if setup.quantization_config else None,
+           "kbit_prep": setup.kbit_prep}
     start = time.perf_counter()
-    result = trainer.run(job)
+    if layout.world_size == 1:
+        results = [trainer.run(job)]  # its own bitsandbytes overrides (trainer_recipe.own_bitsandbytes_overrides)
+    else:
+        with tempfile.TemporaryDirectory(prefix="llmsim-trainer-") as out:
+            torchrun("llmsim.model.trainer_recipe", job, layout.world_size, Path(out), timeout_s)
+            results = [{**json.loads((Path(out) / f"rank{rank}.json").read_text()),
+                        "timeline": pd.read_pickle(Path(out) / f"rank{rank}.timeline.pkl")}
+                       for rank in range(layout.world_size)]
     wall_s = time.perf_counter() - start
-    if result["loaded_dtype"] != setup.load_dtype:
-        raise RuntimeError(f"from_pretrained(dtype={dtype!r}) loaded {result['loaded_dtype']}, where llmsim resolves "
-                           f"{setup.load_dtype}")
-    peak = replay(result["timeline"])
+    for result in results:
+        if result["loaded_dtype"] != setup.load_dtype:
+            raise RuntimeError(f"from_pretrained(dtype={dtype!r}) loaded {result['loaded_dtype']}, where llmsim "
+                               f"resolves {setup.load_dtype}")
     attention = resolve_attention(spec, setup).attention.value  # transformers' default, which from_pretrained takes
-    return {"tier": 1, "recipe": setup.recipe.value, "model": spec.name,
+    stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    rows = []
+    for rank, result in enumerate(results):
+        peak = replay(result["timeline"])
+        rows.append({
+            "tier": 1 if layout.world_size == 1 else 2, "recipe": setup.recipe.value, "model": spec.name,
             "overrides": json.dumps(dict(spec.overrides), sort_keys=True), "seq_len": setup.seq_len,
-            "training_args": setup.training_args, "peft_config": setup.peft_config or "", "dtype": dtype,
+            "training_args": setup.training_args, "peft_config": setup.peft_config or "",
+            "quantization_config": setup.quantization_config or "", "kbit_prep": setup.kbit_prep, "dtype": dtype,
             "load_dtype": setup.load_dtype, "micro_batch": setup.micro_batch, "grad_accum": setup.grad_accum,
             "precision": setup.precision.value, "attention": attention, "grad_ckpt": setup.grad_ckpt,
-            "ckpt_every": 1, "lora_rank": setup.lora_rank, "strategy": "single", "world_size": 1, "rank": 0,
-            "peak_allocated_bytes": peak.allocated_bytes, "peak_host_bytes": 0, "peak_phase": peak.phase, "device": "cpu", **environment(),
-            "peft": _version("peft"), "accelerate": _version("accelerate"),
-            "bitsandbytes": _version("bitsandbytes"),
-            "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "wall_s": round(wall_s, 2)}
+            "ckpt_every": 1, "lora_rank": setup.lora_rank, "strategy": layout.strategy.value,
+            "world_size": layout.world_size, "rank": rank, "peak_allocated_bytes": peak.allocated_bytes,
+            "peak_host_bytes": 0, "peak_phase": peak.phase, "device": "cpu", **environment(),
+            "peft": _version("peft"), "accelerate": _version("accelerate"), "bitsandbytes": _version("bitsandbytes"),
+            "measured_at": stamp, "wall_s": round(wall_s, 2)})
+    return rows
 
 
 def append_rows(rows: list[dict], path: Path = TIER1_CSV) -> None:

@@ -27,17 +27,20 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
     overrides = json.loads(row["overrides"]) if isinstance(row["overrides"], str) else {}
     spec = load_model_spec(row["model"], overrides)
     if row.get("recipe") == "hf-trainer":  # re-read as the CLI reads the user's files (llmsim/inputs/hf.py)
-        if _int(row, "world_size", 1) > 1:
-            raise InputError(f"{row['model']}: a Trainer row of {int(row['world_size'])} ranks; the hf-trainer "
-                             "recipe predicts one process (several ranks are not modelled yet)")
         seen = row.get("seq_lens_seen")
         if isinstance(seen, str) and "," in seen:
             raise InputError(f"{row['model']}: the job's batches had sequence lengths {seen}; llmsim predicts "
                              "batches of one length (pack or pad to one length to compare)")
-        peft = row.get("peft_config")
+        peft, quantization = row.get("peft_config"), row.get("quantization_config")
+        quantized = isinstance(quantization, str) and bool(quantization)
         setup = trainer_setup(spec, int(row["seq_len"]), json.loads(row["training_args"]),
-                              json.loads(peft) if isinstance(peft, str) and peft else None, row["dtype"])
-        return spec, setup, Layout()
+                              json.loads(peft) if isinstance(peft, str) and peft else None, row["dtype"],
+                              json.loads(quantization) if quantized else None,
+                              kbit_prep=_flag(row, "kbit_prep") if quantized else True)
+        world_size = _int(row, "world_size", 1)
+        strategy = Strategy(row["strategy"]) if isinstance(row.get("strategy"), str) else Strategy.SINGLE
+        return spec, setup, Layout(strategy, world_size) if world_size > 1 or strategy is not Strategy.SINGLE \
+            else Layout()
     setup = TrainSetup(micro_batch=int(row["micro_batch"]), seq_len=int(row["seq_len"]),
                        precision=Precision(row["precision"]), attention=Attention(row["attention"]),
                        grad_ckpt=bool(row["grad_ckpt"]), ckpt_every=int(row["ckpt_every"]),

@@ -41,7 +41,7 @@ from unittest import mock
 
 import torch
 
-from llmsim.enums import Device
+from llmsim.enums import Device, Recipe
 from llmsim.errors import InputError
 
 FOUR_BIT_TYPES = ("nf4", "fp4")
@@ -59,7 +59,8 @@ def check_quantized(spec, setup) -> None:
         raise InputError(f"quant {setup.quant} freezes a quantized base: it needs LoRA adapters (--lora-rank)")
     if spec.config_json is None:
         raise InputError("quantization needs an HF config (transformers loads the quantized checkpoint)")
-    if setup.precision.value not in ("fp32", "bf16-autocast") or setup.build_bf16:
+    trainer = setup.recipe is Recipe.HF_TRAINER  # the user's from_pretrained dtype: the loader and peft decide
+    if not trainer and (setup.precision.value not in ("fp32", "bf16-autocast") or setup.build_bf16):
         raise InputError(f"quant {setup.quant} with precision {setup.precision.value} is not modelled; modelled: "
                          "fp32, bf16-autocast (a quantized model cannot be cast; prepare_model_for_kbit_training "
                          "keeps the other weights in fp32)")
@@ -77,8 +78,13 @@ def _check_int8(setup) -> None:
 
 
 def quantization_config(setup):
+    """The canonical build's BitsAndBytesConfig, or the Trainer recipe's as the user's file gives it."""
     from transformers import BitsAndBytesConfig
 
+    if setup.quantization_config is not None:
+        from llmsim.inputs.hf import bitsandbytes_config
+
+        return bitsandbytes_config(json.loads(setup.quantization_config))
     if setup.quant == INT8:
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=setup.int8_threshold)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=setup.quant,
@@ -87,8 +93,20 @@ def quantization_config(setup):
 
 
 def load_quantized(directory: Path, setup):
-    import bitsandbytes.functional as bnb_functional
+    """The canonical QLoRA build: the fp32 checkpoint quantized on load, then prepare_model_for_kbit_training."""
+    return prepare_model_for_kbit_training_as_canonical(load_checkpoint_quantized(directory, setup))
+
+
+def prepare_model_for_kbit_training_as_canonical(model):
     from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def load_checkpoint_quantized(directory: Path, setup):
+    """`from_pretrained(directory, dtype=..., quantization_config=...)`: fp32 for the canonical build, the user's
+    from_pretrained dtype for the Trainer recipe."""
+    import bitsandbytes.functional as bnb_functional
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -96,10 +114,13 @@ def load_quantized(directory: Path, setup):
     # first use, and keeps it (`name2qmap`); a fake run must not find one left by another run.
     bnb_functional.name2qmap.clear()
     hf_logging.disable_progress_bar()  # a prediction loads a header-only checkpoint: no bar to show
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, device_map="cpu",
-                                                 quantization_config=quantization_config(setup),
-                                                 attn_implementation=setup.attention.value)
-    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if setup.recipe is Recipe.HF_TRAINER:  # as the recipe's script calls it (llmsim/model/trainer_recipe.py)
+        return AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, setup.load_dtype),
+                                                    quantization_config=quantization_config(setup),
+                                                    attn_implementation=setup.attention.value)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, device_map="cpu",
+                                                quantization_config=quantization_config(setup),
+                                                attn_implementation=setup.attention.value)
 
 
 def real_checkpoint(config) -> Path:
@@ -116,16 +137,16 @@ def real_checkpoint(config) -> Path:
 
 
 @functools.lru_cache(maxsize=16)
-def header_checkpoint(config_json: str, num_layers: int | None) -> Path:
-    """The checkpoint save_pretrained would write for this config, as a safetensors header over a sparse file:
-    the same tensor names, dtypes and shapes, no data. Only a fake run may load it."""
+def header_checkpoint(config_json: str, num_layers: int | None, dtype: torch.dtype = torch.float32) -> Path:
+    """The checkpoint save_pretrained would write for this config in `dtype`, as a safetensors header over a sparse
+    file: the same tensor names, dtypes and shapes, no data. Only a fake run may load it."""
     from transformers import AutoModelForCausalLM
 
     from llmsim.inputs.spec import ModelSpec
 
     config = ModelSpec("checkpoint", config_json).hf_config(num_layers)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     header, offset = {}, 0
     for name, tensor in model.state_dict().items():

@@ -26,10 +26,11 @@ from llmsim.enums import Recipe
 from llmsim.inputs.spec import ModelSpec, TrainSetup
 from llmsim.model.step import StepInfo, optimizer_class, run_canonical_step, run_pipeline_step
 from llmsim.model.pipelining import cut, layer_range
-from llmsim.model.quantized import fake_loading, header_checkpoint, load_quantized, real_checkpoint
+from llmsim.model.quantized import (fake_loading, header_checkpoint, load_checkpoint_quantized, load_quantized,
+                                    real_checkpoint)
 from llmsim.model.tensor_parallel import WaitReturnsInput, build_parallel, fake_process_group, parallel_mesh
 from llmsim.model.tracker import StorageTracker
-from llmsim.model.trainer_recipe import own_bitsandbytes_overrides
+from llmsim.model.trainer_recipe import checkpoint_dtype, own_bitsandbytes_overrides
 from llmsim.model.trainer_trace import run_trainer_step
 
 
@@ -60,6 +61,11 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
             raise InputError(f"tp({setup.tp}) needs an HF config with a TP plan; {spec.name} is a module factory")
         return spec.factory_callable()
     config = spec.hf_config(num_layers if setup.pp == 1 else None)  # a stage is cut from the full stack
+    if setup.quant is not None and setup.recipe is Recipe.HF_TRAINER:  # the hub checkpoint, quantized on load
+        if not fake:
+            raise InputError("the hf-trainer recipe is measured by llmsim/model/trainer_recipe.py, not built here")
+        directory = header_checkpoint(spec.config_json, num_layers, checkpoint_dtype(config))
+        return functools.partial(load_checkpoint_quantized, directory, setup)
     if setup.quant is not None:  # loaded from a checkpoint: a real one, or for a fake run its header alone
         directory = header_checkpoint(spec.config_json, num_layers) if fake else real_checkpoint(config)
         return functools.partial(load_quantized, directory, setup)

@@ -1,4 +1,5 @@
-"""The HF Trainer recipe, measured: `from_pretrained` -> optional `get_peft_model` -> `Trainer(...).train()`.
+"""The HF Trainer recipe, measured: `from_pretrained` (optionally with a BitsAndBytesConfig, then peft's
+`prepare_model_for_kbit_training`) -> optional `get_peft_model` -> `Trainer(...).train()`.
 
 What a user's script does, on this CPU (`use_cpu=True`), with the user's `TrainingArguments` fields and these
 measurement-only ones forced (`MEASUREMENT_ARGS`): three optimizer steps, no saving, logging or reporting.
@@ -26,13 +27,21 @@ MEASUREMENT_ARGS = {"use_cpu": True, "max_steps": MEASURED_STEPS, "report_to": "
 DTYPES = {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
+def checkpoint_dtype(config):
+    """The dtype a hub checkpoint of `config` is stored in: its `dtype` / `torch_dtype`, fp32 where it has none."""
+    import torch
+
+    dtype = getattr(config, "dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
 def write_checkpoint(config_dict: dict, directory: Path) -> None:
     """A checkpoint as the hub stores one: the config's weights in its `torch_dtype` (fp32 where it has none)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(**config_dict)
-    dtype = getattr(config, "dtype", None) or torch.float32
+    dtype = checkpoint_dtype(config)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(directory)
 
@@ -79,6 +88,17 @@ def _callback(phases: _Phases):
     return PhaseCallback()
 
 
+def prepare_kbit(model, args):
+    """peft's `prepare_model_for_kbit_training` as TRL's SFTTrainer calls it on a quantized model (trl/trainer/
+    sft_trainer.py, `_prepare_peft_model`): checkpointing as the TrainingArguments ask. It freezes the base, casts
+    every parameter that is not 4-bit from fp16/bf16 to fp32, and with checkpointing makes the embedding's output
+    require grad (a reentrant checkpoint needs an input that does) and turns checkpointing on."""
+    from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing,
+                                           gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+
+
 @contextlib.contextmanager
 def own_bitsandbytes_overrides():
     """A run's bitsandbytes optimizer overrides start and end empty. With an 8-bit optimizer the Trainer registers
@@ -98,22 +118,31 @@ def own_bitsandbytes_overrides():
 
 def run(job: dict) -> dict:
     """Measure one Trainer run; `job`: config (the HF config dict), seq_len, load_dtype (from_pretrained's
-    `dtype`), training_args (TrainingArguments fields), peft_config (LoraConfig fields or None)."""
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    `dtype`), training_args (TrainingArguments fields), peft_config (LoraConfig fields or None),
+    quantization_config (BitsAndBytesConfig fields or None) and kbit_prep (the script calls peft's
+    prepare_model_for_kbit_training on the quantized model)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
 
     with tempfile.TemporaryDirectory() as directory, own_bitsandbytes_overrides():
         write_checkpoint(job["config"], Path(directory) / "model")
         # the user's output_dir, like the other MEASUREMENT_ARGS, gives way to the measurement's own
         args = TrainingArguments(**{**job["training_args"], **MEASUREMENT_ARGS,
                                     "output_dir": str(Path(directory) / "out")})
-        count = MEASURED_STEPS * args.per_device_train_batch_size * args.gradient_accumulation_steps
+        # every rank's DistributedSampler share (under torchrun) holds the measured steps' batches
+        count = MEASURED_STEPS * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
         dataset = token_rows(job["config"]["vocab_size"], job["seq_len"], count)
         peft_config = _peft_config(job.get("peft_config"))
         tracker = StorageTracker()
         phases = _Phases(tracker)
+        quantization = job.get("quantization_config")
+        loading = {"quantization_config": BitsAndBytesConfig(**quantization)} if quantization else {}
         with tracker:
-            model = AutoModelForCausalLM.from_pretrained(Path(directory) / "model", dtype=DTYPES[job["load_dtype"]])
+            model = AutoModelForCausalLM.from_pretrained(Path(directory) / "model", dtype=DTYPES[job["load_dtype"]],
+                                                         **loading)
             tracker.adopt([*model.parameters(), *model.buffers()])  # what stayed memory-mapped (on a GPU: copied)
+            loaded_dtype = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")  # never quantized
+            if quantization and job.get("kbit_prep"):
+                model = prepare_kbit(model, args)
             if peft_config is not None:
                 from peft import get_peft_model
 
@@ -124,8 +153,23 @@ def run(job: dict) -> dict:
             trainer.train()
             _label(tracker, trainer)
             tracker.finish()
-        loaded_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return {"timeline": tracker.timeline(), "loaded_dtype": loaded_dtype}
+
+
+def main() -> int:
+    """One rank of a Trainer run under torchrun (`python -m torch.distributed.run --nproc_per_node N -m
+    llmsim.model.trainer_recipe JOB OUT`): the Trainer finds the ranks in the environment (TrainingArguments,
+    accelerate's PartialState: DistributedDataParallel over gloo on the CPU), as a user's `torchrun train.py` does.
+    Each rank writes its timeline (a pickled DataFrame) and what it loaded under OUT."""
+    import json
+    import os
+
+    job, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    result = run(job)
+    rank = int(os.environ.get("RANK", "0"))
+    result["timeline"].to_pickle(out / f"rank{rank}.timeline.pkl")
+    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "loaded_dtype": result["loaded_dtype"]}))
+    return 0
 
 
 def _label(tracker: StorageTracker, trainer) -> None:
@@ -146,3 +190,7 @@ def _peft_config(fields: dict | None):
     from peft import LoraConfig
 
     return LoraConfig(**fields)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

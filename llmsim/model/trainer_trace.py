@@ -2,7 +2,8 @@
 
 Where the canonical step (llmsim/model/step.py) is llmsim's loop, this runs the library's: the model as
 `from_pretrained(dir, dtype=...)` returns it (built here by `from_config` in that dtype: the same parameters, no
-checkpoint read), `get_peft_model(model, LoraConfig(**fields))` when a peft config is given, then
+checkpoint read; with a BitsAndBytesConfig, `from_pretrained` itself on a header-only checkpoint, then peft's
+`prepare_model_for_kbit_training` unless the script skips it), `get_peft_model(model, LoraConfig(**fields))` when a peft config is given, then
 `Trainer(model, TrainingArguments(**fields), train_dataset=rows).train()` for three optimizer steps. So the
 Trainer's optimizer factory and parameter groups, its prefetched batches (`get_batch_samples` holds a step's
 `gradient_accumulation_steps` batches and accelerate's `DataLoaderShard` one more), `num_items_in_batch`, the
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from llmsim.enums import Device, Phase
-from llmsim.model.trainer_recipe import MEASURED_STEPS, MEASUREMENT_ARGS, token_rows
+from llmsim.model.trainer_recipe import MEASURED_STEPS, MEASUREMENT_ARGS, prepare_kbit, token_rows
 from llmsim.inputs.spec import TrainSetup
 from llmsim.model.step import LayerHooks, StepInfo
 from llmsim.model.tracker import StorageTracker
@@ -111,6 +112,8 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
         args = training_arguments(fields, **MEASUREMENT_ARGS, output_dir=directory)
         count = MEASURED_STEPS * args.per_device_train_batch_size * args.gradient_accumulation_steps
         model = build()
+        if setup.quant is not None and setup.kbit_prep:
+            model = prepare_kbit(model, args)
         hooks = LayerHooks(tracker, model, expected_blocks)
         vocab_size = model.get_input_embeddings().num_embeddings
         if peft is not None:

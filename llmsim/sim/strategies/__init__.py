@@ -172,14 +172,21 @@ def _refuse_lever(lever: str, what: str, layout: Layout, note: str = "") -> None
     raise InputError(f"{what} with {where} is not modelled yet; {levers_modelled_text(lever)}{note}")
 
 
+# The layouts of the HF Trainer recipe (data/measurements/trainer_cpu.csv, trainer_ddp_cpu.csv): one process, and
+# `torchrun --nproc_per_node N` of it, where accelerate wraps the model in DistributedDataParallel (ddp.plan on the
+# Trainer's traced step: DDP's broadcast and buckets are DDP's own whatever loop drives it)
+TRAINER_STRATEGIES = (Strategy.SINGLE, Strategy.DDP)
+
+
 def check_supported(setup, layout: Layout) -> None:
     """Before any trace: peft's extras, checkpoint offload, the loss levers and gradient accumulation are modelled
     for one process and DDP, and under the DeepSpeed ZeRO stages of LEVER_ZERO_STAGES (gradient accumulation as the
     JSON's gradient_accumulation_steps); LoRA for one process, DDP and ZeRO-0/1/2/3; a pipeline's own micro-batches
     are not."""
-    if setup.recipe is not Recipe.CANONICAL and (layout.world_size > 1 or layout.strategy is not Strategy.SINGLE):
+    if setup.recipe is not Recipe.CANONICAL and (layout.strategy not in TRAINER_STRATEGIES or layout.tp * layout.pp > 1):
         raise InputError(f"recipe {setup.recipe.value} with strategy {layout.strategy.value} (world size "
-                         f"{layout.world_size}) is not modelled yet; modelled: one process")
+                         f"{layout.world_size}, tp {layout.tp}, pp {layout.pp}) is not modelled yet; modelled: one "
+                         "process, and ddp (the Trainer under torchrun)")
     if layout.deepspeed is not None:
         check_deepspeed_optimizer(setup, layout.deepspeed)
     if setup.lora_rank:
