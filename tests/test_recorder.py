@@ -60,3 +60,36 @@ def test_a_recorded_job_is_a_row_validate_re_predicts(tmp_path):
     assert validate(frame.assign(source=out.name))["ok"].all()
     frame["device_total_bytes"] = int(rank.device_total_bytes * 1.1)
     assert not validate(frame.assign(source=out.name))["ok"].any()
+
+
+def test_a_recorded_qlora_job_carries_its_quantization_and_must_say_whether_it_was_prepared(tmp_path):
+    """A bitsandbytes base: the row holds the checkpoint's BitsAndBytesConfig and from_pretrained's dtype (which the
+    packed, upcast parameters no longer show), and `kbit_prep` as the user states it; unstated, validate refuses."""
+    import pytest
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, Trainer, TrainingArguments
+
+    from llmsim.errors import InputError
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=256)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    rows = [{"input_ids": list(range(i, i + 16)), "labels": list(range(i, i + 16))} for i in range(12)]
+    for kbit_prep, out in ((True, tmp_path / "prepared.csv"), (None, tmp_path / "unsaid.csv")):
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp_path / "ckpt", dtype=torch.bfloat16,
+            quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                   bnb_4bit_use_double_quant=True,
+                                                   bnb_4bit_compute_dtype=torch.bfloat16))
+        model = get_peft_model(prepare_model_for_kbit_training(model, use_gradient_checkpointing=False),
+                               LoraConfig(r=4, target_modules="all-linear"))
+        args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=1,
+                                 use_cpu=True, report_to="none", save_strategy="no", bf16=True, disable_tqdm=True)
+        recorder = MemoryRecorder(out, readings=FakeH100(), kbit_prep=kbit_prep)
+        Trainer(model=model, args=args, train_dataset=rows, callbacks=[recorder]).train()
+    row = pd.read_csv(tmp_path / "prepared.csv").iloc[0]
+    assert row["dtype"] == "bfloat16" and json.loads(row["quantization_config"])["bnb_4bit_quant_type"] == "nf4"
+    spec, setup, layout = row_inputs(row)
+    assert (setup.quant, setup.double_quant, setup.kbit_prep, setup.load_dtype) == ("nf4", True, True, "bfloat16")
+    with pytest.raises(InputError, match="prepare_model_for_kbit_training"):
+        row_inputs(pd.read_csv(tmp_path / "unsaid.csv").iloc[0])

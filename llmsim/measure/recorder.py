@@ -47,11 +47,12 @@ class CudaReadings:
 class MemoryRecorder(TrainerCallback):
     """`out`: the CSV to append the row to; `model`: a zoo name or a config.json path for llmsim to load (default:
     the model's own config, written beside the CSV); `gpu`: the llmsim GPU profile (default: the one whose device
-    name torch reports)."""
+    name torch reports); `kbit_prep`: for a bitsandbytes-quantized model, whether the script called peft's
+    prepare_model_for_kbit_training (the model does not say; left unsaid, `validate` refuses the row)."""
 
     def __init__(self, out: str | Path = "llmsim-gpu-rows.csv", model: str | None = None, gpu: str | None = None,
-                 readings: CudaReadings | None = None) -> None:
-        self.out, self.model_name, self.gpu = Path(out), model, gpu
+                 readings: CudaReadings | None = None, kbit_prep: bool | None = None) -> None:
+        self.out, self.model_name, self.gpu, self.kbit_prep = Path(out), model, gpu, kbit_prep
         self.readings = readings or CudaReadings()
         self.seq_len = 0
         self.lengths: set[int] = set()
@@ -83,7 +84,7 @@ class MemoryRecorder(TrainerCallback):
                "overrides": "{}", "seq_len": self.seq_len, "seq_lens_seen": ",".join(map(str, sorted(self.lengths))),
                "training_args": json.dumps(_changed_fields(args), sort_keys=True, default=str),
                "peft_config": _peft_fields(self.model),
-               "dtype": str(next(base.parameters()).dtype).removeprefix("torch."),
+               **_loading(base, self.kbit_prep),
                "attention": getattr(base.config, "_attn_implementation", "") or "",
                "micro_batch": args.per_device_train_batch_size, "grad_accum": args.gradient_accumulation_steps,
                "grad_ckpt": bool(args.gradient_checkpointing),
@@ -102,6 +103,20 @@ class MemoryRecorder(TrainerCallback):
         path = folder / f"{config.model_type}-{hashlib.sha1(text.encode()).hexdigest()[:10]}.json"
         path.write_text(text)
         return str(path)
+
+
+def _loading(base, kbit_prep: bool | None) -> dict:
+    """from_pretrained's dtype and quantization_config as the model holds them. A quantized model's parameters do
+    not tell the loaded dtype (its linear weights are packed, and prepare_model_for_kbit_training upcasts the
+    rest): transformers keeps it in `config.dtype`."""
+    quantization = getattr(base.config, "quantization_config", None)
+    if quantization is None:
+        return {"dtype": str(next(base.parameters()).dtype).removeprefix("torch."), "quantization_config": "",
+                "kbit_prep": ""}
+    fields = quantization.to_dict() if hasattr(quantization, "to_dict") else dict(quantization)
+    return {"dtype": str(base.config.dtype).removeprefix("torch."),
+            "quantization_config": json.dumps(fields, sort_keys=True, default=lambda v: getattr(v, "value", str(v))),
+            "kbit_prep": "" if kbit_prep is None else bool(kbit_prep)}
 
 
 def _changed_fields(args: TrainingArguments) -> dict:

@@ -33,6 +33,9 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
                              "batches of one length (pack or pad to one length to compare)")
         peft, quantization = row.get("peft_config"), row.get("quantization_config")
         quantized = isinstance(quantization, str) and bool(quantization)
+        if quantized and (pd.isna(row.get("kbit_prep")) or str(row.get("kbit_prep")) == ""):
+            raise InputError(f"{row['model']}: a quantized Trainer row that does not say whether the script called "
+                             "prepare_model_for_kbit_training (MemoryRecorder(kbit_prep=True or False))")
         setup = trainer_setup(spec, int(row["seq_len"]), json.loads(row["training_args"]),
                               json.loads(peft) if isinstance(peft, str) and peft else None, row["dtype"],
                               json.loads(quantization) if quantized else None,
