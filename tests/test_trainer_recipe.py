@@ -83,6 +83,53 @@ def test_committed_trainer_rows_cover_the_recipe():
     assert (~quantized["kbit_prep"].astype(bool)).any() and quantized["kbit_prep"].astype(bool).any()
 
 
+def test_committed_trainer_ddp_rows_cover_the_torchrun_recipe():
+    """The Trainer under torchrun (accelerate's DDP over gloo): every rank's row, the four families, the cases DDP
+    could change (its buckets, accumulation under no_sync, LoRA's trainable-only buckets, checkpointing)."""
+    rows = pd.read_csv(MEASUREMENTS_DIR / "trainer_ddp_cpu.csv")
+    assert len(rows) >= 56 and (rows["recipe"] == "hf-trainer").all() and (rows["strategy"] == "ddp").all()
+    assert (rows["world_size"] == 2).all() and set(rows["rank"]) == {0, 1} and (rows["tier"] == 2).all()
+    fields = rows["training_args"].map(json.loads)
+    assert fields.map(lambda f: f.get("gradient_accumulation_steps", 1) > 1).any()
+    assert fields.map(lambda f: f.get("gradient_checkpointing", False)).any()
+    assert rows["peft_config"].notna().any()
+    assert {load_model_spec(m).config_dict["model_type"] for m in rows["model"]} == {"llama", "qwen2", "gpt2",
+                                                                                       "gpt_neox"}
+
+
+@pytest.mark.slow
+def test_a_fresh_trainer_ddp_run_matches_its_prediction():
+    """`torchrun --nproc_per_node 2` of the recipe's script, LoRA and accumulation on a model no row has."""
+    from llmsim.sim.strategies import Layout, Strategy
+
+    spec = load_model_spec("mistral-7b", {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+                                          "num_hidden_layers": 4, "num_key_value_heads": 2, "vocab_size": 1200})
+    setup = trainer_setup(spec, 48, {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+                          {"r": 4, "target_modules": "all-linear"}, "float32")
+    layout = Layout(Strategy.DDP, 2)
+    measured = [row["peak_allocated_bytes"] for row in measure_trainer(spec, setup, "float32", layout)]
+    predicted = [rank.peak_allocated_bytes for rank in predict(spec, setup, layout).ranks]
+    for p, m in zip(predicted, measured):
+        assert abs(p - m) / m <= PEAK_ALLOCATED_TOLERANCE[2], (predicted, measured)
+
+
+def test_the_trainer_under_torchrun_is_ddp_and_other_layouts_are_one_line(tmp_path, capsys):
+    import llmsim
+
+    tiny = {"set": GPT2_TINY, "seq_len": 32, "training_args": {"per_device_train_batch_size": 2}}
+    prediction = llmsim.predict("gpt2", world_size=2, **tiny)
+    assert prediction.layout.strategy.value == "ddp" and len(prediction.ranks) == 2
+    args = _file(tmp_path, "args.json", {"per_device_train_batch_size": 1})
+    base = ["predict", "--model", "gpt2", "--seq-len", "32", "--training-args", args]
+    for extra in (["--tp", "2"], ["--pp", "2", "--world-size", "2"], ["--strategy", "single", "--world-size", "2"]):
+        assert "modelled: one process, or --world-size N ranks of DistributedDataParallel" in \
+            _error(capsys, *base, *extra)
+    quant = _file(tmp_path, "bnb.json", {"load_in_4bit": True})
+    lora = _file(tmp_path, "lora.json", {"r": 4, "target_modules": "all-linear"})
+    assert "quantized base" in _error(capsys, *base, "--peft-config", lora, "--quantization-config", quant,
+                                      "--world-size", "2")
+
+
 def _error(capsys, *argv) -> str:
     assert main(list(argv)) == 2
     err = capsys.readouterr().err.strip()

@@ -86,7 +86,8 @@ def _recipe_line(setup) -> str:
     f = recipe_facts(setup)
     clip = f", max_grad_norm {f['max_grad_norm']}" if f["max_grad_norm"] is not None else ""
     return (f"recipe {f['recipe']}: weights {f['load_dtype']}, mixed precision {f['mixed_precision']}, optimizer "
-            f"{f['optimizer']}, accumulation {f['grad_accum']}{clip}, peft {f['peft']}")
+            f"{f['optimizer']}, accumulation {f['grad_accum']}{clip}, peft {f['peft']}"
+            + (f", quantization {f['quantization']}" if f["quantization"] != "none" else ""))
 
 
 def validation_table(results: pd.DataFrame) -> str:
