@@ -44,6 +44,14 @@ MODELLED = {
     "fms-2025-mistral7b-lora-1gpu-bf16-bs8": dict(model="mistral-7b", seq_len=4096, gpu="a100-80gb",
                                                   dtype="bfloat16", training_args=trainer_args(8),
                                                   peft_config=lora(16, 16, 0.1, QKVO)),
+    # TRL's SFTTrainer (fms-hf-tuning) on a bitsandbytes base: prepare_model_for_kbit_training as TRL calls it
+    "fms-2025-mistral7b-qlora-1gpu-bf16": dict(model="mistral-7b", seq_len=4096, gpu="a100-80gb", dtype="bfloat16",
+                                               training_args=trainer_args(4, bf16=True),
+                                               peft_config=lora(16, 16, 0.1, QKVO),
+                                               quantization_config={"load_in_4bit": True,
+                                                                    "bnb_4bit_quant_type": "nf4",
+                                                                    "bnb_4bit_use_double_quant": True,
+                                                                    "bnb_4bit_compute_dtype": "bfloat16"}),
 }
 # the same source's batch-4 row of the last setup (the entry's other_metrics): another point on its slope
 EXTRA = {"fms-2025-mistral7b-lora-1gpu-bf16-bs4": ("fms-2025-mistral7b-lora-1gpu-bf16-bs8",
@@ -51,7 +59,7 @@ EXTRA = {"fms-2025-mistral7b-lora-1gpu-bf16-bs4": ("fms-2025-mistral7b-lora-1gpu
                                                    29576 / 1024)}
 NOT_MODELLED = {
     "fsdp": "FSDP is not modelled (issue 21)",
-    "qlora-trainer": "QLoRA through the Trainer (BitsAndBytesConfig) is not modelled yet",
+    "qlora-trainer": "QLoRA through the Trainer (BitsAndBytesConfig) under several ranks is not modelled yet",
     "variable": "variable-length batches and evaluation inside the measured window",
     "torchtune": "torchtune's own model code, NF4 via torchao, its activation offloading and chunked loss",
     "unknown": "the metric or the GPU is not stated",

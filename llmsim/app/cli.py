@@ -16,14 +16,27 @@ EXIT_RUN_FAILED = 3  # a measured run crashed or timed out
 
 
 def cmd_predict(args) -> int:
-    from llmsim.app.report import prediction_table
+    from llmsim.app.report import prediction_table, suggestions_table
 
     # on a terminal only: an input error found inside a stage's trace must stay one line where stderr is read
-    predicted = prediction(args, progress=not args.quiet and sys.stderr.isatty())
+    progress = not args.quiet and sys.stderr.isatty()
+    if args.suggest and not args.gpu:
+        raise InputError("--suggest lists what would make the job fit on a GPU: it needs --gpu NAME")
+    predicted = prediction(args, progress=progress)
+    advice = None
+    if args.suggest and predicted.verdict in ("tight", "oom"):
+        from llmsim.app.advice import suggestions
+
+        spec, setup, layout = inputs(args)
+        advice = suggestions(spec, setup, layout, predicted.gpu, predicted.alloc_conf, args.jobs, progress)
     if args.format == "json":
-        print(json.dumps(predicted.to_dict(), indent=2))
+        print(json.dumps({**predicted.to_dict(),
+                          **({"suggestions": [s.to_dict() for s in advice]} if advice is not None else {})},
+                         indent=2))
     else:
         print(prediction_table(predicted))
+        if advice is not None:
+            print(suggestions_table(advice, predicted.gpu))
     if args.plot:
         from llmsim.app.plots import prediction_figure
 

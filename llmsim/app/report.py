@@ -80,6 +80,18 @@ def _rank_groups(ranks: list[RankPrediction]):
     return [tuple(group) for group in groups]
 
 
+def suggestions_table(advice, gpu) -> str:
+    """`predict --suggest`: the changes that fit, cheapest first, each with what the job then needs."""
+    if not advice:
+        return (f"\nno single change llmsim models makes it fit on {gpu.name}, nor its levers together "
+                "(llmsim/app/advice.py lists what is tried)")
+    lines = [f"\nwould fit on {gpu.name} (cheapest first; each a full prediction of the changed job):"]
+    for s in advice:
+        lines.append(f"  {s.change}: needs {human_bytes(s.needed_bytes)}, peak allocated "
+                     f"{human_bytes(s.peak_allocated_bytes)} -- {s.cost}")
+    return "\n".join(lines)
+
+
 def _recipe_line(setup) -> str:
     from llmsim.inputs.hf import recipe_facts
 

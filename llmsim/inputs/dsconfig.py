@@ -84,6 +84,13 @@ def load_ds_config(path: str | Path, world_size: int, hidden_size: int, micro_ba
         raise InputError(f"cannot read DeepSpeed config {str(path)!r}: {one_line(exc)}") from None
     if not isinstance(config, dict):
         raise InputError(f"DeepSpeed config {str(path)!r} is not a JSON object")
+    return ds_setup(config, world_size, hidden_size, micro_batch, precision, grad_accum)
+
+
+def ds_setup(config: dict[str, Any], world_size: int, hidden_size: int, micro_batch: int | None,
+             precision: Precision | None, grad_accum: int | None = None) -> DeepSpeedSetup:
+    """A DeepSpeed config given as a dict (as `deepspeed.initialize(config=...)` takes one): resolved, validated."""
+    config = json.loads(json.dumps(config))  # a copy: resolving fills in "auto" values
     _resolve_batch(config, world_size, micro_batch, grad_accum)
     _resolve_precision(config, precision)
     _resolve_hidden_size_autos(config, hidden_size)
