@@ -253,3 +253,19 @@ def test_on_a_gpu_the_trainers_adamw_takes_torchs_cuda_foreach_path():
     # the decayed parameters' second moments, square-rooted at once (the norms' weights are the no-decay group)
     assert foreach.peak.breakdown_bytes["temporary"] >= 0.99 * foreach.peak.breakdown_bytes["parameter"]
     assert fused.peak.phase != "optimizer"
+
+
+def test_a_fake_quantized_load_leaves_bitsandbytes_code_books_as_it_found_them():
+    """bitsandbytes keeps double quantization's code book for the process (`name2qmap`): a prediction's fake load
+    must not leave its fake one there, where a real QLoRA load later in the process (a measurement, a user's
+    script) would quantize with it and fail."""
+    import bitsandbytes.functional as bnb_functional
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from llmsim.inputs.spec import TrainSetup
+
+    before = dict(bnb_functional.name2qmap)
+    predict(load_model_spec("gpt2", GPT2_TINY), TrainSetup(micro_batch=1, seq_len=16, lora_rank=4, quant="nf4",
+                                                           double_quant=True))
+    assert not any(isinstance(v, FakeTensor) for v in bnb_functional.name2qmap.values())
+    assert bnb_functional.name2qmap.keys() == before.keys()

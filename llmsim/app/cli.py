@@ -37,6 +37,14 @@ def cmd_predict(args) -> int:
         print(prediction_table(predicted))
         if advice is not None:
             print(suggestions_table(advice, predicted.gpu))
+    if args.snapshot:
+        from llmsim.app.snapshot import write_snapshot
+
+        rank = predicted.deciding_rank if predicted.gpu is not None else \
+            max(predicted.ranks, key=lambda r: r.peak_allocated_bytes)
+        write_snapshot(rank.timeline, args.snapshot)
+        print(f"snapshot of rank {rank.rank}: {args.snapshot} (open it in https://pytorch.org/memory_viz)",
+              file=sys.stderr if args.format == "json" else sys.stdout)
     if args.plot:
         from llmsim.app.plots import prediction_figure
 

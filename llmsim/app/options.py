@@ -308,8 +308,8 @@ def prediction_from_options(model, seq_len: int, micro_batch: int | None, option
     actions = {a.dest: a for a in parser.predict_parser._actions}
     dicts = {}
     for key, value in options.items():
-        if key not in actions or key in ("help", "format", "plot", "quiet", "suggest"):
-            valid = sorted(k for k in actions if k not in ("help", "format", "plot", "quiet", "suggest"))
+        if key not in actions or key in ("help", "format", "plot", "quiet", "suggest", "snapshot"):
+            valid = sorted(k for k in actions if k not in ("help", "format", "plot", "quiet", "suggest", "snapshot"))
             raise InputError(f"unknown option {key!r}; valid options: {', '.join(valid)}")
         if value is None or value is False:
             continue
@@ -334,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("predict", help="predict one layout: per-rank peak and breakdown")
     _add_model_args(p)
     _add_layout_args(p)
+    p.add_argument("--snapshot", metavar="FILE.pickle", help="also write the deciding (or, on the CPU, the fullest) "
+                   "rank's predicted step as a PyTorch memory snapshot, for https://pytorch.org/memory_viz")
     p.add_argument("--suggest", action="store_true", help="with --gpu, when the verdict is tight or oom: predict the "
                    "changes (levers, then more GPUs) that would make the job fit, and list those that do, cheapest "
                    "first (llmsim/app/advice.py)")

@@ -215,7 +215,14 @@ def fake_loading():
             real = dynamic_map(*args, **kwargs)
         return torch.empty(real.shape, dtype=real.dtype)
 
-    with mock.patch.object(torch.Tensor, "_make_subclass", make_fake_subclass), \
-            mock.patch.object(core_model_loading, "_materialize_copy", materialize_fake), \
-            mock.patch.object(bnb_functional, "create_dynamic_map", dynamic_map_fake):
-        yield
+    # bitsandbytes keeps the code books it builds for the rest of the process (`name2qmap`): the fake one a fake
+    # load leaves there would reach the next real load of the process (a real run's quantization then fails)
+    code_books = dict(bnb_functional.name2qmap)
+    try:
+        with mock.patch.object(torch.Tensor, "_make_subclass", make_fake_subclass), \
+                mock.patch.object(core_model_loading, "_materialize_copy", materialize_fake), \
+                mock.patch.object(bnb_functional, "create_dynamic_map", dynamic_map_fake):
+            yield
+    finally:
+        bnb_functional.name2qmap.clear()
+        bnb_functional.name2qmap.update(code_books)
