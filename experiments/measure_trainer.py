@@ -8,7 +8,9 @@ positions), GPT-NeoX (Pythia). QLORA_CASES add a BitsAndBytesConfig (`--quantiza
 quantizes on load, then peft's prepare_model_for_kbit_training (unless the case skips it) and get_peft_model.
 DDP_CASES run under torchrun on 2 ranks (`--world-size 2`: the Trainer wraps the model in DistributedDataParallel
 over gloo), one row per rank, in data/measurements/trainer_ddp_cpu.csv.
-Run: python experiments/measure_trainer.py [--out CSV] [--only N] [--cases all|plain|qlora|ddp]
+DEEPSPEED_CASES run the Trainer with TrainingArguments(deepspeed=...) on 2 ranks (ZeRO-1/2, "auto" values), in
+data/measurements/trainer_deepspeed_cpu.csv.
+Run: python experiments/measure_trainer.py [--out CSV] [--only N] [--cases all|plain|qlora|ddp|deepspeed]
 """
 from __future__ import annotations
 
@@ -83,6 +85,24 @@ DDP_CASES = [case for case in CASES if case[0] in (
     "default optim (adamw_torch_fused)", "adamw_torch", "accumulation 4", "bf16 autocast", "loaded in bf16",
     "checkpointing, bf16", "LoRA all-linear")]
 
+# The Trainer under DeepSpeed (TrainingArguments(deepspeed=...)), 2 ranks: ZeRO-2 as HF recipes write it ("auto"
+# values, overlap_comm, contiguous gradients: examples/ds_zero2.json), and ZeRO-1; the Trainer's own optimizer
+ZERO2 = json.loads((Path(__file__).resolve().parent.parent / "examples" / "ds_zero2.json").read_text())
+ZERO1 = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 1}, "gradient_accumulation_steps": "auto",
+         "gradient_clipping": "auto", "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}
+DEEPSPEED_OUT = OUT.with_name("trainer_deepspeed_cpu.csv")
+DEEPSPEED_CASES = [
+    ("ZeRO-2, bf16, default optim", {"bf16": True, "deepspeed": ZERO2}, None, "float32"),
+    ("ZeRO-2, bf16, adamw_torch", {"bf16": True, "optim": "adamw_torch", "deepspeed": ZERO2}, None, "float32"),
+    ("ZeRO-2, fp32 (bf16 auto: off)", {"deepspeed": ZERO2}, None, "float32"),
+    ("ZeRO-2, bf16, accumulation 2", {"bf16": True, "gradient_accumulation_steps": 2, "deepspeed": ZERO2}, None,
+     "float32"),
+    ("ZeRO-2, bf16, checkpointing", {"bf16": True, "gradient_checkpointing": True, "deepspeed": ZERO2}, None,
+     "float32"),
+    ("ZeRO-2, bf16, LoRA all-linear", {"bf16": True, "deepspeed": ZERO2}, LORA, "float32"),
+    ("ZeRO-1, bf16, default optim", {"bf16": True, "deepspeed": ZERO1}, None, "float32"),
+]
+
 
 def run_case(model: str, fields: dict, peft: dict | None, dtype: str, out: Path, quantization: dict | None = None,
              kbit_prep: bool = True, world_size: int = 1) -> int:
@@ -116,13 +136,17 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="default: OUT (DDP_OUT for --cases ddp)")
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
-    parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp"], default="all",
-                        help="all: plain and qlora, one process (ddp: the DDP cases on 2 ranks, to --out or DDP_OUT)")
+    parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed"], default="all",
+                        help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
+                        "DDP_OUT / DEEPSPEED_OUT)")
     args = parser.parse_args()
-    world_size, out = (DDP_WORLD_SIZE, args.out or DDP_OUT) if args.cases == "ddp" else (1, args.out or OUT)
+    world_size, out = {"ddp": (DDP_WORLD_SIZE, DDP_OUT), "deepspeed": (DDP_WORLD_SIZE, DEEPSPEED_OUT)}.get(
+        args.cases, (1, OUT))
+    out = args.out or out
     cases = ([(*case, None, True) for case in CASES] if args.cases in ("all", "plain") else []) + \
         (QLORA_CASES if args.cases in ("all", "qlora") else []) + \
-        ([(*case, None, True) for case in DDP_CASES] if args.cases == "ddp" else [])
+        ([(*case, None, True) for case in DDP_CASES] if args.cases == "ddp" else []) + \
+        ([(*case, None, True) for case in DEEPSPEED_CASES] if args.cases == "deepspeed" else [])
     failures = 0
     for model in MODELS:
         for name, fields, peft, dtype, quantization, kbit_prep in cases[: args.only]:

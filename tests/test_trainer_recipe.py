@@ -130,6 +130,59 @@ def test_the_trainer_under_torchrun_is_ddp_and_other_layouts_are_one_line(tmp_pa
                                       "--world-size", "2")
 
 
+def test_committed_trainer_deepspeed_rows_cover_zero1_and_zero2():
+    """TrainingArguments(deepspeed=...) as HF recipes write the JSON ("auto" values), on 2 ranks: bf16 and fp32,
+    the Trainer's own optimizer (fused and not), accumulation, checkpointing, LoRA, ZeRO-1 and ZeRO-2."""
+    rows = pd.read_csv(MEASUREMENTS_DIR / "trainer_deepspeed_cpu.csv")
+    assert len(rows) >= 56 and (rows["recipe"] == "hf-trainer").all() and (rows["strategy"] == "deepspeed").all()
+    fields = rows["training_args"].map(json.loads)
+    stages = fields.map(lambda f: f["deepspeed"]["zero_optimization"]["stage"])
+    assert set(stages) == {1, 2} and (fields.map(lambda f: f["deepspeed"].get("train_batch_size")) == "auto").all()
+    assert fields.map(lambda f: f.get("bf16", False)).any() and (~fields.map(lambda f: f.get("bf16", False))).any()
+    assert fields.map(lambda f: f.get("gradient_accumulation_steps", 1) > 1).any()
+    assert rows["peft_config"].notna().any()
+    assert {load_model_spec(m).config_dict["model_type"] for m in rows["model"]} == {"llama", "qwen2", "gpt2",
+                                                                                       "gpt_neox"}
+
+
+@pytest.mark.slow
+def test_a_fresh_trainer_deepspeed_run_matches_its_prediction(tmp_path):
+    """The Trainer with examples/ds_zero2.json through --ds-config, on a model no row has, 2 ranks."""
+    from llmsim.app.options import build_parser, inputs
+
+    args = _file(tmp_path, "args.json", {"per_device_train_batch_size": 2, "bf16": True,
+                                          "gradient_checkpointing": True})
+    argv = ["predict", "--model", "mistral-7b", "--seq-len", "48", "--training-args", args, "--ds-config",
+            "examples/ds_zero2.json", "--world-size", "2", "--dtype", "float32"]
+    for key, value in {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4, "num_hidden_layers": 4,
+                       "num_key_value_heads": 2, "vocab_size": 1200}.items():
+        argv += ["--set", f"{key}={value}"]
+    spec, setup, layout = inputs(build_parser().parse_args(argv))
+    assert layout.deepspeed.stage == 2 and setup.precision.value == "bf16"
+    measured = [row["peak_allocated_bytes"] for row in measure_trainer(spec, setup, "float32", layout)]
+    predicted = [rank.peak_allocated_bytes for rank in predict(spec, setup, layout).ranks]
+    for p, m in zip(predicted, measured):
+        assert abs(p - m) / m <= PEAK_ALLOCATED_TOLERANCE[2], (predicted, measured)
+
+
+def test_the_trainer_under_deepspeed_refuses_what_is_not_modelled_in_one_line(tmp_path, capsys):
+    base = ["predict", "--model", "gpt2", "--seq-len", "32", "--world-size", "2"]
+
+    def with_ds(ds: dict, **fields):
+        return ["--training-args", _file(tmp_path, "args.json", {"per_device_train_batch_size": 1, **fields,
+                                                                  "deepspeed": ds})]
+    zero = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    assert "ZeRO-3 is not modelled yet" in _error(capsys, *base, *with_ds({**zero, "zero_optimization": {"stage": 3}}))
+    optimizer = {**zero, "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    assert "\"optimizer\" section is not modelled yet" in _error(capsys, *base, *with_ds(optimizer))
+    assert "fp16=True is not modelled" in _error(capsys, *base, *with_ds({**zero, "zero_optimization": {"stage": 2}},
+                                                                         fp16=True))
+    assert "zero_optimization" in _error(capsys, *base, *with_ds({**zero, "zero_optimization": {"stage": 2,
+                                                                                               "reduce_bucket": 5}}))
+    mismatch = {**zero, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+    assert "contradicts the DeepSpeed config" in _error(capsys, *base, *with_ds(mismatch))  # bf16 unset in the args
+
+
 def _error(capsys, *argv) -> str:
     assert main(list(argv)) == 2
     err = capsys.readouterr().err.strip()
@@ -159,8 +212,8 @@ def test_bad_trainer_inputs_are_one_line(tmp_path, capsys):
     assert "not modelled yet" in _error(capsys, *base, "--training-args", ok, "--attn", "eager")  # never dropped
     assert "valid choices" in _error(capsys, *base, "--training-args", ok, "--dtype", "float8")
     assert "--training-args" in _error(capsys, *base, "--micro-batch", "1", "--peft-config", lora)
-    ds = _file(tmp_path, "ds.json", {"deepspeed": "ds.json"})
-    assert "not modelled yet" in _error(capsys, *base, "--training-args", ds)
+    fsdp = _file(tmp_path, "fsdp.json", {"fsdp": "full_shard"})
+    assert "not modelled yet" in _error(capsys, *base, "--training-args", fsdp)
 
 
 def test_bad_quantization_configs_are_one_line(tmp_path, capsys):

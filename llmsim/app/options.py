@@ -148,7 +148,7 @@ TRAINER_DECIDES = (("precision", None, "bf16 / fp16 in the TrainingArguments, --
                    ("double_quant", False, "bnb_4bit_use_double_quant in --quantization-config"),
                    ("int8_threshold", LLM_INT8_THRESHOLD, "llm_int8_threshold in --quantization-config"),
                    *((flag, default, None) for flag, default in (  # None: not modelled yet with the Trainer
-                       ("attn", None), ("ckpt_every", 1), ("ckpt_offload", False), ("ds_config", None),
+                       ("attn", None), ("ckpt_every", 1), ("ckpt_offload", False),
                        ("loss", "hf"), ("loss_chunk", None))))
 
 
@@ -156,7 +156,7 @@ def _trainer_inputs(args):
     """--training-args [--peft-config] [--dtype]: the HF Trainer recipe, read with the libraries' own classes."""
     from llmsim.inputs.hf import read_mapping, trainer_setup
     from llmsim.inputs.spec import load_model_spec
-    from llmsim.sim.strategies import Layout, Strategy
+    from llmsim.sim.strategies import Strategy, trainer_layout
 
     for flag, default, where in TRAINER_DECIDES:
         if getattr(args, flag, default) != default:
@@ -164,11 +164,11 @@ def _trainer_inputs(args):
             raise InputError(f"{name} with --training-args: the Trainer's files decide it ({where})" if where else
                              f"{name} with --training-args is not modelled yet (the hf-trainer recipe)")
     world_size = args.world_size or args.dp or 1
-    if args.tp * args.pp > 1 or args.strategy not in (None, "single", "ddp") or \
+    if args.tp * args.pp > 1 or args.strategy not in (None, "single", "ddp", "deepspeed") or \
             (args.strategy == "single" and world_size > 1):
-        raise InputError("--training-args with tp, pp or a strategy other than ddp is not modelled yet; modelled: "
-                         "one process, or --world-size N ranks of DistributedDataParallel (torchrun with the "
-                         "Trainer)")
+        raise InputError("--training-args with tp, pp or strategy single on several ranks is not modelled yet; "
+                         "modelled: one process, or --world-size N ranks of DistributedDataParallel (torchrun with "
+                         "the Trainer) or of DeepSpeed ZeRO-1/2 (the TrainingArguments' deepspeed, or --ds-config)")
     spec = load_model_spec(args.model, dict(_override(t) for t in args.set))
     given = getattr(args, "given_mappings", {})  # dicts handed to llmsim.predict(...) instead of files
     fields = dict(given.get("training_args") or read_mapping(args.training_args, "TrainingArguments"))
@@ -176,15 +176,19 @@ def _trainer_inputs(args):
         value = getattr(args, flag, None)
         if value not in (None, False):
             fields[field] = value
+    if getattr(args, "ds_config", None):  # TrainingArguments(deepspeed=path), as `--deepspeed ds.json` sets it
+        if fields.get("deepspeed") not in (None, args.ds_config):
+            raise InputError(f"--ds-config {args.ds_config} contradicts the TrainingArguments' deepspeed "
+                             f"{fields['deepspeed']!r}")
+        fields["deepspeed"] = args.ds_config
     peft = (given.get("peft_config") or read_mapping(args.peft_config, "LoraConfig")) if args.peft_config else None
     quantization_file = getattr(args, "quantization_config", None)
     quantization = (given.get("quantization_config") or read_mapping(quantization_file, "BitsAndBytesConfig")
                     if quantization_file else None)
     setup = trainer_setup(spec, args.seq_len, fields, peft, args.dtype or "auto", quantization,
                           kbit_prep=not getattr(args, "no_kbit_prep", False))
-    if world_size == 1 and args.strategy != "ddp":
-        return spec, setup, Layout()
-    return spec, setup, Layout(Strategy.DDP, world_size)  # torchrun: the Trainer wraps the model in DDP
+    setup, layout = trainer_layout(spec, setup, world_size, Strategy(args.strategy) if args.strategy else None)
+    return spec, setup, layout
 
 
 def inputs(args):

@@ -41,7 +41,6 @@ TRAINER_OPTIMS = {
 }
 # Fields whose run is not one process of the Trainer on its own; refused until a strategy module models them
 NOT_MODELLED_FIELDS = {
-    "deepspeed": "the Trainer with DeepSpeed (give the JSON as --ds-config to predict the canonical DeepSpeed step)",
     "fsdp": "the Trainer with FSDP",
     "torch_compile": "torch.compile",
 }
@@ -86,7 +85,9 @@ def training_arguments(fields: dict[str, Any], **forced: Any):
         if fields.get(name):
             raise InputError(f"TrainingArguments {name}={fields[name]!r}: {why} is not modelled yet for the "
                              "hf-trainer recipe; modelled: one process")
-    settable = {k: v for k, v in fields.items() if k not in FORCED_FIELDS}
+    # `deepspeed` (a JSON path or a dict) is read by llmsim.sim.strategies.trainer_layout: TrainingArguments would
+    # start DeepSpeed's integration (and its process group) here
+    settable = {k: v for k, v in fields.items() if k not in FORCED_FIELDS and k != "deepspeed"}
     try:
         return TrainingArguments(**{"output_dir": "trainer_output", **settable, "use_cpu": True, **forced})
     except (ValueError, TypeError) as exc:

@@ -98,6 +98,10 @@ class TrainSetup:
     training_args: str | None = None  # TrainingArguments fields as the user's file gives them
     peft_config: str | None = None  # LoraConfig fields (an adapter_config.json), or None: full fine-tuning
     load_dtype: str | None = None  # from_pretrained(dtype=...) resolved: "float32" | "bfloat16" | "float16"
+    # Trace flag (llmsim.sim.strategies.traced_setup): the HF Trainer recipe under DeepSpeed ZeRO, whose engine owns
+    # the precision (it casts the model after get_peft_model; no autocast) and the step: the trace runs the
+    # Trainer without `deepspeed`, `bf16` and `fp16`, casts as the engine does, and the strategy replaces the step
+    trainer_under_deepspeed: bool = False
     # BitsAndBytesConfig fields as the user's file gives them (`quant`, `double_quant`, `int8_threshold` derived from
     # them), and whether the script calls peft's prepare_model_for_kbit_training before get_peft_model
     quantization_config: str | None = None

@@ -88,7 +88,8 @@ class MemoryRecorder(TrainerCallback):
                "attention": getattr(base.config, "_attn_implementation", "") or "",
                "micro_batch": args.per_device_train_batch_size, "grad_accum": args.gradient_accumulation_steps,
                "grad_ckpt": bool(args.gradient_checkpointing),
-               "strategy": "single" if args.world_size == 1 else "ddp", "world_size": args.world_size,
+               "strategy": "deepspeed" if args.deepspeed else "single" if args.world_size == 1 else "ddp",
+               "world_size": args.world_size,
                "rank": args.process_index, "gpu": gpu, "device": "cuda", "peak_allocated_bytes": allocated,
                "peak_reserved_bytes": reserved, "device_total_bytes": self.used, **environment(),
                "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
@@ -120,9 +121,13 @@ def _loading(base, kbit_prep: bool | None) -> dict:
 
 
 def _changed_fields(args: TrainingArguments) -> dict:
-    """The TrainingArguments fields the job set: those that differ from a default TrainingArguments'."""
+    """The TrainingArguments fields the job set: those that differ from a default TrainingArguments'; a DeepSpeed
+    config given as a path is recorded as its JSON, which travels with the row."""
     default = TrainingArguments(output_dir=args.output_dir).to_dict()
-    return {key: value for key, value in args.to_dict().items() if default.get(key) != value}
+    fields = {key: value for key, value in args.to_dict().items() if default.get(key) != value}
+    if isinstance(fields.get("deepspeed"), str) and Path(fields["deepspeed"]).is_file():
+        fields["deepspeed"] = json.loads(Path(fields["deepspeed"]).read_text())
+    return fields
 
 
 def _peft_fields(model) -> str:

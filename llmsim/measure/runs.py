@@ -102,8 +102,11 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
 
     check_fits_positions(spec, setup)
     check_supported(setup, layout)
+    fields = json.loads(setup.training_args)
+    if isinstance(fields.get("deepspeed"), str):  # the JSON itself travels with the job and the row, not its path
+        fields["deepspeed"] = json.loads(Path(fields["deepspeed"]).read_text())
     job = {"config": spec.config_dict, "seq_len": setup.seq_len, "load_dtype": DTYPE_ALIASES.get(dtype, dtype),
-           "training_args": json.loads(setup.training_args),
+           "training_args": fields,
            "peft_config": json.loads(setup.peft_config) if setup.peft_config else None,
            "quantization_config": json.loads(setup.quantization_config) if setup.quantization_config else None,
            "kbit_prep": setup.kbit_prep}
@@ -129,7 +132,7 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
         rows.append({
             "tier": 1 if layout.world_size == 1 else 2, "recipe": setup.recipe.value, "model": spec.name,
             "overrides": json.dumps(dict(spec.overrides), sort_keys=True), "seq_len": setup.seq_len,
-            "training_args": setup.training_args, "peft_config": setup.peft_config or "",
+            "training_args": json.dumps(fields, sort_keys=True), "peft_config": setup.peft_config or "",
             "quantization_config": setup.quantization_config or "", "kbit_prep": setup.kbit_prep, "dtype": dtype,
             "load_dtype": setup.load_dtype, "micro_batch": setup.micro_batch, "grad_accum": setup.grad_accum,
             "precision": setup.precision.value, "attention": attention, "grad_ckpt": setup.grad_ckpt,

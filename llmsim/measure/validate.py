@@ -17,7 +17,7 @@ from llmsim.inputs.spec import LLM_INT8_THRESHOLD, ModelSpec, TrainSetup, load_m
 from llmsim.inputs.dsconfig import DeepSpeedSetup
 from llmsim.inputs.hf import trainer_setup
 from llmsim.model.pipelining import Schedule
-from llmsim.sim.strategies import Layout, Strategy
+from llmsim.sim.strategies import Layout, Strategy, trainer_layout
 from llmsim.errors import InputError
 from llmsim.inputs.gpus import load_gpu
 from llmsim.measure.tolerances import DEVICE_TOTAL_TOLERANCE, PEAK_ALLOCATED_TOLERANCE, RESERVED_TOLERANCE
@@ -40,10 +40,9 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
                               json.loads(peft) if isinstance(peft, str) and peft else None, row["dtype"],
                               json.loads(quantization) if quantized else None,
                               kbit_prep=_flag(row, "kbit_prep") if quantized else True)
-        world_size = _int(row, "world_size", 1)
-        strategy = Strategy(row["strategy"]) if isinstance(row.get("strategy"), str) else Strategy.SINGLE
-        return spec, setup, Layout(strategy, world_size) if world_size > 1 or strategy is not Strategy.SINGLE \
-            else Layout()
+        strategy = Strategy(row["strategy"]) if isinstance(row.get("strategy"), str) else None
+        setup, layout = trainer_layout(spec, setup, _int(row, "world_size", 1), strategy)
+        return spec, setup, layout
     setup = TrainSetup(micro_batch=int(row["micro_batch"]), seq_len=int(row["seq_len"]),
                        precision=Precision(row["precision"]), attention=Attention(row["attention"]),
                        grad_ckpt=bool(row["grad_ckpt"]), ckpt_every=int(row["ckpt_every"]),

@@ -26,10 +26,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from llmsim.enums import Device, Phase
+from llmsim.enums import Category, Device, Phase
 from llmsim.model.trainer_recipe import MEASURED_STEPS, MEASUREMENT_ARGS, prepare_kbit, token_rows
 from llmsim.inputs.spec import TrainSetup
-from llmsim.model.step import LayerHooks, StepInfo
+from llmsim.model.step import LayerHooks, StepInfo, cast_parameters
 from llmsim.model.tracker import StorageTracker
 
 # Values a fake tensor cannot give, answered as a clean real run reads them: no NaN or inf loss
@@ -46,6 +46,8 @@ class _Phases:
 
     def forward(self, module, args, kwargs):
         self.tracker.set_phase(self.step, Phase.FORWARD)
+        # the collated batch (the data loader made it before this forward): the model's inputs
+        self.tracker.label([v for v in kwargs.values() if isinstance(v, torch.Tensor)], Category.INPUT)
 
     def backward(self, module, args, output):
         self.tracker.set_phase(self.step, Phase.BACKWARD)
@@ -106,6 +108,8 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
     from llmsim.model.optimizer_values import _AnswerScalars
 
     fields = json.loads(setup.training_args)
+    if setup.trainer_under_deepspeed:  # the engine owns the precision and the step (TrainSetup, the flag)
+        fields = {**{k: v for k, v in fields.items() if k != "deepspeed"}, "bf16": False, "fp16": False}
     peft = lora_config(json.loads(setup.peft_config)) if setup.peft_config else None
     torch.manual_seed(0)  # peft is imported by now (lora_config), before the tracked region, as step.py does
     with tempfile.TemporaryDirectory() as directory, tracker:
@@ -120,7 +124,13 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
             from peft import get_peft_model
 
             model = get_peft_model(model, peft)
+        if setup.trainer_under_deepspeed:  # deepspeed.initialize's cast, after get_peft_model (the adapters too)
+            hooks.label_model()  # the fp32 adapters named (their layer known) before the cast frees them
+            cast_parameters(model, setup.precision.cast_dtype)
+        if peft is not None or setup.trainer_under_deepspeed:
             hooks.adopt_new_parameters()
+        if setup.label_micro_grads:
+            hooks.label_micro_grads()
         phases = _Phases(tracker, hooks, setup.device is Device.CUDA)
         model.register_forward_pre_hook(phases.forward, with_kwargs=True, prepend=True)
         model.register_forward_hook(phases.backward)

@@ -92,7 +92,9 @@ def traced_setup(setup, layout: Layout):
     backward's reduction) each micro-step's own gradients are named (TrainSetup.label_micro_grads)."""
     from llmsim.model.step import uses_peft
 
-    if (uses_peft(setup) and layout.deepspeed is not None and layout.deepspeed.stage in (0, 1, 2)
+    if setup.recipe is Recipe.HF_TRAINER and layout.deepspeed is not None:
+        setup = replace(setup, trainer_under_deepspeed=True)
+    elif (uses_peft(setup) and layout.deepspeed is not None and layout.deepspeed.stage in (0, 1, 2)
             and setup.precision.cast_dtype is not None):
         setup = replace(setup, cast_after_peft=True)
     if setup.grad_accum > 1 and layout.deepspeed is not None and layout.deepspeed.stage in (2, 3):
@@ -172,10 +174,52 @@ def _refuse_lever(lever: str, what: str, layout: Layout, note: str = "") -> None
     raise InputError(f"{what} with {where} is not modelled yet; {levers_modelled_text(lever)}{note}")
 
 
-# The layouts of the HF Trainer recipe (data/measurements/trainer_cpu.csv, trainer_ddp_cpu.csv): one process, and
-# `torchrun --nproc_per_node N` of it, where accelerate wraps the model in DistributedDataParallel (ddp.plan on the
-# Trainer's traced step: DDP's broadcast and buckets are DDP's own whatever loop drives it)
-TRAINER_STRATEGIES = (Strategy.SINGLE, Strategy.DDP)
+# The layouts of the HF Trainer recipe (data/measurements/trainer_cpu.csv, trainer_ddp_cpu.csv,
+# trainer_deepspeed_cpu.csv): one process; `torchrun --nproc_per_node N` of it, where accelerate wraps the model in
+# DistributedDataParallel (ddp.plan on the Trainer's traced step: DDP's broadcast and buckets are DDP's own whatever
+# loop drives it); and TrainingArguments(deepspeed=...) under ZeRO-1/2, where accelerate hands the model and the
+# Trainer's optimizer to deepspeed.initialize (zero12.plan on the Trainer's traced step, traced as the engine runs it:
+# `trainer_under_deepspeed`)
+TRAINER_STRATEGIES = (Strategy.SINGLE, Strategy.DDP, Strategy.DEEPSPEED)
+TRAINER_ZERO_STAGES = (1, 2)
+
+
+def trainer_layout(model, setup, world_size: int, strategy: "Strategy | None" = None):
+    """The layout of the Trainer recipe's run on `world_size` ranks, and the setup it runs: under DeepSpeed (the
+    TrainingArguments' `deepspeed`, a JSON path or a dict, with "auto" values resolved from the arguments as
+    transformers' HfTrainerDeepSpeedConfig does) the engine's precision; else DDP (or one process)."""
+    import json
+
+    from llmsim.inputs.dsconfig import ds_setup
+    from llmsim.inputs.hf import read_mapping, training_arguments
+
+    fields = json.loads(setup.training_args)
+    source = fields.get("deepspeed")
+    if not source:
+        if strategy is Strategy.DEEPSPEED:
+            raise InputError("strategy deepspeed with --training-args needs the TrainingArguments' deepspeed (a JSON "
+                             "path or a dict), or --ds-config")
+        if world_size == 1 and strategy is not Strategy.DDP:
+            return setup, Layout()
+        return setup, Layout(Strategy.DDP, world_size)
+    config = dict(source) if isinstance(source, dict) else read_mapping(str(source), "DeepSpeed config")
+    args = training_arguments(fields)
+    if args.fp16:
+        raise InputError("the Trainer with DeepSpeed and fp16=True is not modelled (DeepSpeed refuses fp16 on CPU, "
+                         "so no run measures it); modelled: bf16 or fp32")
+    if config.get("gradient_clipping") == "auto":  # HfTrainerDeepSpeedConfig: fill_match("gradient_clipping", ...)
+        config["gradient_clipping"] = args.max_grad_norm
+    hidden = int(model.hf_config().hidden_size)
+    deepspeed = ds_setup(config, world_size, hidden, args.per_device_train_batch_size,
+                         Precision.BF16 if args.bf16 else Precision.FP32, args.gradient_accumulation_steps)
+    if deepspeed.stage not in TRAINER_ZERO_STAGES:
+        raise InputError(f"the Trainer with DeepSpeed ZeRO-{deepspeed.stage} is not modelled yet; modelled: ZeRO-"
+                         f"{', ZeRO-'.join(map(str, TRAINER_ZERO_STAGES))} (the canonical DeepSpeed step covers "
+                         "ZeRO-0/3: --ds-config without --training-args)")
+    if deepspeed.optimizer_kind != "client":
+        raise InputError("the Trainer with a DeepSpeed \"optimizer\" section is not modelled yet; modelled: the "
+                         "Trainer's own optimizer (no \"optimizer\" section)")
+    return replace(setup, precision=deepspeed.precision), Layout(Strategy.DEEPSPEED, world_size, deepspeed)
 
 
 def check_supported(setup, layout: Layout) -> None:
@@ -183,10 +227,12 @@ def check_supported(setup, layout: Layout) -> None:
     for one process and DDP, and under the DeepSpeed ZeRO stages of LEVER_ZERO_STAGES (gradient accumulation as the
     JSON's gradient_accumulation_steps); LoRA for one process, DDP and ZeRO-0/1/2/3; a pipeline's own micro-batches
     are not."""
-    if setup.recipe is not Recipe.CANONICAL and (layout.strategy not in TRAINER_STRATEGIES or layout.tp * layout.pp > 1):
+    if setup.recipe is not Recipe.CANONICAL and (
+            layout.strategy not in TRAINER_STRATEGIES or layout.tp * layout.pp > 1
+            or (layout.deepspeed is not None and layout.deepspeed.stage not in TRAINER_ZERO_STAGES)):
         raise InputError(f"recipe {setup.recipe.value} with strategy {layout.strategy.value} (world size "
                          f"{layout.world_size}, tp {layout.tp}, pp {layout.pp}) is not modelled yet; modelled: one "
-                         "process, and ddp (the Trainer under torchrun)")
+                         "process, ddp (the Trainer under torchrun) and DeepSpeed ZeRO-1/2")
     if layout.deepspeed is not None:
         check_deepspeed_optimizer(setup, layout.deepspeed)
     if setup.lora_rank:
