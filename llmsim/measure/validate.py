@@ -97,10 +97,14 @@ def validate(measurements: pd.DataFrame, jobs: int = 1) -> pd.DataFrame:
 
 def _validate_rows(measurements: pd.DataFrame) -> pd.DataFrame:
     results = []
+    predictions = {}  # one prediction per measured run: its ranks' rows read the same one
     for _, row in measurements.iterrows():
         spec, setup, layout = row_inputs(row)
         gpu = load_gpu(row["gpu"]) if isinstance(row.get("gpu"), str) and row["gpu"] else None
-        predicted_rank = predict(spec, setup, layout, gpu).ranks[int(row["rank"])]
+        key = (spec, setup, layout, gpu)
+        if key not in predictions:
+            predictions = {key: predict(spec, setup, layout, gpu)}  # a run's rows are adjacent: keep the last only
+        predicted_rank = predictions[key].ranks[int(row["rank"])]
         predicted = predicted_rank.peak_allocated_bytes
         measured = int(row["peak_allocated_bytes"])
         error = (predicted - measured) / measured
