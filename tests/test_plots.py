@@ -34,3 +34,20 @@ def test_sizing_heatmap_is_written(tmp_path):
                           "largest_micro_batch": [0, 0, 3, 0, 7]})
     out = sizing_heatmap(frame, "test", tmp_path / "size.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_on_a_gpu_the_figure_draws_reserved_whose_top_is_the_predicted_reserved_peak(tmp_path):
+    from llmsim.app.plots import prediction_figure, reserved_curve
+    from llmsim.inputs.gpus import load_gpu
+
+    spec = load_model_spec("gpt2", shrink("gpt2", 64, 2, 512, 4))
+    prediction = predict(spec, TrainSetup(2, 64), gpu=load_gpu("a100-40gb"))
+    rank = prediction.deciding_rank
+    timeline = rank.timeline.reset_index(drop=True)
+    every = list(range(len(timeline)))
+    curve = reserved_curve(timeline, prediction.gpu, prediction.alloc_conf, every)
+    assert curve.max() == rank.peak_reserved_bytes  # the verdict's own replay (it fits: unbounded)
+    sparse = reserved_curve(timeline, prediction.gpu, prediction.alloc_conf, every[::97] + [every[-1]])
+    assert sparse.max() == rank.peak_reserved_bytes  # windows keep the spikes between drawn points
+    out = prediction_figure(prediction, tmp_path / "gpu.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

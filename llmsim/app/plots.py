@@ -72,29 +72,72 @@ def _envelope(total, points: int) -> list[int]:
     return [start + int(values[start:start + width].argmax()) for start in range(0, len(values), width)]
 
 
+def reserved_curve(timeline: pd.DataFrame, gpu, alloc_conf, indices: list[int]) -> np.ndarray:
+    """The allocator model's reserved bytes up to each of `indices` (sorted event indices): at each, the most it
+    reserved since the previous one, so that no spike between drawn points is lost. The replay `on_device` runs
+    unbounded, with the cuBLAS workspace made first (llmsim/sim/replay.py)."""
+    from llmsim.sim.allocator import NO_LIMIT, new_allocator
+
+    allocator = new_allocator(NO_LIMIT, alloc_conf)
+    allocator.malloc(-2, gpu.cublas_workspace_bytes)
+    serials = np.ascontiguousarray(timeline["serial"].to_numpy(), np.int64)
+    deltas = np.ascontiguousarray(timeline["delta_bytes"].to_numpy(), np.int64)
+    out, start = [], 0
+    for index in indices:
+        out.append(allocator.replay(serials, deltas, start, index + 1) if index + 1 > start
+                   else allocator.reserved_bytes)
+        start = index + 1
+    return np.asarray(out)
+
+
+MAX_PHASE_TICKS = 24
+
+
+def _phase_ticks(ax, timeline: pd.DataFrame) -> None:
+    """The x-axis in phases: a tick and a grey line where each (step, phase) starts, labelled "2 backward"."""
+    steps, phases = timeline["step"].to_numpy(), timeline["phase"].to_numpy()
+    starts = [0, *(np.flatnonzero((steps[1:] != steps[:-1]) | (phases[1:] != phases[:-1])) + 1)]
+    for i in starts[1:]:
+        ax.axvline(i, color="grey", linewidth=0.3)
+    shown = starts[::max(1, -(-len(starts) // MAX_PHASE_TICKS))]
+    ax.set_xticks(shown, [f"{steps[i] + 1} {phases[i]}" for i in shown], rotation=60, ha="right", fontsize=7)
+
+
 def prediction_figure(prediction, path: Path) -> Path:
-    """The fullest rank's live memory over the step, stacked by category, with its peak marked; and every
-    rank's breakdown at its own peak."""
+    """The rank that decides the verdict (on the CPU: the fullest) over the step: live memory stacked by
+    category, on a GPU the allocator model's reserved memory against the card and its margin, phases on the x-axis;
+    beside it, every rank's breakdown at its own peak."""
+    from llmsim.app.report import layout_text
+
     plt = _pyplot()
-    worst = max(prediction.ranks, key=lambda r: r.peak_allocated_bytes)
-    live = category_timeline(worst.timeline)
+    gpu = prediction.gpu
+    rank = prediction.deciding_rank if gpu is not None else max(prediction.ranks, key=lambda r: r.peak_allocated_bytes)
+    timeline = rank.timeline.reset_index(drop=True)
+    live = category_timeline(timeline)
     total = live.sum(axis=1)
     peak_at = int(total.to_numpy().argmax())
     shown = _envelope(total, MAX_TIMELINE_POINTS)
     colors = _category_colors()
-    fig, (ax, bars) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 1]})
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [3, 1]})
     ax.stackplot(shown, *(live[c].to_numpy()[shown] / GIB for c in live.columns), labels=list(live.columns),
                  colors=[colors[c] for c in live.columns])
     ax.axvline(peak_at, color="black", linestyle=":", linewidth=1)
     ax.plot([peak_at], [total.iloc[peak_at] / GIB], marker="v", color="black")  # a spike can be one event wide
-    ax.annotate(f"peak {total.iloc[peak_at] / GIB:.2f} GiB\nstep {worst.peak.step + 1} {worst.peak.phase}",
+    ax.annotate(f"peak allocated {total.iloc[peak_at] / GIB:.2f} GiB\nstep {rank.peak.step + 1} {rank.peak.phase}",
                 (peak_at, total.iloc[peak_at] / GIB), textcoords="offset points", xytext=(6, -24), fontsize=8)
-    phases = (worst.timeline["step"].astype(str) + " " + worst.timeline["phase"]).to_numpy()
-    for i in np.flatnonzero(phases[1:] != phases[:-1]) + 1:  # where a phase starts
-        ax.axvline(i, color="grey", linewidth=0.3)
-    ax.set_xlabel("event (allocation or free), phases separated by grey lines")
-    ax.set_ylabel("live bytes (GiB)")
-    ax.set_title(f"rank {worst.rank}: memory over the step, by category", fontsize=10)
+    if gpu is not None:
+        ax.plot(shown, reserved_curve(timeline, gpu, prediction.alloc_conf, shown) / GIB, color="black",
+                linewidth=0.9, label="reserved (allocator model)")
+        usable = gpu.capacity_bytes - gpu.cuda_context_bytes
+        ax.axhline(usable / GIB, color="#C44E52", linestyle="--", linewidth=1,
+                   label=f"{gpu.name} less the CUDA context")
+        ax.axhline((usable - gpu.margin_bytes) / GIB, color="#DD8452", linestyle=":", linewidth=1,
+                   label=f"less the {100 * gpu.margin:g} % margin")
+    _phase_ticks(ax, timeline)
+    ax.set_xlabel("step and phase")
+    ax.set_ylabel("GiB")
+    which = f"decides the verdict: {rank.verdict}" if gpu is not None else "the fullest"
+    ax.set_title(f"rank {rank.rank} ({which}): memory over the step, by category", fontsize=10)
     ax.legend(loc="upper left", fontsize=7)
     breakdown = prediction.breakdown() / GIB
     bottom = None
@@ -102,13 +145,14 @@ def prediction_figure(prediction, path: Path) -> Path:
         values = breakdown[category].to_numpy()
         bars.bar(breakdown.index.astype(str), values, bottom=bottom, label=category, color=colors[category])
         bottom = values if bottom is None else bottom + values
-    if prediction.gpu is not None:
-        bars.axhline(prediction.gpu.capacity_bytes / GIB, color="#C44E52", linestyle="--", label="capacity")
+    if gpu is not None:
+        bars.axhline(gpu.capacity_bytes / GIB, color="#C44E52", linestyle="--", label="capacity")
     bars.set_xlabel("rank")
     bars.set_ylabel("peak allocated (GiB)")
     bars.set_title("each rank at its peak (colours as left)", fontsize=10)
-    fig.suptitle(f"{prediction.model.name}, {prediction.layout.strategy.value} x {prediction.layout.world_size}, "
-                 f"micro-batch {prediction.setup.micro_batch}, seq {prediction.setup.seq_len}", fontsize=10)
+    fig.suptitle(f"{prediction.model.name}: {layout_text(prediction.layout)}, micro-batch "
+                 f"{prediction.setup.micro_batch}, seq {prediction.setup.seq_len}"
+                 + (f", on {gpu.name}" if gpu is not None else ""), fontsize=10)
     return _save(fig, path)
 
 
