@@ -179,6 +179,9 @@ def test_the_trainer_under_deepspeed_refuses_what_is_not_modelled_in_one_line(tm
                                                                          fp16=True))
     assert "zero_optimization" in _error(capsys, *base, *with_ds({**zero, "zero_optimization": {"stage": 2,
                                                                                                "reduce_bucket": 5}}))
+    zero2 = {**zero, "zero_optimization": {"stage": 2}}
+    assert "--strategy ddp contradicts the TrainingArguments' deepspeed" in \
+        _error(capsys, *base, *with_ds(zero2), "--strategy", "ddp")
     mismatch = {**zero, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
     assert "contradicts the DeepSpeed config" in _error(capsys, *base, *with_ds(mismatch))  # bf16 unset in the args
 

@@ -117,7 +117,7 @@ def _canonical_levers(setup: TrainSetup, layout: Layout) -> list[Change]:
     return out
 
 
-def _zero_layout(model: ModelSpec, setup: TrainSetup, layout: Layout, stage: int, world_size: int) -> Layout:
+def _zero_layout(model: ModelSpec, setup: TrainSetup, stage: int, world_size: int) -> Layout:
     from llmsim.inputs.dsconfig import ds_setup
 
     config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": setup.micro_batch,
@@ -142,7 +142,7 @@ def _canonical_layouts(model: ModelSpec, setup: TrainSetup, layout: Layout) -> l
     for stage in (1, 2, 3):
         if stage > current and gpus > 1:
             try:
-                zero = _zero_layout(model, setup, layout, stage, gpus)
+                zero = _zero_layout(model, setup, stage, gpus)
             except InputError:
                 continue
             out.append(Change(f"DeepSpeed ZeRO-{stage} on the same {gpus} GPUs (zero_optimization.stage {stage})",
@@ -151,7 +151,7 @@ def _canonical_layouts(model: ModelSpec, setup: TrainSetup, layout: Layout) -> l
                               setup, zero, lever=False))
     for factor in MORE_GPUS:
         try:
-            zero = _zero_layout(model, setup, layout, 3, gpus * factor)
+            zero = _zero_layout(model, setup, 3, gpus * factor)
         except InputError:
             continue
         more = gpus * factor - gpus
@@ -177,8 +177,7 @@ def _trainer_changes(model: ModelSpec, setup: TrainSetup, layout: Layout) -> lis
                                     new_quant or quant, kbit_prep=setup.kbit_prep if quant else True)
         except InputError:
             return
-        out.append(Change(change, cost, replace(changed, device=setup.device,
-                                                cuda_capability=setup.cuda_capability), layout))
+        out.append(Change(change, cost, changed, layout))
     if optim == "adamw_torch":
         add("optim: adamw_torch_fused", "none: the same AdamW in one fused kernel",
             {**fields, "optim": "adamw_torch_fused"})

@@ -108,8 +108,6 @@ def lora_config(fields: dict[str, Any]):
         raise InputError(f"invalid LoraConfig: {one_line(exc)}") from None
 
 
-# BitsAndBytesConfig's own keys (its __init__), and the ones its `to_dict()` adds (a checkpoint's config.json)
-BNB_BOOKKEEPING = ("quant_method", "_load_in_4bit", "_load_in_8bit")
 # Fields whose run is not modelled: (field, the value every measured row has, why)
 BNB_NOT_MODELLED = (("llm_int8_enable_fp32_cpu_offload", False, "modules kept in fp32 on the host"),
                     ("llm_int8_has_fp16_weight", False, "an int8 base that keeps fp16 weights"))

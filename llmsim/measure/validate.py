@@ -97,14 +97,13 @@ def validate(measurements: pd.DataFrame, jobs: int = 1) -> pd.DataFrame:
 
 def _validate_rows(measurements: pd.DataFrame) -> pd.DataFrame:
     results = []
-    predictions = {}  # one prediction per measured run: its ranks' rows read the same one
+    run, prediction = None, None  # one prediction per measured run: its ranks' rows are adjacent and read it
     for _, row in measurements.iterrows():
         spec, setup, layout = row_inputs(row)
         gpu = load_gpu(row["gpu"]) if isinstance(row.get("gpu"), str) and row["gpu"] else None
-        key = (spec, setup, layout, gpu)
-        if key not in predictions:
-            predictions = {key: predict(spec, setup, layout, gpu)}  # a run's rows are adjacent: keep the last only
-        predicted_rank = predictions[key].ranks[int(row["rank"])]
+        if (spec, setup, layout, gpu) != run:
+            run, prediction = (spec, setup, layout, gpu), predict(spec, setup, layout, gpu)
+        predicted_rank = prediction.ranks[int(row["rank"])]
         predicted = predicted_rank.peak_allocated_bytes
         measured = int(row["peak_allocated_bytes"])
         error = (predicted - measured) / measured

@@ -94,13 +94,10 @@ def quantization_config(setup):
 
 def load_quantized(directory: Path, setup):
     """The canonical QLoRA build: the fp32 checkpoint quantized on load, then prepare_model_for_kbit_training."""
-    return prepare_model_for_kbit_training_as_canonical(load_checkpoint_quantized(directory, setup))
-
-
-def prepare_model_for_kbit_training_as_canonical(model):
     from peft import prepare_model_for_kbit_training
 
-    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return prepare_model_for_kbit_training(load_checkpoint_quantized(directory, setup),
+                                           use_gradient_checkpointing=False)
 
 
 def load_checkpoint_quantized(directory: Path, setup):
@@ -114,13 +111,11 @@ def load_checkpoint_quantized(directory: Path, setup):
     # first use, and keeps it (`name2qmap`); a fake run must not find one left by another run.
     bnb_functional.name2qmap.clear()
     hf_logging.disable_progress_bar()  # a prediction loads a header-only checkpoint: no bar to show
-    if setup.recipe is Recipe.HF_TRAINER:  # as the recipe's script calls it (llmsim/model/trainer_recipe.py)
-        return AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, setup.load_dtype),
-                                                    quantization_config=quantization_config(setup),
-                                                    attn_implementation=setup.attention.value)
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, device_map="cpu",
-                                                quantization_config=quantization_config(setup),
-                                                attn_implementation=setup.attention.value)
+    # the Trainer recipe's as its script calls it (llmsim/model/trainer_recipe.py); the canonical build's in fp32
+    loading = ({"dtype": getattr(torch, setup.load_dtype)} if setup.recipe is Recipe.HF_TRAINER
+               else {"dtype": torch.float32, "device_map": "cpu"})
+    return AutoModelForCausalLM.from_pretrained(directory, quantization_config=quantization_config(setup),
+                                                attn_implementation=setup.attention.value, **loading)
 
 
 def real_checkpoint(config) -> Path:

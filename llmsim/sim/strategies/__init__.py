@@ -202,6 +202,8 @@ def trainer_layout(model, setup, world_size: int, strategy: "Strategy | None" = 
         if world_size == 1 and strategy is not Strategy.DDP:
             return setup, Layout()
         return setup, Layout(Strategy.DDP, world_size)
+    if strategy not in (None, Strategy.DEEPSPEED):
+        raise InputError(f"--strategy {strategy.value} contradicts the TrainingArguments' deepspeed (a DeepSpeed run)")
     config = dict(source) if isinstance(source, dict) else read_mapping(str(source), "DeepSpeed config")
     args = training_arguments(fields)
     if args.fp16:
