@@ -1,5 +1,6 @@
 """`size` against brute force: doubling-and-bisecting finds what trying every micro-batch finds."""
 import pandas as pd
+import pytest
 
 from llmsim.inputs.gpus import GpuProfile
 from llmsim.app.size import candidates, fits, largest_micro_batch, size
@@ -44,6 +45,7 @@ def test_size_bad_input_is_one_line(capsys):
     assert "max-gpus(0)" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the default run's 15 minutes; size's brute-force agreement stays there
 def test_size_model_parallel_layouts_agree_with_brute_force():
     """TP and PP candidates exist where the model has transformers' plans, and bisecting finds what trying
     every micro-batch finds."""
@@ -112,6 +114,7 @@ def test_size_new_options_bad_input_is_one_line(capsys):
 
 
 
+@pytest.mark.slow  # the default run's 15 minutes; size's brute-force agreement stays there
 def test_pipeline_stage_by_stage_agrees_with_predict(monkeypatch):
     """`size` predicts a pipeline stage by stage and stops at the first stage that cannot fit: the verdict is
     `predict`'s at every micro-batch, the worst rank too where every stage fits; the stages go first, last, the
