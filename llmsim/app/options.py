@@ -96,7 +96,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
     """One layout: micro-batch, ranks, strategy, and optionally the GPU."""
     p.add_argument("--micro-batch", type=int, default=None, help="required unless the DeepSpeed config sets it")
-    p.add_argument("--strategy", default=None, help="single | ddp (deepspeed when --ds-config is given)")
+    p.add_argument("--strategy", default=None, help="single | ddp | fsdp (PyTorch FSDP2: fully_shard on every decoder "
+                   "layer, then the root) (deepspeed when --ds-config is given)")
     p.add_argument("--world-size", type=int, default=None, help="number of ranks (default: tp)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: transformers' TP plan on DTensor "
                    "(colwise/rowwise, the LM head's logits gathered); world-size = dp x pp x tp")
@@ -109,6 +110,14 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=1, help="micro-batches through the pipeline per step, each "
                    "of --micro-batch samples (with --pp)")
     p.add_argument("--ds-config", default=None, help="DeepSpeed JSON, as passed to deepspeed.initialize")
+    p.add_argument("--fsdp-param-dtype", default=None, help="with --strategy fsdp: MixedPrecisionPolicy(param_dtype=): "
+                   "the dtype parameters are all-gathered and computed in (fp32 | bf16 | fp16; default: the "
+                   "parameters' own)")
+    p.add_argument("--fsdp-reduce-dtype", default=None, help="with --strategy fsdp: MixedPrecisionPolicy("
+                   "reduce_dtype=): the dtype gradients are reduce-scattered in (default: param-dtype)")
+    p.add_argument("--fsdp-no-reshard", action="store_true", help="with --strategy fsdp: fully_shard("
+                   "reshard_after_forward=False): each layer's parameters stay gathered from its forward to its "
+                   "backward")
     p.add_argument("--gpu", default=None, help="GPU profile (data/gpus): the kernels CUDA picks on it (SDPA backend, "
                    "autocast policy, foreach AdamW), reserved via the caching-allocator model, device total, headroom")
     p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF as the run will set it, e.g. "
@@ -226,7 +235,7 @@ def inputs(args):
         micro_batch = args.micro_batch
         grad_accum = 1 if args.grad_accum is None else args.grad_accum
     layout = Layout(strategy or (Strategy.DDP if world_size > args.tp * args.pp else Strategy.SINGLE), world_size,
-                    deepspeed, tp=args.tp, pp=args.pp, schedule=parse_enum(Schedule, args.schedule, "schedule"),
+                    deepspeed, fsdp=_fsdp_setup(args, strategy), tp=args.tp, pp=args.pp, schedule=parse_enum(Schedule, args.schedule, "schedule"),
                     n_microbatches=args.microbatches, pp_split=_split(args.pp_split))
     setup = TrainSetup(
         micro_batch=micro_batch, seq_len=args.seq_len, precision=precision or Precision.FP32,
@@ -242,6 +251,30 @@ def inputs(args):
         loss_chunk=args.loss_chunk, lora_modules_to_save=_names(args.lora_modules_to_save),
         trainable_tokens=_token_indices(args.trainable_tokens))
     return spec, setup, layout
+
+
+def _fsdp_setup(args, strategy):
+    """--strategy fsdp's fully_shard settings; its flags without it are refused, not dropped."""
+    from llmsim.inputs.spec import FSDP_DTYPES, FsdpSetup
+    from llmsim.sim.strategies import Strategy
+
+    given = [flag for flag, on in (("--fsdp-param-dtype", getattr(args, "fsdp_param_dtype", None)),
+                                   ("--fsdp-reduce-dtype", getattr(args, "fsdp_reduce_dtype", None)),
+                                   ("--fsdp-no-reshard", getattr(args, "fsdp_no_reshard", False))) if on]
+    if strategy is not Strategy.FSDP:
+        if given:
+            raise InputError(f"{given[0]} needs --strategy fsdp")
+        return None
+
+    def dtype(flag: str, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if value not in FSDP_DTYPES:
+            raise InputError(f"{flag}({value}) is not a dtype; choose one of {', '.join(FSDP_DTYPES)}")
+        return FSDP_DTYPES[value]
+    return FsdpSetup(reshard_after_forward=not args.fsdp_no_reshard,
+                     param_dtype=dtype("fsdp-param-dtype", args.fsdp_param_dtype),
+                     reduce_dtype=dtype("fsdp-reduce-dtype", args.fsdp_reduce_dtype))
 
 
 def _names(text: str | None) -> tuple[str, ...] | None:

@@ -32,6 +32,41 @@ FUSED_OPTIMIZERS = (Optimizer.ADAMW, Optimizer.ADAM, Optimizer.SGD, Optimizer.SG
 LLM_INT8_THRESHOLD = 6.0  # BitsAndBytesConfig's llm_int8_threshold default (transformers/utils/quantization_config.py)
 
 
+# MixedPrecisionPolicy dtypes as llmsim spells them (torch.distributed.fsdp.MixedPrecisionPolicy takes torch dtypes)
+FSDP_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class FsdpSetup:
+    """PyTorch FSDP2 as `fully_shard(module, mesh=..., reshard_after_forward=..., mp_policy=MixedPrecisionPolicy(
+    param_dtype, reduce_dtype))` is called on every decoder layer and then on the root (llmsim/model/fsdp.py).
+    The dtypes are torch's names ("bfloat16"); None is MixedPrecisionPolicy's own default (no cast)."""
+
+    reshard_after_forward: bool = True
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in FSDP_DTYPES.values():
+                raise InputError(f"fsdp {name.replace('_', '-')}({value}) is not a dtype FSDP2 is modelled with; "
+                                 f"choose one of {', '.join(FSDP_DTYPES)}")
+
+    def as_json(self) -> str:
+        return json.dumps({"reshard_after_forward": self.reshard_after_forward, "param_dtype": self.param_dtype,
+                           "reduce_dtype": self.reduce_dtype}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "FsdpSetup":
+        fields = json.loads(text)
+        unknown = sorted(set(fields) - {"reshard_after_forward", "param_dtype", "reduce_dtype"})
+        if unknown:
+            raise InputError(f"fsdp_config has unknown field {unknown[0]}; valid: reshard_after_forward, "
+                             "param_dtype, reduce_dtype")
+        return cls(**fields)
+
+
 def zoo_names() -> list[str]:
     return sorted(p.stem for p in ZOO_DIR.glob("*.json"))
 
@@ -106,6 +141,10 @@ class TrainSetup:
     # them), and whether the script calls peft's prepare_model_for_kbit_training before get_peft_model
     quantization_config: str | None = None
     kbit_prep: bool = False
+    # Trace flag (llmsim.sim.strategies.traced_setup): the step with PyTorch FSDP2's `fully_shard` over
+    # `fsdp_world` ranks of a fake process group, traced as rank 0 (llmsim/model/fsdp.py)
+    fsdp: FsdpSetup | None = None
+    fsdp_world: int = 1
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):

@@ -118,6 +118,22 @@ def run_ddp(job: dict, tracker: StorageTracker) -> None:
                        wrap=lambda model: DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb))
 
 
+def run_fsdp(job: dict, tracker: StorageTracker) -> None:
+    """The canonical step with PyTorch FSDP2's `fully_shard` on every decoder layer and then the root, over all
+    ranks, before the optimizer is built (llmsim/model/fsdp.py); gloo's worker thread settles after each
+    reduce-scatter unless the job says not to (`gloo_settle`)."""
+    from llmsim.inputs.spec import FsdpSetup
+    from llmsim.model.fsdp import mesh_1d, settled_collectives, shard
+
+    fsdp = FsdpSetup.from_json(job["fsdp_config"])
+    world_size = torch.distributed.get_world_size()
+    mesh = mesh_1d(world_size)
+    setup = replace(_setup(job), fsdp=fsdp, fsdp_world=world_size)
+    with settled_collectives(job.get("gloo_settle", True)):
+        run_canonical_step(lambda: _build(job), setup, tracker,
+                           wrap=lambda model: shard(model, fsdp, mesh))
+
+
 class GlooWorkSettles(TorchDispatchMode):
     """After each collective's `wait_tensor`, give gloo's worker thread a millisecond to drop its reference to
     the collective's tensors while this thread still holds them.
@@ -174,7 +190,7 @@ def main() -> int:
         torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()
     tracker = StorageTracker()
-    runners = {"deepspeed": run_deepspeed, "ddp": run_ddp, "model_parallel": run_model_parallel}
+    runners = {"deepspeed": run_deepspeed, "ddp": run_ddp, "model_parallel": run_model_parallel, "fsdp": run_fsdp}
     runners[job["framework"]](job, tracker)
     timeline = tracker.timeline()
     timeline.to_csv(args.out / f"rank{rank}.timeline.csv", index=False)

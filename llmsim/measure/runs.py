@@ -153,15 +153,17 @@ def append_rows(rows: list[dict], path: Path = TIER1_CSV) -> None:
 
 
 def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
-                        timeout_s: int = DEFAULT_TIMEOUT_S) -> list[dict]:
-    """A real multi-process run (torchrun, gloo) on this CPU: one tier-2 row per rank."""
+                        timeout_s: int = DEFAULT_TIMEOUT_S, gloo_settle: bool = True) -> list[dict]:
+    """A real multi-process run (torchrun, gloo) on this CPU: one tier-2 row per rank. `gloo_settle` (FSDP2): give
+    gloo's worker thread a moment after each reduce-scatter to drop its copy, as NCCL holds none
+    (llmsim/model/fsdp.py); False measures gloo's own timing (the row says which)."""
     setup = resolve_attention(spec, setup)
     check_fits_positions(spec, setup)
     check_supported(setup, layout)  # what is not modelled (e.g. ckpt-offload with ZeRO) is not measured either
     check_tensor_parallel(spec.hf_config(), layout.tp)
     check_pipeline(spec.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
                    setup.precision)
-    framework = ("deepspeed" if layout.strategy is Strategy.DEEPSPEED
+    framework = ("deepspeed" if layout.strategy is Strategy.DEEPSPEED else "fsdp" if layout.strategy is Strategy.FSDP
                  else "model_parallel" if layout.tp * layout.pp > 1 else "ddp")
     job = {"framework": framework, "model": spec.name, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
            "schedule": layout.schedule.value, "n_microbatches": layout.n_microbatches, "pp_split": layout.pp_split,
@@ -175,17 +177,19 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
            "lora_modules_to_save": list(setup.lora_modules_to_save) if setup.lora_modules_to_save else None,
            "trainable_tokens": list(setup.trainable_tokens) if setup.trainable_tokens else None,
            "foreach": setup.foreach, "fused": setup.fused,
-           "ds_config": layout.deepspeed.config if layout.deepspeed else None}
+           "ds_config": layout.deepspeed.config if layout.deepspeed else None,
+           "fsdp_config": layout.fsdp.as_json() if layout.fsdp else None, "gloo_settle": gloo_settle}
     start = time.perf_counter()
     results = run_ranks(job, layout.world_size, timeout_s)
     wall_s = round(time.perf_counter() - start, 2)
     stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     ds_config = layout.deepspeed.config_json if layout.deepspeed else ""
+    fsdp = {"fsdp_config": layout.fsdp.as_json(), "gloo_settle": gloo_settle} if layout.fsdp else {}
     return [{"tier": 2, **setup_columns(spec, setup), "strategy": layout.strategy.value,
              "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
              "schedule": layout.schedule.value if layout.pp > 1 else "", "n_microbatches": layout.n_microbatches,
              "pp_split": ",".join(map(str, layout.pp_split)) if layout.pp_split else "",
-             "rank": r.rank, "ds_config": ds_config,
+             "rank": r.rank, "ds_config": ds_config, **fsdp,
              "peak_allocated_bytes": r.peak_allocated_bytes, "peak_host_bytes": r.peak_host_bytes,
              "device": "cpu", **environment(),
              "measured_at": stamp, "wall_s": wall_s} for r in results]

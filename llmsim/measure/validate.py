@@ -13,7 +13,7 @@ from llmsim.enums import Attention, Loss, Optimizer, Precision
 from llmsim.measure.runs import MEASUREMENTS_DIR
 from llmsim.model.quiet import quiet_libraries
 from llmsim.sim.pipeline import predict
-from llmsim.inputs.spec import LLM_INT8_THRESHOLD, ModelSpec, TrainSetup, load_model_spec
+from llmsim.inputs.spec import LLM_INT8_THRESHOLD, FsdpSetup, ModelSpec, TrainSetup, load_model_spec
 from llmsim.inputs.dsconfig import DeepSpeedSetup
 from llmsim.inputs.hf import trainer_setup
 from llmsim.model.pipelining import Schedule
@@ -60,8 +60,13 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
     ds_config = row.get("ds_config")
     deepspeed = (DeepSpeedSetup(ds_config, int(row["world_size"])) if isinstance(ds_config, str) and ds_config
                  else None)
+    fsdp_config = row.get("fsdp_config")
+    if isinstance(fsdp_config, str) and fsdp_config and not _flag(row, "gloo_settle"):
+        raise InputError(f"{row['model']}: an FSDP2 row measured without gloo's settle holds gloo's reduce-scatter "
+                         "copy past the call, which NCCL and the prediction do not (llmsim/model/fsdp.py)")
+    fsdp = FsdpSetup.from_json(fsdp_config) if isinstance(fsdp_config, str) and fsdp_config else None
     schedule = row.get("schedule")
-    layout = Layout(Strategy(row["strategy"]), int(row["world_size"]), deepspeed, tp=_int(row, "tp", 1),
+    layout = Layout(Strategy(row["strategy"]), int(row["world_size"]), deepspeed, fsdp=fsdp, tp=_int(row, "tp", 1),
                     pp=_int(row, "pp", 1), n_microbatches=_int(row, "n_microbatches", 1),
                     schedule=Schedule(schedule) if isinstance(schedule, str) and schedule else Schedule.GPIPE,
                     pp_split=_split(row))

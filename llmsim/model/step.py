@@ -75,14 +75,25 @@ class LayerHooks:
         for name, module in model.named_modules():
             module.register_forward_pre_hook(self._pre(name), with_kwargs=True)
             module.register_forward_hook(self._post(name))
+        self._blocks = list(blocks)
+        self._block_pre_handles = [block.register_forward_pre_hook(self._block_pre(index), with_kwargs=True)
+                                   for index, block in enumerate(blocks)]
         for index, block in enumerate(blocks):
-            block.register_forward_pre_hook(self._block_pre(index), with_kwargs=True)
             block.register_forward_hook(self._block_post(index))
         self._hooked: set[str] = set()
         for name, param in model.named_parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._grad_ready(name))
                 self._hooked.add(name)
+
+    def enter_blocks_first(self) -> None:
+        """Move each layer's entry hook ahead of hooks a wrapper put first (FSDP2's pre-forward, registered with
+        `prepend=True`, all-gathers the layer's parameters): what the layer's hooks allocate is the layer's."""
+        for handle in self._block_pre_handles:
+            handle.remove()
+        self._block_pre_handles = [block.register_forward_pre_hook(self._block_pre(index), with_kwargs=True,
+                                                                   prepend=True)
+                                   for index, block in enumerate(self._blocks)]
 
     def block_of(self, fqn: str) -> int:
         head = self.prefix + "."
@@ -454,6 +465,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
             zero3_hooks.install(model, tracker, base_fqn, hooks.block_of)
         if wrap is not None:
             model = wrap(model)
+            hooks.enter_blocks_first()
         optimizer = make_optimizer(model.parameters(), setup)
         hooks.watch(optimizer, gpu=setup.device is Device.CUDA)
         batch = torch.randint(0, vocab_size, (setup.micro_batch, setup.seq_len))

@@ -20,9 +20,10 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from llmsim.errors import InputError, one_line
+from llmsim.model import fsdp
 from llmsim.model.kernels import cuda_kernels
 from llmsim.model.optimizer_values import answered_optimizer_values
-from llmsim.enums import Recipe
+from llmsim.enums import Device, Recipe
 from llmsim.inputs.spec import ModelSpec, TrainSetup
 from llmsim.model.step import StepInfo, optimizer_class, run_canonical_step, run_pipeline_step
 from llmsim.model.pipelining import cut, layer_range
@@ -216,8 +217,13 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
     tracker = StorageTracker()
     with contextlib.ExitStack() as stack:
         stack.enter_context(own_bitsandbytes_overrides())  # no earlier trace's 8-bit overrides in this one
-        mesh = None
-        if setup.tp * setup.pp > 1:  # TP rank 0 of the stage's group; the mesh is built before the fake mode
+        mesh, wrap = None, None
+        if setup.fsdp is not None:  # rank 0 of FSDP2's mesh (llmsim/model/fsdp.py)
+            stack.enter_context(fake_process_group(setup.fsdp_world, rank=0))
+            wrap = functools.partial(fsdp.shard, fsdp=setup.fsdp, mesh=fsdp.mesh_1d(setup.fsdp_world))
+            if setup.device is Device.CPU:
+                stack.enter_context(fsdp.gloo_reduce_scatter_copy())
+        elif setup.tp * setup.pp > 1:  # TP rank 0 of the stage's group; the mesh is built before the fake mode
             stack.enter_context(fake_process_group(setup.tp * setup.pp, rank=setup.pp_stage * setup.tp))
             mesh = parallel_mesh(1, setup.pp, setup.tp)  # data-parallel replica 0
         build = model_builder(spec, setup, num_layers, mesh, fake=True)  # a checkpoint is written for real
@@ -244,7 +250,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
         elif setup.recipe is Recipe.HF_TRAINER:
             info = run_trainer_step(build, setup, tracker, num_layers)
         else:
-            info = run_canonical_step(build, setup, tracker, num_layers)
+            info = run_canonical_step(build, setup, tracker, num_layers, wrap=wrap)
     return tracker.timeline(), info
 
 

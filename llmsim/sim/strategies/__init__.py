@@ -12,16 +12,18 @@ from typing import Callable
 import pandas as pd
 
 from llmsim.inputs.dsconfig import DeepSpeedSetup
+from llmsim.inputs.spec import FsdpSetup
 from llmsim.enums import Precision, Recipe
 from llmsim.errors import InputError
 from llmsim.model.pipelining import Schedule
-from llmsim.sim.strategies import ddp, single
+from llmsim.sim.strategies import ddp, fsdp, single
 
 
 class Strategy(str, Enum):
     SINGLE = "single"  # one process, plain PyTorch: the canonical step as is
     DDP = "ddp"  # torch DistributedDataParallel
     DEEPSPEED = "deepspeed"  # DeepSpeed engine, ZeRO stage 0-3 from the JSON
+    FSDP = "fsdp"  # PyTorch FSDP2: fully_shard on every decoder layer, then the root
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Layout:
     strategy: Strategy = Strategy.SINGLE
     world_size: int = 1
     deepspeed: DeepSpeedSetup | None = None
+    fsdp: FsdpSetup | None = None
     tp: int = 1
     pp: int = 1
     schedule: Schedule = Schedule.GPIPE
@@ -50,12 +53,16 @@ class Layout:
         if self.strategy is Strategy.SINGLE and self.dp != 1:
             raise InputError(f"strategy single runs one replica; world-size({self.world_size}) must equal "
                              f"pp({self.pp}) x tp({self.tp}) (use --strategy ddp or --ds-config for several)")
+        if self.strategy is Strategy.FSDP and self.world_size < 2:
+            raise InputError(f"strategy fsdp shards over the ranks: world-size({self.world_size}) must be at least 2")
         if self.tp * self.pp > 1 and not (self.strategy is Strategy.SINGLE or
                                           (self.strategy is Strategy.DDP and self.pp > 1 and self.tp == 1)):
             raise InputError(f"pp({self.pp}) x tp({self.tp}) with strategy {self.strategy.value} is not modelled "
                              "yet; modelled: tp and pp with single (dp = 1), and pp with ddp (tp = 1)")
         if (self.strategy is Strategy.DEEPSPEED) != (self.deepspeed is not None):
             raise InputError("strategy deepspeed needs a DeepSpeed config (--ds-config), and only it takes one")
+        if (self.strategy is Strategy.FSDP) != (self.fsdp is not None):
+            raise InputError("strategy fsdp needs its fully_shard settings (FsdpSetup), and only it takes them")
 
     @property
     def dp(self) -> int:
@@ -99,6 +106,8 @@ def traced_setup(setup, layout: Layout):
         setup = replace(setup, cast_after_peft=True)
     if setup.grad_accum > 1 and layout.deepspeed is not None and layout.deepspeed.stage in (2, 3):
         setup = replace(setup, label_micro_grads=True)
+    if layout.fsdp is not None:  # FSDP2 runs in the trace itself (llmsim/model/fsdp.py)
+        setup = replace(setup, fsdp=layout.fsdp, fsdp_world=layout.world_size)
     return setup
 
 
@@ -146,6 +155,8 @@ def _levers_modelled(layout: Layout, lever: str) -> bool:
         return False
     if layout.strategy in (Strategy.SINGLE, Strategy.DDP):
         return True
+    if layout.strategy is Strategy.FSDP:  # none measured with FSDP2 yet
+        return False
     return (layout.deepspeed.stage in LEVER_ZERO_STAGES[lever]
             and (layout.deepspeed.optimizer_kind == "client" or lever in LEVER_ZERO_DS_OPTIMIZER))
 
@@ -237,6 +248,8 @@ def check_supported(setup, layout: Layout) -> None:
                          "process, ddp (the Trainer under torchrun) and DeepSpeed ZeRO-1/2")
     if layout.deepspeed is not None:
         check_deepspeed_optimizer(setup, layout.deepspeed)
+    if layout.fsdp is not None:
+        fsdp.check_supported(setup, layout)
     if setup.lora_rank:
         _check_lora(setup, layout)
     extras = [name for name, on in (("lora-modules-to-save", setup.lora_modules_to_save),
@@ -316,4 +329,5 @@ STRATEGIES: dict[Strategy, Callable[[pd.DataFrame, Layout, object], dict[int, pd
     Strategy.SINGLE: single.plan,
     Strategy.DDP: ddp.plan,
     Strategy.DEEPSPEED: _deepspeed,
+    Strategy.FSDP: fsdp.plan,
 }

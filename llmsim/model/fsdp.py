@@ -1,0 +1,117 @@
+"""PyTorch FSDP2: `torch.distributed.fsdp.fully_shard` on every decoder layer, then on the root.
+
+That is the order accelerate's FSDP2 path (`fsdp2_prepare_model` with TRANSFORMER_BASED_WRAP) and torchtitan apply
+it in, each call with the same mesh, `reshard_after_forward` and `MixedPrecisionPolicy(param_dtype, reduce_dtype)`.
+It wraps the model where DistributedDataParallel would (the canonical step's `wrap`: after the precision cast,
+peft and checkpointing, before the optimizer), so AdamW is built on the sharded DTensor parameters.
+
+Predicted by running FSDP2 itself: the trace calls the same `fully_shard` under FakeTensorMode, as rank 0 of a
+fake process group of the layout's world size (llmsim/model/tensor_parallel.py, `fake_process_group`): each
+collective allocates what the real one allocates (FSDP2 allocates its own all-gather and reduce-scatter buffers;
+the collective writes into them) and moves no data. The sharding, the padded shards, the all-gather buffers, the
+unsharded parameters' `resize_`, the reshard after the forward (never for the root), the backward prefetch, the
+reduce-scatter buffers and the sharded gradients are FSDP2's own code. Two things differ between backends:
+- gloo (a CPU run) copies the whole reduce-scatter input into a buffer of its own inside the collective
+  (`reduce_scatter_single`: an input-sized temporary, seen by the storage tracker and freed by the time the
+  call returns); NCCL reduces in place. The CPU trace adds that copy (`gloo_reduce_scatter_copy`), a `--gpu`
+  trace does not.
+- gloo's worker thread may drop its reference to that copy after the call has returned: then the copy lives
+  on into the next layer's backward (seen on a 4-layer Llama, 2 ranks: +2.7 % on the peak, in every step).
+  NCCL's work holds no such copy; the measurement gives gloo's thread a moment after each reduce-scatter
+  (`settled_collectives`), so measured rows are what the prediction models: the copy freed within the call.
+Shards are even only where every parameter's dim 0 divides by the world size; an uneven shard gives the last
+ranks smaller local shards (and optimizer states) than rank 0, which the single traced rank does not show, so
+that case is refused (`shard`).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from unittest import mock
+
+import torch
+from torch import nn
+
+from llmsim.errors import InputError
+from llmsim.inputs.spec import FsdpSetup
+
+GLOO_SETTLE_S = 0.002  # what the measured runs give gloo's worker thread after each reduce-scatter
+
+
+def mixed_precision(fsdp: FsdpSetup):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        param_dtype=getattr(torch, fsdp.param_dtype) if fsdp.param_dtype else None,
+        reduce_dtype=getattr(torch, fsdp.reduce_dtype) if fsdp.reduce_dtype else None)
+
+
+def check_even(model: nn.Module, world_size: int) -> None:
+    """FSDP2 chunks every parameter on dim 0 (`_chunk_with_empty`): one whose dim 0 does not divide by the world
+    size leaves the last ranks a smaller local shard than rank 0 (the only rank traced)."""
+    for name, param in model.named_parameters():
+        rows = param.shape[0] if param.dim() else 1
+        if rows % world_size:
+            raise InputError(f"FSDP2 over {world_size} ranks shards {name} (dim 0 of {rows}) unevenly: ranks "
+                             "then hold shards of different sizes, which is not modelled yet; choose a world size "
+                             f"that divides every parameter's dim 0 (here {rows})")
+
+
+def shard(model: nn.Module, fsdp: FsdpSetup, mesh) -> nn.Module:
+    """`fully_shard` on each decoder layer, then on the whole model (the root); returns the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    from llmsim.model.step import find_blocks
+
+    check_even(model, mesh.size())
+    policy = mixed_precision(fsdp)
+    _, blocks = find_blocks(model, None)
+    for layer in blocks:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy)
+    return model
+
+
+def mesh_1d(world_size: int):
+    """The data-parallel mesh FSDP2 shards over (built outside any FakeTensorMode: it reads its rank map)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world_size,))
+
+
+@contextlib.contextmanager
+def gloo_reduce_scatter_copy():
+    """A fake process group's `reduce_scatter_single` with gloo's copy of the input made and dropped inside it."""
+    import torch.distributed as dist
+
+    real = dist.reduce_scatter_single
+
+    def reduce_scatter_single(output, input, *args, **kwargs):
+        copy = torch.empty_like(input)  # noqa: F841  (ProcessGroupGloo's own buffer, freed at the wait)
+        work = real(output, input, *args, **kwargs)
+        del copy
+        return work
+
+    with mock.patch.object(dist, "reduce_scatter_single", reduce_scatter_single):
+        yield
+
+
+@contextlib.contextmanager
+def settled_collectives(settle: bool = True):
+    """Measured runs: after each reduce-scatter FSDP2 makes, gloo's worker thread is given GLOO_SETTLE_S to drop
+    its copy of the input, as NCCL would have none (see the module's docstring). `settle=False` measures gloo's
+    own timing."""
+    import torch.distributed as dist
+
+    if not settle:
+        yield
+        return
+    real = dist.reduce_scatter_single
+
+    def reduce_scatter_single(*args, **kwargs):
+        work = real(*args, **kwargs)
+        time.sleep(GLOO_SETTLE_S)
+        return work
+
+    with mock.patch.object(dist, "reduce_scatter_single", reduce_scatter_single):
+        yield
