@@ -1,0 +1,87 @@
+"""PyTorch FSDP2 measured on this CPU: torchrun, gloo, `fully_shard` on every decoder layer and then the root
+(llmsim/model/fsdp.py), the storage tracker in every rank, the canonical step around it.
+
+Writes data/measurements/tier2_fsdp_cpu.csv (one row per rank; every row with gloo settled after each
+reduce-scatter, `gloo_settle` True, which is what NCCL does and what llmsim predicts). Then, with `--both-ways`,
+re-runs UNSETTLED without the settle and prints the peaks side by side (the rows are not kept: gloo's timing is
+a race, see llmsim/model/fsdp.py). Run: python experiments/measure_fsdp.py [--both-ways] (about 8 minutes on
+2 cores); experiments/measure_fsdp.out is its last output.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from llmsim.enums import Attention, Precision
+from llmsim.inputs.spec import FsdpSetup, TrainSetup, load_model_spec
+from llmsim.inputs.zoo import shrink
+from llmsim.measure.launch import LaunchFailure
+from llmsim.measure.runs import MEASUREMENTS_DIR, append_rows, measure_distributed
+from llmsim.sim.strategies import Layout, Strategy
+
+FSDP_CSV = MEASUREMENTS_DIR / "tier2_fsdp_cpu.csv"
+SHAPES = {  # (hidden, layers, vocab, heads): every parameter's dim 0 divides by the run's world size
+    "llama-2-7b": (128, 4, 2000, 4), "gpt2": (128, 3, 1024, 4), "mistral-7b": (128, 3, 1500, 4),
+    "llama-3.1-8b": (96, 3, 1536, 4), "pythia-160m": (96, 3, 1536, 4), "qwen2.5-0.5b": (112, 3, 3000, 7),
+}
+BF16, FP32 = "bfloat16", "float32"
+# (model, world size, precision, grad_ckpt, micro_batch, seq_len, reshard_after_forward, param_dtype, reduce_dtype)
+RUNS = [
+    ("llama-2-7b", 2, "fp32", False, 2, 64, True, None, None),
+    ("llama-2-7b", 2, "fp32", True, 2, 64, False, None, None),
+    ("llama-2-7b", 4, "bf16", False, 2, 64, True, None, None),
+    ("llama-2-7b", 2, "fp32", False, 2, 64, True, BF16, FP32),
+    ("gpt2", 2, "fp32", True, 2, 96, True, None, None),  # tied embeddings: the root's group holds the one weight
+    ("gpt2", 4, "bf16-autocast", False, 1, 64, True, None, None),
+    ("gpt2", 2, "fp32", False, 2, 64, False, BF16, BF16),
+    ("mistral-7b", 2, "bf16", True, 2, 64, False, None, None),
+    ("mistral-7b", 4, "fp32", False, 2, 64, True, BF16, FP32),
+    ("llama-3.1-8b", 3, "fp32", False, 2, 48, True, BF16, None),
+    ("llama-3.1-8b", 4, "fp32", True, 1, 64, False, BF16, FP32),
+    ("pythia-160m", 3, "bf16", True, 2, 64, True, None, None),
+    ("pythia-160m", 2, "bf16-autocast", True, 2, 64, True, BF16, None),
+    ("qwen2.5-0.5b", 2, "fp32", False, 2, 64, True, None, None),  # tied embeddings, q/k/v biases
+]
+UNSETTLED = [0, 4, 9]  # indices into RUNS measured again with gloo's own timing (--both-ways)
+
+
+def inputs(run: tuple):
+    model, world, precision, ckpt, mb, seq, reshard, param_dtype, reduce_dtype = run
+    spec = load_model_spec(model, shrink(model, *SHAPES[model]))
+    setup = TrainSetup(mb, seq, Precision(precision), Attention.SDPA, ckpt)
+    layout = Layout(Strategy.FSDP, world, fsdp=FsdpSetup(reshard, param_dtype, reduce_dtype))
+    return spec, setup, layout
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=FSDP_CSV)
+    parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--only", type=int, nargs="*", help="indices into RUNS (default: all)")
+    parser.add_argument("--both-ways", action="store_true", help="then measure UNSETTLED without gloo's settle")
+    args = parser.parse_args()
+    failures, settled = 0, {}
+    for index in (args.only if args.only is not None else range(len(RUNS))):
+        spec, setup, layout = inputs(RUNS[index])
+        try:
+            rows = measure_distributed(spec, setup, layout, args.timeout)
+        except LaunchFailure as exc:
+            failures += 1
+            print(f"FAILED {RUNS[index]}: {exc}", flush=True)
+            continue
+        append_rows(rows, args.out)
+        settled[index] = [r["peak_allocated_bytes"] for r in rows]
+        print(index, RUNS[index], settled[index], rows[0]["wall_s"], flush=True)
+    if args.both_ways:
+        print("gloo's own timing (no settle) against the settled rows, per rank:")
+        for index in UNSETTLED:
+            spec, setup, layout = inputs(RUNS[index])
+            rows = measure_distributed(spec, setup, layout, args.timeout, gloo_settle=False)
+            unsettled = [r["peak_allocated_bytes"] for r in rows]
+            print(index, RUNS[index], "settled", settled.get(index), "unsettled", unsettled, flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
