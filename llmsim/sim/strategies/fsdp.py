@@ -19,9 +19,6 @@ def check_supported(setup, layout) -> None:
         raise InputError(f"recipe {setup.recipe.value} with strategy fsdp is not modelled yet (accelerate turns "
                          "FSDP on only for GPU runs, so no CPU run of the Trainer with FSDP2 measures it); modelled: "
                          "the canonical step with fully_shard")
-    if layout.tp * layout.pp > 1:
-        raise InputError(f"strategy fsdp with tp({layout.tp}) or pp({layout.pp}) is not modelled yet; modelled: "
-                         "FSDP2 over all ranks (tp = pp = 1)")
     if setup.precision not in PRECISIONS:
         raise InputError(f"precision {setup.precision.value} with strategy fsdp is not modelled yet; modelled: "
                          f"{', '.join(p.value for p in PRECISIONS)} (and MixedPrecisionPolicy's dtypes)")

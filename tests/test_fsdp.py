@@ -1,0 +1,90 @@
+"""PyTorch FSDP2 (--strategy fsdp, llmsim/model/fsdp.py). The committed rows (data/measurements/tier2_fsdp_cpu.csv)
+are re-predicted in test_validate.py; here: the reduced-depth trace against the full-depth one, the inputs a user
+can get wrong, and (slow) a fresh real run against its prediction."""
+import pytest
+
+from llmsim.app.cli import main
+from llmsim.enums import Attention, Precision
+from llmsim.inputs.spec import FsdpSetup, TrainSetup, load_model_spec
+from llmsim.inputs.zoo import shrink
+from llmsim.measure.runs import measure_distributed
+from llmsim.measure.tolerances import PEAK_ALLOCATED_TOLERANCE
+from llmsim.measure.validate import load_measurements
+from llmsim.model.trace import run_fake, trace
+from llmsim.sim.peaks import replay
+from llmsim.sim.pipeline import predict
+from llmsim.sim.strategies import Layout, Strategy
+from llmsim.sim.timeline import expand
+
+TINY = ["--model", "llama-2-7b", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
+        "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+        "--set", "vocab_size=256", "--seq-len", "16", "--micro-batch", "2"]
+
+
+@pytest.mark.parametrize("precision,ckpt,fsdp", [
+    (Precision.FP32, True, FsdpSetup()),
+    (Precision.FP32, False, FsdpSetup(False, "bfloat16", "float32")),
+], ids=["fp32-ckpt-reshard", "mixed-precision-no-reshard"])
+def test_reduced_depth_trace_expands_to_the_full_depth_run(precision, ckpt, fsdp):
+    """Every layer is its own FSDP2 group; its all-gather, reshard, prefetch and reduce-scatter repeat per layer,
+    so the three-layer trace expanded to six layers is the six-layer run event for event."""
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 6, 256, 4))
+    setup = TrainSetup(2, 16, precision, Attention.SDPA, ckpt, fsdp=fsdp, fsdp_world=2)
+    full, _ = run_fake(spec, setup, None)
+    traced = trace(spec, setup)
+    assert traced.depth < 6
+    expanded = expand(traced)
+    columns = ["step", "phase", "block", "delta_bytes", "category"]
+    assert full[columns].reset_index(drop=True).equals(expanded[columns].reset_index(drop=True))
+    assert replay(full).allocated_bytes == replay(expanded).allocated_bytes
+
+
+def test_committed_rows_cover_the_fsdp_matrix():
+    rows = load_measurements()
+    rows = rows[rows["strategy"] == "fsdp"]
+    assert len(rows) >= 30 and rows["gloo_settle"].astype(bool).all()
+    configs = rows["fsdp_config"].map(FsdpSetup.from_json)
+    assert {c.reshard_after_forward for c in configs} == {True, False}
+    assert {c.param_dtype for c in configs} >= {None, "bfloat16"}
+    assert set(rows["world_size"]) >= {2, 3, 4}
+    assert set(rows["precision"]) >= {"fp32", "bf16", "bf16-autocast"} and rows["grad_ckpt"].any()
+
+
+BAD = [
+    (["--fsdp-param-dtype", "bf16"], "--fsdp-param-dtype needs --strategy fsdp"),
+    (["--strategy", "fsdp", "--world-size", "2", "--fsdp-param-dtype", "int8"], "fsdp-param-dtype(int8) is not a dtype"),
+    (["--strategy", "fsdp", "--world-size", "1"], "world-size(1) must be at least 2"),
+    (["--strategy", "fsdp", "--world-size", "3"], "shards model.embed_tokens.weight (dim 0 of 256) unevenly"),
+    (["--strategy", "fsdp", "--world-size", "4", "--tp", "2"], "tp(2) with strategy fsdp is not modelled yet"),
+    (["--strategy", "fsdp", "--world-size", "2", "--lora-rank", "8"], "LoRA or a quantized base with strategy fsdp"),
+    (["--strategy", "fsdp", "--world-size", "2", "--grad-accum", "2"], "grad-accum(2) with strategy fsdp"),
+    (["--strategy", "fsdp", "--world-size", "2", "--precision", "fp16"], "precision fp16 with strategy fsdp"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", BAD, ids=[b[1][:40] for b in BAD])
+def test_bad_fsdp_inputs_are_one_line_and_status_2(extra, needle, capsys):
+    assert main(["predict", *TINY, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_fsdp_shards_the_model_states():
+    """Against DDP on the same ranks: FSDP2 keeps 1/W of the parameters, gradients and AdamW states between steps."""
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 128, 4, 2000, 4))
+    setup = TrainSetup(2, 32, Precision.FP32, Attention.SDPA)
+    ddp = predict(spec, setup, Layout(Strategy.DDP, 4))
+    fsdp = predict(spec, setup, Layout(Strategy.FSDP, 4, fsdp=FsdpSetup()))
+    assert fsdp.ranks[0].peak.allocated_bytes < ddp.ranks[0].peak.allocated_bytes / 2
+
+
+@pytest.mark.slow
+def test_fresh_fsdp_run_matches_prediction():
+    spec = load_model_spec("mistral-7b", shrink("mistral-7b", 96, 3, 1024, 4))
+    setup = TrainSetup(2, 48, Precision.BF16, Attention.SDPA, True)
+    layout = Layout(Strategy.FSDP, 2, fsdp=FsdpSetup(False, None, None))
+    measured = measure_distributed(spec, setup, layout)
+    predicted = predict(spec, setup, layout)
+    for row in measured:
+        want = predicted.ranks[row["rank"]].peak.allocated_bytes
+        assert abs(want - row["peak_allocated_bytes"]) <= PEAK_ALLOCATED_TOLERANCE * row["peak_allocated_bytes"]
