@@ -26,31 +26,41 @@ SHAPES = {  # (hidden, layers, vocab, heads): every parameter's dim 0 divides by
     "llama-3.1-8b": (96, 3, 1536, 4), "pythia-160m": (96, 3, 1536, 4), "qwen2.5-0.5b": (112, 3, 3000, 7),
 }
 BF16, FP32 = "bfloat16", "float32"
-# (model, world size, precision, grad_ckpt, micro_batch, seq_len, reshard_after_forward, param_dtype, reduce_dtype)
+# (model, world size, precision, grad_ckpt, micro_batch, seq_len, reshard_after_forward, param_dtype, reduce_dtype,
+# init). The first 14 build the whole model on every rank ("full"); the rest build on the meta device ("meta",
+# the default), measured after the first 14 had been modelled.
 RUNS = [
-    ("llama-2-7b", 2, "fp32", False, 2, 64, True, None, None),
-    ("llama-2-7b", 2, "fp32", True, 2, 64, False, None, None),
-    ("llama-2-7b", 4, "bf16", False, 2, 64, True, None, None),
-    ("llama-2-7b", 2, "fp32", False, 2, 64, True, BF16, FP32),
-    ("gpt2", 2, "fp32", True, 2, 96, True, None, None),  # tied embeddings: the root's group holds the one weight
-    ("gpt2", 4, "bf16-autocast", False, 1, 64, True, None, None),
-    ("gpt2", 2, "fp32", False, 2, 64, False, BF16, BF16),
-    ("mistral-7b", 2, "bf16", True, 2, 64, False, None, None),
-    ("mistral-7b", 4, "fp32", False, 2, 64, True, BF16, FP32),
-    ("llama-3.1-8b", 3, "fp32", False, 2, 48, True, BF16, None),
-    ("llama-3.1-8b", 4, "fp32", True, 1, 64, False, BF16, FP32),
-    ("pythia-160m", 3, "bf16", True, 2, 64, True, None, None),
-    ("pythia-160m", 2, "bf16-autocast", True, 2, 64, True, BF16, None),
-    ("qwen2.5-0.5b", 2, "fp32", False, 2, 64, True, None, None),  # tied embeddings, q/k/v biases
+    ("llama-2-7b", 2, "fp32", False, 2, 64, True, None, None, "full"),
+    ("llama-2-7b", 2, "fp32", True, 2, 64, False, None, None, "full"),
+    ("llama-2-7b", 4, "bf16", False, 2, 64, True, None, None, "full"),
+    ("llama-2-7b", 2, "fp32", False, 2, 64, True, BF16, FP32, "full"),
+    ("gpt2", 2, "fp32", True, 2, 96, True, None, None, "full"),  # tied: the root group holds the one weight
+    ("gpt2", 4, "bf16-autocast", False, 1, 64, True, None, None, "full"),
+    ("gpt2", 2, "fp32", False, 2, 64, False, BF16, BF16, "full"),
+    ("mistral-7b", 2, "bf16", True, 2, 64, False, None, None, "full"),
+    ("mistral-7b", 4, "fp32", False, 2, 64, True, BF16, FP32, "full"),
+    ("llama-3.1-8b", 3, "fp32", False, 2, 48, True, BF16, None, "full"),
+    ("llama-3.1-8b", 4, "fp32", True, 1, 64, False, BF16, FP32, "full"),
+    ("pythia-160m", 3, "bf16", True, 2, 64, True, None, None, "full"),
+    ("pythia-160m", 2, "bf16-autocast", True, 2, 64, True, BF16, None, "full"),
+    ("qwen2.5-0.5b", 2, "fp32", False, 2, 64, True, None, None, "full"),  # tied embeddings, q/k/v biases
+    ("llama-2-7b", 2, "fp32", False, 2, 64, True, None, None, "meta"),
+    ("llama-2-7b", 4, "bf16", True, 2, 64, True, None, None, "meta"),
+    ("gpt2", 2, "fp32", False, 2, 64, True, BF16, FP32, "meta"),
+    ("mistral-7b", 2, "fp32", True, 2, 64, False, BF16, FP32, "meta"),
+    ("llama-3.1-8b", 4, "bf16-autocast", False, 2, 48, True, None, None, "meta"),
+    ("pythia-160m", 3, "fp32", False, 2, 64, False, None, None, "meta"),
+    ("qwen2.5-0.5b", 2, "bf16", True, 2, 64, True, None, None, "meta"),
+    ("llama-3.1-8b", 3, "fp32", True, 1, 64, True, BF16, None, "meta"),
 ]
-UNSETTLED = [0, 4, 9]  # indices into RUNS measured again with gloo's own timing (--both-ways)
+UNSETTLED = [0, 4, 9, 14]  # indices into RUNS measured again with gloo's own timing (--both-ways)
 
 
 def inputs(run: tuple):
-    model, world, precision, ckpt, mb, seq, reshard, param_dtype, reduce_dtype = run
+    model, world, precision, ckpt, mb, seq, reshard, param_dtype, reduce_dtype, init = run
     spec = load_model_spec(model, shrink(model, *SHAPES[model]))
     setup = TrainSetup(mb, seq, Precision(precision), Attention.SDPA, ckpt)
-    layout = Layout(Strategy.FSDP, world, fsdp=FsdpSetup(reshard, param_dtype, reduce_dtype))
+    layout = Layout(Strategy.FSDP, world, fsdp=FsdpSetup(reshard, param_dtype, reduce_dtype, init))
     return spec, setup, layout
 
 

@@ -115,6 +115,10 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    "parameters' own)")
     p.add_argument("--fsdp-reduce-dtype", default=None, help="with --strategy fsdp: MixedPrecisionPolicy("
                    "reduce_dtype=): the dtype gradients are reduce-scattered in (default: param-dtype)")
+    p.add_argument("--fsdp-init", default=None, help="with --strategy fsdp: how the script builds the model: meta "
+                   "(default; PyTorch's FSDP2 tutorial, torchtitan: on the meta device, sharded, then to_empty and "
+                   "initialised, so no rank holds the whole model) | full (every rank builds it whole, fully_shard "
+                   "shards it in place)")
     p.add_argument("--fsdp-no-reshard", action="store_true", help="with --strategy fsdp: fully_shard("
                    "reshard_after_forward=False): each layer's parameters stay gathered from its forward to its "
                    "backward")
@@ -260,7 +264,8 @@ def _fsdp_setup(args, strategy):
 
     given = [flag for flag, on in (("--fsdp-param-dtype", getattr(args, "fsdp_param_dtype", None)),
                                    ("--fsdp-reduce-dtype", getattr(args, "fsdp_reduce_dtype", None)),
-                                   ("--fsdp-no-reshard", getattr(args, "fsdp_no_reshard", False))) if on]
+                                   ("--fsdp-no-reshard", getattr(args, "fsdp_no_reshard", False)),
+                                   ("--fsdp-init", getattr(args, "fsdp_init", None))) if on]
     if strategy is not Strategy.FSDP:
         if given:
             raise InputError(f"{given[0]} needs --strategy fsdp")
@@ -272,7 +277,7 @@ def _fsdp_setup(args, strategy):
         if value not in FSDP_DTYPES:
             raise InputError(f"{flag}({value}) is not a dtype; choose one of {', '.join(FSDP_DTYPES)}")
         return FSDP_DTYPES[value]
-    return FsdpSetup(reshard_after_forward=not args.fsdp_no_reshard,
+    return FsdpSetup(reshard_after_forward=not args.fsdp_no_reshard, init=args.fsdp_init or "meta",
                      param_dtype=dtype("fsdp-param-dtype", args.fsdp_param_dtype),
                      reduce_dtype=dtype("fsdp-reduce-dtype", args.fsdp_reduce_dtype))
 

@@ -34,17 +34,22 @@ LLM_INT8_THRESHOLD = 6.0  # BitsAndBytesConfig's llm_int8_threshold default (tra
 
 # MixedPrecisionPolicy dtypes as llmsim spells them (torch.distributed.fsdp.MixedPrecisionPolicy takes torch dtypes)
 FSDP_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+FSDP_INITS = ("meta", "full")
 
 
 @dataclass(frozen=True)
 class FsdpSetup:
     """PyTorch FSDP2 as `fully_shard(module, mesh=..., reshard_after_forward=..., mp_policy=MixedPrecisionPolicy(
     param_dtype, reduce_dtype))` is called on every decoder layer and then on the root (llmsim/model/fsdp.py).
-    The dtypes are torch's names ("bfloat16"); None is MixedPrecisionPolicy's own default (no cast)."""
+    The dtypes are torch's names ("bfloat16"); None is MixedPrecisionPolicy's own default (no cast). `init`: how the
+    script builds the model: "meta" as PyTorch's FSDP2 tutorial and torchtitan do (built on the meta device,
+    sharded, then `to_empty` and initialised: no rank ever holds the whole model), or "full" (every rank builds the
+    whole model, which fully_shard then shards in place)."""
 
     reshard_after_forward: bool = True
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    init: str = "meta"
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -52,18 +57,23 @@ class FsdpSetup:
             if value is not None and value not in FSDP_DTYPES.values():
                 raise InputError(f"fsdp {name.replace('_', '-')}({value}) is not a dtype FSDP2 is modelled with; "
                                  f"choose one of {', '.join(FSDP_DTYPES)}")
+        if self.init not in FSDP_INITS:
+            raise InputError(f"fsdp-init({self.init}) is not a way to build the model; choose one of "
+                             f"{', '.join(FSDP_INITS)}")
 
     def as_json(self) -> str:
         return json.dumps({"reshard_after_forward": self.reshard_after_forward, "param_dtype": self.param_dtype,
-                           "reduce_dtype": self.reduce_dtype}, sort_keys=True)
+                           "reduce_dtype": self.reduce_dtype, "init": self.init}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "FsdpSetup":
+        """A row's `fsdp_config`: every field stated (a row says how it was built, never a default)."""
         fields = json.loads(text)
-        unknown = sorted(set(fields) - {"reshard_after_forward", "param_dtype", "reduce_dtype"})
-        if unknown:
-            raise InputError(f"fsdp_config has unknown field {unknown[0]}; valid: reshard_after_forward, "
-                             "param_dtype, reduce_dtype")
+        names = ["init", "param_dtype", "reduce_dtype", "reshard_after_forward"]
+        unknown, missing = sorted(set(fields) - set(names)), sorted(set(names) - set(fields))
+        if unknown or missing:
+            raise InputError(f"fsdp_config {'has unknown field ' + unknown[0] if unknown else 'lacks ' + missing[0]}"
+                             f"; its fields: {', '.join(names)}")
         return cls(**fields)
 
 

@@ -123,14 +123,15 @@ def run_fsdp(job: dict, tracker: StorageTracker) -> None:
     ranks, before the optimizer is built (llmsim/model/fsdp.py); gloo's worker thread settles after each
     reduce-scatter unless the job says not to (`gloo_settle`)."""
     from llmsim.inputs.spec import FsdpSetup
-    from llmsim.model.fsdp import mesh_1d, settled_collectives, shard
+    from llmsim.model.fsdp import mesh_1d, meta_build, settled_collectives, shard
 
     fsdp = FsdpSetup.from_json(job["fsdp_config"])
     world_size = torch.distributed.get_world_size()
     mesh = mesh_1d(world_size)
     setup = replace(_setup(job), fsdp=fsdp, fsdp_world=world_size)
+    build = (lambda: _build(job)) if fsdp.init == "full" else meta_build(lambda: _build(job))
     with settled_collectives(job.get("gloo_settle", True)):
-        run_canonical_step(lambda: _build(job), setup, tracker,
+        run_canonical_step(build, setup, tracker,
                            wrap=lambda model: shard(model, fsdp, mesh))
 
 

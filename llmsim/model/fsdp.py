@@ -57,8 +57,18 @@ def check_even(model: nn.Module, world_size: int) -> None:
                              f"that divides every parameter's dim 0 (here {rows})")
 
 
+def meta_build(build):
+    """The model built on the meta device (FsdpSetup.init "meta"): no storage until `shard` materialises the shards."""
+    def built():
+        with torch.device("meta"):
+            return build()
+    return built
+
+
 def shard(model: nn.Module, fsdp: FsdpSetup, mesh) -> nn.Module:
-    """`fully_shard` on each decoder layer, then on the whole model (the root); returns the model."""
+    """`fully_shard` on each decoder layer, then on the whole model (the root); returns the model. Built on the meta
+    device, it is then materialised as PyTorch's FSDP2 tutorial does: `to_empty` allocates each rank's shards and
+    buffers, and transformers' `_init_weights` initialises them (on the sharded DTensors)."""
     from torch.distributed.fsdp import fully_shard
 
     from llmsim.model.step import find_blocks
@@ -69,6 +79,9 @@ def shard(model: nn.Module, fsdp: FsdpSetup, mesh) -> nn.Module:
     for layer in blocks:
         fully_shard(layer, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy)
+    if fsdp.init == "meta":
+        model.to_empty(device="cpu")
+        model.apply(model._init_weights)
     return model
 
 

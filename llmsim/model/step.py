@@ -444,10 +444,6 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
     linear = zero3_hooks.linear_as_zero3() if setup.zero3_hooks else contextlib.nullcontext()
     with tracker, linear, offloading(tracker, setup.ckpt_offload):
         model, hooks = _build_for_training(build, setup, tracker, expected_blocks)
-        autocast = _autocast(model, setup)
-        # torch's AMP recipe for float16: the loss is scaled, gradients unscaled in place before the step
-        scaler = (torch.amp.GradScaler(_device_type(model)) if setup.precision is Precision.FP16_AUTOCAST
-                  else None)
         base = model
         vocab_size = base.get_input_embeddings().num_embeddings  # before peft wraps the embedding
         install_loss(base, setup)
@@ -464,8 +460,15 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
         if setup.zero3_hooks:  # deepspeed.initialize registers them last
             zero3_hooks.install(model, tracker, base_fqn, hooks.block_of)
         if wrap is not None:
-            model = wrap(model)
+            wrapped = wrap(model)
+            if wrapped is model:  # FSDP2 shards in place: its sharded parameters named and placed
+                hooks.label_model()
+            model = wrapped
             hooks.enter_blocks_first()
+        autocast = _autocast(model, setup)  # after the wrap: a meta-built model has its device only then
+        # torch's AMP recipe for float16: the loss is scaled, gradients unscaled in place before the step
+        scaler = (torch.amp.GradScaler(_device_type(model)) if setup.precision is Precision.FP16_AUTOCAST
+                  else None)
         optimizer = make_optimizer(model.parameters(), setup)
         hooks.watch(optimizer, gpu=setup.device is Device.CUDA)
         batch = torch.randint(0, vocab_size, (setup.micro_batch, setup.seq_len))

@@ -227,6 +227,8 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
             stack.enter_context(fake_process_group(setup.tp * setup.pp, rank=setup.pp_stage * setup.tp))
             mesh = parallel_mesh(1, setup.pp, setup.tp)  # data-parallel replica 0
         build = model_builder(spec, setup, num_layers, mesh, fake=True)  # a checkpoint is written for real
+        if setup.fsdp is not None and setup.fsdp.init == "meta":
+            build = fsdp.meta_build(build)
         optimizer_class(setup.optimizer)  # imported for real: a module imported under the fake mode keeps fakes
         if setup.recipe is Recipe.HF_TRAINER:
             import transformers.trainer  # noqa: F401  (and accelerate with it)
