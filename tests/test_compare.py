@@ -1,4 +1,6 @@
 """`llmsim compare`: every lever is a real prediction; the chart is written."""
+import pytest
+
 from llmsim.app.cli import main
 from llmsim.app.compare import LEVERS, compare_levers
 from llmsim.enums import Loss, Optimizer
@@ -63,6 +65,7 @@ def test_levers_modelled_under_ddp_are_compared_there():
         assert prediction.peak_allocated_bytes > predict(spec, setup).peak_allocated_bytes  # DDP's buckets on top
 
 
+@pytest.mark.slow  # local processes (multi-process); the one-process table is checked by default
 def test_levers_in_processes_are_the_same_table():
     """`compare --jobs 2`: the lever sets predicted in two processes give the table one process gives."""
     import pandas as pd

@@ -158,6 +158,7 @@ def test_pipeline_stage_by_stage_agrees_with_predict(monkeypatch):
     assert stages == [2, 1]  # a screen predicts its stages alone
 
 
+@pytest.mark.slow  # local processes (multi-process); the one-process table is checked by default
 def test_size_in_processes_is_the_same_table():
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 2048, 4))
     one = size(spec, TrainSetup(1, 512), TINY_GPU, max_gpus=4, max_micro_batch=8)
