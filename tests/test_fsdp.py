@@ -1,6 +1,8 @@
 """PyTorch FSDP2 (--strategy fsdp, llmsim/model/fsdp.py). The committed rows (data/measurements/tier2_fsdp_cpu.csv)
 are re-predicted in test_validate.py; here: the reduced-depth trace against the full-depth one, the inputs a user
 can get wrong, and (slow) a fresh real run against its prediction."""
+from dataclasses import replace
+
 import pytest
 
 from llmsim.app.cli import main
@@ -14,7 +16,7 @@ from llmsim.model.trace import run_fake, trace
 from llmsim.sim.peaks import replay
 from llmsim.sim.pipeline import predict
 from llmsim.sim.strategies import Layout, Strategy
-from llmsim.sim.timeline import expand
+from llmsim.sim.timeline import expand, repeat_last_step
 
 TINY = ["--model", "llama-2-7b", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
         "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
@@ -40,6 +42,19 @@ def test_reduced_depth_trace_expands_to_the_full_depth_run(precision, ckpt, fsdp
     assert replay(full).allocated_bytes == replay(expanded).allocated_bytes
     events = [frame[frame["delta_bytes"] != 0][columns].reset_index(drop=True) for frame in (full, expanded)]
     assert events[0].equals(events[1])
+
+
+@pytest.mark.parametrize("init", ["meta", "full"])
+def test_two_traced_steps_repeat_into_the_third(init):
+    """FSDP2 keeps each unsharded parameter's storage and resizes it up and back to 0 in every step: the steady
+    step repeats those resizes on the same storage, and two traced steps repeated are the three-step run."""
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 3, 256, 4))
+    setup = TrainSetup(2, 16, Precision.FP32, Attention.SDPA, True, fsdp=FsdpSetup(init=init), fsdp_world=2)
+    two, _ = run_fake(spec, replace(setup, steps=2), None)
+    three, _ = run_fake(spec, setup, None)
+    repeated = repeat_last_step(two, 3)
+    columns = ["step", "phase", "block", "delta_bytes", "category"]
+    assert repeated is not None and repeated[columns].equals(three[columns])
 
 
 def test_committed_rows_cover_the_fsdp_matrix():

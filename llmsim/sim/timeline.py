@@ -250,7 +250,8 @@ def repeat_last_step(frame: pd.DataFrame, steps: int) -> pd.DataFrame | None:
     crosses its start and its end match: the storages it frees that an earlier step allocated (A: the previous
     step's loss and whatever else a Python name kept alive into the next step) and the storages it allocates
     that outlive it (B) pair one to one, in allocation order, byte for byte, and it touches nothing older
-    otherwise. Step L + 1 then begins where step L began, up to renaming A as B; the canonical step's code does
+    otherwise but storages it resizes and leaves as large as it found them (FSDP2's unsharded parameters), whose
+    resizes every further step repeats on the same storage. Step L + 1 then begins where step L began, up to renaming A as B; the canonical step's code does
     not branch on the step's index, so it makes the same events, freeing B where step L freed A. (An `.item()`
     answered by the fake trace, llmsim.model.optimizer_values, is answered alike in every step.) The rows in
     data/measurements/ were measured over every step and check the repetition against real runs."""
@@ -268,12 +269,16 @@ def repeat_last_step(frame: pd.DataFrame, steps: int) -> pd.DataFrame | None:
     last_rows = pd.DataFrame({"serial": serials[tail:], "delta": deltas[tail:]})[valid[tail:]]
     older = last_rows["serial"].isin(before.index).to_numpy()
     touched = last_rows[older].groupby("serial", sort=False)["delta"].agg(["sum", "size"])
+    whole = pd.Series(False, index=touched.index)
     if len(touched):
         held = before.loc[touched.index].to_numpy()
-        # every older storage L touches, L frees whole in one event
-        if np.any(touched["sum"].to_numpy() != -held) or np.any(touched["size"].to_numpy() != 1):
+        # every older storage L touches, L frees whole in one event (A), or resizes and leaves as large as it
+        # found it (FSDP2's unsharded parameters, `resize_`d up and back to 0 in every step: they keep their serial)
+        whole = (touched["sum"].to_numpy() == -held) & (touched["size"].to_numpy() == 1) & (held != 0)
+        if np.any(~whole & (touched["sum"].to_numpy() != 0)):
             return None
-    freed = before.index[before.index.isin(touched.index)].tolist()  # A, in allocation order
+        whole = pd.Series(whole, index=touched.index)
+    freed = before.index[before.index.isin(whole.index[whole.to_numpy()])].tolist()  # A, in allocation order
     fresh = last_rows[~older].groupby("serial", sort=False)["delta"].agg(["sum", "size"])
     alive = (fresh["sum"] > 0) | ((fresh["sum"] == 0) & (fresh["size"] == 1))  # a 0-byte storage: one event
     kept = fresh.loc[alive, "sum"]  # B, in allocation order
