@@ -21,14 +21,14 @@ from llmsim.measure.runs import MEASUREMENTS_DIR, append_rows, measure_distribut
 from llmsim.sim.strategies import Layout, Strategy
 
 FSDP_CSV = MEASUREMENTS_DIR / "tier2_fsdp_cpu.csv"
-SHAPES = {  # (hidden, layers, vocab, heads): every parameter's dim 0 divides by the run's world size
+SHAPES = {  # (hidden, layers, vocab, heads)
     "llama-2-7b": (128, 4, 2000, 4), "gpt2": (128, 3, 1024, 4), "mistral-7b": (128, 3, 1500, 4),
     "llama-3.1-8b": (96, 3, 1536, 4), "pythia-160m": (96, 3, 1536, 4), "qwen2.5-0.5b": (112, 3, 3000, 7),
 }
 BF16, FP32 = "bfloat16", "float32"
 # (model, world size, precision, grad_ckpt, micro_batch, seq_len, reshard_after_forward, param_dtype, reduce_dtype,
 # init). The first 14 build the whole model on every rank ("full"); the rest build on the meta device ("meta",
-# the default), measured after the first 14 had been modelled.
+# the default), measured after the first 14 had been modelled; an 11th item holds TrainSetup fields (LoRA).
 RUNS = [
     ("llama-2-7b", 2, "fp32", False, 2, 64, True, None, None, "full"),
     ("llama-2-7b", 2, "fp32", True, 2, 64, False, None, None, "full"),
@@ -52,14 +52,25 @@ RUNS = [
     ("pythia-160m", 3, "fp32", False, 2, 64, False, None, None, "meta"),
     ("qwen2.5-0.5b", 2, "bf16", True, 2, 64, True, None, None, "meta"),
     ("llama-3.1-8b", 3, "fp32", True, 1, 64, True, BF16, None, "meta"),
+    # LoRA: get_peft_model before fully_shard (the frozen base sharded and gathered like any parameter)
+    ("llama-2-7b", 2, "bf16", True, 2, 64, True, None, None, "meta", {"lora_rank": 8}),
+    ("mistral-7b", 4, "fp32", False, 2, 64, True, BF16, FP32, "meta", {"lora_rank": 16}),
+    ("gpt2", 2, "bf16", False, 2, 64, False, None, None, "full", {"lora_rank": 8}),
+    ("qwen2.5-0.5b", 2, "fp32", True, 2, 64, True, None, None, "meta",
+     {"lora_rank": 4, "lora_targets": ("q_proj", "v_proj", "down_proj")}),
+    # uneven shards (a dim 0 that does not divide by the world size: the last ranks' local shards are shorter)
+    ("llama-2-7b", 3, "fp32", False, 2, 64, True, None, None, "meta"),
+    ("gpt2", 3, "bf16", True, 2, 64, True, None, None, "meta", {"lora_rank": 8}),
+    ("mistral-7b", 3, "fp32", True, 2, 64, False, BF16, FP32, "full"),
+    ("qwen2.5-0.5b", 4, "fp32", False, 2, 64, True, None, None, "meta", {"lora_rank": 6}),  # rank 3: no LoRA A rows
 ]
 UNSETTLED = [0, 4, 9, 14]  # indices into RUNS measured again with gloo's own timing (--both-ways)
 
 
 def inputs(run: tuple):
-    model, world, precision, ckpt, mb, seq, reshard, param_dtype, reduce_dtype, init = run
+    model, world, precision, ckpt, mb, seq, reshard, param_dtype, reduce_dtype, init = run[:10]
     spec = load_model_spec(model, shrink(model, *SHAPES[model]))
-    setup = TrainSetup(mb, seq, Precision(precision), Attention.SDPA, ckpt)
+    setup = TrainSetup(mb, seq, Precision(precision), Attention.SDPA, ckpt, **(run[10] if len(run) > 10 else {}))
     layout = Layout(Strategy.FSDP, world, fsdp=FsdpSetup(reshard, param_dtype, reduce_dtype, init))
     return spec, setup, layout
 

@@ -72,9 +72,11 @@ BAD = [
     (["--fsdp-param-dtype", "bf16"], "--fsdp-param-dtype needs --strategy fsdp"),
     (["--strategy", "fsdp", "--world-size", "2", "--fsdp-param-dtype", "int8"], "fsdp-param-dtype(int8) is not a dtype"),
     (["--strategy", "fsdp", "--world-size", "1"], "world-size(1) must be at least 2"),
-    (["--strategy", "fsdp", "--world-size", "3"], "shards model.embed_tokens.weight (dim 0 of 256) unevenly"),
     (["--strategy", "fsdp", "--world-size", "4", "--tp", "2"], "tp(2) with strategy fsdp is not modelled yet"),
-    (["--strategy", "fsdp", "--world-size", "2", "--lora-rank", "8"], "LoRA or a quantized base with strategy fsdp"),
+    (["--strategy", "fsdp", "--world-size", "2", "--lora-rank", "8", "--quant", "nf4"],
+     "a quantized base with strategy fsdp"),
+    (["--strategy", "fsdp", "--world-size", "2", "--lora-rank", "8", "--lora-modules-to-save", "lm_head"],
+     "lora-modules-to-save with strategy fsdp is not modelled yet"),
     (["--strategy", "fsdp", "--world-size", "2", "--grad-accum", "2"], "grad-accum(2) with strategy fsdp"),
     (["--strategy", "fsdp", "--world-size", "2", "--precision", "fp16"], "precision fp16 with strategy fsdp"),
 ]
@@ -85,6 +87,16 @@ def test_bad_fsdp_inputs_are_one_line_and_status_2(extra, needle, capsys):
     assert main(["predict", *TINY, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_uneven_shards_make_classes_of_ranks():
+    """torch.chunk's split: 10 rows over 4 ranks are 3, 3, 3, 1; 2 rows are 1, 1, 0, 0."""
+    from llmsim.model.fsdp import local_rows, rank_classes
+
+    assert [local_rows(10, 4, r) for r in range(4)] == [3, 3, 3, 1]
+    assert [local_rows(2, 4, r) for r in range(4)] == [1, 1, 0, 0]
+    assert rank_classes(frozenset({10, 5, 64}), 4) == [[0, 1], [2], [3]]  # 10: 3,3,3,1; 5: 2,2,1,0
+    assert rank_classes(frozenset({64, 128}), 4) == [[0, 1, 2, 3]]
 
 
 def test_fsdp_shards_the_model_states():

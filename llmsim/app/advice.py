@@ -134,6 +134,10 @@ def _zero_layout(model: ModelSpec, setup: TrainSetup, stage: int, world_size: in
 
 def _canonical_layouts(model: ModelSpec, setup: TrainSetup, layout: Layout) -> list[Change]:
     """Higher ZeRO stages on the job's GPUs, then ZeRO-3 on more of them (data parallelism alone: tp = pp = 1)."""
+    if layout.strategy is Strategy.FSDP:  # it already shards everything: the same FSDP2 on more GPUs
+        return [Change(f"the same FSDP2 on {layout.world_size * factor} GPUs (--world-size {layout.world_size * factor})",
+                       f"{layout.world_size * (factor - 1)} more GPUs", setup,
+                       replace(layout, world_size=layout.world_size * factor), lever=False) for factor in MORE_GPUS]
     if layout.tp * layout.pp > 1 or setup.precision not in (Precision.FP32, Precision.BF16):
         return []
     current = layout.deepspeed.stage if layout.deepspeed is not None else -1

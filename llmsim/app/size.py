@@ -51,7 +51,7 @@ from llmsim.sim.processes import in_processes
 from llmsim.app.report import human_bytes
 from llmsim.model.pipelining import Schedule, check_pipeline
 from llmsim.model.tensor_parallel import check_tensor_parallel
-from llmsim.inputs.spec import ModelSpec, TrainSetup
+from llmsim.inputs.spec import FsdpSetup, ModelSpec, TrainSetup
 from llmsim.sim.strategies import ZERO_ALLOW_UNTESTED_OPTIMIZER, Layout, Strategy, deepspeed_tested
 
 
@@ -62,7 +62,7 @@ class Candidate:
     layout_for: object  # (micro_batch) -> Layout
 
 
-FAMILIES = ("single", "ddp", "zero", "tp", "pp", "tpxpp")
+FAMILIES = ("single", "ddp", "zero", "fsdp", "tp", "pp", "tpxpp")
 
 
 def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
@@ -76,6 +76,8 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
             for stage in (1, 2, 3):
                 out.append(Candidate(f"zero{stage}", world,
                                      lambda mb, w=world, s=stage: _zero(spec, setup, w, s, mb)))
+        if "fsdp" in families and _fsdp_refusal(spec, setup, world) is None:  # FSDP2 as the tutorial sets it up
+            out.append(Candidate("fsdp", world, lambda mb, w=world: Layout(Strategy.FSDP, w, fsdp=FsdpSetup())))
         splits = ([(world, 1)] if "tp" in families else []) + ([(1, world)] if "pp" in families else []) + \
             ([(t, world // t) for t in (2, 4, 8) if t < world and world % t == 0] if "tpxpp" in families else [])
         for tp, pp in splits:
@@ -93,6 +95,8 @@ def _why_none(spec: ModelSpec, setup: TrainSetup, families: tuple[str, ...], max
     reasons = []
     if "zero" in families and setup.precision not in (Precision.FP32, Precision.BF16):
         reasons.append(f"DeepSpeed ZeRO takes fp32 or bf16, not {setup.precision.value}")
+    if "fsdp" in families and (reason := _fsdp_refusal(spec, setup, 2)) is not None:
+        reasons.append(reason)
     if {"tp", "pp", "tpxpp"} & set(families):
         for degree in (2, 4, 8)[: max(1, max_gpus.bit_length() - 1)]:
             for tp, pp in ((degree, 1), (1, degree)):
@@ -100,6 +104,19 @@ def _why_none(spec: ModelSpec, setup: TrainSetup, families: tuple[str, ...], max
                 if reason is not None and reason not in reasons:
                     reasons.append(reason)
     return "; ".join(reasons) or "none of them is modelled for this setup"
+
+
+def _fsdp_refusal(spec: ModelSpec, setup: TrainSetup, world: int) -> str | None:
+    """Why FSDP2 over `world` ranks is not modelled for this model and setup (as `predict` words it), or None."""
+    from llmsim.sim.strategies import fsdp
+
+    if spec.config_json is None:
+        return "FSDP2 needs an HF config (its decoder layers), not a module factory"
+    try:
+        fsdp.check_supported(setup, Layout(Strategy.FSDP, world, fsdp=FsdpSetup()))
+    except InputError as error:
+        return str(error)
+    return None
 
 
 def _model_parallel(tp: int, pp: int, n_microbatches: int | None = None) -> Layout:

@@ -32,9 +32,11 @@ OPTIONS = {"model": "--model", "seq_len": "--seq-len", "micro_batch": "--micro-b
            "tp": "--tp", "pp": "--pp", "dp": "--dp", "pp_split": "--pp-split", "schedule": "--schedule",
            "microbatches": "--microbatches", "grad_accum": "--grad-accum", "quant": "--quant",
            "int8_threshold": "--int8-threshold",
-           "ds_config": "--ds-config", "gpu": "--gpu", "alloc_conf": "--alloc-conf", "margin": "--margin"}
+           "ds_config": "--ds-config", "gpu": "--gpu", "alloc_conf": "--alloc-conf", "margin": "--margin",
+           "fsdp_param_dtype": "--fsdp-param-dtype", "fsdp_reduce_dtype": "--fsdp-reduce-dtype",
+           "fsdp_init": "--fsdp-init"}
 FLAGS = {"grad_ckpt": "--grad-ckpt", "double_quant": "--double-quant", "ckpt_offload": "--ckpt-offload",
-         "foreach": "--foreach", "fused": "--fused"}
+         "foreach": "--foreach", "fused": "--fused", "fsdp_no_reshard": "--fsdp-no-reshard"}
 
 
 def load_grid(path: str | Path) -> list[dict]:

@@ -152,9 +152,10 @@ class TrainSetup:
     quantization_config: str | None = None
     kbit_prep: bool = False
     # Trace flag (llmsim.sim.strategies.traced_setup): the step with PyTorch FSDP2's `fully_shard` over
-    # `fsdp_world` ranks of a fake process group, traced as rank 0 (llmsim/model/fsdp.py)
+    # `fsdp_world` ranks of a fake process group, traced as rank `fsdp_rank` (llmsim/model/fsdp.py)
     fsdp: FsdpSetup | None = None
     fsdp_world: int = 1
+    fsdp_rank: int = 0
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):

@@ -19,9 +19,10 @@ reduce-scatter buffers and the sharded gradients are FSDP2's own code. Two thing
   on into the next layer's backward (seen on a 4-layer Llama, 2 ranks: +2.7 % on the peak, in every step).
   NCCL's work holds no such copy; the measurement gives gloo's thread a moment after each reduce-scatter
   (`settled_collectives`), so measured rows are what the prediction models: the copy freed within the call.
-Shards are even only where every parameter's dim 0 divides by the world size; an uneven shard gives the last
-ranks smaller local shards (and optimizer states) than rank 0, which the single traced rank does not show, so
-that case is refused (`shard`).
+Where a parameter's dim 0 does not divide by the world size, FSDP2 pads every rank's shard to ceil(dim 0 / W)
+rows, but the last ranks' local shards are shorter (or empty), and so are their gradients' views and AdamW's
+states: ranks differ. The ranks fall into a few classes of equal local shards (`rank_classes`), and one rank of
+each class is traced.
 """
 from __future__ import annotations
 
@@ -46,15 +47,21 @@ def mixed_precision(fsdp: FsdpSetup):
         reduce_dtype=getattr(torch, fsdp.reduce_dtype) if fsdp.reduce_dtype else None)
 
 
-def check_even(model: nn.Module, world_size: int) -> None:
-    """FSDP2 chunks every parameter on dim 0 (`_chunk_with_empty`): one whose dim 0 does not divide by the world
-    size leaves the last ranks a smaller local shard than rank 0 (the only rank traced)."""
-    for name, param in model.named_parameters():
-        rows = param.shape[0] if param.dim() else 1
-        if rows % world_size:
-            raise InputError(f"FSDP2 over {world_size} ranks shards {name} (dim 0 of {rows}) unevenly: ranks "
-                             "then hold shards of different sizes, which is not modelled yet; choose a world size "
-                             f"that divides every parameter's dim 0 (here {rows})")
+def local_rows(rows: int, world_size: int, rank: int) -> int:
+    """Rank `rank`'s rows of a dim 0 of `rows` split as FSDP2 splits it (`_chunk_with_empty`: torch.chunk's
+    chunks of ceil(rows / W), the last ranks' shorter or empty)."""
+    chunk = -(-rows // world_size)
+    return min(chunk, max(0, rows - rank * chunk))
+
+
+def rank_classes(dim0_sizes: frozenset[int], world_size: int) -> list[list[int]]:
+    """The ranks grouped by their local shards (every rank of a group holds shards of the same sizes), in rank
+    order; one group when every dim 0 divides by the world size."""
+    uneven = sorted(rows for rows in dim0_sizes if rows % world_size)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(world_size):
+        groups.setdefault(tuple(local_rows(rows, world_size, rank) for rows in uneven), []).append(rank)
+    return list(groups.values())
 
 
 def meta_build(build):
@@ -73,7 +80,6 @@ def shard(model: nn.Module, fsdp: FsdpSetup, mesh) -> nn.Module:
 
     from llmsim.model.step import find_blocks
 
-    check_even(model, mesh.size())
     policy = mixed_precision(fsdp)
     _, blocks = find_blocks(model, None)
     for layer in blocks:

@@ -234,8 +234,8 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
         stack.enter_context(_older_objects_frozen())
         stack.enter_context(own_bitsandbytes_overrides())  # no earlier trace's 8-bit overrides in this one
         mesh, wrap = None, None
-        if setup.fsdp is not None:  # rank 0 of FSDP2's mesh (llmsim/model/fsdp.py)
-            stack.enter_context(fake_process_group(setup.fsdp_world, rank=0))
+        if setup.fsdp is not None:  # one rank of FSDP2's mesh (llmsim/model/fsdp.py)
+            stack.enter_context(fake_process_group(setup.fsdp_world, rank=setup.fsdp_rank))
             wrap = functools.partial(fsdp.shard, fsdp=setup.fsdp, mesh=fsdp.mesh_1d(setup.fsdp_world))
             if setup.device is Device.CPU:
                 stack.enter_context(fsdp.gloo_reduce_scatter_copy())

@@ -38,6 +38,14 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             rank_timelines = {rank: timeline for stage, (timeline, _) in enumerate(stages)
                               for rank in stage_ranks(layout, stage)}
             graph = stages[-1][1]
+        elif layout.fsdp is not None:  # one trace per group of ranks with equal local shards
+            from llmsim.sim.strategies.fsdp import rank_classes
+
+            rank_timelines = {}
+            for ranks in rank_classes(model, setup, layout.world_size):
+                timeline, graph = expanded(model, replace(setup, fsdp_rank=ranks[0]))
+                rank_timelines.update(plan(timeline, layout, setup) if len(ranks) == layout.world_size else
+                                      {rank: timeline for rank in ranks})
         else:  # one trace, at full depth; the strategy plans each rank's timeline from it
             timeline, graph = expanded(model, setup)
             rank_timelines = plan(timeline, layout, setup)

@@ -1,16 +1,21 @@
-"""PyTorch FSDP2 (`fully_shard` on every decoder layer, then the root): the trace runs FSDP2 itself as rank 0 of
-the layout's world (llmsim/model/fsdp.py), so the traced timeline is already the rank's own. Every rank runs the
-same: FSDP2 pads each shard to ceil(dim 0 / world size) rows, and the trace refuses a parameter whose dim 0 does
-not divide evenly (where the last ranks' local shards, and their optimizer states, would be smaller)."""
+"""PyTorch FSDP2 (`fully_shard` on every decoder layer, then the root): the trace runs FSDP2 itself as one rank of
+the layout's world (llmsim/model/fsdp.py), so a traced timeline is already a rank's own. Ranks whose local shards
+have the same sizes run the same (FSDP2 pads every shard to ceil(dim 0 / world size) rows; a dim 0 that does not
+divide leaves the last ranks shorter local shards and AdamW states): `rank_classes` groups them, and
+llmsim.sim.pipeline traces one rank of each group."""
 from __future__ import annotations
+
+import functools
 
 import pandas as pd
 
 from llmsim.enums import Precision, Recipe
 from llmsim.errors import InputError
 
-# What is measured with FSDP2 (data/measurements/tier2_fsdp_cpu.csv): the canonical step, full fine-tuning, in
-# these precisions; checkpointing; reshard on or off; MixedPrecisionPolicy dtypes
+# What is measured with FSDP2 (data/measurements/tier2_fsdp_cpu.csv): the canonical step, full fine-tuning and LoRA
+# (get_peft_model before fully_shard: the frozen base sharded and gathered, no gradient or state), in these
+# precisions; checkpointing; reshard on or off; MixedPrecisionPolicy dtypes; the model built whole or on the meta
+# device
 PRECISIONS = (Precision.FP32, Precision.BF16, Precision.BF16_AUTOCAST)
 
 
@@ -22,10 +27,40 @@ def check_supported(setup, layout) -> None:
     if setup.precision not in PRECISIONS:
         raise InputError(f"precision {setup.precision.value} with strategy fsdp is not modelled yet; modelled: "
                          f"{', '.join(p.value for p in PRECISIONS)} (and MixedPrecisionPolicy's dtypes)")
-    if setup.lora_rank or setup.quant is not None:
-        raise InputError("LoRA or a quantized base with strategy fsdp is not modelled yet; modelled with FSDP2: "
-                         "full fine-tuning")
+    if setup.quant is not None:
+        raise InputError("a quantized base with strategy fsdp is not modelled yet; modelled with FSDP2: full "
+                         "fine-tuning and LoRA")
+
 
 
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
+    """Every rank of the traced rank's class (`rank_classes`) runs its timeline."""
     return {rank: timeline for rank in range(layout.world_size)}
+
+
+def rank_classes(model, setup, world_size: int) -> list[list[int]]:
+    """The ranks in groups of equal local shards (llmsim/model/fsdp.py, `rank_classes`)."""
+    from llmsim.model import fsdp
+
+    return fsdp.rank_classes(_dim0_sizes(model, setup.lora_rank, setup.lora_alpha, setup.lora_targets,
+                                         setup.build_bf16), world_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _dim0_sizes(model, lora_rank: int, lora_alpha: int, lora_targets, build_bf16: bool) -> frozenset[int]:
+    """Every trained model's parameter's dim 0: the model built on the meta device (no memory), with peft's
+    adapters when LoRA is on."""
+    import torch
+    from dataclasses import replace
+
+    from llmsim.inputs.spec import TrainSetup
+    from llmsim.model.step import add_peft
+    from llmsim.model.trace import hf_builder
+
+    setup = TrainSetup(1, 1, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets)
+    with torch.device("meta"):
+        built = model.factory_callable() if model.factory is not None else \
+            hf_builder(model, replace(setup, attention=None), model.hf_config())()
+        if lora_rank:
+            built = add_peft(built, setup)
+    return frozenset(p.shape[0] if p.dim() else 1 for p in built.parameters())
