@@ -129,7 +129,7 @@ def decide_like_a_real_run():
 
 
 def _apply_as_on_cpu(self, fn, recurse=True):
-    """`Module._apply` as it runs for real CPU parameters: `param.data = fn(param)` (the old storage is freed
+    """`Module._apply` as it runs for real CPU parameters: `param.data = fn(param)` where the kinds match (the old storage is freed
     at once), buffers replaced. For fake parameters torch forces `swap_tensors` instead, which fails because
     FakeTensorMode holds weakrefs to them (torch/nn/modules/module.py, `Module._apply`); `model.to(bf16)` and
     peft's adapter placement go through here."""
@@ -137,13 +137,17 @@ def _apply_as_on_cpu(self, fn, recurse=True):
         for module in self.children():
             module._apply(fn)
     with torch.no_grad():
-        for param in self._parameters.values():
+        for key, param in self._parameters.items():
             if param is None:
                 continue
             if is_traceable_wrapper_subclass(param):  # a DTensor: torch swaps it for real parameters too
                 torch.utils.swap_tensors(param, torch.nn.Parameter(fn(param), requires_grad=param.requires_grad))
-            else:
-                param.data = fn(param)
+                continue
+            applied = fn(param)
+            if torch._has_compatible_shallow_copy_type(param, applied):
+                param.data = applied
+            else:  # another device's kind (peft moving adapters to a meta-built base): a new Parameter, as torch makes
+                self._parameters[key] = torch.nn.Parameter(applied, requires_grad=param.requires_grad)
         for key, buffer in self._buffers.items():
             if buffer is not None:
                 self._buffers[key] = fn(buffer)

@@ -51,16 +51,17 @@ def _dim0_sizes(model, lora_rank: int, lora_alpha: int, lora_targets, build_bf16
     """Every trained model's parameter's dim 0: the model built on the meta device (no memory), with peft's
     adapters when LoRA is on."""
     import torch
-    from dataclasses import replace
 
+    from llmsim.enums import Attention
     from llmsim.inputs.spec import TrainSetup
     from llmsim.model.step import add_peft
     from llmsim.model.trace import hf_builder
 
-    setup = TrainSetup(1, 1, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets)
+    # eager attention: every model type has it, and the attention changes no parameter
+    setup = TrainSetup(1, 1, attention=Attention.EAGER, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                       lora_targets=lora_targets)
     with torch.device("meta"):
-        built = model.factory_callable() if model.factory is not None else \
-            hf_builder(model, replace(setup, attention=None), model.hf_config())()
+        built = model.factory_callable() if model.factory is not None else hf_builder(model, setup, model.hf_config())()
         if lora_rank:
             built = add_peft(built, setup)
     return frozenset(p.shape[0] if p.dim() else 1 for p in built.parameters())
