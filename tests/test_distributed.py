@@ -115,8 +115,9 @@ def test_single_strategy_needs_one_rank(capsys):
     assert "world-size(2)" in capsys.readouterr().err
 
 
-# The default run keeps the ZeRO-3 run fresh (the strategy with the most of its own machinery); the DDP and ZeRO-2
-# runs are slow-marked to keep the default run inside its 15 minutes, their committed rows re-predicted there
+# The fresh multi-process runs are slow-marked to keep the default run inside its 15 minutes (the ZeRO-3 one, 50 s,
+# last, when FSDP2's rows came); their committed rows are re-predicted there, and the default run keeps fresh
+# multi-process TP and PP runs (tests/test_parallel.py)
 FRESH = [
     pytest.param("gpt2", (96, 3, 800, 4), TrainSetup(2, 48, Precision.BF16, grad_ckpt=True), Strategy.DDP, None,
                  id="ddp", marks=pytest.mark.slow),
@@ -124,7 +125,8 @@ FRESH = [
                  {"stage": 2, "reduce_bucket_size": 30000}, id="zero2", marks=pytest.mark.slow),
     pytest.param("llama-2-7b", (64, 3, 700, 4), TrainSetup(2, 32, Precision.BF16, grad_ckpt=True), Strategy.DEEPSPEED,
                  {"stage": 3, "reduce_bucket_size": 20000, "stage3_prefetch_bucket_size": 8000,
-                  "stage3_max_live_parameters": 30000, "stage3_param_persistence_threshold": 100}, id="zero3"),
+                  "stage3_max_live_parameters": 30000, "stage3_param_persistence_threshold": 100}, id="zero3",
+                 marks=pytest.mark.slow),
 ]
 
 

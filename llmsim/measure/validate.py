@@ -82,15 +82,19 @@ def load_measurements(paths: Iterable[Path] | None = None) -> pd.DataFrame:
 def validate(measurements: pd.DataFrame, jobs: int = 1) -> pd.DataFrame:
     """One row per measured rank: measured, predicted, relative error and whether it is in tolerance.
     With `jobs` > 1 the rows are shared out between fresh local processes (spawned: each starts as a new
-    `llmsim validate` would), rows of one model and configuration file kept together so they reuse a trace."""
+    `llmsim validate` would), rows of one model and configuration kept together so they reuse a trace."""
     if jobs <= 1 or len(measurements) < 2:
         return _validate_rows(measurements)
-    keys = measurements["source"].astype(str) + "|" + measurements["model"].astype(str) + "|" + \
-        measurements["overrides"].astype(str)
-    groups = sorted(measurements.groupby(keys, sort=False).groups.values(), key=len, reverse=True)
+    # rows of one model shape, whichever file holds them, share a process: their traces are often the same
+    keys = measurements["model"].astype(str) + "|" + measurements["overrides"].astype(str)
+    runs = (measurements["rank"].astype(int) == 0).groupby(keys, sort=False).sum()  # one prediction per run
+    groups = sorted(measurements.groupby(keys, sort=False).groups.items(), key=lambda item: -runs[item[0]])
     shares: list[list[int]] = [[] for _ in range(jobs)]
-    for index in groups:  # the largest group first, to the share with the fewest rows
-        min(shares, key=len).extend(index)
+    work = [0] * jobs
+    for key, index in groups:  # the most runs first, to the share with the fewest runs
+        share = work.index(min(work))
+        shares[share].extend(index)
+        work[share] += int(runs[key])
     chunks = [measurements.loc[sorted(share)] for share in shares if share]
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=len(chunks), mp_context=context,

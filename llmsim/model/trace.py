@@ -287,5 +287,10 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         num_layers = end - start
     period = layer_period(spec, setup)
     depth = trace_depth(num_layers, period)
+    if setup.fsdp is not None and setup.fsdp_rank != 0:
+        # A rank with shorter FSDP2 shards than rank 0 (llmsim.sim.strategies.fsdp.rank_classes): FSDP2 copies its
+        # shards into the padded buffers at its first forward, all layers at once from the root's lazy init, where
+        # no layer runs; such events would not be replicated with the template layer, so it is traced whole.
+        depth = num_layers
     timeline, info = run_fake(spec, setup, depth)
     return Trace(timeline, info, depth, period, num_layers)
