@@ -108,6 +108,27 @@ def test_fsdp_shards_the_model_states():
     assert fsdp.ranks[0].peak.allocated_bytes < ddp.ranks[0].peak.allocated_bytes / 2
 
 
+def test_on_a_gpu_the_run_is_traced_whole_and_prints_no_library_noise(capsys):
+    """The caching-allocator model follows each storage; the reduced-depth expansion keeps FSDP2's bytes but not
+    which layer's unsharded parameter each resize acts on, so a GPU prediction traces every layer."""
+    from llmsim.inputs.gpus import load_gpu, on_gpu
+    from llmsim.sim.allocator import NO_LIMIT, AllocatorConfig, replay_reserved
+
+    gpu = load_gpu("h100-80gb")
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 6, 256, 4))
+    setup = TrainSetup(1, 32, Precision.BF16, Attention.SDPA, True)
+    layout = Layout(Strategy.FSDP, 4, fsdp=FsdpSetup(False, init="full"))
+    predicted = predict(spec, setup, layout, gpu).ranks[0]
+    traced = on_gpu(replace(setup, fsdp=layout.fsdp, fsdp_world=4), gpu)
+    assert trace(spec, traced).depth == 6
+    full, _ = run_fake(spec, traced, None)
+    reserved = replay_reserved(full["serial"].to_numpy(), full["delta_bytes"].to_numpy(), NO_LIMIT, AllocatorConfig(),
+                               (gpu.cublas_workspace_bytes,)).peak_reserved_bytes
+    assert predicted.peak_reserved_bytes == reserved
+    assert main(["predict", *TINY, "--strategy", "fsdp", "--world-size", "2", "--gpu", "h100-80gb"]) == 0
+    assert "Warning" not in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_fresh_fsdp_run_matches_prediction():
     spec = load_model_spec("mistral-7b", shrink("mistral-7b", 96, 3, 1024, 4))

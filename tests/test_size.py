@@ -31,7 +31,9 @@ def test_size_agrees_with_brute_force():
 def test_size_table_ranks_fitting_layouts_first():
     spec = load_model_spec("gpt2", shrink("gpt2", 64, 2, 2048, 4))
     frame = size(spec, TrainSetup(1, 128), TINY_GPU, max_gpus=2, max_micro_batch=8)
-    assert set(frame["layout"]) == {"single", "ddp", "zero1", "zero2", "zero3", "fsdp"}
+    assert set(frame["layout"]) == {"single", "ddp", "zero1", "zero2", "zero3"}
+    fsdp = size(spec, TrainSetup(1, 128), TINY_GPU, max_gpus=2, max_micro_batch=8, families=("fsdp",))
+    assert list(fsdp["layout"]) == ["fsdp"]
     assert list(frame["fits"]) == sorted(frame["fits"], reverse=True)
 
 

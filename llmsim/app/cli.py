@@ -84,9 +84,9 @@ def cmd_size(args) -> int:
     args.micro_batch = 1
     spec, setup, _ = inputs(args)
     gpu = gpu_of(args)
-    from llmsim.app.size import FAMILIES
+    from llmsim.app.size import DEFAULT_FAMILIES, FAMILIES
 
-    families = tuple(f for f in args.layouts.split(",") if f) if args.layouts else FAMILIES
+    families = tuple(f for f in args.layouts.split(",") if f) if args.layouts else DEFAULT_FAMILIES
     if unknown := [f for f in families if f not in FAMILIES]:
         raise InputError(f"unknown layout families {unknown}; valid choices: {', '.join(FAMILIES)}")
     allow = tuple(name for name in (args.allow or "").split(",") if name)

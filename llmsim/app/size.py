@@ -63,6 +63,9 @@ class Candidate:
 
 
 FAMILIES = ("single", "ddp", "zero", "fsdp", "tp", "pp", "tpxpp")
+# Tried unless --layouts names them: FSDP2 on a GPU is traced at full depth (llmsim/model/trace.py), minutes per
+# micro-batch at 70B, so it is asked for by name
+DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f != "fsdp")
 
 
 def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
@@ -265,7 +268,7 @@ def with_levers(setup: TrainSetup, levers: tuple[str, ...]) -> TrainSetup:
 
 def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
          max_micro_batch: int = 64, alloc_conf: AllocatorConfig = AllocatorConfig(),
-         families: tuple[str, ...] = FAMILIES, global_batch: int | None = None,
+         families: tuple[str, ...] = DEFAULT_FAMILIES, global_batch: int | None = None,
          allow: tuple[str, ...] = (), jobs: int = 1, progress: bool = False) -> pd.DataFrame:
     """One row per layout (and GPU count): whether it fits, with which of the allowed levers (the fewest that
     make it fit), its micro-batch (the largest that fits; with `global_batch`, the one that makes up the batch),

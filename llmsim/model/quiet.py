@@ -15,6 +15,9 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="bitsandbytes")
     # the Trainer counts the embeddings an 8-bit optimizer skips by data_ptr(), which a traced fake tensor warns of
     warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+    # FSDP2's meta-device build initialises its sharded DTensors on a CPU mesh (the trace's): DTensor warns that
+    # its random ops may not be complete there; the values are never read, the bytes are the same
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
