@@ -63,6 +63,10 @@ RUNS = [
     ("gpt2", 3, "bf16", True, 2, 64, True, None, None, "meta", {"lora_rank": 8}),
     ("mistral-7b", 3, "fp32", True, 2, 64, False, BF16, FP32, "full"),
     ("qwen2.5-0.5b", 4, "fp32", False, 2, 64, True, None, None, "meta", {"lora_rank": 6}),  # rank 3: no LoRA A rows
+    # gradient accumulation: every micro-step's backward reduce-scatters into the sharded gradients
+    ("llama-2-7b", 2, "fp32", False, 2, 64, True, None, None, "meta", {"grad_accum": 2}),
+    ("mistral-7b", 4, "bf16", True, 2, 64, False, None, None, "meta", {"grad_accum": 3}),
+    ("gpt2", 2, "fp32", True, 2, 64, True, BF16, FP32, "meta", {"grad_accum": 2}),
 ]
 UNSETTLED = [0, 4, 9, 14]  # indices into RUNS measured again with gloo's own timing (--both-ways)
 

@@ -155,8 +155,8 @@ def _levers_modelled(layout: Layout, lever: str) -> bool:
         return False
     if layout.strategy in (Strategy.SINGLE, Strategy.DDP):
         return True
-    if layout.strategy is Strategy.FSDP:  # none measured with FSDP2 yet
-        return False
+    if layout.strategy is Strategy.FSDP:  # gradient accumulation alone measured with FSDP2 (tier2_fsdp_cpu.csv)
+        return lever == "grad-accum"
     return (layout.deepspeed.stage in LEVER_ZERO_STAGES[lever]
             and (layout.deepspeed.optimizer_kind == "client" or lever in LEVER_ZERO_DS_OPTIMIZER))
 
