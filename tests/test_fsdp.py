@@ -77,7 +77,9 @@ BAD = [
      "a quantized base with strategy fsdp"),
     (["--strategy", "fsdp", "--world-size", "2", "--lora-rank", "8", "--lora-modules-to-save", "lm_head"],
      "lora-modules-to-save with strategy fsdp is not modelled yet"),
-    (["--strategy", "fsdp", "--world-size", "2", "--grad-accum", "2"], "grad-accum(2) with strategy fsdp"),
+    (["--strategy", "fsdp", "--world-size", "2", "--grad-ckpt", "--ckpt-offload"], "ckpt-offload with strategy fsdp"),
+    (["--strategy", "fsdp", "--world-size", "2", "--optimizer", "adamw8bit"], "optimizer adamw8bit with strategy fsdp"),
+    (["--strategy", "fsdp", "--world-size", "2", "--fused"], "--fused with strategy fsdp"),
     (["--strategy", "fsdp", "--world-size", "2", "--precision", "fp16"], "precision fp16 with strategy fsdp"),
 ]
 

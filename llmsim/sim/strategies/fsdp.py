@@ -9,7 +9,7 @@ import functools
 
 import pandas as pd
 
-from llmsim.enums import Precision, Recipe
+from llmsim.enums import Device, Optimizer, Precision, Recipe
 from llmsim.errors import InputError
 
 # What is measured with FSDP2 (data/measurements/tier2_fsdp_cpu.csv): the canonical step, full fine-tuning and LoRA
@@ -27,6 +27,11 @@ def check_supported(setup, layout) -> None:
     if setup.precision not in PRECISIONS:
         raise InputError(f"precision {setup.precision.value} with strategy fsdp is not modelled yet; modelled: "
                          f"{', '.join(p.value for p in PRECISIONS)} (and MixedPrecisionPolicy's dtypes)")
+    # on a GPU the foreach path is torch's own choice for CUDA parameters (llmsim.inputs.gpus.on_gpu sets it)
+    if setup.optimizer is not Optimizer.ADAMW or setup.fused or (setup.foreach and setup.device is not Device.CUDA):
+        what = "--fused" if setup.fused else "--foreach" if setup.foreach else f"optimizer {setup.optimizer.value}"
+        raise InputError(f"{what} with strategy fsdp is not modelled yet; modelled with FSDP2: torch.optim.AdamW as "
+                         "torch picks its path (the for-loop on the CPU, foreach on a GPU)")
     if setup.quant is not None:
         raise InputError("a quantized base with strategy fsdp is not modelled yet; modelled with FSDP2: full "
                          "fine-tuning and LoRA")
