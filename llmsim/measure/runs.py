@@ -163,6 +163,7 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     check_tensor_parallel(spec.hf_config(), layout.tp)
     check_pipeline(spec.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
                    setup.precision)
+    fsdp_config = layout.fsdp.as_json() if layout.fsdp else None
     framework = ("deepspeed" if layout.strategy is Strategy.DEEPSPEED else "fsdp" if layout.strategy is Strategy.FSDP
                  else "model_parallel" if layout.tp * layout.pp > 1 else "ddp")
     job = {"framework": framework, "model": spec.name, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
@@ -178,13 +179,13 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
            "trainable_tokens": list(setup.trainable_tokens) if setup.trainable_tokens else None,
            "foreach": setup.foreach, "fused": setup.fused,
            "ds_config": layout.deepspeed.config if layout.deepspeed else None,
-           "fsdp_config": layout.fsdp.as_json() if layout.fsdp else None, "gloo_settle": gloo_settle}
+           "fsdp_config": fsdp_config, "gloo_settle": gloo_settle}
     start = time.perf_counter()
     results = run_ranks(job, layout.world_size, timeout_s)
     wall_s = round(time.perf_counter() - start, 2)
     stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     ds_config = layout.deepspeed.config_json if layout.deepspeed else ""
-    fsdp = {"fsdp_config": layout.fsdp.as_json(), "gloo_settle": gloo_settle} if layout.fsdp else {}
+    fsdp = {"fsdp_config": fsdp_config, "gloo_settle": gloo_settle} if layout.fsdp else {}
     return [{"tier": 2, **setup_columns(spec, setup), "strategy": layout.strategy.value,
              "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
              "schedule": layout.schedule.value if layout.pp > 1 else "", "n_microbatches": layout.n_microbatches,

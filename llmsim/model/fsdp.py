@@ -5,7 +5,7 @@ it in, each call with the same mesh, `reshard_after_forward` and `MixedPrecision
 It wraps the model where DistributedDataParallel would (the canonical step's `wrap`: after the precision cast,
 peft and checkpointing, before the optimizer), so AdamW is built on the sharded DTensor parameters.
 
-Predicted by running FSDP2 itself: the trace calls the same `fully_shard` under FakeTensorMode, as rank 0 of a
+Predicted by running FSDP2 itself: the trace calls the same `fully_shard` under FakeTensorMode, as one rank of a
 fake process group of the layout's world size (llmsim/model/tensor_parallel.py, `fake_process_group`): each
 collective allocates what the real one allocates (FSDP2 allocates its own all-gather and reduce-scatter buffers;
 the collective writes into them) and moves no data. The sharding, the padded shards, the all-gather buffers, the
@@ -33,7 +33,6 @@ from unittest import mock
 import torch
 from torch import nn
 
-from llmsim.errors import InputError
 from llmsim.inputs.spec import FsdpSetup
 
 GLOO_SETTLE_S = 0.002  # what the measured runs give gloo's worker thread after each reduce-scatter

@@ -44,8 +44,7 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             rank_timelines = {}
             for ranks in rank_classes(model, setup, layout.world_size):
                 timeline, graph = expanded(model, replace(setup, fsdp_rank=ranks[0]))
-                rank_timelines.update(plan(timeline, layout, setup) if len(ranks) == layout.world_size else
-                                      {rank: timeline for rank in ranks})
+                rank_timelines.update(dict.fromkeys(ranks, timeline))
         else:  # one trace, at full depth; the strategy plans each rank's timeline from it
             timeline, graph = expanded(model, setup)
             rank_timelines = plan(timeline, layout, setup)

@@ -39,7 +39,8 @@ def check_supported(setup, layout) -> None:
 
 
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
-    """Every rank of the traced rank's class (`rank_classes`) runs its timeline."""
+    """Every rank runs the traced timeline: the case of one rank class. llmsim.sim.pipeline traces one rank of each
+    class (`rank_classes`) and gives it to that class's ranks."""
     return {rank: timeline for rank in range(layout.world_size)}
 
 
@@ -47,14 +48,13 @@ def rank_classes(model, setup, world_size: int) -> list[list[int]]:
     """The ranks in groups of equal local shards (llmsim/model/fsdp.py, `rank_classes`)."""
     from llmsim.model import fsdp
 
-    return fsdp.rank_classes(_dim0_sizes(model, setup.lora_rank, setup.lora_alpha, setup.lora_targets,
-                                         setup.build_bf16), world_size)
+    return fsdp.rank_classes(_dim0_sizes(model, setup.lora_rank, setup.lora_targets), world_size)
 
 
 @functools.lru_cache(maxsize=16)
-def _dim0_sizes(model, lora_rank: int, lora_alpha: int, lora_targets, build_bf16: bool) -> frozenset[int]:
+def _dim0_sizes(model, lora_rank: int, lora_targets) -> frozenset[int]:
     """Every trained model's parameter's dim 0: the model built on the meta device (no memory), with peft's
-    adapters when LoRA is on."""
+    adapters when LoRA is on (their rank and targets decide their shapes)."""
     import torch
 
     from llmsim.enums import Attention
@@ -63,8 +63,7 @@ def _dim0_sizes(model, lora_rank: int, lora_alpha: int, lora_targets, build_bf16
     from llmsim.model.trace import hf_builder
 
     # eager attention: every model type has it, and the attention changes no parameter
-    setup = TrainSetup(1, 1, attention=Attention.EAGER, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                       lora_targets=lora_targets)
+    setup = TrainSetup(1, 1, attention=Attention.EAGER, lora_rank=lora_rank, lora_targets=lora_targets)
     with torch.device("meta"):
         built = model.factory_callable() if model.factory is not None else hf_builder(model, setup, model.hf_config())()
         if lora_rank:
