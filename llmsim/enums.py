@@ -22,6 +22,9 @@ class Category(str, Enum):
     # host memory: torch Adam/AdamW's 0-d `step` counters, which their for-loop and foreach paths keep on the host
     # while the parameters are on a GPU (torch/optim/adam.py, `_init_group`); the fused path puts them on the device
     HOST_OPTIMIZER_STATE = "host_optimizer_state"
+    # host memory of DeepSpeed's optimizer offload: the fp32 master partition, its gradient, the optimizer states,
+    # the host staging buffers and the host step's temporaries (llmsim/sim/strategies/zero12.py)
+    HOST_OFFLOAD = "host_offload"
     OTHER = "other"
 
 

@@ -30,11 +30,11 @@ def cmd_predict(args) -> int:
         spec, setup, layout = inputs(args)
         advice = suggestions(spec, setup, layout, predicted.gpu, predicted.alloc_conf, args.jobs, progress)
     if args.format == "json":
-        print(json.dumps({**predicted.to_dict(),
+        print(json.dumps({**predicted.to_dict(args.gpus_per_node),
                           **({"suggestions": [s.to_dict() for s in advice]} if advice is not None else {})},
                          indent=2))
     else:
-        print(prediction_table(predicted))
+        print(prediction_table(predicted, args.gpus_per_node))
         if advice is not None:
             print(suggestions_table(advice, predicted.gpu))
     if args.snapshot:

@@ -110,6 +110,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=1, help="micro-batches through the pipeline per step, each "
                    "of --micro-batch samples (with --pp)")
     p.add_argument("--ds-config", default=None, help="DeepSpeed JSON, as passed to deepspeed.initialize")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node, for the host memory a node needs "
+                   "when ranks offload to it (ZeRO-Offload, --ckpt-offload; default 8)")
     p.add_argument("--fsdp-param-dtype", default=None, help="with --strategy fsdp: MixedPrecisionPolicy(param_dtype=): "
                    "the dtype parameters are all-gathered and computed in (fp32 | bf16 | fp16; default: the "
                    "parameters' own)")
@@ -332,6 +334,8 @@ def prediction(args, progress: bool):
     from llmsim.sim.pipeline import predict
 
     gpu = gpu_of(args)
+    if getattr(args, "gpus_per_node", 1) < 1:
+        raise InputError(f"gpus-per-node({args.gpus_per_node}) must be >= 1")
     return predict(*inputs(args), gpu=gpu, alloc_conf=alloc_conf(args), progress=progress, jobs=args.jobs)
 
 

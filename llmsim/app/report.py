@@ -30,8 +30,9 @@ def layout_text(layout) -> str:
     return f"{layout.strategy.value} x {layout.world_size}" + (f" ({', '.join(parts)})" if parts else "")
 
 
-def prediction_table(prediction: Prediction) -> str:
+def prediction_table(prediction: Prediction, gpus_per_node: int = 8) -> str:
     s = prediction.setup
+    on_host = prediction.peak_host_bytes > 0  # offloaded checkpoint inputs, ZeRO-Offload's host side
     ckpt = f"checkpointing every {s.ckpt_every} layer(s)" if s.grad_ckpt else "no checkpointing"
     if s.ckpt_offload:
         ckpt += " (inputs offloaded to the host)"
@@ -42,14 +43,19 @@ def prediction_table(prediction: Prediction) -> str:
              f"attention {s.attention.value}, {ckpt}, {layout_text(prediction.layout)}, device {s.device.value}",
              _recipe_line(s), "",
              f"{'rank':>{width}}  {'peak allocated':>16}  {'peak reserved':>16}  {'device total':>16}  "
-             + (f"{'host peak':>16}  " if s.ckpt_offload else "") + "peak at",
+             + (f"{'host peak':>16}  " if on_host else "") + "peak at",
              ]
     for first, last, r in _rank_groups(prediction.ranks):
-        host = f"{human_bytes(r.peak_host_bytes):>16}  " if s.ckpt_offload else ""
+        host = f"{human_bytes(r.peak_host_bytes):>16}  " if on_host else ""
         ranks = f"{first}" if first == last else f"{first}-{last}"
         lines.append(f"{ranks:>{width}}  {human_bytes(r.peak_allocated_bytes):>16}  "
                      f"{human_bytes(r.peak_reserved_bytes):>16}  {human_bytes(r.device_total_bytes):>16}  {host}"
                      f"step {r.peak.step + 1} {r.peak.phase}, {r.peak.layer}")
+    if on_host:
+        per_node = min(gpus_per_node, prediction.layout.world_size)
+        lines += ["", f"host memory per node ({per_node} rank(s) per node, --gpus-per-node): "
+                      f"{human_bytes(prediction.host_per_node_bytes(gpus_per_node))}, the sum of its ranks' host peaks "
+                      "(live tensor bytes; not the pinned pool's rounding)"]
     worst = prediction.deciding_rank
     if prediction.gpu is not None:
         lines += ["", f"{prediction.gpu.name} ({human_bytes(prediction.gpu.capacity_bytes)}): "

@@ -66,6 +66,13 @@ class DeepSpeedSetup:
             return "client"
         return "torch" if optimizer.get("params", {}).get("torch_adam") else "fused"
 
+    @property
+    def offloads_optimizer(self) -> bool:
+        """ZeRO-Offload: `zero_optimization.offload_optimizer.device` is "cpu" (the master weights, their gradient
+        and the optimizer's states and step on the host)."""
+        offload = self.config.get("zero_optimization", {}).get("offload_optimizer") or {}
+        return offload.get("device", "none") == "cpu"
+
     def zero(self):
         """DeepSpeed's own parsed zero_optimization section, with DeepSpeed's defaults."""
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -182,8 +189,28 @@ def _validate(config: dict) -> None:
         if not isinstance(kind, str) or kind.lower() not in DEEPSPEED_ADAM_TYPES:
             raise InputError(f"DeepSpeed config optimizer type {kind!r} is not modelled; modelled: Adam, AdamW "
                              "(or no \"optimizer\" section: a client torch.optim.AdamW)")
-    offloaded = [key for key in ("offload_optimizer", "offload_param")
-                 if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none"]
-    if offloaded:
-        raise InputError(f"DeepSpeed config zero_optimization.{offloaded[0]} (CPU/NVMe offload) is not modelled yet; "
-                         "modelled: no offload")
+    stage = int(zero.get("stage", 0))
+    optimizer_offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
+    device = optimizer_offload.get("device", "none")
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key) if isinstance(zero.get(key), dict) else {}
+        if section.get("device") == "nvme" and not section.get("nvme_path"):
+            raise InputError(f"DeepSpeed config zero_optimization.{key}: device \"nvme\" needs \"nvme_path\" "
+                             "(the NVMe mount DeepSpeed swaps to; it fails at initialize without one)")
+    if device not in ("none", "cpu"):
+        raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer.device {device!r} is not modelled "
+                         "yet; modelled: \"cpu\", \"none\"")
+    if device == "cpu" and stage not in (1, 2):
+        raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer with stage {stage} is not modelled "
+                         "yet; modelled: stages 1 and 2")
+    if device == "cpu" and optimizer is not None:
+        raise InputError("DeepSpeed config zero_optimization.offload_optimizer with an \"optimizer\" section "
+                         "(DeepSpeed's CPU Adam) is not modelled yet; modelled: a client optimizer "
+                         "(no \"optimizer\" section, \"zero_force_ds_cpu_optimizer\": false)")
+    if device == "cpu" and config.get("zero_force_ds_cpu_optimizer", True):
+        raise InputError("DeepSpeed config: offload_optimizer with a client optimizer needs "
+                         "\"zero_force_ds_cpu_optimizer\": false (DeepSpeed refuses it otherwise)")
+    param_offload = zero.get("offload_param") if isinstance(zero.get("offload_param"), dict) else {}
+    if param_offload.get("device", "none") != "none":
+        raise InputError("DeepSpeed config zero_optimization.offload_param (ZeRO-3 parameter offload) is not "
+                         "modelled yet; modelled: no parameter offload")

@@ -56,7 +56,7 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
     setup = _setup(job)
     import_peft(setup)
     optimizer_class(setup.optimizer)  # imported before the step, as a training script does
-    with tracker, offloading(tracker, setup.ckpt_offload):
+    with tracker, offloading(tracker, setup.ckpt_offload), _host_memory(tracker, ds_config):
         keep_alive = HfDeepSpeedConfig(ds_config) if stage == 3 else None  # zero.Init inside from_config
         base = model = _build(job)
         hooks = LayerHooks(tracker, model, None)
@@ -87,6 +87,20 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
                 engine.step()
         tracker.finish()
     del keep_alive
+
+
+def _host_memory(tracker: StorageTracker, ds_config: dict):
+    """With optimizer offload, what a GPU run would hold on the host (llmsim/measure/host_memory.py)."""
+    import contextlib
+
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
+    if offload.get("device", "none") == "none":
+        return contextlib.nullcontext()
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from llmsim.measure.host_memory import HostMemory
+
+    return HostMemory(tracker).active((DeepSpeedZeroOptimizer,))
 
 
 def _setup(job: dict) -> TrainSetup:

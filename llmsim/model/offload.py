@@ -45,8 +45,10 @@ import torch
 from llmsim.enums import Category
 from llmsim.model.tracker import StorageTracker
 
-# timeline categories that live in host memory: offloaded checkpoint inputs, and AdamW's host `step` counters on a GPU
-HOST_CATEGORIES = frozenset({Category.OFFLOADED.value, Category.HOST_OPTIMIZER_STATE.value})
+# timeline categories that live in host memory: offloaded checkpoint inputs, AdamW's host `step` counters on a GPU,
+# and what DeepSpeed's optimizer offload keeps on the host
+HOST_CATEGORIES = frozenset({Category.OFFLOADED.value, Category.HOST_OPTIMIZER_STATE.value,
+                             Category.HOST_OFFLOAD.value})
 
 
 def host_offload(tracker: StorageTracker, pin_memory: bool = False, device_type: str = "cuda"):

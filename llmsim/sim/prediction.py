@@ -80,6 +80,14 @@ class Prediction:
     def peak_host_bytes(self) -> int:
         return max(r.peak_host_bytes for r in self.ranks)
 
+    def host_per_node_bytes(self, gpus_per_node: int) -> int:
+        """The most host memory one node needs: the sum of its ranks' host peaks (ranks fill nodes in order, as
+        torchrun and the deepspeed launcher number them; the ranks step together, so their peaks coincide)."""
+        nodes: dict[int, int] = {}
+        for r in self.ranks:
+            nodes[r.rank // gpus_per_node] = nodes.get(r.rank // gpus_per_node, 0) + r.peak_host_bytes
+        return max(nodes.values())
+
     @property
     def graph(self) -> nx.DiGraph:
         """The layer graph (llmsim/sim/graph.py) of the traced process (with pipeline stages, the last stage's)."""
@@ -101,7 +109,7 @@ class Prediction:
         """Bytes by category at each rank's peak: one row per rank."""
         return pd.DataFrame([r.peak.breakdown_bytes for r in self.ranks]).fillna(0).astype("int64")
 
-    def to_dict(self) -> dict:
+    def to_dict(self, gpus_per_node: int = 8) -> dict:
         return {"model": self.model.name, "strategy": self.layout.strategy.value,
                 "world_size": self.layout.world_size, "tp": self.layout.tp, "pp": self.layout.pp,
                 "schedule": self.layout.schedule.value if self.layout.pp > 1 else None,
@@ -114,6 +122,7 @@ class Prediction:
                 "gpu": self.gpu.name if self.gpu else None,
                 "expandable_segments": self.alloc_conf.expandable_segments,
                 "peak_allocated_bytes": self.peak_allocated_bytes, "peak_host_bytes": self.peak_host_bytes,
+                "gpus_per_node": gpus_per_node, "host_per_node_bytes": self.host_per_node_bytes(gpus_per_node),
                 **({"verdict": self.verdict, "verdict_rank": self.deciding_rank.rank,
                     "needed_bytes": self.deciding_rank.needed_bytes, "margin": self.gpu.margin,
                     "margin_bytes": self.gpu.margin_bytes, "verdict_why": verdict_why(self)}

@@ -248,6 +248,8 @@ def check_supported(setup, layout: Layout) -> None:
                          "process, ddp (the Trainer under torchrun) and DeepSpeed ZeRO-1/2")
     if layout.deepspeed is not None:
         check_deepspeed_optimizer(setup, layout.deepspeed)
+        if layout.deepspeed.offloads_optimizer:
+            _check_optimizer_offload(setup, layout.deepspeed)
     if layout.fsdp is not None:
         fsdp.check_supported(setup, layout)
     if setup.lora_rank:
@@ -274,6 +276,27 @@ def check_supported(setup, layout: Layout) -> None:
         _refuse_lever("grad-accum", f"grad-accum({setup.grad_accum})", layout,
                       " (DDP all-reducing every backward, no no_sync); a pipeline accumulates over its "
                       "--microbatches")
+
+
+def _check_optimizer_offload(setup, deepspeed: DeepSpeedSetup) -> None:
+    """ZeRO-Offload is modelled and measured (data/measurements/tier2_offload_cpu.csv) for the canonical step with
+    the client torch.optim.AdamW on its for-loop path, LoRA and gradient accumulation; the rest is refused, one
+    line each. On a GPU the setup's foreach is torch's CUDA default; the offloaded AdamW steps host tensors, for
+    which torch's default (`_default_to_fused_or_foreach`) is the for-loop path, the one modelled."""
+    from llmsim.enums import Device
+
+    modelled = ("modelled with offload_optimizer: the canonical step, the client torch.optim.AdamW (for-loop "
+                "path), LoRA, gradient accumulation")
+    refused = [what for what, on in (
+        (f"recipe {setup.recipe.value}", setup.recipe is not Recipe.CANONICAL),
+        (f"optimizer {setup.optimizer.value}", setup.optimizer.value != "adamw"),
+        ("--foreach", setup.foreach and setup.device is not Device.CUDA), ("--fused", setup.fused),
+        ("ckpt-offload", setup.ckpt_offload), (f"loss {setup.loss.value}", setup.loss.value != "hf"),
+        ("lora-modules-to-save", setup.lora_modules_to_save), ("trainable-tokens", setup.trainable_tokens),
+        (f"quant {setup.quant}", setup.quant is not None)) if on]
+    if refused:
+        raise InputError(f"DeepSpeed ZeRO-{deepspeed.stage} offload_optimizer with {refused[0]} is not modelled "
+                         f"yet; {modelled}")
 
 
 def _check_lora(setup, layout: Layout) -> None:

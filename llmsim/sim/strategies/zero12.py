@@ -77,6 +77,7 @@ GRADIENT_PHASES = (Phase.FORWARD.value, Phase.BACKWARD.value)
 # the values `_row` compares every row with (an enum's `.value` is a property lookup)
 _BUILD, _INPUT, _GRADIENT = Phase.BUILD.value, Category.INPUT.value, Category.GRADIENT.value
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: the flat buffer is padded to a multiple of 2 * world size
+SCALAR_FP32_BYTES = 4  # a 0-d fp32 tensor
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,8 @@ class _Rank:
         self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
         self.part = Partitioning.of(_trainable(parameters(timeline, self.elem), timeline, setup), layout.world_size)
         self.numel = {p.name: p.numel for p in self.part.params}
+        self.offload = layout.deepspeed.offloads_optimizer  # ZeRO-Offload: the optimizer on the host
+        self.accumulators: set[str] = set()  # offload, stage 2: the host gradient accumulators made so far
         self.mine = self.part.slices(rank)
         self.gip_bytes = sum(self.numel[name] for name in self.mine) * self.elem
         self.rank = rank
@@ -156,6 +159,8 @@ class _Rank:
         self.grad_accum = setup.grad_accum
         self.micro = 0  # the micro-step of the optimizer step whose backward runs (engine.micro_steps % n)
         self.initialized = False
+        self.norms: list[int] = []  # offload: the per-parameter gradient norms kept until the step (0-d f64, device)
+        self.global_norm: int | None = None  # offload: the last step's global norm (0-d fp32, host)
         trainable = set(self.numel)
         live = live_at_end_of_build(timeline, Category.PARAMETER)
         self.trainable_serials = {int(serial) for serial, name in live["name"].items() if name in trainable}
@@ -169,6 +174,9 @@ class _Rank:
                 self.w.free(serial, nbytes, Category.PARAMETER)
         self.flat = flat
         p32 = self.part.partition_numel * FP32_BYTES
+        if self.offload:
+            self._initialize_offload()
+            return
         if self.elem != FP32_BYTES:
             clone = self.w.alloc(self.part.partition_numel * self.elem, Category.TEMPORARY)
             self.master = self.w.alloc(p32, Category.MASTER_WEIGHTS)
@@ -177,6 +185,20 @@ class _Rank:
             self.master = self.w.alloc(p32, Category.MASTER_WEIGHTS)
         zeros = self.w.alloc(p32, Category.TEMPORARY)
         self.w.free(zeros, p32, Category.TEMPORARY)
+
+    def _initialize_offload(self) -> None:
+        """The host side of ZeRO-Offload: the master partition is a host copy of a device clone; a host staging
+        buffer for the updated bf16/fp32 partition; `temp_grad_buffer_for_cpu_offload` (the largest parameter's
+        numel, on the host, never read) and `temp_grad_buffer_for_gpu_offload` (the same on the device, for
+        accumulation); the master partition's fp32 `.grad` on the host, kept (`initialize_optimizer_states`)."""
+        p, largest = self.part.partition_numel, max(self.numel.values())
+        clone = self.w.alloc(p * self.elem, Category.TEMPORARY)
+        self.master = self.w.alloc(p * FP32_BYTES, Category.HOST_OFFLOAD)
+        self.w.free(clone, p * self.elem, Category.TEMPORARY)
+        self.w.alloc(p * self.elem, Category.HOST_OFFLOAD)
+        self.w.alloc(largest * self.elem, Category.HOST_OFFLOAD)
+        self.w.alloc(largest * self.elem, Category.REDUCE_BUCKET)
+        self.w.alloc(p * FP32_BYTES, Category.HOST_OFFLOAD)
 
     def _initialize_once(self) -> None:
         if not self.initialized:
@@ -205,6 +227,10 @@ class _Rank:
             self.flush()
         if numel > self.zero.reduce_bucket_size:
             self.bw.extra_large = name
+            if self.offload:  # `_offload_gradient_safety_enabled`: the gradient is cloned into its own storage
+                serial, nbytes = self.bw.grads.pop(name)
+                self.bw.grads[name] = (self.w.alloc(nbytes, Category.GRADIENT), nbytes)
+                self.w.free(serial, nbytes, Category.GRADIENT)
         else:  # copied into the contiguous buffer: the autograd storage is freed
             self._free_grad(name)
         self.bw.bucket.append(name)
@@ -223,11 +249,38 @@ class _Rank:
 
     def _keep_slices(self) -> None:
         """The bucket's slices of this rank's partition go into `grads_in_partition`, made at the first of them."""
+        if self.offload:
+            self._offload_slices()
+            return
         for name in self.bw.bucket:
             if name in self.mine and self.bw.gip is None:
                 self.bw.gip = self.w.alloc(self.gip_bytes, Category.GRADIENT)
             if name == self.bw.extra_large and (name in self.mine or self.stage == 2):
                 self._free_grad(name)  # copied into grads_in_partition, or cleared when not ours
+
+    def _offload_slices(self) -> None:
+        """`copy_grads_in_partition` under offload, for each of the bucket's parameters in this rank's partition.
+        Stage 2 off the boundary or past its first micro-step (`micro_step_id > 0`) accumulates on the host: the
+        parameter's whole gradient into a host buffer of its own, made the first time and kept
+        (`async_accumulate_grad_in_cpu_via_gpu`). At the boundary the slice's norm (a float64 copy, and its 0-d
+        norm kept until the step) and, in bf16, an fp32 copy of the slice, which goes to the host `.grad`."""
+        for name in self.bw.bucket:
+            if name in self.mine:
+                if self.stage == 2 and (self.micro > 0 or not self.boundary) and name not in self.accumulators:
+                    self.accumulators.add(name)
+                    self.w.alloc(self.numel[name] * self.elem, Category.HOST_OFFLOAD)
+                if self.boundary:
+                    self._offload_slice(self.mine[name])
+            if name == self.bw.extra_large and (name in self.mine or self.stage == 2):
+                self._free_grad(name)  # `p.grad = None` after the copy, or cleared when not ours
+
+    def _offload_slice(self, numel: int) -> None:
+        upcast = self.w.alloc(numel * FP64_BYTES, Category.TEMPORARY)
+        self.norms.append(self.w.alloc(FP64_BYTES, Category.GRADIENT))
+        self.w.free(upcast, numel * FP64_BYTES, Category.TEMPORARY)
+        if self.elem != FP32_BYTES:
+            fp32 = self.w.alloc(numel * FP32_BYTES, Category.TEMPORARY)
+            self.w.free(fp32, numel * FP32_BYTES, Category.TEMPORARY)
 
     def _slice_runs(self, bucket: list[str]) -> int:
         """`average_tensor` sends a bucket as one slice per run of consecutive same-partition pieces;
@@ -261,6 +314,9 @@ class _Rank:
         self._free_other_grads()
         for serial in self.bw.buffers:
             self.w.free(serial, self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
+        if self.offload:  # no grads_in_partition: the slices went to the host
+            self.bw = _Backward()
+            return
         if self.boundary:  # get_flat_partition pads the partition at the boundary
             self._pad()
         self._keep_gip(self.micro == 0 or self.stage == 1)
@@ -284,6 +340,9 @@ class _Rank:
 
     # ---- step ----------------------------------------------------------------------------------------
     def step(self, step: int) -> None:
+        if self.offload:
+            self._offload_step(step)
+            return
         self._upcast_slices()
         p = self.part.partition_numel
         flat_grad = self.w.alloc(p * self.elem, Category.GRADIENT)
@@ -298,6 +357,23 @@ class _Rank:
             step_optimizer(self.w, [self.part.partition_numel], step == 0, self.foreach, self.optimizer,
                            self.fused)
         self.w.free(flat_grad, p * FP32_BYTES, Category.GRADIENT)
+
+    def _offload_step(self, step: int) -> None:
+        """The step on the host: the global norm from the kept per-parameter norms (a 0-d fp32 for the step, and
+        one kept as the global norm until the next step's replaces it), clipping in place, the client AdamW on the
+        host partition and its host `.grad`, then the update copied into the device partition and all-gathered in
+        place; the per-parameter norms are dropped (`reset_cpu_buffers`)."""
+        local = self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
+        kept = self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
+        step_optimizer(self.w, [self.part.partition_numel], step == 0, False, self.optimizer, self.fused,
+                       on_host=True)  # host tensors: torch's for-loop AdamW (foreach is for accelerator tensors)
+        for serial in self.norms:
+            self.w.free(serial, FP64_BYTES, Category.GRADIENT)
+        self.norms = []
+        self.w.free(local, SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
+        if self.global_norm is not None:
+            self.w.free(self.global_norm, SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
+        self.global_norm = kept
 
     def _upcast_slices(self) -> None:
         for numel in self.mine.values():  # get_grad_norm_direct: g.to(float64) per slice
@@ -372,6 +448,8 @@ def plan(timeline: pd.DataFrame, layout, setup) -> LazyRanks:
     """Every rank's timeline, built when asked: from one template walk (`_Ranks`), or, where the template cannot
     stand for every rank (`_Diverges`), by walking the rank itself (`walk_rank`, the reference)."""
     rows, own = _walk_inputs(timeline)
+    if layout.deepspeed.offloads_optimizer:  # every rank by its own walk (the template's marks are the device's only)
+        return LazyRanks(layout.world_size, lambda rank: walk_rank(timeline, layout, setup, rank))
     try:
         ranks = _Ranks(timeline, rows, layout, setup, own)
     except _Diverges:

@@ -106,7 +106,8 @@ def frame_of(source: pd.DataFrame, order: np.ndarray, rows: list[tuple]) -> pd.D
     return both.take(at).reset_index(drop=True)
 
 
-def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool, fused: bool = False) -> None:
+def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool, fused: bool = False,
+          on_host: bool = False) -> None:
     """torch.optim.AdamW's step over fp32 parameters of `numels` elements (torch/optim/adam.py):
     `_init_group` creates `step`, `exp_avg` and `exp_avg_sq` for every parameter at the first step; then
     `_single_tensor_adam` (CPU default) makes `sqrt` and `denom` per parameter, the previous `denom` freed when
@@ -114,43 +115,47 @@ def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool, fused: 
     that lives until the step ends. `_fused_adam` (fused=True) adds 1 to the steps in place and runs
     `torch._fused_adamw_`, which updates parameters and states in place: no temporaries (its `step` lives on
     the parameters' device, 4 bytes as well; the other paths' on the host, which a GPU rank's writer marks,
-    `EventWriter.steps_on_host`). Scalar temporaries are left out."""
+    `EventWriter.steps_on_host`). Scalar temporaries are left out. `on_host`: the parameters are on the host
+    (ZeRO-Offload), and so are the states and temporaries (`step` is where it always is: `device="cpu"`, the
+    CPU standing in for the device in a CPU run, the host on a GPU)."""
     step_category = Category.HOST_OPTIMIZER_STATE if w.steps_on_host and not fused else Category.OPTIMIZER_STATE
+    state = Category.HOST_OFFLOAD if on_host else Category.OPTIMIZER_STATE
+    temporary = Category.HOST_OFFLOAD if on_host else Category.TEMPORARY
     if first:
         for numel in numels:
             w.alloc(ADAM_STEP_BYTES, step_category)
-            w.alloc(numel * FP32_BYTES, Category.OPTIMIZER_STATE)
-            w.alloc(numel * FP32_BYTES, Category.OPTIMIZER_STATE)
+            w.alloc(numel * FP32_BYTES, state)
+            w.alloc(numel * FP32_BYTES, state)
     if fused:
         return
     if foreach:
-        sqrts = [(w.alloc(n * FP32_BYTES, Category.TEMPORARY), n) for n in numels]
+        sqrts = [(w.alloc(n * FP32_BYTES, temporary), n) for n in numels]
         for serial, numel in reversed(sqrts):  # a Python list drops its items from the end
-            w.free(serial, numel * FP32_BYTES, Category.TEMPORARY)
+            w.free(serial, numel * FP32_BYTES, temporary)
         return
     previous = None
     for numel in numels:
-        sqrt = w.alloc(numel * FP32_BYTES, Category.TEMPORARY)
-        denom = w.alloc(numel * FP32_BYTES, Category.TEMPORARY)
-        w.free(sqrt, numel * FP32_BYTES, Category.TEMPORARY)
+        sqrt = w.alloc(numel * FP32_BYTES, temporary)
+        denom = w.alloc(numel * FP32_BYTES, temporary)
+        w.free(sqrt, numel * FP32_BYTES, temporary)
         if previous is not None:
-            w.free(*previous, Category.TEMPORARY)
+            w.free(*previous, temporary)
         previous = (denom, numel * FP32_BYTES)
     if previous is not None:
-        w.free(*previous, Category.TEMPORARY)
+        w.free(*previous, temporary)
 
 
 FUSED_ADAM_OVERFLOW_BUF_BYTES = 4  # FusedAdam.__init__: `_dummy_overflow_buf = IntTensor([0])`
 
 
 def step_optimizer(w: EventWriter, numels: list[int], first: bool, foreach: bool, kind: str,
-                   fused: bool = False) -> None:
+                   fused: bool = False, on_host: bool = False) -> None:
     """The optimizer step a ZeRO stage runs on its fp32 partitions: a torch AdamW (the client's, or `torch_adam`)
     or DeepSpeed's FusedAdam (deepspeed/ops/adam/fused_adam.py), which creates `exp_avg` and `exp_avg_sq` with
     `zeros_like` at the first step (`step` is a Python int) and updates them in place in one compiled
     multi-tensor kernel: no temporaries."""
     if kind != "fused":
-        adamw(w, numels, first, foreach, fused)
+        adamw(w, numels, first, foreach, fused, on_host)
         return
     if first:
         for numel in numels:

@@ -1,0 +1,110 @@
+"""DeepSpeed ZeRO-Offload (stages 1 and 2, `offload_optimizer: {"device": "cpu"}`, the client torch.optim.AdamW)
+measured on this CPU: `deepspeed.initialize`, `engine.backward`, `engine.step` under torchrun and gloo, the
+storage tracker in every rank, and the host side told apart from the device's as a GPU run holds them
+(llmsim/measure/host_memory.py).
+
+Each run is predicted first (`llmsim.sim.pipeline.predict`, printed before the run starts), then measured; the rows
+go to data/measurements/tier2_offload_cpu.csv (one per rank, device and host peaks). The first four RUNS were
+measured while the model was written (llmsim/sim/strategies/zero12.py); the rest were predicted before they were
+first measured. Run: python experiments/measure_offload.py [--only I ...] (about 12 minutes on 2 cores);
+experiments/measure_offload.out is its last output.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from llmsim.enums import Attention
+from llmsim.inputs.dsconfig import ds_setup
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.inputs.zoo import shrink
+from llmsim.measure.launch import LaunchFailure
+from llmsim.measure.runs import MEASUREMENTS_DIR, append_rows, measure_distributed
+from llmsim.sim.pipeline import predict
+from llmsim.sim.strategies import Layout, Strategy
+
+OFFLOAD_CSV = MEASUREMENTS_DIR / "tier2_offload_cpu.csv"
+SHAPES = {  # (hidden, layers, vocab, heads)
+    "llama-2-7b": (128, 3, 2000, 4), "gpt2": (128, 3, 1024, 4), "mistral-7b": (128, 3, 1500, 4),
+    "pythia-160m": (96, 3, 1536, 4), "qwen2.5-0.5b": (112, 3, 3000, 7),
+}
+B = 300_000  # reduce_bucket_size, elements: a few buckets per backward (the embedding, 256,000, fits one)
+
+
+def offload(stage: int, bf16: bool, pin: bool = True, ga: int = 1, clip: float = 1.0, **zero) -> dict:
+    """A DeepSpeed JSON as LLaMA-Factory's and axolotl's offload configs write it, with a client optimizer."""
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga, "gradient_clipping": clip,
+              "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": pin},
+                                    "reduce_bucket_size": B, **zero},
+              "zero_force_ds_cpu_optimizer": False}
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+# (model, world size, DeepSpeed JSON, grad_ckpt, seq_len, TrainSetup fields)
+RUNS = [
+    ("llama-2-7b", 2, offload(2, False, pin=False), False, 64, {}),
+    ("llama-2-7b", 2, offload(2, True), False, 64, {}),
+    ("llama-2-7b", 2, offload(1, False), False, 64, {}),
+    ("llama-2-7b", 2, offload(2, False, reduce_bucket_size=500_000_000), False, 64, {}),  # DeepSpeed's default
+    # predicted before measured
+    ("llama-2-7b", 2, offload(1, True, pin=False), False, 64, {}),
+    ("llama-2-7b", 2, offload(2, False, pin=False, overlap_comm=True), False, 64, {}),
+    ("llama-2-7b", 2, offload(1, True, overlap_comm=True), True, 64, {}),
+    ("llama-2-7b", 2, offload(2, True, clip=0.0), True, 64, {}),
+    ("llama-2-7b", 2, offload(2, False, reduce_bucket_size=200_000), False, 64, {}),  # embedding, head: extra large
+    ("llama-2-7b", 2, offload(1, True, reduce_bucket_size=200_000), False, 64, {}),
+    ("llama-2-7b", 2, offload(2, True, reduce_bucket_size=128 * 128), True, 64, {}),  # "auto": hidden², all large
+    ("llama-2-7b", 3, offload(2, False), False, 64, {}),  # three partitions, padded
+    ("mistral-7b", 4, offload(2, True, overlap_comm=True), True, 64, {}),
+    ("gpt2", 2, offload(2, False), False, 64, {}),  # tied embeddings
+    ("qwen2.5-0.5b", 2, offload(1, True), True, 64, {}),  # q/k/v biases, tied
+    ("pythia-160m", 3, offload(1, False, pin=False, overlap_comm=True), False, 64, {}),
+    # gradient accumulation: stage 2 accumulates on the host, stage 1 in the device gradients
+    ("llama-2-7b", 2, offload(2, False, ga=2), False, 64, {"grad_accum": 2}),
+    ("llama-2-7b", 2, offload(1, True, ga=2), False, 64, {"grad_accum": 2}),
+    ("mistral-7b", 2, offload(2, True, ga=3, overlap_comm=True), True, 64, {"grad_accum": 3}),
+    # LoRA: the adapters alone flattened, partitioned and offloaded
+    ("llama-2-7b", 2, offload(2, True), False, 64, {"lora_rank": 8}),
+    ("mistral-7b", 2, offload(1, False), True, 64, {"lora_rank": 16}),
+]
+
+
+def inputs(run: tuple):
+    model, world, config, ckpt, seq, fields = run
+    spec = load_model_spec(model, shrink(model, *SHAPES[model]))
+    deepspeed = ds_setup(config, world, SHAPES[model][0], None, None, fields.get("grad_accum"))
+    setup = TrainSetup(config["train_micro_batch_size_per_gpu"], seq, deepspeed.precision, Attention.SDPA, ckpt,
+                       **fields)
+    return spec, setup, Layout(Strategy.DEEPSPEED, world, deepspeed=deepspeed)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=OFFLOAD_CSV)
+    parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--only", type=int, nargs="*", help="indices into RUNS (default: all)")
+    args = parser.parse_args()
+    failures = 0
+    for index in (args.only if args.only is not None else range(len(RUNS))):
+        spec, setup, layout = inputs(RUNS[index])
+        predicted = predict(spec, setup, layout)
+        before = [(r.peak_allocated_bytes, r.peak_host_bytes) for r in predicted.ranks]
+        print(index, RUNS[index], "predicted (device, host) per rank:", before, flush=True)
+        try:
+            rows = measure_distributed(spec, setup, layout, args.timeout)
+        except LaunchFailure as exc:
+            failures += 1
+            print(f"FAILED {RUNS[index]}: {exc}", flush=True)
+            continue
+        append_rows(rows, args.out)
+        measured = [(r["peak_allocated_bytes"], r["peak_host_bytes"]) for r in rows]
+        diffs = [(m[0] - p[0], m[1] - p[1]) for m, p in zip(measured, before)]
+        print(index, "measured:", measured, "measured - predicted:", diffs, rows[0]["wall_s"], "s", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

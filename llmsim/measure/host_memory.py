@@ -1,0 +1,203 @@
+"""The CPU standing in for both sides of a ZeRO-Offload run: which storages a GPU run would hold on the host.
+
+On a GPU DeepSpeed's optimizer offload keeps the fp32 master partition, its gradient, the optimizer states and a
+few staging buffers on the host (`self.device = 'cpu'` when offloading, deepspeed/runtime/zero/stage_1_and_2.py)
+and everything else on the accelerator (`get_accelerator().current_device_name()`). On this CPU both names are
+"cpu", so a real run cannot tell them apart, and the moves between them behave differently: `t.to("cpu")` of a
+tensor already on the CPU returns the tensor itself, where the GPU run copies it across.
+
+`HostMemory` makes the measured run hold and move what a GPU run would, through DeepSpeed's own code:
+- the optimizer's host name is replaced by `HOST`, a "cpu" string that remembers it names the host (it compares
+  equal to "cpu", so DeepSpeed's `self.device == 'cpu'` branches are unchanged);
+- a torch function given `HOST` as its device makes host storages (`torch.zeros(n, device=HOST)`,
+  `t.to(HOST)`), and a host tensor's `.device` is `HOST_DEVICE`, so `torch.full(n, device=t.device)` is one too; a `.to()` or `.cpu()` that crosses between the host and the device always copies, as it does
+  on a GPU (`copy=True`: the CPU would otherwise alias);
+- any other op's new storages are on the host when its tensor inputs are (AdamW stepping the host partition:
+  its states and temporaries), on the device otherwise. A 0-d tensor beside a device tensor does not make the
+  op a host op (CUDA takes CPU scalars).
+Everything else -- default-device factories included -- is the device, as in every other CPU run llmsim measures.
+At the end the host storages are labelled `Category.HOST_OFFLOAD`, which the rows report apart from the device
+peak (`llmsim.model.offload.split_host`).
+
+What it cannot show: on a GPU `get_accelerator().pin_memory(t)` returns a page-locked *copy* of `t`; DeepSpeed's
+CPU accelerator returns `t`, so the measured host bytes are those of the unpinned path (see the strategy module).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from unittest import mock
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from llmsim.enums import Category
+from llmsim.model.tracker import StorageTracker, _storages
+
+_TO = {torch.Tensor.to}
+_CPU = {torch.Tensor.cpu}
+
+
+class HostDevice(str):
+    """"cpu", naming the host of an offloading run (not the CPU standing in for the accelerator)."""
+
+    __slots__ = ()
+
+
+HOST = HostDevice("cpu")
+# what `t.device` answers for a host tensor `t`: the CPU with an index, which torch accepts and keeps in a
+# factory's arguments, so `torch.full(n, device=t.device)` (DeepSpeed's host staging buffers) is known to be the host
+HOST_DEVICE = torch.device("cpu", 0)
+_DEVICE_GETTER = inspect.getattr_static(torch.Tensor, "device")
+
+
+def _is_host_name(device) -> bool:
+    return isinstance(device, HostDevice) or (isinstance(device, torch.device) and device == HOST_DEVICE)
+
+
+def _to_target(args, kwargs):
+    """The device a `Tensor.to(...)` call names (None when it names only a dtype)."""
+    device = kwargs.get("device")
+    if device is None:
+        for arg in args[1:]:
+            if isinstance(arg, (str, torch.device)):
+                return arg
+            if isinstance(arg, torch.Tensor):  # .to(other): other's device and dtype
+                return arg.device
+    return device
+
+
+class HostMemory:
+    """Tracks which of the tracker's storages a GPU run would hold on the host (see the module docstring)."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        self.tracker = tracker
+        self.host: set[int] = set()  # serials of host storages
+
+    # ---- storages ---------------------------------------------------------------------------------------
+    def _serials(self, value) -> list[int]:
+        found = []
+        for leaf in tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                for storage in _storages(leaf):
+                    live = self.tracker._live.get(storage._cdata)
+                    if live is not None:
+                        found.append(live.serial)
+        return found
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        serials = self._serials(tensor)
+        return bool(serials) and all(s in self.host for s in serials)
+
+    def _place(self, out, since: int, on_host: bool) -> None:
+        for serial in self._serials(out):
+            if serial >= since:
+                (self.host.add if on_host else self.host.discard)(serial)
+
+    def inputs_on_host(self, args, kwargs) -> bool:
+        """An op runs on the host when a tensor input is there and no input of more than one element is on the
+        device."""
+        host = device = False
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                serials = self._serials(leaf)
+                if not serials:
+                    continue
+                if all(s in self.host for s in serials):
+                    host = True
+                elif leaf.dim() > 0:
+                    device = True
+        return host and not device
+
+    # ---- the run ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def active(self, optimizer_classes: tuple[type, ...] = ()):
+        """While the run goes: `HOST` for each offloading optimizer's host name, the two modes, and the labels at
+        the end."""
+        patches = [mock.patch.object(cls, "device", _host_name_property(), create=True) for cls in optimizer_classes]
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            stack.enter_context(_Propagate(self))
+            stack.enter_context(_Place(self))
+            yield self
+        self.label()
+
+    def label(self) -> None:
+        for serial in self.host:
+            self.tracker._labels[serial] = Category.HOST_OFFLOAD
+
+
+def _host_name_property() -> property:
+    """`self.device` of an offloading ZeRO optimizer: `HOST` where DeepSpeed stores the string 'cpu'."""
+
+    def get(self):
+        return self.__dict__["_llmsim_device"]
+
+    def set_(self, value):
+        self.__dict__["_llmsim_device"] = HOST if value == "cpu" and getattr(self, "cpu_offload", False) else value
+
+    return property(get, set_)
+
+
+class _Place(TorchFunctionMode):
+    """Storages made by a call that names `HOST`, and copies across the host/device boundary."""
+
+    def __init__(self, memory: HostMemory) -> None:
+        super().__init__()
+        self.memory = memory
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if getattr(func, "__self__", None) is _DEVICE_GETTER:  # `t.device`
+            out = func(*args, **kwargs)
+            return HOST_DEVICE if out.type == "cpu" and self.memory.is_host(args[0]) else out
+        since = self.memory.tracker._next_serial
+        if func in _TO or func in _CPU:
+            source = args[0]
+            target = HOST if func in _CPU else _to_target(args, kwargs)
+            if target is not None and isinstance(source, torch.Tensor) and self.memory._serials(source):
+                to_host = _is_host_name(target)
+                if to_host != self.memory.is_host(source):  # a crossing: a GPU copies, the CPU would alias
+                    out = source.to(torch.device("cpu"), *_dtype_args(args, kwargs), copy=True,
+                                    non_blocking=kwargs.get("non_blocking", False))
+                    self.memory._place(out, since, to_host)
+                    return out
+            out = func(*args, **kwargs)
+            if target is not None:
+                self.memory._place(out, since, _is_host_name(target))
+            return out
+        out = func(*args, **kwargs)
+        if any(_is_host_name(a) for a in tree_leaves((args, kwargs)) if isinstance(a, (str, torch.device))):
+            self.memory._place(out, since, True)
+        return out
+
+
+def _dtype_args(args, kwargs) -> tuple:
+    """The dtype a `.to(...)` call asks for, as a positional argument list for `.to(device, dtype)`."""
+    dtype = kwargs.get("dtype")
+    if dtype is None:
+        dtype = next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
+        if dtype is None:
+            other = next((a for a in args[1:] if isinstance(a, torch.Tensor)), None)
+            dtype = other.dtype if other is not None else None
+    return (dtype,) if dtype is not None else ()
+
+
+class _Propagate(TorchDispatchMode):
+    """An op's new storages are on the host when its inputs are."""
+
+    def __init__(self, memory: HostMemory) -> None:
+        super().__init__()
+        self.memory = memory
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        since = self.memory.tracker._next_serial
+        on_host = self.memory.inputs_on_host(args, kwargs)
+        out = func(*args, **kwargs)
+        if on_host:
+            self.memory._place(out, since, True)
+        return out
