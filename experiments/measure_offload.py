@@ -6,7 +6,10 @@ storage tracker in every rank, and the host side told apart from the device's as
 Each run is predicted first (`llmsim.sim.pipeline.predict`, printed before the run starts), then measured; the rows
 go to data/measurements/tier2_offload_cpu.csv (one per rank, device and host peaks). The first four RUNS were
 measured while the model was written (llmsim/sim/strategies/zero12.py); the rest were predicted before they were
-first measured. Run: python experiments/measure_offload.py [--only I ...] (about 12 minutes on 2 cores);
+first measured. Every row is measured with gloo's worker thread settled after each of DeepSpeed's collectives
+(`ds_gloo_settle`), which is what NCCL does at the wait and what the prediction keeps; `--both-ways` then re-runs
+UNSETTLED several times with gloo's own timing and prints the peaks beside the settled ones (not kept).
+Run: python experiments/measure_offload.py [--only I ...] [--both-ways] (about 6 minutes on 2 cores);
 experiments/measure_offload.out is its last output.
 """
 from __future__ import annotations
@@ -72,6 +75,10 @@ RUNS = [
 ]
 
 
+UNSETTLED = [3, 0, 12]  # one bucket holding every gradient; a few buckets; four ranks
+REPEATS = 3
+
+
 def inputs(run: tuple):
     model, world, config, ckpt, seq, fields = run
     spec = load_model_spec(model, shrink(model, *SHAPES[model]))
@@ -86,15 +93,16 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=OFFLOAD_CSV)
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--only", type=int, nargs="*", help="indices into RUNS (default: all)")
+    parser.add_argument("--both-ways", action="store_true", help="then UNSETTLED again with gloo's own timing")
     args = parser.parse_args()
-    failures = 0
+    failures, settled = 0, {}
     for index in (args.only if args.only is not None else range(len(RUNS))):
         spec, setup, layout = inputs(RUNS[index])
         predicted = predict(spec, setup, layout)
         before = [(r.peak_allocated_bytes, r.peak_host_bytes) for r in predicted.ranks]
         print(index, RUNS[index], "predicted (device, host) per rank:", before, flush=True)
         try:
-            rows = measure_distributed(spec, setup, layout, args.timeout)
+            rows = measure_distributed(spec, setup, layout, args.timeout, ds_gloo_settle=True)
         except LaunchFailure as exc:
             failures += 1
             print(f"FAILED {RUNS[index]}: {exc}", flush=True)
@@ -103,6 +111,15 @@ def main() -> int:
         measured = [(r["peak_allocated_bytes"], r["peak_host_bytes"]) for r in rows]
         diffs = [(m[0] - p[0], m[1] - p[1]) for m, p in zip(measured, before)]
         print(index, "measured:", measured, "measured - predicted:", diffs, rows[0]["wall_s"], "s", flush=True)
+        settled[index] = [m[0] for m in measured]
+    if args.both_ways:
+        print("gloo's own timing (no settle) against the settled rows, device peak per rank:")
+        for index in UNSETTLED:
+            spec, setup, layout = inputs(RUNS[index])
+            for _ in range(REPEATS):
+                rows = measure_distributed(spec, setup, layout, args.timeout)
+                print(index, "settled", settled.get(index), "unsettled",
+                      [r["peak_allocated_bytes"] for r in rows], flush=True)
     return 1 if failures else 0
 
 

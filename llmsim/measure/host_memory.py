@@ -15,6 +15,7 @@ tensor already on the CPU returns the tensor itself, where the GPU run copies it
 - any other op's new storages are on the host when its tensor inputs are (AdamW stepping the host partition:
   its states and temporaries), on the device otherwise. A 0-d tensor beside a device tensor does not make the
   op a host op (CUDA takes CPU scalars).
+DeepSpeed's gradient hooks run under the first mode too (the autograd engine drops torch function modes).
 Everything else -- default-device factories included -- is the device, as in every other CPU run llmsim measures.
 At the end the host storages are labelled `Category.HOST_OFFLOAD`, which the rows report apart from the device
 peak (`llmsim.model.offload.split_host`).
@@ -117,6 +118,8 @@ class HostMemory:
         """While the run goes: `HOST` for each offloading optimizer's host name, the two modes, and the labels at
         the end."""
         patches = [mock.patch.object(cls, "device", _host_name_property(), create=True) for cls in optimizer_classes]
+        patches.append(mock.patch.object(torch.Tensor, "register_post_accumulate_grad_hook",
+                                         self._placing_hooks(torch.Tensor.register_post_accumulate_grad_hook)))
         with contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
@@ -124,6 +127,19 @@ class HostMemory:
             stack.enter_context(_Place(self))
             yield self
         self.label()
+
+    def _placing_hooks(self, register):
+        """`Tensor.register_post_accumulate_grad_hook` whose hooks run under `_Place`: the autograd engine calls
+        them without the caller's torch function modes (dispatch modes it keeps), and DeepSpeed's gradient hooks
+        make host buffers (the accumulation buffers, `accumulated_grads_in_cpu`)."""
+        memory = self
+
+        def register_placed(tensor, hook):
+            def placed(param):
+                with _Place(memory):
+                    return hook(param)
+            return register(tensor, placed)
+        return register_placed
 
     def label(self) -> None:
         for serial in self.host:

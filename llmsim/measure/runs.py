@@ -153,10 +153,13 @@ def append_rows(rows: list[dict], path: Path = TIER1_CSV) -> None:
 
 
 def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
-                        timeout_s: int = DEFAULT_TIMEOUT_S, gloo_settle: bool = True) -> list[dict]:
+                        timeout_s: int = DEFAULT_TIMEOUT_S, gloo_settle: bool = True,
+                        ds_gloo_settle: bool = False) -> list[dict]:
     """A real multi-process run (torchrun, gloo) on this CPU: one tier-2 row per rank. `gloo_settle` (FSDP2): give
     gloo's worker thread a moment after each reduce-scatter to drop its copy, as NCCL holds none
-    (llmsim/model/fsdp.py); False measures gloo's own timing (the row says which)."""
+    (llmsim/model/fsdp.py); False measures gloo's own timing (the row says which). `ds_gloo_settle` (DeepSpeed): the
+    same after each of DeepSpeed's synchronous collectives (llmsim/measure/dist_worker.py; off by default, as the
+    DeepSpeed rows before it were measured; a row with it says `gloo_settle`)."""
     setup = resolve_attention(spec, setup)
     check_fits_positions(spec, setup)
     check_supported(setup, layout)  # what is not modelled (e.g. ckpt-offload with ZeRO) is not measured either
@@ -179,13 +182,15 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
            "trainable_tokens": list(setup.trainable_tokens) if setup.trainable_tokens else None,
            "foreach": setup.foreach, "fused": setup.fused,
            "ds_config": layout.deepspeed.config if layout.deepspeed else None,
-           "fsdp_config": fsdp_config, "gloo_settle": gloo_settle}
+           "fsdp_config": fsdp_config, "gloo_settle": gloo_settle, "ds_gloo_settle": ds_gloo_settle}
     start = time.perf_counter()
     results = run_ranks(job, layout.world_size, timeout_s)
     wall_s = round(time.perf_counter() - start, 2)
     stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     ds_config = layout.deepspeed.config_json if layout.deepspeed else ""
     fsdp = {"fsdp_config": fsdp_config, "gloo_settle": gloo_settle} if layout.fsdp else {}
+    if ds_gloo_settle:  # DeepSpeed's collectives settled as well (the offload rows)
+        fsdp["gloo_settle"] = True
     return [{"tier": 2, **setup_columns(spec, setup), "strategy": layout.strategy.value,
              "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
              "schedule": layout.schedule.value if layout.pp > 1 else "", "n_microbatches": layout.n_microbatches,

@@ -190,15 +190,38 @@ class _Rank:
         """The host side of ZeRO-Offload: the master partition is a host copy of a device clone; a host staging
         buffer for the updated bf16/fp32 partition; `temp_grad_buffer_for_cpu_offload` (the largest parameter's
         numel, on the host, never read) and `temp_grad_buffer_for_gpu_offload` (the same on the device, for
-        accumulation); the master partition's fp32 `.grad` on the host, kept (`initialize_optimizer_states`)."""
+        accumulation); the master partition's fp32 `.grad` on the host, kept (`initialize_optimizer_states`).
+        With pin_memory on a GPU each host buffer is pinned as it is made: `get_accelerator().pin_memory(t)` is a
+        pinned copy, the pageable one freed as its name is rebound, except the staging buffer's, which its local
+        name holds until `__init__` returns (on the CPU it returns `t`: the rows measure the unpinned path)."""
         p, largest = self.part.partition_numel, max(self.numel.values())
         clone = self.w.alloc(p * self.elem, Category.TEMPORARY)
-        self.master = self.w.alloc(p * FP32_BYTES, Category.HOST_OFFLOAD)
+        self.master = self._host_buffer(p * FP32_BYTES)
         self.w.free(clone, p * self.elem, Category.TEMPORARY)
-        self.w.alloc(p * self.elem, Category.HOST_OFFLOAD)
-        self.w.alloc(largest * self.elem, Category.HOST_OFFLOAD)
+        staging = self._host_buffer(p * self.elem, keep_pageable=True)
+        self._host_buffer(largest * self.elem)
         self.w.alloc(largest * self.elem, Category.REDUCE_BUCKET)
-        self.w.alloc(p * FP32_BYTES, Category.HOST_OFFLOAD)
+        self._host_buffer(p * FP32_BYTES)
+        if staging[1] is not None:
+            self.w.free(staging[1], p * self.elem, Category.HOST_OFFLOAD)
+
+    @property
+    def pins(self) -> bool:
+        """Host buffers are pinned copies: pin_memory, on a GPU (the rank's writer keeps AdamW's steps on the
+        host there)."""
+        return bool(self.zero.offload_optimizer.pin_memory) and self.w.steps_on_host
+
+    def _host_buffer(self, nbytes: int, keep_pageable: bool = False):
+        """A host buffer of DeepSpeed's offload, pinned where `pins`: its serial (with `keep_pageable`, also the
+        pageable original's, still alive, or None)."""
+        pageable = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
+        if not self.pins:
+            return (pageable, None) if keep_pageable else pageable
+        pinned = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
+        if keep_pageable:
+            return pinned, pageable
+        self.w.free(pageable, nbytes, Category.HOST_OFFLOAD)
+        return pinned
 
     def _initialize_once(self) -> None:
         if not self.initialized:
@@ -268,7 +291,7 @@ class _Rank:
             if name in self.mine:
                 if self.stage == 2 and (self.micro > 0 or not self.boundary) and name not in self.accumulators:
                     self.accumulators.add(name)
-                    self.w.alloc(self.numel[name] * self.elem, Category.HOST_OFFLOAD)
+                    self._host_buffer(self.numel[name] * self.elem)
                 if self.boundary:
                     self._offload_slice(self.mine[name])
             if name == self.bw.extra_large and (name in self.mine or self.stage == 2):

@@ -1,0 +1,135 @@
+"""DeepSpeed ZeRO-Offload (stages 1 and 2, the optimizer on the host): the measured rows, how a CPU run tells the
+host from the device, and what the prediction keeps on each side."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from llmsim.enums import Attention, Category, Precision
+from llmsim.inputs.dsconfig import ds_setup
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.inputs.zoo import shrink
+from llmsim.measure.host_memory import HOST_DEVICE, HostMemory
+from llmsim.measure.runs import MEASUREMENTS_DIR
+from llmsim.model.tracker import StorageTracker
+from llmsim.sim.pipeline import predict
+from llmsim.sim.strategies import Layout, Strategy
+
+OFFLOAD_CSV = MEASUREMENTS_DIR / "tier2_offload_cpu.csv"
+SHAPE = (128, 3, 2000, 4)
+
+
+def _config(stage: int, bf16: bool = False, pin: bool = True, **zero) -> dict:
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "zero_force_ds_cpu_optimizer": False,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 300_000,
+                                    "offload_optimizer": {"device": "cpu", "pin_memory": pin}, **zero}}
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _predict(config: dict, world: int = 2, gpu=None, **fields):
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", *SHAPE))
+    deepspeed = ds_setup(config, world, SHAPE[0], None, None)
+    setup = TrainSetup(2, 64, deepspeed.precision, Attention.SDPA, False, **fields)
+    return predict(spec, setup, Layout(Strategy.DEEPSPEED, world, deepspeed=deepspeed), gpu=gpu)
+
+
+def test_committed_rows_cover_the_offload_matrix():
+    rows = pd.read_csv(OFFLOAD_CSV)
+    configs = [json.loads(c) for c in rows["ds_config"]]
+    zero = [c["zero_optimization"] for c in configs]
+    assert len(rows) >= 40
+    assert {z["stage"] for z in zero} == {1, 2}
+    assert {bool(c.get("bf16", {}).get("enabled")) for c in configs} == {True, False}
+    assert {z["offload_optimizer"]["pin_memory"] for z in zero} == {True, False}
+    assert {bool(z.get("overlap_comm")) for z in zero} == {True, False}
+    assert {c["gradient_accumulation_steps"] for c in configs} >= {1, 2, 3}
+    assert set(rows["world_size"]) >= {2, 3, 4} and (rows["lora"] > 0).any() and rows["grad_ckpt"].any()
+    assert (rows["peak_host_bytes"] > 0).all()  # every rank holds its optimizer on the host
+
+
+class _Offloading:
+    """What DeepSpeed's ZeRO optimizer does with its host name (stage_1_and_2.py, `__init__`)."""
+
+    def __init__(self, weights: torch.Tensor) -> None:
+        self.cpu_offload = True
+        self.device = "cpu"
+        self.master = weights.detach().clone().to(device=self.device, dtype=torch.float32)
+        self.staging = torch.full(self.master.shape, 0.0, device=self.master.device)
+        self.on_device = torch.zeros(3)
+
+
+def test_a_cpu_run_holds_on_the_host_what_a_gpu_run_would():
+    tracker = StorageTracker()
+    with tracker:
+        memory = HostMemory(tracker)
+        with memory.active((_Offloading,)):
+            weights = torch.ones(256)
+            offloading = _Offloading(weights)
+            assert offloading.master.device == HOST_DEVICE and offloading.on_device.device.type == "cpu"
+            denom = offloading.master.sqrt() + 1  # AdamW on the host partition
+            back = offloading.master.to("cpu")  # to the device: a copy, as on a GPU (the CPU would alias)
+            assert back.data_ptr() != offloading.master.data_ptr()
+            del denom, back
+        tracker.finish()
+    timeline = tracker.timeline()
+    allocated = timeline[timeline["delta_bytes"] > 0]
+    host = allocated[allocated["category"] == Category.HOST_OFFLOAD.value]["delta_bytes"].tolist()
+    device = allocated[allocated["category"] != Category.HOST_OFFLOAD.value]["delta_bytes"].tolist()
+    # host: master, staging, sqrt, + 1; device: the weights, their clone, the zeros, the copy back
+    assert host == [1024, 1024, 1024, 1024] and device == [1024, 1024, 12, 1024]
+
+
+def test_offload_moves_the_optimizer_to_the_host():
+    for stage in (1, 2):
+        kept = _predict({**_config(stage), "zero_optimization": {"stage": stage, "reduce_bucket_size": 300_000}})
+        offloaded = _predict(_config(stage))
+        assert kept.peak_host_bytes == 0 < offloaded.peak_host_bytes
+        assert offloaded.peak_allocated_bytes < kept.peak_allocated_bytes
+        # master partition, its gradient, the staging copy, AdamW's two states and its sqrt/denom temporaries (P fp32
+        # each), and the largest parameter's unused host buffer; P = ceil(N / 4) * 4 / 2
+        numel = 2 * 2000 * 128 + 3 * (4 * 128 * 128 + 3 * 128 * 344 + 2 * 128) + 128  # embedding, head, layers
+        partition = -(-numel // 4) * 4 // 2
+        # + three 0-d fp32 norms: the last step's global norm, and this step's two
+        assert offloaded.peak_host_bytes == 7 * 4 * partition + 2000 * 128 * 4 + 3 * 4
+        assert offloaded.host_per_node_bytes(8) == 2 * offloaded.peak_host_bytes
+        assert offloaded.host_per_node_bytes(1) == offloaded.peak_host_bytes
+
+
+def test_pinned_buffers_are_copies_on_a_gpu_only():
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.sim.pipeline import checked
+    from llmsim.sim.strategies.zero12 import walk_rank
+    from llmsim.sim.traced import expanded
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", *SHAPE))
+    host = {}
+    for pin in (True, False):
+        for gpu in (load_gpu("h100-80gb"), None):
+            deepspeed = ds_setup(_config(2, bf16=True, pin=pin), 2, SHAPE[0], None, None)
+            layout = Layout(Strategy.DEEPSPEED, 2, deepspeed=deepspeed)
+            setup = checked(spec, TrainSetup(2, 64, Precision.BF16, Attention.SDPA, False), layout, gpu)
+            timeline = walk_rank(expanded(spec, setup)[0], layout, setup, 0)
+            host[pin, gpu is not None] = timeline.loc[timeline["category"] == Category.HOST_OFFLOAD.value,
+                                                      "delta_bytes"]
+    assert host[True, False].tolist() == host[False, False].tolist()  # the CPU accelerator pins nothing
+    pinned, pageable = host[True, True], host[False, True]
+    assert (pinned > 0).sum() == (pageable > 0).sum() + 4  # master, staging, unused buffer, gradient: copied
+    assert pinned.sum() == pageable.sum() and pinned.cumsum().max() == pageable.cumsum().max()
+
+
+@pytest.mark.slow
+def test_fresh_offload_run_matches_prediction():
+    from llmsim.measure.runs import measure_distributed
+    from llmsim.measure.validate import validate
+
+    spec = load_model_spec("gpt2", shrink("gpt2", 96, 3, 900, 4))
+    deepspeed = ds_setup(_config(2, bf16=True, overlap_comm=True), 2, 96, None, None, 2)
+    setup = TrainSetup(2, 48, Precision.BF16, Attention.SDPA, True, grad_accum=2)
+    rows = measure_distributed(spec, setup, Layout(Strategy.DEEPSPEED, 2, deepspeed=deepspeed))
+    results = validate(pd.DataFrame(rows))
+    assert results["ok"].all(), results[["rank", "rel_error", "host_rel_error"]].to_dict("records")
