@@ -140,4 +140,4 @@ def test_fresh_fsdp_run_matches_prediction():
     predicted = predict(spec, setup, layout)
     for row in measured:
         want = predicted.ranks[row["rank"]].peak.allocated_bytes
-        assert abs(want - row["peak_allocated_bytes"]) <= PEAK_ALLOCATED_TOLERANCE * row["peak_allocated_bytes"]
+        assert abs(want - row["peak_allocated_bytes"]) <= PEAK_ALLOCATED_TOLERANCE[2] * row["peak_allocated_bytes"]

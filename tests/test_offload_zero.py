@@ -48,7 +48,7 @@ def test_committed_rows_cover_the_offload_matrix():
     assert {z["offload_optimizer"]["pin_memory"] for z in zero} == {True, False}
     assert {bool(z.get("overlap_comm")) for z in zero} == {True, False}
     assert {c["gradient_accumulation_steps"] for c in configs} >= {1, 2, 3}
-    assert set(rows["world_size"]) >= {2, 3, 4} and (rows["lora"] > 0).any() and rows["grad_ckpt"].any()
+    assert set(rows["world_size"]) >= {2, 3, 4} and (rows["lora_rank"] > 0).any() and rows["grad_ckpt"].any()
     assert (rows["peak_host_bytes"] > 0).all()  # every rank holds its optimizer on the host
 
 
@@ -125,11 +125,16 @@ def test_pinned_buffers_are_copies_on_a_gpu_only():
 @pytest.mark.slow
 def test_fresh_offload_run_matches_prediction():
     from llmsim.measure.runs import measure_distributed
-    from llmsim.measure.validate import validate
+    from llmsim.measure.tolerances import PEAK_ALLOCATED_TOLERANCE
 
     spec = load_model_spec("gpt2", shrink("gpt2", 96, 3, 900, 4))
     deepspeed = ds_setup(_config(2, bf16=True, overlap_comm=True), 2, 96, None, None, 2)
     setup = TrainSetup(2, 48, Precision.BF16, Attention.SDPA, True, grad_accum=2)
-    rows = measure_distributed(spec, setup, Layout(Strategy.DEEPSPEED, 2, deepspeed=deepspeed))
-    results = validate(pd.DataFrame(rows))
-    assert results["ok"].all(), results[["rank", "rel_error", "host_rel_error"]].to_dict("records")
+    layout = Layout(Strategy.DEEPSPEED, 2, deepspeed=deepspeed)
+    measured = measure_distributed(spec, setup, layout, ds_gloo_settle=True)
+    predicted = predict(spec, setup, layout)
+    tolerance = PEAK_ALLOCATED_TOLERANCE[2]
+    for row in measured:
+        rank = predicted.ranks[row["rank"]]
+        assert abs(rank.peak_allocated_bytes - row["peak_allocated_bytes"]) <= tolerance * row["peak_allocated_bytes"]
+        assert abs(rank.peak_host_bytes - row["peak_host_bytes"]) <= tolerance * row["peak_host_bytes"]

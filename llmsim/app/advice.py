@@ -132,6 +132,18 @@ def _zero_layout(model: ModelSpec, setup: TrainSetup, stage: int, world_size: in
                                                            setup.grad_accum))
 
 
+def _with_optimizer_offload(layout: Layout) -> Layout:
+    """The job's DeepSpeed JSON with its optimizer offloaded to the CPU (ZeRO-Offload, the client optimizer kept)."""
+    import json
+
+    from llmsim.inputs.dsconfig import DeepSpeedSetup
+
+    config = layout.deepspeed.config
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config["zero_force_ds_cpu_optimizer"] = False
+    return replace(layout, deepspeed=DeepSpeedSetup(json.dumps(config, sort_keys=True), layout.world_size))
+
+
 def _canonical_layouts(model: ModelSpec, setup: TrainSetup, layout: Layout) -> list[Change]:
     """Higher ZeRO stages on the job's GPUs, then ZeRO-3 on more of them (data parallelism alone: tp = pp = 1)."""
     if layout.strategy is Strategy.FSDP:  # it already shards everything: the same FSDP2 on more GPUs
@@ -153,6 +165,13 @@ def _canonical_layouts(model: ModelSpec, setup: TrainSetup, layout: Layout) -> l
                               "more communication: states, gradients"
                               + (" and parameters" if stage == 3 else "") + " partitioned over the ranks",
                               setup, zero, lever=False))
+    if layout.deepspeed is not None and current in (1, 2) and not layout.deepspeed.offloads_optimizer:
+        offloaded = _with_optimizer_offload(layout)
+        out.append(Change(f"the same ZeRO-{current} with the optimizer offloaded to the CPU (zero_optimization."
+                          "offload_optimizer {\"device\": \"cpu\", \"pin_memory\": true}, "
+                          "\"zero_force_ds_cpu_optimizer\": false)",
+                          "AdamW steps on the host: slower steps, and host memory on every node", setup, offloaded,
+                          lever=False))
     for factor in MORE_GPUS:
         try:
             zero = _zero_layout(model, setup, 3, gpus * factor)

@@ -62,10 +62,11 @@ class Candidate:
     layout_for: object  # (micro_batch) -> Layout
 
 
-FAMILIES = ("single", "ddp", "zero", "fsdp", "tp", "pp", "tpxpp")
-# Tried unless --layouts names them: FSDP2 on a GPU is traced at full depth (llmsim/model/trace.py), a minute per
-# micro-batch at 70B (62 s cold, Llama-2-70B on 64 H100s), so it is asked for by name
-DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f != "fsdp")
+FAMILIES = ("single", "ddp", "zero", "offload", "fsdp", "tp", "pp", "tpxpp")
+# Asked for by name (--layouts): FSDP2 on a GPU is traced at full depth (llmsim/model/trace.py), a minute per
+# micro-batch at 70B (62 s cold, Llama-2-70B on 64 H100s); ZeRO-Offload ("offload": ZeRO-1/2 with the optimizer on
+# the host, `zero1-offload`, `zero2-offload`) walks and replays every rank on its own (zero12.plan)
+DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("fsdp", "offload"))
 
 
 def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
@@ -79,6 +80,10 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
             for stage in (1, 2, 3):
                 out.append(Candidate(f"zero{stage}", world,
                                      lambda mb, w=world, s=stage: _zero(spec, setup, w, s, mb)))
+        if "offload" in families and _offload_refusal(spec, setup, world) is None:
+            for stage in (1, 2):
+                out.append(Candidate(f"zero{stage}-offload", world,
+                                     lambda mb, w=world, s=stage: _zero(spec, setup, w, s, mb, offload=True)))
         if "fsdp" in families and _fsdp_refusal(spec, setup, world) is None:  # FSDP2 as the tutorial sets it up
             out.append(Candidate("fsdp", world, lambda mb, w=world: Layout(Strategy.FSDP, w, fsdp=FsdpSetup())))
         splits = ([(world, 1)] if "tp" in families else []) + ([(1, world)] if "pp" in families else []) + \
@@ -100,6 +105,8 @@ def _why_none(spec: ModelSpec, setup: TrainSetup, families: tuple[str, ...], max
         reasons.append(f"DeepSpeed ZeRO takes fp32 or bf16, not {setup.precision.value}")
     if "fsdp" in families and (reason := _fsdp_refusal(spec, setup, 2)) is not None:
         reasons.append(reason)
+    if "offload" in families and (reason := _offload_refusal(spec, setup, 2)) is not None:
+        reasons.append(reason)
     if {"tp", "pp", "tpxpp"} & set(families):
         for degree in (2, 4, 8)[: max(1, max_gpus.bit_length() - 1)]:
             for tp, pp in ((degree, 1), (1, degree)):
@@ -107,6 +114,19 @@ def _why_none(spec: ModelSpec, setup: TrainSetup, families: tuple[str, ...], max
                 if reason is not None and reason not in reasons:
                     reasons.append(reason)
     return "; ".join(reasons) or "none of them is modelled for this setup"
+
+
+def _offload_refusal(spec: ModelSpec, setup: TrainSetup, world: int) -> str | None:
+    """Why ZeRO-2 with the optimizer offloaded over `world` ranks is not modelled for this setup, or None."""
+    from llmsim.sim.strategies import check_supported
+
+    if setup.precision not in (Precision.FP32, Precision.BF16):
+        return f"DeepSpeed ZeRO takes fp32 or bf16, not {setup.precision.value}"
+    try:
+        check_supported(setup, _zero(spec, setup, world, 2, setup.micro_batch, offload=True))
+    except InputError as error:
+        return str(error)
+    return None
 
 
 def _fsdp_refusal(spec: ModelSpec, setup: TrainSetup, world: int) -> str | None:
@@ -140,9 +160,13 @@ def _model_parallel_refusal(spec: ModelSpec, setup: TrainSetup, tp: int, pp: int
     return None
 
 
-def _zero(spec: ModelSpec, setup: TrainSetup, world: int, stage: int, micro_batch: int) -> Layout:
+def _zero(spec: ModelSpec, setup: TrainSetup, world: int, stage: int, micro_batch: int,
+          offload: bool = False) -> Layout:
     config = {"train_micro_batch_size_per_gpu": micro_batch, "zero_optimization": {"stage": stage},
               "bf16": {"enabled": setup.precision is Precision.BF16}}
+    if offload:  # LLaMA-Factory's ds_z2_offload_config.json with the Trainer's optimizer
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        config["zero_force_ds_cpu_optimizer"] = False
     if not deepspeed_tested(setup.optimizer):  # as a user running it must (llmsim.sim.strategies.check_deepspeed_optimizer)
         config[ZERO_ALLOW_UNTESTED_OPTIMIZER] = True
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
