@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-Offload (stages 1 and 2, `offload_optimizer: {"device": "cpu"}`, the client torch.optim.AdamW)
 measured on this CPU: `deepspeed.initialize`, `engine.backward`, `engine.step` under torchrun and gloo, the
 storage tracker in every rank, and the host side told apart from the device's as a GPU run holds them
-(llmsim/measure/host_memory.py).
+(llmsim/model/host_memory.py).
 
 Each run is predicted first (`llmsim.sim.pipeline.predict`, printed before the run starts), then measured; the rows
 go to data/measurements/tier2_offload_cpu.csv (one per rank, device and host peaks). The first four RUNS were

@@ -9,8 +9,9 @@ quantizes on load, then peft's prepare_model_for_kbit_training (unless the case 
 DDP_CASES run under torchrun on 2 ranks (`--world-size 2`: the Trainer wraps the model in DistributedDataParallel
 over gloo), one row per rank, in data/measurements/trainer_ddp_cpu.csv.
 DEEPSPEED_CASES run the Trainer with TrainingArguments(deepspeed=...) on 2 ranks (ZeRO-1/2, "auto" values), in
-data/measurements/trainer_deepspeed_cpu.csv.
-Run: python experiments/measure_trainer.py [--out CSV] [--only N] [--cases all|plain|qlora|ddp|deepspeed]
+data/measurements/trainer_deepspeed_cpu.csv; OFFLOAD_CASES the same with the optimizer offloaded to the CPU (ZeRO-Offload), in
+data/measurements/trainer_offload_cpu.csv.
+Run: python experiments/measure_trainer.py [--out CSV] [--only N] [--cases all|plain|qlora|ddp|deepspeed|offload]
 """
 from __future__ import annotations
 
@@ -91,6 +92,26 @@ ZERO2 = json.loads((Path(__file__).resolve().parent.parent / "examples" / "ds_ze
 ZERO1 = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 1}, "gradient_accumulation_steps": "auto",
          "gradient_clipping": "auto", "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}
 DEEPSPEED_OUT = OUT.with_name("trainer_deepspeed_cpu.csv")
+# ZeRO-Offload as LLaMA-Factory's ds_z2_offload_config.json writes it (optimizer to the CPU, pinned, "auto" values),
+# with the key DeepSpeed needs to take the Trainer's optimizer there, and without its round_robin_gradients (not
+# modelled); the same for ZeRO-1
+ZERO2_OFFLOAD = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                 "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+                 "zero_force_ds_cpu_optimizer": False,
+                 "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                       "allgather_partitions": True, "allgather_bucket_size": 5e8,
+                                       "overlap_comm": False, "reduce_scatter": True, "reduce_bucket_size": 5e8,
+                                       "contiguous_gradients": True}}
+ZERO1_OFFLOAD = {**ZERO2_OFFLOAD, "zero_optimization": {**ZERO2_OFFLOAD["zero_optimization"], "stage": 1}}
+OFFLOAD_OUT = OUT.with_name("trainer_offload_cpu.csv")
+OFFLOAD_CASES = [
+    ("ZeRO-2 offload, bf16, default optim", {"bf16": True, "deepspeed": ZERO2_OFFLOAD}, None, "float32"),
+    ("ZeRO-2 offload, bf16, adamw_torch, accumulation 2", {"bf16": True, "optim": "adamw_torch",
+                                                          "gradient_accumulation_steps": 2,
+                                                          "deepspeed": ZERO2_OFFLOAD}, None, "float32"),
+    ("ZeRO-1 offload, fp32, checkpointing", {"gradient_checkpointing": True, "deepspeed": ZERO1_OFFLOAD}, None,
+     "float32"),
+]
 DEEPSPEED_CASES = [
     ("ZeRO-2, bf16, default optim", {"bf16": True, "deepspeed": ZERO2}, None, "float32"),
     ("ZeRO-2, bf16, adamw_torch", {"bf16": True, "optim": "adamw_torch", "deepspeed": ZERO2}, None, "float32"),
@@ -136,17 +157,18 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="default: OUT (DDP_OUT for --cases ddp)")
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
-    parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed"], default="all",
+    parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload"], default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
                         "DDP_OUT / DEEPSPEED_OUT)")
     args = parser.parse_args()
-    world_size, out = {"ddp": (DDP_WORLD_SIZE, DDP_OUT), "deepspeed": (DDP_WORLD_SIZE, DEEPSPEED_OUT)}.get(
-        args.cases, (1, OUT))
+    world_size, out = {"ddp": (DDP_WORLD_SIZE, DDP_OUT), "deepspeed": (DDP_WORLD_SIZE, DEEPSPEED_OUT),
+                       "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT)}.get(args.cases, (1, OUT))
     out = args.out or out
     cases = ([(*case, None, True) for case in CASES] if args.cases in ("all", "plain") else []) + \
         (QLORA_CASES if args.cases in ("all", "qlora") else []) + \
         ([(*case, None, True) for case in DDP_CASES] if args.cases == "ddp" else []) + \
-        ([(*case, None, True) for case in DEEPSPEED_CASES] if args.cases == "deepspeed" else [])
+        ([(*case, None, True) for case in DEEPSPEED_CASES] if args.cases == "deepspeed" else []) + \
+        ([(*case, None, True) for case in OFFLOAD_CASES] if args.cases == "offload" else [])
     failures = 0
     for model in MODELS:
         for name, fields, peft, dtype, quantization, kbit_prep in cases[: args.only]:

@@ -12,7 +12,7 @@ from llmsim.enums import Attention, Category, Precision
 from llmsim.inputs.dsconfig import ds_setup
 from llmsim.inputs.spec import TrainSetup, load_model_spec
 from llmsim.inputs.zoo import shrink
-from llmsim.measure.host_memory import HOST_DEVICE, HostMemory
+from llmsim.model.host_memory import HOST_DEVICE, HostMemory
 from llmsim.measure.runs import MEASUREMENTS_DIR
 from llmsim.model.tracker import StorageTracker
 from llmsim.sim.pipeline import predict

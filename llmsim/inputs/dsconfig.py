@@ -210,6 +210,9 @@ def _validate(config: dict) -> None:
     if device == "cpu" and config.get("zero_force_ds_cpu_optimizer", True):
         raise InputError("DeepSpeed config: offload_optimizer with a client optimizer needs "
                          "\"zero_force_ds_cpu_optimizer\": false (DeepSpeed refuses it otherwise)")
+    if stage in (1, 2) and zero.get("round_robin_gradients"):
+        raise InputError("DeepSpeed config zero_optimization.round_robin_gradients (ZeRO-1/2's round-robin "
+                         "partitioning of the gradients) is not modelled yet; modelled: false (DeepSpeed's default)")
     param_offload = zero.get("offload_param") if isinstance(zero.get("offload_param"), dict) else {}
     if param_offload.get("device", "none") != "none":
         raise InputError("DeepSpeed config zero_optimization.offload_param (ZeRO-3 parameter offload) is not "

@@ -118,17 +118,13 @@ def _deepspeed_settled(settle: bool):
 
 
 def _host_memory(tracker: StorageTracker, ds_config: dict):
-    """With optimizer offload, what a GPU run would hold on the host (llmsim/measure/host_memory.py)."""
+    """With optimizer offload, what a GPU run would hold on the host (llmsim/model/host_memory.py)."""
     import contextlib
 
-    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
-    if offload.get("device", "none") == "none":
-        return contextlib.nullcontext()
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from llmsim.model.host_memory import optimizer_offload
 
-    from llmsim.measure.host_memory import HostMemory
-
-    return HostMemory(tracker).active((DeepSpeedZeroOptimizer,))
+    placing = optimizer_offload(ds_config)
+    return placing(tracker) if placing is not None else contextlib.nullcontext()
 
 
 def _setup(job: dict) -> TrainSetup:

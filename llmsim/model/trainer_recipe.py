@@ -136,7 +136,10 @@ def run(job: dict) -> dict:
         phases = _Phases(tracker)
         quantization = job.get("quantization_config")
         loading = {"quantization_config": BitsAndBytesConfig(**quantization)} if quantization else {}
-        with tracker:
+        from llmsim.model.host_memory import optimizer_offload
+
+        placing = optimizer_offload(job["training_args"].get("deepspeed"))  # ZeRO-Offload: host and device apart
+        with tracker, (placing(tracker) if placing is not None else contextlib.nullcontext()):
             model = AutoModelForCausalLM.from_pretrained(Path(directory) / "model", dtype=DTYPES[job["load_dtype"]],
                                                          **loading)
             tracker.adopt([*model.parameters(), *model.buffers()])  # what stayed memory-mapped (on a GPU: copied)

@@ -279,18 +279,18 @@ def check_supported(setup, layout: Layout) -> None:
 
 
 def _check_optimizer_offload(setup, deepspeed: DeepSpeedSetup) -> None:
-    """ZeRO-Offload is modelled and measured (data/measurements/tier2_offload_cpu.csv) for the canonical step with
-    the client torch.optim.AdamW on its for-loop path, LoRA and gradient accumulation; the rest is refused, one
-    line each. On a GPU the setup's foreach is torch's CUDA default; the offloaded AdamW steps host tensors, for
+    """ZeRO-Offload is modelled and measured (data/measurements/tier2_offload_cpu.csv, trainer_deepspeed_cpu.csv)
+    for the canonical step and the HF Trainer with the client torch.optim.AdamW on its for-loop or fused path (the
+    Trainer's default `adamw_torch_fused`), LoRA and gradient accumulation; the rest is refused, one line each. On
+    a GPU the setup's foreach is torch's CUDA default; the offloaded AdamW steps host tensors, for
     which torch's default (`_default_to_fused_or_foreach`) is the for-loop path, the one modelled."""
     from llmsim.enums import Device
 
-    modelled = ("modelled with offload_optimizer: the canonical step, the client torch.optim.AdamW (for-loop "
-                "path), LoRA, gradient accumulation")
+    modelled = ("modelled with offload_optimizer: the canonical step and the HF Trainer, the client "
+                "torch.optim.AdamW (for-loop or fused path), LoRA, gradient accumulation")
     refused = [what for what, on in (
-        (f"recipe {setup.recipe.value}", setup.recipe is not Recipe.CANONICAL),
         (f"optimizer {setup.optimizer.value}", setup.optimizer.value != "adamw"),
-        ("--foreach", setup.foreach and setup.device is not Device.CUDA), ("--fused", setup.fused),
+        ("--foreach", setup.foreach and setup.device is not Device.CUDA),
         ("ckpt-offload", setup.ckpt_offload), (f"loss {setup.loss.value}", setup.loss.value != "hf"),
         ("lora-modules-to-save", setup.lora_modules_to_save), ("trainable-tokens", setup.trainable_tokens),
         (f"quant {setup.quant}", setup.quant is not None)) if on]

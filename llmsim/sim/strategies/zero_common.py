@@ -119,6 +119,8 @@ def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool, fused: 
     (ZeRO-Offload), and so are the states and temporaries (`step` is where it always is: `device="cpu"`, the
     CPU standing in for the device in a CPU run, the host on a GPU)."""
     step_category = Category.HOST_OPTIMIZER_STATE if w.steps_on_host and not fused else Category.OPTIMIZER_STATE
+    if on_host and fused:  # the fused path's `step` is on the parameters' device: the host
+        step_category = Category.HOST_OFFLOAD
     state = Category.HOST_OFFLOAD if on_host else Category.OPTIMIZER_STATE
     temporary = Category.HOST_OFFLOAD if on_host else Category.TEMPORARY
     if first:

@@ -70,6 +70,22 @@ def _to_target(args, kwargs):
     return device
 
 
+def optimizer_offload(ds_config: dict | str | None):
+    """`HostMemory(tracker).active(...)` for a run whose DeepSpeed JSON (a dict, a path, or None) offloads the
+    optimizer to the CPU, else None: the measured run's context, as a function of the tracker."""
+    import json
+    from pathlib import Path
+
+    if isinstance(ds_config, (str, Path)):
+        ds_config = json.loads(Path(ds_config).read_text())
+    offload = ((ds_config or {}).get("zero_optimization") or {}).get("offload_optimizer") or {}
+    if offload.get("device", "none") == "none":
+        return None
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return lambda tracker: HostMemory(tracker).active((DeepSpeedZeroOptimizer,))
+
+
 class HostMemory:
     """Tracks which of the tracker's storages a GPU run would hold on the host (see the module docstring)."""
 
