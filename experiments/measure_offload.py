@@ -6,7 +6,7 @@ storage tracker in every rank, and the host side told apart from the device's as
 Each run is predicted first (`llmsim.sim.pipeline.predict`, printed before the run starts), then measured; the rows
 go to data/measurements/tier2_offload_cpu.csv (one per rank, device and host peaks). The first four RUNS were
 measured while the model was written (llmsim/sim/strategies/zero12.py); the rest were predicted before they were
-first measured. Every row is measured with gloo's worker thread settled after each of DeepSpeed's collectives
+first measured (the last two, torch's fused AdamW, added after the Trainer's offload runs). Every row is measured with gloo's worker thread settled after each of DeepSpeed's collectives
 (`ds_gloo_settle`), which is what NCCL does at the wait and what the prediction keeps; `--both-ways` then re-runs
 UNSETTLED several times with gloo's own timing and prints the peaks beside the settled ones (not kept).
 Run: python experiments/measure_offload.py [--only I ...] [--both-ways] (about 6 minutes on 2 cores);
@@ -72,6 +72,9 @@ RUNS = [
     # LoRA: the adapters alone flattened, partitioned and offloaded
     ("llama-2-7b", 2, offload(2, True), False, 64, {"lora_rank": 8}),
     ("mistral-7b", 2, offload(1, False), True, 64, {"lora_rank": 16}),
+    # torch's fused AdamW on the host partition (fused=True: no temporaries, `step` beside the parameters)
+    ("llama-2-7b", 2, offload(2, True), False, 64, {"fused": True}),
+    ("gpt2", 2, offload(1, False, ga=2), True, 64, {"fused": True, "grad_accum": 2}),
 ]
 
 

@@ -52,6 +52,8 @@ BAD = [
       "zero_force_ds_cpu_optimizer": False, "optimizer": {"type": "AdamW"}}, [], "DeepSpeed's CPU Adam"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
      [], "offload_param"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "round_robin_gradients": True}}, [],
+     "round_robin_gradients"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
       "zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True}, ["--optimizer", "sgd"],
      "offload_optimizer with optimizer sgd"),

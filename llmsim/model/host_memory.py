@@ -49,8 +49,9 @@ class HostDevice(str):
 
 HOST = HostDevice("cpu")
 # what `t.device` answers for a host tensor `t`: the CPU with an index, which torch accepts and keeps in a
-# factory's arguments, so `torch.full(n, device=t.device)` (DeepSpeed's host staging buffers) is known to be the host
-HOST_DEVICE = torch.device("cpu", 0)
+# factory's arguments, so `torch.full(n, device=t.device)` (DeepSpeed's host staging buffers) is known to be the host.
+# Not an index a process names the CPU by: accelerate's distributed CPU state is `cpu:<local rank>`
+HOST_DEVICE = torch.device("cpu", 255)
 _DEVICE_GETTER = inspect.getattr_static(torch.Tensor, "device")
 
 
