@@ -51,7 +51,7 @@ HOST = HostDevice("cpu")
 # what `t.device` answers for a host tensor `t`: the CPU with an index, which torch accepts and keeps in a
 # factory's arguments, so `torch.full(n, device=t.device)` (DeepSpeed's host staging buffers) is known to be the host.
 # Not an index a process names the CPU by: accelerate's distributed CPU state is `cpu:<local rank>`
-HOST_DEVICE = torch.device("cpu", 255)
+HOST_DEVICE = torch.device("cpu", 99)  # (a device index is an int8: 255 would be no index, plain "cpu")
 _DEVICE_GETTER = inspect.getattr_static(torch.Tensor, "device")
 
 
