@@ -128,7 +128,8 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
     stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     rows = []
     for rank, result in enumerate(results):
-        peak = replay(result["timeline"])
+        device, host = split_host(result["timeline"])  # ZeRO-Offload's host side apart (llmsim/model/host_memory.py)
+        peak = replay(device)
         rows.append({
             "tier": 1 if layout.world_size == 1 else 2, "recipe": setup.recipe.value, "model": spec.name,
             "overrides": json.dumps(dict(spec.overrides), sort_keys=True), "seq_len": setup.seq_len,
@@ -138,7 +139,7 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
             "precision": setup.precision.value, "attention": attention, "grad_ckpt": setup.grad_ckpt,
             "ckpt_every": 1, "lora_rank": setup.lora_rank, "strategy": layout.strategy.value,
             "world_size": layout.world_size, "rank": rank, "peak_allocated_bytes": peak.allocated_bytes,
-            "peak_host_bytes": 0, "peak_phase": peak.phase, "device": "cpu", **environment(),
+            "peak_host_bytes": host_peak_bytes(host), "peak_phase": peak.phase, "device": "cpu", **environment(),
             "peft": _version("peft"), "accelerate": _version("accelerate"), "bitsandbytes": _version("bitsandbytes"),
             "measured_at": stamp, "wall_s": round(wall_s, 2)})
     return rows
