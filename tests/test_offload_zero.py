@@ -52,6 +52,16 @@ def test_committed_rows_cover_the_offload_matrix():
     assert (rows["peak_host_bytes"] > 0).all()  # every rank holds its optimizer on the host
 
 
+def test_committed_trainer_rows_cover_offload_as_recipes_write_it():
+    rows = pd.read_csv(MEASUREMENTS_DIR / "trainer_offload_cpu.csv")
+    fields = [json.loads(a) for a in rows["training_args"]]
+    assert len(rows) >= 24 and (rows["peak_host_bytes"] > 0).all()
+    assert {f["deepspeed"]["zero_optimization"]["stage"] for f in fields} == {1, 2}
+    assert {f.get("optim", "adamw_torch_fused") for f in fields} == {"adamw_torch_fused", "adamw_torch"}
+    assert {f.get("gradient_accumulation_steps", 1) for f in fields} == {1, 2} and rows["grad_ckpt"].any()
+    assert rows["model"].nunique() == 4
+
+
 class _Offloading:
     """What DeepSpeed's ZeRO optimizer does with its host name (stage_1_and_2.py, `__init__`)."""
 
