@@ -136,9 +136,7 @@ def run(job: dict) -> dict:
         phases = _Phases(tracker)
         quantization = job.get("quantization_config")
         loading = {"quantization_config": BitsAndBytesConfig(**quantization)} if quantization else {}
-        from llmsim.model.host_memory import optimizer_offload
-
-        placing = optimizer_offload(job["training_args"].get("deepspeed"))  # ZeRO-Offload: host and device apart
+        placing = _optimizer_offload(job["training_args"].get("deepspeed"))  # ZeRO-Offload: host and device apart
         with tracker, (placing(tracker) if placing is not None else contextlib.nullcontext()):
             model = AutoModelForCausalLM.from_pretrained(Path(directory) / "model", dtype=DTYPES[job["load_dtype"]],
                                                          **loading)
@@ -173,6 +171,16 @@ def main() -> int:
     result["timeline"].to_pickle(out / f"rank{rank}.timeline.pkl")
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "loaded_dtype": result["loaded_dtype"]}))
     return 0
+
+
+def _optimizer_offload(ds_config):
+    """The host placement of a DeepSpeed run that offloads its optimizer (llmsim/model/host_memory.py, the
+    instrument's part for it, imported only for a DeepSpeed job), or None."""
+    if not ds_config:
+        return None
+    from llmsim.model.host_memory import optimizer_offload
+
+    return optimizer_offload(ds_config)
 
 
 def _label(tracker: StorageTracker, trainer) -> None:
