@@ -70,6 +70,8 @@ def test_committed_rows_cover_the_fsdp_matrix():
 
 BAD = [
     (["--fsdp-param-dtype", "bf16"], "--fsdp-param-dtype needs --strategy fsdp"),
+    (["--strategy", "fsdp", "--world-size", "2", "--fsdp-offload"], "CPUOffloadPolicy())) is not modelled yet"),
+    (["--fsdp-offload"], "--fsdp-offload needs --strategy fsdp"),
     (["--strategy", "fsdp", "--world-size", "2", "--fsdp-param-dtype", "int8"], "fsdp-param-dtype(int8) is not a dtype"),
     (["--strategy", "fsdp", "--world-size", "1"], "world-size(1) must be at least 2"),
     (["--strategy", "fsdp", "--world-size", "4", "--tp", "2"], "tp(2) with strategy fsdp is not modelled yet"),

@@ -121,6 +121,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    "(default; PyTorch's FSDP2 tutorial, torchtitan: on the meta device, sharded, then to_empty and "
                    "initialised, so no rank holds the whole model) | full (every rank builds it whole, fully_shard "
                    "shards it in place)")
+    p.add_argument("--fsdp-offload", action="store_true", help="with --strategy fsdp: fully_shard(offload_policy="
+                   "CPUOffloadPolicy()) (not modelled yet: refused)")
     p.add_argument("--fsdp-no-reshard", action="store_true", help="with --strategy fsdp: fully_shard("
                    "reshard_after_forward=False): each layer's parameters stay gathered from its forward to its "
                    "backward")
@@ -267,11 +269,16 @@ def _fsdp_setup(args, strategy):
     given = [flag for flag, on in (("--fsdp-param-dtype", getattr(args, "fsdp_param_dtype", None)),
                                    ("--fsdp-reduce-dtype", getattr(args, "fsdp_reduce_dtype", None)),
                                    ("--fsdp-no-reshard", getattr(args, "fsdp_no_reshard", False)),
-                                   ("--fsdp-init", getattr(args, "fsdp_init", None))) if on]
+                                   ("--fsdp-init", getattr(args, "fsdp_init", None)),
+                                   ("--fsdp-offload", getattr(args, "fsdp_offload", False))) if on]
     if strategy is not Strategy.FSDP:
         if given:
             raise InputError(f"{given[0]} needs --strategy fsdp")
         return None
+    if getattr(args, "fsdp_offload", False):
+        raise InputError("--fsdp-offload (fully_shard(offload_policy=CPUOffloadPolicy())) is not modelled yet; "
+                         "modelled: FSDP2 with its parameters, gradients and optimizer states on the device "
+                         "(ZeRO-1/2 with offload_optimizer to the CPU is modelled: --ds-config)")
 
     def dtype(flag: str, value: str | None) -> str | None:
         if value is None:
