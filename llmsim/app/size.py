@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
-import tempfile
 from dataclasses import dataclass, replace
 
 import pandas as pd
 
-from llmsim.inputs.dsconfig import load_ds_config
+from llmsim.inputs.dsconfig import ds_setup
 from llmsim.enums import Precision
 from llmsim.sim.allocator import AllocatorConfig
 from llmsim.inputs.gpus import GpuProfile
@@ -169,9 +167,7 @@ def _zero(spec: ModelSpec, setup: TrainSetup, world: int, stage: int, micro_batc
         config["zero_force_ds_cpu_optimizer"] = False
     if not deepspeed_tested(setup.optimizer):  # as a user running it must (llmsim.sim.strategies.check_deepspeed_optimizer)
         config[ZERO_ALLOW_UNTESTED_OPTIMIZER] = True
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(config, f)
-    deepspeed = load_ds_config(f.name, world, int(spec.hf_config().hidden_size), micro_batch, setup.precision)
+    deepspeed = ds_setup(config, world, int(spec.hf_config().hidden_size), micro_batch, setup.precision)
     return Layout(Strategy.DEEPSPEED, world, deepspeed)
 
 

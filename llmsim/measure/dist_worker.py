@@ -22,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmsim.enums import Attention, Category, Loss, Optimizer, Phase, Precision
+from llmsim.model.host_memory import optimizer_offload
 from llmsim.model.losses import compute_loss, install_loss
 from llmsim.model.offload import host_peak_bytes, offloading, split_host
 from llmsim.sim.peaks import replay
@@ -57,7 +58,7 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
     setup = _setup(job)
     import_peft(setup)
     optimizer_class(setup.optimizer)  # imported before the step, as a training script does
-    with tracker, offloading(tracker, setup.ckpt_offload), _host_memory(tracker, ds_config), \
+    with tracker, offloading(tracker, setup.ckpt_offload), optimizer_offload(tracker, ds_config), \
             _deepspeed_settled(bool(job.get("ds_gloo_settle"))):
         keep_alive = HfDeepSpeedConfig(ds_config) if stage == 3 else None  # zero.Init inside from_config
         base = model = _build(job)
@@ -115,16 +116,6 @@ def _deepspeed_settled(settle: bool):
     for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"):
         stack.enter_context(mock.patch.object(dist, name, settled(getattr(dist, name))))
     return stack
-
-
-def _host_memory(tracker: StorageTracker, ds_config: dict):
-    """With optimizer offload, what a GPU run would hold on the host (llmsim/model/host_memory.py)."""
-    import contextlib
-
-    from llmsim.model.host_memory import optimizer_offload
-
-    placing = optimizer_offload(ds_config)
-    return placing(tracker) if placing is not None else contextlib.nullcontext()
 
 
 def _setup(job: dict) -> TrainSetup:

@@ -189,14 +189,14 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     wall_s = round(time.perf_counter() - start, 2)
     stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     ds_config = layout.deepspeed.config_json if layout.deepspeed else ""
-    fsdp = {"fsdp_config": fsdp_config, "gloo_settle": gloo_settle} if layout.fsdp else {}
+    columns = {"fsdp_config": fsdp_config, "gloo_settle": gloo_settle} if layout.fsdp else {}
     if ds_gloo_settle:  # DeepSpeed's collectives settled as well (the offload rows)
-        fsdp["gloo_settle"] = True
+        columns["gloo_settle"] = True
     return [{"tier": 2, **setup_columns(spec, setup), "strategy": layout.strategy.value,
              "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
              "schedule": layout.schedule.value if layout.pp > 1 else "", "n_microbatches": layout.n_microbatches,
              "pp_split": ",".join(map(str, layout.pp_split)) if layout.pp_split else "",
-             "rank": r.rank, "ds_config": ds_config, **fsdp,
+             "rank": r.rank, "ds_config": ds_config, **columns,
              "peak_allocated_bytes": r.peak_allocated_bytes, "peak_host_bytes": r.peak_host_bytes,
              "device": "cpu", **environment(),
              "measured_at": stamp, "wall_s": wall_s} for r in results]

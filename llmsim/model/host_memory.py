@@ -71,9 +71,9 @@ def _to_target(args, kwargs):
     return device
 
 
-def optimizer_offload(ds_config: dict | str | None):
-    """`HostMemory(tracker).active(...)` for a run whose DeepSpeed JSON (a dict, a path, or None) offloads the
-    optimizer to the CPU, else None: the measured run's context, as a function of the tracker."""
+def optimizer_offload(tracker: StorageTracker, ds_config: dict | str | None):
+    """The measured run's context: `HostMemory(tracker).active(...)` where its DeepSpeed JSON (a dict, a path, or
+    None) offloads the optimizer to the CPU, else nothing."""
     import json
     from pathlib import Path
 
@@ -81,10 +81,10 @@ def optimizer_offload(ds_config: dict | str | None):
         ds_config = json.loads(Path(ds_config).read_text())
     offload = ((ds_config or {}).get("zero_optimization") or {}).get("offload_optimizer") or {}
     if offload.get("device", "none") == "none":
-        return None
+        return contextlib.nullcontext()
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    return lambda tracker: HostMemory(tracker).active((DeepSpeedZeroOptimizer,))
+    return HostMemory(tracker).active((DeepSpeedZeroOptimizer,))
 
 
 class HostMemory:

@@ -136,8 +136,7 @@ def run(job: dict) -> dict:
         phases = _Phases(tracker)
         quantization = job.get("quantization_config")
         loading = {"quantization_config": BitsAndBytesConfig(**quantization)} if quantization else {}
-        placing = _optimizer_offload(job["training_args"].get("deepspeed"))  # ZeRO-Offload: host and device apart
-        with tracker, (placing(tracker) if placing is not None else contextlib.nullcontext()):
+        with tracker, _optimizer_offload(tracker, job["training_args"].get("deepspeed")):  # host and device apart
             model = AutoModelForCausalLM.from_pretrained(Path(directory) / "model", dtype=DTYPES[job["load_dtype"]],
                                                          **loading)
             tracker.adopt([*model.parameters(), *model.buffers()])  # what stayed memory-mapped (on a GPU: copied)
@@ -173,14 +172,14 @@ def main() -> int:
     return 0
 
 
-def _optimizer_offload(ds_config):
-    """The host placement of a DeepSpeed run that offloads its optimizer (llmsim/model/host_memory.py, the
-    instrument's part for it, imported only for a DeepSpeed job), or None."""
+def _optimizer_offload(tracker: StorageTracker, ds_config):
+    """ZeRO-Offload's host placement of the run (llmsim/model/host_memory.py, the instrument's part for it, imported
+    only for a DeepSpeed job); nothing without optimizer offload."""
     if not ds_config:
-        return None
+        return contextlib.nullcontext()
     from llmsim.model.host_memory import optimizer_offload
 
-    return optimizer_offload(ds_config)
+    return optimizer_offload(tracker, ds_config)
 
 
 def _label(tracker: StorageTracker, trainer) -> None:

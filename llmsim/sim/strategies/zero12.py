@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from llmsim.enums import Category, Optimizer, Phase, Precision
+from llmsim.enums import Category, Device, Optimizer, Phase, Precision
 from llmsim.model.offload import HOST_CATEGORIES
 from llmsim.sim.peaks import Peak
 from llmsim.model.step import uses_peft
@@ -141,6 +141,9 @@ class _Rank:
         self.part = Partitioning.of(_trainable(parameters(timeline, self.elem), timeline, setup), layout.world_size)
         self.numel = {p.name: p.numel for p in self.part.params}
         self.offload = layout.deepspeed.offloads_optimizer  # ZeRO-Offload: the optimizer on the host
+        # offload's host buffers are pinned copies: pin_memory, on a GPU (DeepSpeed's CPU accelerator pins nothing)
+        self.pins = (self.offload and bool(self.zero.offload_optimizer.pin_memory)
+                     and setup.device is Device.CUDA)
         self.accumulators: set[str] = set()  # offload, stage 2: the host gradient accumulators made so far
         self.mine = self.part.slices(rank)
         self.gip_bytes = sum(self.numel[name] for name in self.mine) * self.elem
@@ -196,32 +199,23 @@ class _Rank:
         name holds until `__init__` returns (on the CPU it returns `t`: the rows measure the unpinned path)."""
         p, largest = self.part.partition_numel, max(self.numel.values())
         clone = self.w.alloc(p * self.elem, Category.TEMPORARY)
-        self.master = self._host_buffer(p * FP32_BYTES)
+        self._host_buffer(p * FP32_BYTES)  # the master partition
         self.w.free(clone, p * self.elem, Category.TEMPORARY)
-        staging = self._host_buffer(p * self.elem, keep_pageable=True)
+        staging = self.w.alloc(p * self.elem, Category.HOST_OFFLOAD)
+        if self.pins:  # its pinned copy; the pageable one lives on in a local name
+            self.w.alloc(p * self.elem, Category.HOST_OFFLOAD)
         self._host_buffer(largest * self.elem)
         self.w.alloc(largest * self.elem, Category.REDUCE_BUCKET)
         self._host_buffer(p * FP32_BYTES)
-        if staging[1] is not None:
-            self.w.free(staging[1], p * self.elem, Category.HOST_OFFLOAD)
+        if self.pins:  # `__init__` returns
+            self.w.free(staging, p * self.elem, Category.HOST_OFFLOAD)
 
-    @property
-    def pins(self) -> bool:
-        """Host buffers are pinned copies: pin_memory, on a GPU (the rank's writer keeps AdamW's steps on the
-        host there)."""
-        return bool(self.zero.offload_optimizer.pin_memory) and self.w.steps_on_host
-
-    def _host_buffer(self, nbytes: int, keep_pageable: bool = False):
-        """A host buffer of DeepSpeed's offload, pinned where `pins`: its serial (with `keep_pageable`, also the
-        pageable original's, still alive, or None)."""
+    def _host_buffer(self, nbytes: int) -> None:
+        """A host buffer of DeepSpeed's offload; where `pins`, a pinned copy that replaces the pageable one."""
         pageable = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
-        if not self.pins:
-            return (pageable, None) if keep_pageable else pageable
-        pinned = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
-        if keep_pageable:
-            return pinned, pageable
-        self.w.free(pageable, nbytes, Category.HOST_OFFLOAD)
-        return pinned
+        if self.pins:
+            self.w.alloc(nbytes, Category.HOST_OFFLOAD)
+            self.w.free(pageable, nbytes, Category.HOST_OFFLOAD)
 
     def _initialize_once(self) -> None:
         if not self.initialized:
@@ -271,33 +265,29 @@ class _Rank:
         self.bw.bucket, self.bw.elements, self.bw.extra_large = [], 0, None
 
     def _keep_slices(self) -> None:
-        """The bucket's slices of this rank's partition go into `grads_in_partition`, made at the first of them."""
-        if self.offload:
-            self._offload_slices()
-            return
-        for name in self.bw.bucket:
-            if name in self.mine and self.bw.gip is None:
-                self.bw.gip = self.w.alloc(self.gip_bytes, Category.GRADIENT)
-            if name == self.bw.extra_large and (name in self.mine or self.stage == 2):
-                self._free_grad(name)  # copied into grads_in_partition, or cleared when not ours
-
-    def _offload_slices(self) -> None:
-        """`copy_grads_in_partition` under offload, for each of the bucket's parameters in this rank's partition.
-        Stage 2 off the boundary or past its first micro-step (`micro_step_id > 0`) accumulates on the host: the
-        parameter's whole gradient into a host buffer of its own, made the first time and kept
-        (`async_accumulate_grad_in_cpu_via_gpu`). At the boundary the slice's norm (a float64 copy, and its 0-d
-        norm kept until the step) and, in bf16, an fp32 copy of the slice, which goes to the host `.grad`."""
+        """The bucket's slices of this rank's partition go into `grads_in_partition`, made at the first of them
+        (under offload, to the host: `_offload_slice`)."""
         for name in self.bw.bucket:
             if name in self.mine:
-                if self.stage == 2 and (self.micro > 0 or not self.boundary) and name not in self.accumulators:
-                    self.accumulators.add(name)
-                    self._host_buffer(self.numel[name] * self.elem)
-                if self.boundary:
-                    self._offload_slice(self.mine[name])
+                if self.offload:
+                    self._offload_slice(name)
+                elif self.bw.gip is None:
+                    self.bw.gip = self.w.alloc(self.gip_bytes, Category.GRADIENT)
             if name == self.bw.extra_large and (name in self.mine or self.stage == 2):
-                self._free_grad(name)  # `p.grad = None` after the copy, or cleared when not ours
+                self._free_grad(name)  # copied (`p.grad = None` after it), or cleared when not ours
 
-    def _offload_slice(self, numel: int) -> None:
+    def _offload_slice(self, name: str) -> None:
+        """`copy_grads_in_partition` under offload for a parameter in this rank's partition. Stage 2 off the
+        boundary or past its first micro-step (`micro_step_id > 0`) accumulates on the host: the parameter's whole
+        gradient into a host buffer of its own, made the first time and kept (`async_accumulate_grad_in_cpu_via_gpu`).
+        At the boundary the slice's norm (a float64 copy, and its 0-d norm kept until the step) and, in bf16, an fp32
+        copy of the slice, which goes to the host `.grad`."""
+        if self.stage == 2 and (self.micro > 0 or not self.boundary) and name not in self.accumulators:
+            self.accumulators.add(name)
+            self._host_buffer(self.numel[name] * self.elem)
+        if not self.boundary:
+            return
+        numel = self.mine[name]
         upcast = self.w.alloc(numel * FP64_BYTES, Category.TEMPORARY)
         self.norms.append(self.w.alloc(FP64_BYTES, Category.GRADIENT))
         self.w.free(upcast, numel * FP64_BYTES, Category.TEMPORARY)
