@@ -192,11 +192,11 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     columns = {"fsdp_config": fsdp_config, "gloo_settle": gloo_settle} if layout.fsdp else {}
     if ds_gloo_settle:  # DeepSpeed's collectives settled as well (the offload rows)
         columns["gloo_settle"] = True
-    return [{"tier": 2, **setup_columns(spec, setup), "strategy": layout.strategy.value,
+    return [{"tier": 2, "recipe": setup.recipe.value, **setup_columns(spec, setup), "strategy": layout.strategy.value,
              "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
              "schedule": layout.schedule.value if layout.pp > 1 else "", "n_microbatches": layout.n_microbatches,
              "pp_split": ",".join(map(str, layout.pp_split)) if layout.pp_split else "",
              "rank": r.rank, "ds_config": ds_config, **columns,
              "peak_allocated_bytes": r.peak_allocated_bytes, "peak_host_bytes": r.peak_host_bytes,
-             "device": "cpu", **environment(),
+             "device": "cpu", **environment(), "peft": _version("peft"),
              "measured_at": stamp, "wall_s": wall_s} for r in results]

@@ -10,8 +10,9 @@ tensor already on the CPU returns the tensor itself, where the GPU run copies it
 - the optimizer's host name is replaced by `HOST`, a "cpu" string that remembers it names the host (it compares
   equal to "cpu", so DeepSpeed's `self.device == 'cpu'` branches are unchanged);
 - a torch function given `HOST` as its device makes host storages (`torch.zeros(n, device=HOST)`,
-  `t.to(HOST)`), and a host tensor's `.device` is `HOST_DEVICE`, so `torch.full(n, device=t.device)` is one too; a `.to()` or `.cpu()` that crosses between the host and the device always copies, as it does
-  on a GPU (`copy=True`: the CPU would otherwise alias);
+  `t.to(HOST)`), and a host tensor's `.device` is `HOST_DEVICE`, so `torch.full(n, device=t.device)` is one too;
+- a `.to()` or `.cpu()` that crosses between the host and the device always copies, as it does on a GPU
+  (`copy=True`: the CPU would otherwise alias);
 - any other op's new storages are on the host when its tensor inputs are (AdamW stepping the host partition:
   its states and temporaries), on the device otherwise. A 0-d tensor beside a device tensor does not make the
   op a host op (CUDA takes CPU scalars).
