@@ -75,6 +75,21 @@ RUNS = [
     # torch's fused AdamW on the host partition (fused=True: no temporaries, `step` beside the parameters)
     ("llama-2-7b", 2, offload(2, True), False, 64, {"fused": True}),
     ("gpt2", 2, offload(1, False, ga=2), True, 64, {"fused": True, "grad_accum": 2}),
+    # ZeRO-3 with the optimizer offloaded (zero.Init through HfDeepSpeedConfig); the first measured while the model
+    # was written (llmsim/sim/strategies/zero3.py), the rest predicted before they were first measured
+    ("llama-2-7b", 2, offload(3, False, pin=False), False, 64, {}),
+    ("llama-2-7b", 2, offload(3, True), False, 64, {}),
+    ("llama-2-7b", 2, offload(3, True, pin=False, ga=2), False, 64, {"grad_accum": 2}),
+    ("llama-2-7b", 2, offload(3, False, sub_group_size=30_000), True, 64, {}),  # several sub-groups
+    ("mistral-7b", 3, offload(3, True), False, 64, {}),  # three partitions: the last rank's padding
+    ("gpt2", 2, offload(3, False), False, 64, {}),  # tied embeddings
+    ("qwen2.5-0.5b", 4, offload(3, True, overlap_comm=True), True, 64, {}),
+    ("llama-2-7b", 2, offload(3, True), False, 64, {"lora_rank": 8}),
+    ("llama-2-7b", 2, offload(3, False), False, 64, {"fused": True}),
+    ("pythia-160m", 2, offload(3, True, ga=3, overlap_comm=True), True, 64, {"grad_accum": 3}),
+    ("llama-2-7b", 2, offload(3, True, stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=20_000),
+     False, 64, {}),
+    ("mistral-7b", 2, offload(3, False, reduce_bucket_size=500_000_000), True, 64, {}),  # DeepSpeed's default bucket
 ]
 
 

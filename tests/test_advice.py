@@ -80,18 +80,19 @@ def test_suggest_on_the_command_line(capsys, monkeypatch):
     assert "would fit on test-card (cheapest first" in capsys.readouterr().out
 
 
-def test_a_zero12_job_is_offered_its_optimizer_offloaded_once():
+def test_a_zero_job_is_offered_its_optimizer_offloaded_once():
     from llmsim.enums import Precision
     from llmsim.inputs.dsconfig import ds_setup
     from llmsim.sim.strategies import Strategy
 
     model = load_model_spec("gpt2", GPT2_TINY)
     setup = TrainSetup(1, 32, Precision.BF16)
-    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
-    layout = Layout(Strategy.DEEPSPEED, 2, ds_setup(config, 2, 64, None, None))
-    offered = [c for c in candidates(model, setup, layout) if c.layout.deepspeed is not None
-               and c.layout.deepspeed.offloads_optimizer]
-    assert len(offered) == 1 and offered[0].layout.deepspeed.stage == 2 and offered[0].setup == setup
-    assert offered[0].layout.deepspeed.config["zero_force_ds_cpu_optimizer"] is False
-    # already offloading: not offered again
-    assert not [c for c in candidates(model, setup, offered[0].layout) if "offloaded" in c.change]
+    for stage in (1, 2, 3):
+        config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}
+        layout = Layout(Strategy.DEEPSPEED, 2, ds_setup(config, 2, 64, None, None))
+        offered = [c for c in candidates(model, setup, layout) if c.layout.deepspeed is not None
+                   and c.layout.deepspeed.offloads_optimizer]
+        assert len(offered) == 1 and offered[0].layout.deepspeed.stage == stage and offered[0].setup == setup
+        assert offered[0].layout.deepspeed.config["zero_force_ds_cpu_optimizer"] is False
+        # already offloading: not offered again
+        assert not [c for c in candidates(model, setup, offered[0].layout) if "offloaded" in c.change]

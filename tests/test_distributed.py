@@ -37,8 +37,8 @@ BAD = [
     ({"zero_optimization": {"stage": 2}}, [], "give --micro-batch"),
     ({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 2}}, [],
      "'Lamb' is not modelled"),
-    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
-     [], "offload_optimizer with stage 3 is not modelled yet"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+     [], "offload_optimizer with stage 0 is not modelled yet"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
      [], "offload_optimizer.device"),  # DeepSpeed's own validation names the valid devices
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-Offload (stages 1 and 2, the optimizer on the host): the measured rows, how a CPU run tells the
+"""DeepSpeed ZeRO-Offload (stages 1, 2 and 3, the optimizer on the host): the measured rows, how a CPU run tells the
 host from the device, and what the prediction keeps on each side."""
 from __future__ import annotations
 
@@ -43,8 +43,11 @@ def test_committed_rows_cover_the_offload_matrix():
     configs = [json.loads(c) for c in rows["ds_config"]]
     zero = [c["zero_optimization"] for c in configs]
     assert len(rows) >= 40
-    assert {z["stage"] for z in zero} == {1, 2}
+    assert {z["stage"] for z in zero} == {1, 2, 3}
     assert {bool(c.get("bf16", {}).get("enabled")) for c in configs} == {True, False}
+    stage3 = rows[[z["stage"] == 3 for z in zero]]
+    assert len(stage3) >= 24 and set(stage3["world_size"]) >= {2, 3, 4} and (stage3["lora_rank"] > 0).any()
+    assert len({z.get("sub_group_size") for z in zero if z["stage"] == 3}) >= 2  # one and several sub-groups
     assert {z["offload_optimizer"]["pin_memory"] for z in zero} == {True, False}
     assert {bool(z.get("overlap_comm")) for z in zero} == {True, False}
     assert {c["gradient_accumulation_steps"] for c in configs} >= {1, 2, 3}
@@ -108,6 +111,54 @@ def test_offload_moves_the_optimizer_to_the_host():
         assert offloaded.peak_host_bytes == 7 * 4 * partition + 2000 * 128 * 4 + 3 * 4
         assert offloaded.host_per_node_bytes(8) == 2 * offloaded.peak_host_bytes
         assert offloaded.host_per_node_bytes(1) == offloaded.peak_host_bytes
+
+
+def test_zero3_offload_keeps_master_gradients_and_states_on_the_host():
+    numel = 2 * 2000 * 128 + 3 * (4 * 128 * 128 + 3 * 128 * 344 + 2 * 128) + 128
+    partition = numel // 2  # every parameter's numel is even: no padding on 2 ranks
+    for bf16 in (False, True):
+        config = _config(3, bf16=bf16)
+        kept = _predict({**config, "zero_optimization": {"stage": 3, "reduce_bucket_size": 300_000}})
+        offloaded = _predict(config)
+        assert kept.peak_host_bytes == 0 < offloaded.peak_host_bytes
+        assert offloaded.peak_allocated_bytes < kept.peak_allocated_bytes
+        # the fp32 master and its fp32 gradient, the gradient partitions (in the model's dtype), AdamW's two states
+        # and its sqrt/denom temporaries; + the inf/nan tracker (1 B) and four 0-d fp32 norms (the sub-group's, their
+        # combination, this step's global norm and the last step's, which the engine still holds)
+        elem = 2 if bf16 else 4
+        assert offloaded.peak_host_bytes == (2 * 4 + elem + 4 * 4) * partition + 1 + 4 * 4
+
+
+def test_zero3_on_a_gpu_defragments_through_the_host_and_pins_copies():
+    """On a GPU `defragment` stages the partitions in a host buffer and frees them before the flat device buffer
+    is made (the CPU's host buffer is the flat buffer); with pin_memory each offload buffer is a pinned copy of a
+    pageable one."""
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.sim.pipeline import checked
+    from llmsim.sim.strategies import zero3
+    from llmsim.sim.traced import expanded
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", *SHAPE))
+    flat = (2 * 2000 * 128 + 3 * (4 * 128 * 128 + 3 * 128 * 344 + 2 * 128) + 128) // 2 * 2  # bf16 partitions
+    host = {}
+    for offload, pin, gpu in ((False, False, True), (False, False, False), (True, True, True), (True, False, True),
+                              (True, True, False)):
+        config = _config(3, bf16=True, pin=pin)
+        if not offload:
+            config["zero_optimization"].pop("offload_optimizer")
+        deepspeed = ds_setup(config, 2, SHAPE[0], None, None)
+        layout = Layout(Strategy.DEEPSPEED, 2, deepspeed=deepspeed)
+        gpu_profile = load_gpu("h100-80gb") if gpu else None
+        setup = checked(spec, TrainSetup(2, 64, Precision.BF16, Attention.SDPA, False), layout, gpu_profile)
+        timeline = zero3.plan(expanded(spec, setup)[0], layout, setup)[0]
+        host[offload, pin, gpu] = timeline.loc[timeline["category"] == Category.HOST_OFFLOAD.value, "delta_bytes"]
+    assert host[False, False, True].tolist() == [flat, -flat] and host[False, False, False].empty
+    pinned, pageable, cpu = host[True, True, True], host[True, False, True], host[True, True, False]
+    # the sub-group's fp32 gradient and the gradient partitions are pinned copies (the master is never pinned);
+    # on a GPU only: defragment's staging, the master's bf16 staging and that of each update copied back (one
+    # sub-group, three steps)
+    assert (pinned > 0).sum() == (pageable > 0).sum() + 2 and (pageable > 0).sum() == (cpu > 0).sum() + 1 + 1 + 3
+    assert pinned.sum() == pageable.sum() and pinned.cumsum().max() == pageable.cumsum().max()
 
 
 def test_pinned_buffers_are_copies_on_a_gpu_only():

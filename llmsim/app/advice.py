@@ -165,7 +165,7 @@ def _canonical_layouts(model: ModelSpec, setup: TrainSetup, layout: Layout) -> l
                               "more communication: states, gradients"
                               + (" and parameters" if stage == 3 else "") + " partitioned over the ranks",
                               setup, zero, lever=False))
-    if layout.deepspeed is not None and current in (1, 2) and not layout.deepspeed.offloads_optimizer:
+    if layout.deepspeed is not None and current in (1, 2, 3) and not layout.deepspeed.offloads_optimizer:
         offloaded = _with_optimizer_offload(layout)
         out.append(Change(f"the same ZeRO-{current} with the optimizer offloaded to the CPU (zero_optimization."
                           "offload_optimizer {\"device\": \"cpu\", \"pin_memory\": true}, "

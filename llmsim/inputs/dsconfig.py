@@ -200,9 +200,9 @@ def _validate(config: dict) -> None:
     if device not in ("none", "cpu"):
         raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer.device {device!r} is not modelled "
                          "yet; modelled: \"cpu\", \"none\"")
-    if device == "cpu" and stage not in (1, 2):
+    if device == "cpu" and stage not in (1, 2, 3):
         raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer with stage {stage} is not modelled "
-                         "yet; modelled: stages 1 and 2")
+                         "yet; modelled: stages 1, 2 and 3")
     if device == "cpu" and optimizer is not None:
         raise InputError("DeepSpeed config zero_optimization.offload_optimizer with an \"optimizer\" section "
                          "(DeepSpeed's CPU Adam) is not modelled yet; modelled: a client optimizer "

@@ -80,9 +80,12 @@ def optimizer_offload(tracker: StorageTracker, ds_config: dict | str | None):
 
     if isinstance(ds_config, (str, Path)):
         ds_config = json.loads(Path(ds_config).read_text())
-    offload = ((ds_config or {}).get("zero_optimization") or {}).get("offload_optimizer") or {}
+    zero = (ds_config or {}).get("zero_optimization") or {}
+    offload = zero.get("offload_optimizer") or {}
     if offload.get("device", "none") == "none":
         return contextlib.nullcontext()
+    if int(zero.get("stage", 0)) == 3:
+        return HostMemory(tracker).active_stage3()
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     return HostMemory(tracker).active((DeepSpeedZeroOptimizer,))
@@ -146,6 +149,38 @@ class HostMemory:
             yield self
         self.label()
 
+    @contextlib.contextmanager
+    def active_stage3(self):
+        """`active` for ZeRO-3's optimizer offload (deepspeed/runtime/zero/stage3.py): its host name is
+        `self.device` (set to `OffloadDeviceEnum.cpu` when `offload_optimizer`), and `subgroup_to_device` names
+        the host with a literal 'cpu' (the fp32 master partitions and their gradients); the accelerator's
+        `on_accelerator` answers False for a host tensor, as a GPU's does (`partition_grads` then accumulates
+        through a device copy, as on a GPU); the gradient epilogue, which the autograd engine runs as a queued
+        callback without the caller's torch function modes, runs under `_Place` as the gradient hooks do."""
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+        accelerator = get_accelerator()
+        on_accelerator = accelerator.on_accelerator
+        memory = self
+
+        def epilogue(real):
+            def placed(*args, **kwargs):
+                with _Place(memory):
+                    return real(*args, **kwargs)
+            return placed
+
+        patches = [mock.patch.object(Stage3, "device", _host_name_property("offload_optimizer"), create=True),
+                   mock.patch.object(Stage3, "subgroup_to_device", _host_map_property(), create=True),
+                   mock.patch.object(accelerator, "on_accelerator",
+                                     lambda tensor: not memory.is_host(tensor) and on_accelerator(tensor)),
+                   mock.patch.object(Stage3, "independent_gradient_partition_epilogue",
+                                     epilogue(Stage3.independent_gradient_partition_epilogue))]
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            yield stack.enter_context(self.active())
+
     def _placing_hooks(self, register):
         """`Tensor.register_post_accumulate_grad_hook` whose hooks run under `_Place`: the autograd engine calls
         them without the caller's torch function modes (dispatch modes it keeps), and DeepSpeed's gradient hooks
@@ -164,14 +199,35 @@ class HostMemory:
             self.tracker._labels[serial] = Category.HOST_OFFLOAD
 
 
-def _host_name_property() -> property:
-    """`self.device` of an offloading ZeRO optimizer: `HOST` where DeepSpeed stores the string 'cpu'."""
+def _host_name_property(offloading: str = "cpu_offload") -> property:
+    """`self.device` of an offloading ZeRO optimizer: `HOST` where DeepSpeed stores the string 'cpu' and the
+    optimizer's `offloading` flag is set (stage_1_and_2.py's `cpu_offload`, stage3.py's `offload_optimizer`)."""
 
     def get(self):
         return self.__dict__["_llmsim_device"]
 
     def set_(self, value):
-        self.__dict__["_llmsim_device"] = HOST if value == "cpu" and getattr(self, "cpu_offload", False) else value
+        self.__dict__["_llmsim_device"] = HOST if value == "cpu" and getattr(self, offloading, False) else value
+
+    return property(get, set_)
+
+
+class _HostMap(dict):
+    """ZeRO-3's `subgroup_to_device`: each sub-group's 'cpu' stored as `HOST`."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, HOST if value == "cpu" else value)
+
+
+def _host_map_property() -> property:
+    def get(self):
+        return self.__dict__["_llmsim_subgroup_to_device"]
+
+    def set_(self, value):
+        mapped = _HostMap()
+        for key, device in dict(value).items():
+            mapped[key] = device
+        self.__dict__["_llmsim_subgroup_to_device"] = mapped
 
     return property(get, set_)
 

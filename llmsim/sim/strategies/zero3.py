@@ -56,6 +56,8 @@ NOT_AVAILABLE, INFLIGHT, AVAILABLE = "not_available", "inflight", "available"  #
 _BUILD, _BACKWARD = Phase.BUILD.value, Phase.BACKWARD.value
 _PARAMETER, _GRADIENT = Category.PARAMETER.value, Category.GRADIENT.value
 GATHERED = Category.ALLGATHER_BUFFER
+NORM_CHUNK = 250_000_000  # `_constant_buffered_norm2`'s buffer_size: the float64 copy is made this many elements at a time
+SCALAR_FP32_BYTES = 4  # a 0-d fp32 tensor
 
 
 @dataclass(eq=False)
@@ -89,9 +91,18 @@ class _Rank:
     and the writer a `Recorder`, so that the events carry their sizes' formulas; the walk's decisions read W only
     through `int(...)`, where zero3_resize evaluates the same decision for another W."""
 
-    def __init__(self, timeline: pd.DataFrame, rows: list[tuple], layout, setup, recording: bool = False) -> None:
+    def __init__(self, timeline: pd.DataFrame, rows: list[tuple], layout, setup, recording: bool = False,
+                 rank: int = 0) -> None:
         self.zero = layout.deepspeed.zero()
         self.recording = recording
+        self.rank = rank
+        self.cuda = setup.device is Device.CUDA
+        # ZeRO-Offload: the fp32 master, its gradient, the gradient partitions and AdamW on the host
+        self.offload = layout.deepspeed.offloads_optimizer
+        # offload's host buffers are pinned copies: pin_memory, on a GPU (DeepSpeed's CPU accelerator pins nothing)
+        self.pins = self.offload and self.cuda and bool(self.zero.offload_optimizer.pin_memory)
+        self.norms: list[int] = []  # offload: each gradient partition's 0-d fp64 norm (device), kept to the step
+        self.global_norm: int | None = None  # offload: `_global_grad_norm` (0-d fp32, host), kept to the next step
         self.world = World(layout.world_size) if self.recording else layout.world_size
         self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
         self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
@@ -105,6 +116,7 @@ class _Rank:
         self.params = self._parameters(timeline, setup)
         self.trainable = [p for p in self.params if not p.frozen]
         self.micro = 0  # the micro-step of the optimizer step whose backward runs (gradient accumulation)
+        self.grad_accum = setup.grad_accum
         self.by_name = {p.name: p for p in self.params}
         self.built = False  # zero.Init's partitions emitted (before the first adapter is created)
         self.whole: dict[str, tuple[int, int]] = {}  # adapter -> its whole storage until initialize partitions it
@@ -200,27 +212,71 @@ class _Rank:
                 self.ds_tensors[p] = (self.w.alloc(p.partition * p.elem, Category.PARAMETER), p.partition * p.elem)
                 self.w.free(*self.whole.pop(p.name), Category.PARAMETER)
         total = self._psum(self.trainable)
-        self.w.alloc(self._psum(self.trainable, per_element=True), Category.PARAMETER)  # lp_param_buffer
-        for p in self.trainable:  # defragment: the frozen parameters' partitions stay where they are
-            self.w.free(*self.ds_tensors.pop(p), Category.PARAMETER)
+        if self.offload:  # inf_or_nan_tracker: one bool, on the optimizer's device (the host)
+            self.w.alloc(1, Category.HOST_OFFLOAD)
+        self._defragment()
         for group in self.sub_groups:  # fp32 master: flat.to(fp32).clone()
             numel = self._psum(group)
-            if group[0].elem != FP32_BYTES:
+            if self.offload:
+                self._host_master(numel, group[0].elem)
+            elif group[0].elem != FP32_BYTES:
                 upcast = self.w.alloc(numel * FP32_BYTES, Category.TEMPORARY)
                 self.w.alloc(numel * FP32_BYTES, Category.MASTER_WEIGHTS)
                 self.w.free(upcast, numel * FP32_BYTES, Category.TEMPORARY)
             else:
                 self.w.alloc(numel * FP32_BYTES, Category.MASTER_WEIGHTS)
         largest = self._largest() * FP32_BYTES
-        zeros = self.w.alloc(largest, Category.TEMPORARY)  # initialize_optimizer_states
-        self.w.free(zeros, largest, Category.TEMPORARY)
+        # initialize_optimizer_states: a zero gradient of the largest sub-group, dropped; with offload on the host,
+        # and each sub-group's fp32 gradient a host buffer of its own, kept
+        zeros = self.w.alloc(largest, Category.HOST_OFFLOAD if self.offload else Category.TEMPORARY)
+        if self.offload:
+            for group in self.sub_groups:
+                self._host_buffer(self._psum(group) * FP32_BYTES)
+        self.w.free(zeros, largest, Category.HOST_OFFLOAD if self.offload else Category.TEMPORARY)
         if self.zero.contiguous_gradients:
             self.w.alloc(self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
-        self.w.alloc(total * self.elem, Category.GRADIENT)  # grad_partitions_flat_buffer
+        if self.offload:  # grad_partitions_flat_buffer
+            self._host_buffer(total * self.elem)
+        else:
+            self.w.alloc(total * self.elem, Category.GRADIENT)
         for p in self.trainable:  # create_reduce_and_remove_grad_hooks: gather, register, partition
             nbytes = p.partition * self.world * p.elem
             buffer = self.w.alloc(nbytes, GATHERED)
             self.w.free(buffer, nbytes, GATHERED)
+
+    def _defragment(self) -> None:
+        """zero/utils.py `defragment`: the trainable partitions moved into one flat buffer (`lp_param_buffer`; the
+        frozen parameters' partitions stay where they are). On a GPU each partition is copied into a host buffer
+        and freed, then the host buffer is copied back to the device; on the CPU the host buffer is the flat buffer
+        itself (`.to("cpu")` returns it), allocated while the partitions still exist."""
+        nbytes = self._psum(self.trainable, per_element=True)
+        if not self.cuda:
+            self.w.alloc(nbytes, Category.PARAMETER)
+            for p in self.trainable:
+                self.w.free(*self.ds_tensors.pop(p), Category.PARAMETER)
+            return
+        staging = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
+        for p in self.trainable:
+            self.w.free(*self.ds_tensors.pop(p), Category.PARAMETER)
+        self.w.alloc(nbytes, Category.PARAMETER)
+        self.w.free(staging, nbytes, Category.HOST_OFFLOAD)
+
+    def _host_master(self, numel, elem: int) -> None:
+        """Offload's fp32 master of a sub-group: `flat.to('cpu', dtype=fp32).clone()`, both on the host. On a GPU a
+        copy that changes the dtype across devices converts on the host, from a host copy in the source dtype."""
+        converted = self.w.alloc(numel * FP32_BYTES, Category.HOST_OFFLOAD)
+        if self.cuda and elem != FP32_BYTES:
+            staging = self.w.alloc(numel * elem, Category.HOST_OFFLOAD)
+            self.w.free(staging, numel * elem, Category.HOST_OFFLOAD)
+        self.w.alloc(numel * FP32_BYTES, Category.HOST_OFFLOAD)
+        self.w.free(converted, numel * FP32_BYTES, Category.HOST_OFFLOAD)
+
+    def _host_buffer(self, nbytes) -> None:
+        """A host buffer of DeepSpeed's offload; where `pins`, a pinned copy that replaces the pageable one."""
+        pageable = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
+        if self.pins:
+            self.w.alloc(nbytes, Category.HOST_OFFLOAD)
+            self.w.free(pageable, nbytes, Category.HOST_OFFLOAD)
 
     # ---- gathering ---------------------------------------------------------------------------------------
     def _all_gather(self, params: list[_Param]) -> None:
@@ -276,8 +332,10 @@ class _Rank:
         self._clean_inflight()
         if self.mode != "complete":
             if self.mode == "record":
+                self._rank0_lists(len(self.module_order))
                 self.param_order = [(p, step) for step, module in enumerate(self.module_order)
                                     for p in sorted(self._params_of(module), key=lambda q: q.ds_id)]
+                self._rank0_lists(len(self.param_order), len(self.param_order))
                 self.mode = "complete"
             else:
                 self.mode = "record"
@@ -285,6 +343,17 @@ class _Rank:
         self.most_recent = collections.defaultdict(lambda: int(-1e10))
         self.step_id = 0
         self.n_available = 0
+
+    def _rank0_lists(self, *lengths: int) -> None:
+        """`assert_ints_same_as_other_ranks` on each recorded order (zero/utils.py): the list's length and then
+        the list, broadcast as int64 device tensors and read back through `.cpu()`. Under offload the host copies
+        are kept in the timeline (host memory; the transient device tensors are left out, as in every ZeRO-3
+        walk)."""
+        if not self.offload:
+            return
+        for length in lengths:
+            for nbytes in (8, 8 * length):
+                self.w.free(self.w.alloc(nbytes, Category.HOST_OFFLOAD), nbytes, Category.HOST_OFFLOAD)
 
     def _params_of(self, module: str) -> list[_Param]:
         return self.module_params.get(module, [])
@@ -394,14 +463,42 @@ class _Rank:
         if self.gloo:  # ProcessGroupGloo's reduce_scatter_tensor reduces a clone of its input (NCCL does not)
             clone = self.w.alloc(flat_bytes, Category.TEMPORARY)
             self.w.free(clone, flat_bytes, Category.TEMPORARY)
+        copy = None  # offload: the device copy of the last host gradient partition, alive to the loop's next one
         for p in params:  # partition_grads: param.grad = None
+            if self.offload and p.partition * self.rank < p.numel:  # a partition with real data on this rank
+                copy = self._offload_partition(p, copy)
             if p.name in self.in_bucket:
                 self.in_bucket.discard(p.name)
             elif p.name in self.grads:
                 self._free_grad(p.name)
+        if copy is not None:  # partition_grads returns
+            self.w.free(*copy, Category.TEMPORARY)
         if cat is not None:
             self.w.free(*cat, Category.TEMPORARY)
         self.bucket, self.bucket_elements = [], 0
+
+    def _offload_partition(self, p: _Param, previous: tuple[int, int] | None) -> tuple[int, int]:
+        """`partition_grads` under offload for one parameter: its host gradient partition is brought to the device
+        (`grad_buffer.to(grad_partition.device)`, at the first micro-step after the copy into it; later, the copy
+        the sum is made in, `cuda_grad_buffer`, which outlives the next parameter's); at the accumulation boundary
+        its norm (a float64 copy, a 0-d kept to the step) and its fp32 copy into the host master's gradient.
+        Returns the device copy, (serial, bytes)."""
+        if previous is not None and self.micro == 0:  # `grad_buffer` rebound to the next host partition
+            self.w.free(*previous, Category.TEMPORARY)
+            previous = None
+        nbytes = int(p.partition) * self.elem
+        copy = (self.w.alloc(nbytes, Category.TEMPORARY), nbytes)
+        if previous is not None:  # `cuda_grad_buffer` rebound after the next copy is made
+            self.w.free(*previous, Category.TEMPORARY)
+        if self.micro == self.grad_accum - 1:  # _offload_grad_partition_at_boundary
+            chunk = min(int(p.partition), NORM_CHUNK) * FP64_BYTES  # _constant_buffered_norm2
+            upcast = self.w.alloc(chunk, Category.TEMPORARY)
+            self.w.free(upcast, chunk, Category.TEMPORARY)
+            self.norms.append(self.w.alloc(FP64_BYTES, Category.GRADIENT))
+            if self.elem != FP32_BYTES:
+                fp32 = self.w.alloc(int(p.partition) * FP32_BYTES, Category.TEMPORARY)
+                self.w.free(fp32, int(p.partition) * FP32_BYTES, Category.TEMPORARY)
+        return copy
 
     def _paddings(self, params: list[_Param]):
         """(rank, index, bytes) of each zero padding `__avg_scatter_grads` allocates, rank by rank and parameter by
@@ -420,6 +517,10 @@ class _Rank:
     # ---- step ------------------------------------------------------------------------------------------
     def step(self, step: int) -> None:
         self.release_all()
+        if self.offload:
+            self._offload_step(step)
+            self._post_step()
+            return
         for p in self.trainable:  # get_grad_norm_direct: g.to(float64) per partition
             upcast = self.w.alloc(p.partition * FP64_BYTES, Category.TEMPORARY)
             self.w.free(upcast, p.partition * FP64_BYTES, Category.TEMPORARY)
@@ -435,6 +536,35 @@ class _Rank:
             else:
                 step_optimizer(self.w, [numel], step == 0, self.foreach, self.optimizer, self.fused)
             self.w.free(flat, numel * FP32_BYTES, Category.GRADIENT)
+        self._post_step()
+
+    def _offload_step(self, step: int) -> None:
+        """The step under offload: each sub-group's norm from the kept per-partition norms, returned to the host
+        (`total_norm.cpu()`, a 0-d each), their combination (a 0-d) and `_global_grad_norm` (a 0-d, kept to the
+        next step, whose engine holds it until that step returns); per sub-group the host gradient clipped in place, the client AdamW on the host master (torch's
+        for-loop path: host tensors), the update copied into the device partition (on a GPU in bf16 through a host
+        copy in bf16, as a copy that changes the dtype across devices converts on the host)."""
+        scalars = [self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD) for _ in self.sub_groups]
+        scalars.append(self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD))  # combine_grad_norm_groups
+        kept = self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
+        for group in self.sub_groups:
+            numel = self._psum(group)
+            step_optimizer(self.w, [numel], step == 0, False, self.optimizer, self.fused, on_host=True)
+            if self.cuda and self.elem != FP32_BYTES:  # _reassign_or_swap_out_partitioned_parameters
+                staging = self.w.alloc(numel * self.elem, Category.HOST_OFFLOAD)
+                self.w.free(staging, numel * self.elem, Category.HOST_OFFLOAD)
+        for serial in scalars:
+            self.w.free(serial, SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
+        if self.global_norm is not None:  # the engine's copy of the last step's, replaced once the step returns
+            self.w.free(self.global_norm, SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
+        self.global_norm = kept
+
+    def _post_step(self) -> None:
+        """`_post_step`: the offload's per-partition norms dropped (`reset_cpu_buffers`); the persistent parameters
+        gathered again, one buffer each."""
+        for serial in self.norms:
+            self.w.free(serial, FP64_BYTES, Category.GRADIENT)
+        self.norms = []
         persistent = [p for p in self.params if p.persist]  # _post_step: one buffer each
         for p in persistent:
             nbytes = p.partition * self.world * p.elem
@@ -531,10 +661,30 @@ def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     padding included), so one timeline serves all ranks: the walk's (`walk`), evaluated from a program a walk of the
     same step and config recorded at a world size with the same sub-groups (zero3_resize.py), else recorded now; a
     client optimizer other than AdamW is walked every time."""
+    if layout.deepspeed.offloads_optimizer:
+        return _offload_plan(timeline, layout, setup)
     shared = None if uses_flat_optimizer(layout, setup) else _resized(timeline, layout, setup)
     if shared is None:
         shared = walk(timeline, layout, setup)
     return {rank: shared for rank in range(layout.world_size)}
+
+
+def _offload_plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
+    """Under offload a rank brings only the gradient partitions that hold real data to the device (`partition_grads`'
+    `contains_real_data`: the last ranks' partitions of a small parameter can be all padding): the ranks fall into
+    classes of the same such partitions, and one rank of each class is walked."""
+    rows = rows_of(timeline)
+    trainable = [(p.numel, p.partition) for p in _Rank(timeline, rows, layout, setup).trainable]
+    classes: dict[tuple[bool, ...], list[int]] = {}
+    for rank in range(layout.world_size):
+        classes.setdefault(tuple(partition * rank < numel for numel, partition in trainable), []).append(rank)
+    ranks = {}
+    for members in classes.values():
+        walker = _Rank(timeline, rows, layout, setup, rank=members[0])
+        walker.run()
+        shared = walker.w.frame(timeline)
+        ranks.update((rank, shared) for rank in members)
+    return dict(sorted(ranks.items()))
 
 
 def walk(timeline: pd.DataFrame, layout, setup) -> pd.DataFrame:
