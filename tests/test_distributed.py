@@ -51,7 +51,17 @@ BAD = [
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
       "zero_force_ds_cpu_optimizer": False, "optimizer": {"type": "AdamW"}}, [], "DeepSpeed's CPU Adam"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-     [], "offload_param"),
+     [], "offload_param without offload_optimizer"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     [], "offload_param is ZeRO-3's"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
+     [], "offload_param.device 'nvme' is not modelled yet"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, [], "offload_optimizer.ratio 0.3"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}, ["--lora-rank", "8"],
+     "LoRA with ZeRO-3's offload_param is not modelled yet"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "round_robin_gradients": True}}, [],
      "round_robin_gradients"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
@@ -161,7 +171,7 @@ def test_committed_deepspeed_rows_cover_the_matrix():
     zero = [json.loads(c)["zero_optimization"] for c in rows["ds_config"]]
     assert len(rows) >= 60
     assert {z.get("stage", 0) for z in zero} == {0, 1, 2, 3}
-    assert set(rows["world_size"]) == {2, 3, 4} and set(rows["precision"]) == {"fp32", "bf16"}
+    assert set(rows["world_size"]) == {2, 3, 4, 5} and set(rows["precision"]) == {"fp32", "bf16"}
     assert rows["model"].nunique() >= 4 and set(rows["grad_ckpt"]) == {True, False}
     assert {"reduce_bucket_size" in z for z in zero} == {True, False}
     stage3 = [z for z in zero if z.get("stage") == 3]

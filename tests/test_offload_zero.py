@@ -48,6 +48,9 @@ def test_committed_rows_cover_the_offload_matrix():
     stage3 = rows[[z["stage"] == 3 for z in zero]]
     assert len(stage3) >= 24 and set(stage3["world_size"]) >= {2, 3, 4} and (stage3["lora_rank"] > 0).any()
     assert len({z.get("sub_group_size") for z in zero if z["stage"] == 3}) >= 2  # one and several sub-groups
+    params = [bool(z.get("offload_param")) for z in zero]
+    assert sum(params) >= 20 and {z["offload_param"]["pin_memory"] for z in zero if z.get("offload_param")} == {
+        True, False}
     assert {z["offload_optimizer"]["pin_memory"] for z in zero} == {True, False}
     assert {bool(z.get("overlap_comm")) for z in zero} == {True, False}
     assert {c["gradient_accumulation_steps"] for c in configs} >= {1, 2, 3}
@@ -127,6 +130,11 @@ def test_zero3_offload_keeps_master_gradients_and_states_on_the_host():
         # combination, this step's global norm and the last step's, which the engine still holds)
         elem = 2 if bf16 else 4
         assert offloaded.peak_host_bytes == (2 * 4 + elem + 4 * 4) * partition + 1 + 4 * 4
+        # offload_param: the partitions themselves on the host too, the device without them
+        config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        params = _predict(config)
+        assert params.peak_host_bytes == offloaded.peak_host_bytes + elem * partition
+        assert params.peak_allocated_bytes < offloaded.peak_allocated_bytes
 
 
 def test_zero3_on_a_gpu_defragments_through_the_host_and_pins_copies():

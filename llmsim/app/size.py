@@ -62,8 +62,9 @@ class Candidate:
 
 FAMILIES = ("single", "ddp", "zero", "offload", "fsdp", "tp", "pp", "tpxpp")
 # Asked for by name (--layouts): FSDP2 on a GPU is traced at full depth (llmsim/model/trace.py), a minute per
-# micro-batch at 70B (62 s cold, Llama-2-70B on 64 H100s); ZeRO-Offload ("offload": ZeRO-1/2 with the optimizer on
-# the host, `zero1-offload`, `zero2-offload`) walks and replays every rank on its own (zero12.plan)
+# micro-batch at 70B (62 s cold, Llama-2-70B on 64 H100s); ZeRO-Offload ("offload": ZeRO-1/2/3 with the optimizer on
+# the host, `zero1-offload` to `zero3-offload`, and `zero3-offload-all` with the parameters there too) walks and
+# replays every rank (ZeRO-1/2, zero12.plan) or every class of ranks (ZeRO-3, zero3.plan) on its own
 DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("fsdp", "offload"))
 
 
@@ -79,9 +80,11 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
                 out.append(Candidate(f"zero{stage}", world,
                                      lambda mb, w=world, s=stage: _zero(spec, setup, w, s, mb)))
         if "offload" in families and _offload_refusal(spec, setup, world) is None:
-            for stage in (1, 2):
+            for stage in (1, 2, 3):
                 out.append(Candidate(f"zero{stage}-offload", world,
                                      lambda mb, w=world, s=stage: _zero(spec, setup, w, s, mb, offload=True)))
+            out.append(Candidate("zero3-offload-all", world,  # the parameters offloaded too
+                                 lambda mb, w=world: _zero(spec, setup, w, 3, mb, offload=True, offload_params=True)))
         if "fsdp" in families and _fsdp_refusal(spec, setup, world) is None:  # FSDP2 as the tutorial sets it up
             out.append(Candidate("fsdp", world, lambda mb, w=world: Layout(Strategy.FSDP, w, fsdp=FsdpSetup())))
         splits = ([(world, 1)] if "tp" in families else []) + ([(1, world)] if "pp" in families else []) + \
@@ -159,12 +162,14 @@ def _model_parallel_refusal(spec: ModelSpec, setup: TrainSetup, tp: int, pp: int
 
 
 def _zero(spec: ModelSpec, setup: TrainSetup, world: int, stage: int, micro_batch: int,
-          offload: bool = False) -> Layout:
+          offload: bool = False, offload_params: bool = False) -> Layout:
     config = {"train_micro_batch_size_per_gpu": micro_batch, "zero_optimization": {"stage": stage},
               "bf16": {"enabled": setup.precision is Precision.BF16}}
-    if offload:  # LLaMA-Factory's ds_z2_offload_config.json with the Trainer's optimizer
+    if offload:  # LLaMA-Factory's ds_z2/z3_offload_config.json with the Trainer's optimizer
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         config["zero_force_ds_cpu_optimizer"] = False
+    if offload_params:
+        config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     if not deepspeed_tested(setup.optimizer):  # as a user running it must (llmsim.sim.strategies.check_deepspeed_optimizer)
         config[ZERO_ALLOW_UNTESTED_OPTIMIZER] = True
     deepspeed = ds_setup(config, world, int(spec.hf_config().hidden_size), micro_batch, setup.precision)

@@ -73,6 +73,13 @@ class DeepSpeedSetup:
         offload = self.config.get("zero_optimization", {}).get("offload_optimizer") or {}
         return offload.get("device", "none") == "cpu"
 
+    @property
+    def offloads_params(self) -> bool:
+        """ZeRO-3's parameter offload: `zero_optimization.offload_param.device` is "cpu" (every parameter's
+        partition on the host, brought to the device for each all-gather)."""
+        offload = self.config.get("zero_optimization", {}).get("offload_param") or {}
+        return offload.get("device", "none") == "cpu"
+
     def zero(self):
         """DeepSpeed's own parsed zero_optimization section, with DeepSpeed's defaults."""
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -203,6 +210,10 @@ def _validate(config: dict) -> None:
     if device == "cpu" and stage not in (1, 2, 3):
         raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer with stage {stage} is not modelled "
                          "yet; modelled: stages 1, 2 and 3")
+    if device == "cpu" and float(optimizer_offload.get("ratio", 1.0)) < 1.0:
+        raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer.ratio "
+                         f"{optimizer_offload['ratio']} (partial offload, which needs DeepSpeed's CPU Adam) is not "
+                         "modelled yet; modelled: 1.0 (the whole optimizer on the host)")
     if device == "cpu" and optimizer is not None:
         raise InputError("DeepSpeed config zero_optimization.offload_optimizer with an \"optimizer\" section "
                          "(DeepSpeed's CPU Adam) is not modelled yet; modelled: a client optimizer "
@@ -214,6 +225,14 @@ def _validate(config: dict) -> None:
         raise InputError("DeepSpeed config zero_optimization.round_robin_gradients (ZeRO-1/2's round-robin "
                          "partitioning of the gradients) is not modelled yet; modelled: false (DeepSpeed's default)")
     param_offload = zero.get("offload_param") if isinstance(zero.get("offload_param"), dict) else {}
-    if param_offload.get("device", "none") != "none":
-        raise InputError("DeepSpeed config zero_optimization.offload_param (ZeRO-3 parameter offload) is not "
-                         "modelled yet; modelled: no parameter offload")
+    param_device = param_offload.get("device", "none")
+    if param_device not in ("none", "cpu"):
+        raise InputError(f"DeepSpeed config zero_optimization.offload_param.device {param_device!r} is not modelled "
+                         "yet; modelled: \"cpu\", \"none\"")
+    if param_device == "cpu" and stage != 3:
+        raise InputError(f"DeepSpeed config zero_optimization.offload_param is ZeRO-3's (stage {stage} has no "
+                         "parameter partitions to offload); modelled: stage 3")
+    if param_device == "cpu" and device != "cpu":
+        raise InputError("DeepSpeed config zero_optimization.offload_param without offload_optimizer is not "
+                         "modelled yet; modelled: offload_param with offload_optimizer {\"device\": \"cpu\"} "
+                         "(LLaMA-Factory's and DeepSpeed's ZeRO-3 offload configs)")

@@ -85,7 +85,8 @@ def optimizer_offload(tracker: StorageTracker, ds_config: dict | str | None):
     if offload.get("device", "none") == "none":
         return contextlib.nullcontext()
     if int(zero.get("stage", 0)) == 3:
-        return HostMemory(tracker).active_stage3()
+        params = (zero.get("offload_param") or {}).get("device", "none") != "none"
+        return HostMemory(tracker).active_stage3(params)
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     return HostMemory(tracker).active((DeepSpeedZeroOptimizer,))
@@ -150,32 +151,52 @@ class HostMemory:
         self.label()
 
     @contextlib.contextmanager
-    def active_stage3(self):
+    def active_stage3(self, params: bool = False):
         """`active` for ZeRO-3's optimizer offload (deepspeed/runtime/zero/stage3.py): its host name is
         `self.device` (set to `OffloadDeviceEnum.cpu` when `offload_optimizer`), and `subgroup_to_device` names
         the host with a literal 'cpu' (the fp32 master partitions and their gradients); the accelerator's
         `on_accelerator` answers False for a host tensor, as a GPU's does (`partition_grads` then accumulates
         through a device copy, as on a GPU); the gradient epilogue, which the autograd engine runs as a queued
-        callback without the caller's torch function modes, runs under `_Place` as the gradient hooks do."""
+        callback without the caller's torch function modes, runs under `_Place` as the gradient hooks do.
+        With `params` (offload_param): zero.Init's `remote_device` names the host (each parameter's partition),
+        the trainable partitions' flat buffer (`_create_param_groups_fp16_flat_cpu_memory`, a `torch.empty` with
+        no device) is the host's, and the coordinator's fetches and releases run under `_Place` too (in the
+        backward the autograd engine runs them), so each all-gather copies its host input to the device."""
         from deepspeed.accelerator import get_accelerator
+        from deepspeed.runtime.zero.partition_parameters import Init
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
 
         accelerator = get_accelerator()
         on_accelerator = accelerator.on_accelerator
         memory = self
 
-        def epilogue(real):
-            def placed(*args, **kwargs):
+        def placed(real):
+            def call(*args, **kwargs):
                 with _Place(memory):
                     return real(*args, **kwargs)
-            return placed
+            return call
+
+        def on_host(real):
+            def call(optimizer, *args, **kwargs):
+                since = memory.tracker._next_serial
+                out = real(optimizer, *args, **kwargs)
+                memory._place(optimizer.param_groups_fp16_flat_cpu_memory, since, True)
+                return out
+            return call
 
         patches = [mock.patch.object(Stage3, "device", _host_name_property("offload_optimizer"), create=True),
                    mock.patch.object(Stage3, "subgroup_to_device", _host_map_property(), create=True),
                    mock.patch.object(accelerator, "on_accelerator",
                                      lambda tensor: not memory.is_host(tensor) and on_accelerator(tensor)),
                    mock.patch.object(Stage3, "independent_gradient_partition_epilogue",
-                                     epilogue(Stage3.independent_gradient_partition_epilogue))]
+                                     placed(Stage3.independent_gradient_partition_epilogue))]
+        if params:
+            patches += [mock.patch.object(Init, "remote_device", _host_name_property(None), create=True),
+                        mock.patch.object(Stage3, "_create_param_groups_fp16_flat_cpu_memory",
+                                          on_host(Stage3._create_param_groups_fp16_flat_cpu_memory)),
+                        mock.patch.object(Coordinator, "fetch_sub_module", placed(Coordinator.fetch_sub_module)),
+                        mock.patch.object(Coordinator, "release_sub_module", placed(Coordinator.release_sub_module))]
         with contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
@@ -199,15 +220,17 @@ class HostMemory:
             self.tracker._labels[serial] = Category.HOST_OFFLOAD
 
 
-def _host_name_property(offloading: str = "cpu_offload") -> property:
+def _host_name_property(offloading: str | None = "cpu_offload") -> property:
     """`self.device` of an offloading ZeRO optimizer: `HOST` where DeepSpeed stores the string 'cpu' and the
-    optimizer's `offloading` flag is set (stage_1_and_2.py's `cpu_offload`, stage3.py's `offload_optimizer`)."""
+    optimizer's `offloading` flag is set (stage_1_and_2.py's `cpu_offload`, stage3.py's `offload_optimizer`; None:
+    any 'cpu', as zero.Init's `remote_device`, which is the local device unless it offloads)."""
 
     def get(self):
         return self.__dict__["_llmsim_device"]
 
     def set_(self, value):
-        self.__dict__["_llmsim_device"] = HOST if value == "cpu" and getattr(self, offloading, False) else value
+        hosts = isinstance(value, str) and value == "cpu" and (offloading is None or getattr(self, offloading, False))
+        self.__dict__["_llmsim_device"] = HOST if hosts else value
 
     return property(get, set_)
 

@@ -297,6 +297,12 @@ def _check_optimizer_offload(setup, deepspeed: DeepSpeedSetup) -> None:
     if refused:
         raise InputError(f"DeepSpeed ZeRO-{deepspeed.stage} offload_optimizer with {refused[0]} is not modelled "
                          f"yet; {modelled}")
+    if deepspeed.offloads_params and setup.lora_rank:
+        # measured (data/measurements/pending/tier2_offload_lora_params_cpu.csv): the host buffer the trainable
+        # partitions move into has the model's dtype, so peft's fp32 adapters train in bf16 from initialize on
+        raise InputError("LoRA with ZeRO-3's offload_param is not modelled yet (DeepSpeed copies the fp32 adapters "
+                         "into a host buffer of the model's dtype, so they train in that dtype); modelled with "
+                         "LoRA: offload_optimizer alone")
 
 
 def _check_lora(setup, layout: Layout) -> None:

@@ -84,6 +84,7 @@ class _Handle:
     flats: list[tuple[int, int]] = field(default_factory=list)
     coalesced: bool = False
     complete: bool = False
+    inputs: list[tuple[int, int]] = field(default_factory=list)  # parameter offload: the input's device copy
 
 
 class _Rank:
@@ -101,6 +102,11 @@ class _Rank:
         self.offload = layout.deepspeed.offloads_optimizer
         # offload's host buffers are pinned copies: pin_memory, on a GPU (DeepSpeed's CPU accelerator pins nothing)
         self.pins = self.offload and self.cuda and bool(self.zero.offload_optimizer.pin_memory)
+        # parameter offload: every partition on the host (pinned copies on a GPU with its pin_memory), the trainable
+        # ones in one host buffer that is pinned on a GPU whatever pin_memory says
+        self.host_params = layout.deepspeed.offloads_params
+        self.param_pins = self.host_params and self.cuda and bool(self.zero.offload_param.pin_memory)
+        self.partition_category = Category.HOST_OFFLOAD if self.host_params else Category.PARAMETER
         self.norms: list[int] = []  # offload: each gradient partition's 0-d fp64 norm (device), kept to the step
         self.global_norm: int | None = None  # offload: `_global_grad_norm` (0-d fp32, host), kept to the next step
         self.world = World(layout.world_size) if self.recording else layout.world_size
@@ -201,15 +207,26 @@ class _Rank:
         for p in self.params:
             if not p.adapter:
                 whole = self.w.alloc(p.numel * p.elem, Category.TEMPORARY)
-                self.ds_tensors[p] = (self.w.alloc(p.partition * p.elem, Category.PARAMETER), p.partition * p.elem)
+                self.ds_tensors[p] = self._partition(p)
                 self.w.free(whole, p.numel * p.elem, Category.TEMPORARY)
+
+    def _partition(self, p: _Param) -> tuple[int, int]:
+        """`_partition_param`'s `ds_tensor` (partition_parameters.py): on the device, or with parameter offload on
+        the host (`remote_device`), where pin_memory on a GPU replaces it by a pinned copy."""
+        nbytes = p.partition * p.elem
+        serial = self.w.alloc(nbytes, self.partition_category)
+        if self.param_pins:
+            pinned = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
+            self.w.free(serial, nbytes, Category.HOST_OFFLOAD)
+            serial = pinned
+        return serial, nbytes
 
     def initialize(self) -> None:
         """DeepSpeedZeroOptimizer_Stage3.__init__ (after the basic optimizer is built)."""
         construct_optimizer(self.w, self.optimizer)
         for p in self.params:  # DeepSpeedZeRoOffload `_convert_to_zero_parameters`: the adapters partitioned
             if p.adapter:
-                self.ds_tensors[p] = (self.w.alloc(p.partition * p.elem, Category.PARAMETER), p.partition * p.elem)
+                self.ds_tensors[p] = self._partition(p)
                 self.w.free(*self.whole.pop(p.name), Category.PARAMETER)
         total = self._psum(self.trainable)
         if self.offload:  # inf_or_nan_tracker: one bool, on the optimizer's device (the host)
@@ -242,6 +259,7 @@ class _Rank:
         for p in self.trainable:  # create_reduce_and_remove_grad_hooks: gather, register, partition
             nbytes = p.partition * self.world * p.elem
             buffer = self.w.alloc(nbytes, GATHERED)
+            self._from_host([p])  # _allgather_params_sequential's input, for the call
             self.w.free(buffer, nbytes, GATHERED)
 
     def _defragment(self) -> None:
@@ -250,6 +268,14 @@ class _Rank:
         and freed, then the host buffer is copied back to the device; on the CPU the host buffer is the flat buffer
         itself (`.to("cpu")` returns it), allocated while the partitions still exist."""
         nbytes = self._psum(self.trainable, per_element=True)
+        if self.host_params:  # _create_param_groups_fp16_flat_cpu_memory, then _move_to_flat_buffer
+            flat = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
+            if self.cuda:  # always pinned: get_accelerator().pin_memory whatever offload_param.pin_memory says
+                self.w.alloc(nbytes, Category.HOST_OFFLOAD)
+                self.w.free(flat, nbytes, Category.HOST_OFFLOAD)
+            for p in self.trainable:
+                self.w.free(*self.ds_tensors.pop(p), Category.HOST_OFFLOAD)
+            return
         if not self.cuda:
             self.w.alloc(nbytes, Category.PARAMETER)
             for p in self.trainable:
@@ -263,9 +289,10 @@ class _Rank:
 
     def _host_master(self, numel, elem: int) -> None:
         """Offload's fp32 master of a sub-group: `flat.to('cpu', dtype=fp32).clone()`, both on the host. On a GPU a
-        copy that changes the dtype across devices converts on the host, from a host copy in the source dtype."""
+        copy that changes the dtype across devices converts on the host, from a host copy in the source dtype
+        (none when the partitions are on the host already)."""
         converted = self.w.alloc(numel * FP32_BYTES, Category.HOST_OFFLOAD)
-        if self.cuda and elem != FP32_BYTES:
+        if self.cuda and elem != FP32_BYTES and not self.host_params:
             staging = self.w.alloc(numel * elem, Category.HOST_OFFLOAD)
             self.w.free(staging, numel * elem, Category.HOST_OFFLOAD)
         self.w.alloc(numel * FP32_BYTES, Category.HOST_OFFLOAD)
@@ -289,20 +316,40 @@ class _Rank:
             p = params[0]
             nbytes = p.partition * self.world * p.elem
             p.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
-            handle = _Handle(params)
+            # with parameter offload, the all-gather's input is a device copy of the host partition, which the
+            # collective's work holds until it is waited on
+            handle = _Handle(params, inputs=self._from_host(params, keep=True))
         else:
             handle = _Handle(params, coalesced=True)
             for elem in sorted({p.elem for p in params}):  # sort_dtypes: by name, bfloat16 before float32
-                nbytes = self._psum([p for p in params if p.elem == elem]) * self.world * elem
+                group = [p for p in params if p.elem == elem]
+                nbytes = self._psum(group) * self.world * elem
                 handle.flats.append((self.w.alloc(nbytes, GATHERED), nbytes))
+                self._from_host(group)  # `torch.cat([p.ds_tensor.to(device) ...], out=...)`: copies for the cat
         for p in params:
             p.status = INFLIGHT
             self.inflight[p] = handle
+
+    def _from_host(self, params: list[_Param], keep: bool = False) -> list[tuple[int, int]]:
+        """With parameter offload: each partition's device copy (`ds_tensor.to(device)`), made in `params`' order;
+        freed at once unless `keep` (then returned, (serial, bytes) each)."""
+        if not self.host_params:
+            return []
+        copies = [(self.w.alloc(int(p.partition) * p.elem, Category.TEMPORARY), int(p.partition) * p.elem)
+                  for p in params]
+        if keep:
+            return copies
+        for copy in copies:
+            self.w.free(*copy, Category.TEMPORARY)
+        return []
 
     def _wait(self, p: _Param) -> None:
         """Pop `p`'s handle and wait on it: a coalesced handle copies every parameter out of its flat buffer,
         which is freed once no parameter waits on it any more."""
         handle = self.inflight.pop(p)
+        for copy in handle.inputs:  # the work lets go of its input
+            self.w.free(*copy, Category.TEMPORARY)
+        handle.inputs = []
         if not handle.complete:
             for q in handle.params:
                 if handle.coalesced:
@@ -566,10 +613,17 @@ class _Rank:
             self.w.free(serial, FP64_BYTES, Category.GRADIENT)
         self.norms = []
         persistent = [p for p in self.params if p.persist]  # _post_step: one buffer each
+        # with parameter offload, several are gathered by `_allgather_params_coalesced`: every input's device copy
+        # first, the buffers, the copies freed as it returns; one alone by `_allgather_params_sequential`
+        copies = self._from_host(persistent, keep=True) if len(persistent) > 1 else []
         for p in persistent:
             nbytes = p.partition * self.world * p.elem
             p.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
             p.status = AVAILABLE
+            if len(persistent) == 1:
+                self._from_host([p])
+        for copy in copies:
+            self.w.free(*copy, Category.TEMPORARY)
 
     # ---- the walk --------------------------------------------------------------------------------------
     def run(self) -> None:
