@@ -103,13 +103,16 @@ RUNS = [
     ("mistral-7b", 3, offload(3, True, offload_param=HOST_PARAMS, stage3_prefetch_bucket_size=20_000), True, 64, {}),
     ("gpt2", 2, offload(3, False, offload_param=HOST_PARAMS, overlap_comm=True), False, 64, {}),
     ("qwen2.5-0.5b", 4, offload(3, True, offload_param=HOST_PARAMS_UNPINNED, sub_group_size=40_000), True, 64, {}),
-    # LoRA with offload_param: measured (predicted first, 5.3 % over), then refused; its rows are in
-    # data/measurements/pending/ (DeepSpeed casts the fp32 adapters to bf16 in its host buffer)
+    # LoRA: predicted first 5.3 % over, until the model had DeepSpeed's host buffer cast the fp32 adapters to bf16
     ("llama-2-7b", 2, offload(3, True, offload_param=HOST_PARAMS), False, 64, {"lora_rank": 8}),
     ("pythia-160m", 2, offload(3, False, offload_param=HOST_PARAMS, stage3_param_persistence_threshold=0), False,
      64, {"fused": True}),
     ("llama-2-7b", 3, offload(3, True, ga=3, offload_param=HOST_PARAMS, stage3_max_live_parameters=30_000), False,
      64, {"grad_accum": 3}),
+    # LoRA with offload_param, predicted before measured once the adapters' cast was modelled
+    ("mistral-7b", 2, offload(3, True, offload_param=HOST_PARAMS), True, 64, {"lora_rank": 16}),
+    ("qwen2.5-0.5b", 3, offload(3, True, offload_param=HOST_PARAMS_UNPINNED), True, 64, {"lora_rank": 8}),
+    ("gpt2", 2, offload(3, False, offload_param=HOST_PARAMS), False, 64, {"lora_rank": 8}),  # fp32: no cast
 ]
 
 

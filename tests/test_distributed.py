@@ -59,9 +59,6 @@ BAD = [
      [], "offload_param.device 'nvme' is not modelled yet"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, [], "offload_optimizer.ratio 0.3"),
-    ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
-        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}, ["--lora-rank", "8"],
-     "LoRA with ZeRO-3's offload_param is not modelled yet"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "round_robin_gradients": True}}, [],
      "round_robin_gradients"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},

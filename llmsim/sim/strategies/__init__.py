@@ -101,8 +101,10 @@ def traced_setup(setup, layout: Layout):
 
     if setup.recipe is Recipe.HF_TRAINER and layout.deepspeed is not None:
         setup = replace(setup, trainer_under_deepspeed=True)
-    elif (uses_peft(setup) and layout.deepspeed is not None and layout.deepspeed.stage in (0, 1, 2)
-            and setup.precision.cast_dtype is not None):
+    elif (uses_peft(setup) and layout.deepspeed is not None and setup.precision.cast_dtype is not None
+            and (layout.deepspeed.stage in (0, 1, 2) or layout.deepspeed.offloads_params)):
+        # ZeRO-3 with offload_param: the trainable partitions move into a host buffer of the model's dtype
+        # (`_create_param_groups_fp16_flat_cpu_memory`), so the adapters train in it from initialize on
         setup = replace(setup, cast_after_peft=True)
     if setup.grad_accum > 1 and layout.deepspeed is not None and layout.deepspeed.stage in (2, 3):
         setup = replace(setup, label_micro_grads=True)
@@ -297,12 +299,6 @@ def _check_optimizer_offload(setup, deepspeed: DeepSpeedSetup) -> None:
     if refused:
         raise InputError(f"DeepSpeed ZeRO-{deepspeed.stage} offload_optimizer with {refused[0]} is not modelled "
                          f"yet; {modelled}")
-    if deepspeed.offloads_params and setup.lora_rank:
-        # measured (data/measurements/pending/tier2_offload_lora_params_cpu.csv): the host buffer the trainable
-        # partitions move into has the model's dtype, so peft's fp32 adapters train in bf16 from initialize on
-        raise InputError("LoRA with ZeRO-3's offload_param is not modelled yet (DeepSpeed copies the fp32 adapters "
-                         "into a host buffer of the model's dtype, so they train in that dtype); modelled with "
-                         "LoRA: offload_optimizer alone")
 
 
 def _check_lora(setup, layout: Layout) -> None:

@@ -162,7 +162,9 @@ class _Rank:
         params = []
         for i, p in enumerate(parameters(timeline, 1)):  # numel in bytes: the dtype is per parameter here
             adapter = trainable is not None and p.name in trainable
-            elem = FP32_BYTES if adapter else self.elem
+            # with parameter offload the adapters are in the model's dtype once initialize has moved them into the
+            # host buffer (the trace casts them after get_peft_model, `cast_after_peft`)
+            elem = FP32_BYTES if adapter and not self.host_params else self.elem
             numel = p.numel // elem
             partition = math.ceil(numel / int(self.world))
             if self.recording:
@@ -210,10 +212,11 @@ class _Rank:
                 self.ds_tensors[p] = self._partition(p)
                 self.w.free(whole, p.numel * p.elem, Category.TEMPORARY)
 
-    def _partition(self, p: _Param) -> tuple[int, int]:
-        """`_partition_param`'s `ds_tensor` (partition_parameters.py): on the device, or with parameter offload on
-        the host (`remote_device`), where pin_memory on a GPU replaces it by a pinned copy."""
-        nbytes = p.partition * p.elem
+    def _partition(self, p: _Param, elem: int | None = None) -> tuple[int, int]:
+        """`_partition_param`'s `ds_tensor` (partition_parameters.py) in `elem`-byte elements (the parameter's
+        own by default): on the device, or with parameter offload on the host (`remote_device`), where pin_memory
+        on a GPU replaces it by a pinned copy."""
+        nbytes = p.partition * (elem or p.elem)
         serial = self.w.alloc(nbytes, self.partition_category)
         if self.param_pins:
             pinned = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
@@ -225,8 +228,8 @@ class _Rank:
         """DeepSpeedZeroOptimizer_Stage3.__init__ (after the basic optimizer is built)."""
         construct_optimizer(self.w, self.optimizer)
         for p in self.params:  # DeepSpeedZeRoOffload `_convert_to_zero_parameters`: the adapters partitioned
-            if p.adapter:
-                self.ds_tensors[p] = self._partition(p)
+            if p.adapter:  # still fp32 here under parameter offload too: the host buffer casts them
+                self.ds_tensors[p] = self._partition(p, FP32_BYTES)
                 self.w.free(*self.whole.pop(p.name), Category.PARAMETER)
         total = self._psum(self.trainable)
         if self.offload:  # inf_or_nan_tracker: one bool, on the optimizer's device (the host)
