@@ -211,6 +211,15 @@ class _Rank:
                 whole = self.w.alloc(p.numel * p.elem, Category.TEMPORARY)
                 self.ds_tensors[p] = self._partition(p)
                 self.w.free(whole, p.numel * p.elem, Category.TEMPORARY)
+        # a tied module (the LM head) made its own parameter in __init__, which zero.Init partitioned too, before
+        # `tie_weights` replaced it by the embedding's and it was freed
+        for row in self.rows:
+            if int(row[4]) == TIED and row[1] == _BUILD and row[7] in self.by_name:
+                p = self.by_name[row[7]]
+                whole = self.w.alloc(p.numel * p.elem, Category.TEMPORARY)
+                own = self._partition(p)
+                self.w.free(whole, p.numel * p.elem, Category.TEMPORARY)
+                self.w.free(*own, self.partition_category)
 
     def _partition(self, p: _Param, elem: int | None = None) -> tuple[int, int]:
         """`_partition_param`'s `ds_tensor` (partition_parameters.py) in `elem`-byte elements (the parameter's
