@@ -78,6 +78,11 @@ def test_suggest_on_the_command_line(capsys, monkeypatch):
     assert all(s["verdict"] == "fits" and s["needed_bytes"] > 0 for s in out["suggestions"])
     assert main([*base, "--suggest", "--gpu", "h100-80gb"]) == 0
     assert "would fit on test-card (cheapest first" in capsys.readouterr().out
+    # a tight or oom verdict lists them by default; --no-suggest leaves them out
+    assert main([*base, "--gpu", "h100-80gb", "--format", "json"]) == 0
+    assert "--lora-rank 16" in [s["change"] for s in json.loads(capsys.readouterr().out)["suggestions"]]
+    assert main([*base, "--no-suggest", "--gpu", "h100-80gb", "--format", "json"]) == 0
+    assert "suggestions" not in json.loads(capsys.readouterr().out)
 
 
 def test_a_zero_job_is_offered_its_optimizer_offloaded_once():

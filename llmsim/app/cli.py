@@ -24,7 +24,7 @@ def cmd_predict(args) -> int:
         raise InputError("--suggest lists what would make the job fit on a GPU: it needs --gpu NAME")
     predicted = prediction(args, progress=progress)
     advice = None
-    if args.suggest and predicted.verdict in ("tight", "oom"):
+    if args.suggest is not False and predicted.verdict in ("tight", "oom"):  # on by default where it can help
         from llmsim.app.advice import suggestions
 
         spec, setup, layout = inputs(args)

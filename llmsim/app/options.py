@@ -389,9 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_args(p)
     p.add_argument("--snapshot", metavar="FILE.pickle", help="also write the deciding (or, on the CPU, the fullest) "
                    "rank's predicted step as a PyTorch memory snapshot, for https://pytorch.org/memory_viz")
-    p.add_argument("--suggest", action="store_true", help="with --gpu, when the verdict is tight or oom: predict the "
-                   "changes (levers, then more GPUs) that would make the job fit, and list those that do, cheapest "
-                   "first (llmsim/app/advice.py)")
+    p.add_argument("--suggest", action=argparse.BooleanOptionalAction, default=None,
+                   help="when the verdict on --gpu is tight or oom (the default there; --no-suggest skips it): predict "
+                   "the changes (levers, then more GPUs) that would make the job fit, and list those that do, "
+                   "cheapest first (llmsim/app/advice.py)")
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--plot", metavar="PNG", help="also draw the fullest rank's memory over the step, stacked by "
                    "category with the peak marked, and every rank's breakdown at its peak")
