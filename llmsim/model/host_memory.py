@@ -1,8 +1,9 @@
 """The CPU standing in for both sides of a ZeRO-Offload run: which storages a GPU run would hold on the host.
 
 On a GPU DeepSpeed's optimizer offload keeps the fp32 master partition, its gradient, the optimizer states and a
-few staging buffers on the host (`self.device = 'cpu'` when offloading, deepspeed/runtime/zero/stage_1_and_2.py)
-and everything else on the accelerator (`get_accelerator().current_device_name()`). On this CPU both names are
+few staging buffers on the host (`self.device = 'cpu'` when offloading, deepspeed/runtime/zero/stage_1_and_2.py and
+stage3.py; ZeRO-3's parameter offload its parameters' partitions too, `remote_device`) and everything else on the
+accelerator (`get_accelerator().current_device_name()`). On this CPU both names are
 "cpu", so a real run cannot tell them apart, and the moves between them behave differently: `t.to("cpu")` of a
 tensor already on the CPU returns the tensor itself, where the GPU run copies it across.
 
