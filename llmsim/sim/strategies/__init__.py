@@ -268,12 +268,12 @@ def check_supported(setup, layout: Layout) -> None:
         raise InputError(f"grad-accum({setup.grad_accum}) contradicts the DeepSpeed config's "
                          f"gradient_accumulation_steps({layout.deepspeed.gradient_accumulation_steps})")
     if setup.grad_accum > 1 and layout.deepspeed is not None:
-        others = [name for name, on in (("LoRA", setup.lora_rank), (" and ".join(extras), extras),
-                                        ("ckpt-offload", setup.ckpt_offload),
+        others = [name for name, on in ((" and ".join(extras), extras), ("ckpt-offload", setup.ckpt_offload),
                                         (f"loss {setup.loss.value}", setup.loss.value != "hf")) if on]
-        if others:  # each is measured under ZeRO without accumulation only (tier2_ga_zero_cpu.csv: full fine-tuning)
+        if others:  # each is measured under ZeRO without accumulation only (tier2_ga_zero_cpu.csv: full fine-tuning
+            # and LoRA)
             raise InputError(f"grad-accum({setup.grad_accum}) with {' and '.join(others)} under DeepSpeed is not "
-                             "modelled yet; measured: with full fine-tuning and transformers' loss")
+                             "modelled yet; measured: with full fine-tuning or LoRA, and transformers' loss")
     if setup.grad_accum > 1:
         _refuse_lever("grad-accum", f"grad-accum({setup.grad_accum})", layout,
                       " (DDP all-reducing every backward, no no_sync); a pipeline accumulates over its "
