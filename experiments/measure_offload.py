@@ -1,17 +1,21 @@
-"""DeepSpeed ZeRO-Offload (stages 1, 2 and 3, `offload_optimizer: {"device": "cpu"}`, and ZeRO-3's `offload_param`,
-the client torch.optim.AdamW) measured on this CPU: `deepspeed.initialize`, `engine.backward`, `engine.step` under torchrun and gloo, the
-storage tracker in every rank, and the host side told apart from the device's as a GPU run holds them
-(llmsim/model/host_memory.py).
+"""DeepSpeed ZeRO-Offload (stages 1, 2 and 3, `offload_optimizer: {"device": "cpu"}`, and ZeRO-3's
+`offload_param`, the client torch.optim.AdamW) measured on this CPU: `deepspeed.initialize`, `engine.backward`,
+`engine.step` under torchrun and gloo, the storage tracker in every rank, and the host side told apart from the
+device's as a GPU run holds them (llmsim/model/host_memory.py).
 
 Each run is predicted first (`llmsim.sim.pipeline.predict`, printed before the run starts), then measured; the rows
-go to data/measurements/tier2_offload_cpu.csv (one per rank, device and host peaks). The first four RUNS were
-measured while the model was written (llmsim/sim/strategies/zero12.py); the rest were predicted before they were
-first measured (the last two, torch's fused AdamW, added after the Trainer's offload runs). Every row is measured with gloo's worker thread settled after each of DeepSpeed's collectives
-(`ds_gloo_settle`), which is what NCCL does at the wait and what the prediction keeps; `--both-ways` then re-runs
-UNSETTLED several times with gloo's own timing and prints the peaks beside the settled ones (not kept).
+go to data/measurements/tier2_offload_cpu.csv (one per rank, device and host peaks). Of the ZeRO-1/2 RUNS the first
+four were measured while the model was written (llmsim/sim/strategies/zero12.py), the rest predicted before they
+were first measured (the last two, torch's fused AdamW, added after the Trainer's offload runs); of the ZeRO-3 ones
+the first of each kind (optimizer offload, parameter offload) was measured while llmsim/sim/strategies/zero3.py was
+written and the rest predicted first (the comments say which missed, and what was modelled then). Every row is
+measured with gloo's worker thread settled after each of DeepSpeed's collectives (`ds_gloo_settle`), which is what
+NCCL does at the wait and what the prediction keeps; `--both-ways` then re-runs UNSETTLED several times with gloo's
+own timing and prints the peaks beside the settled ones (not kept). A run refused since it was measured is skipped.
 Run: python experiments/measure_offload.py [--only I ...] [--both-ways] (about 12 minutes on 2 cores);
-experiments/measure_offload.out holds the outputs that made the rows: the ZeRO-1/2 runs, then `--only 23 ... 34` and
-`--only 35 ... 44` (the ZeRO-3 runs), in that order, and the ZeRO-3 default-bucket run's repeats.
+experiments/measure_offload.out holds the outputs that made the rows, in order: the ZeRO-1/2 runs, then the ZeRO-3
+ones by `--only 23 ... 34`, `--only 35 ... 44`, the default-bucket run's repeats, `--only 45 46 47` and
+`--only 48 49`.
 """
 from __future__ import annotations
 

@@ -481,7 +481,8 @@ GA_ZERO_RUNS = [
     ("qwen2.5-0.5b", 2, "bf16", False, 1, 2, 64, "deepspeed", small_buckets(3), None, NO_LORA, GA2),
     ("opt-125m", 2, "fp32", True, 1, 2, 64, "deepspeed", {"stage": 3, "reduce_bucket_size": 40000}, None, NO_LORA,
      GA3),
-    # LoRA with accumulation (what most LoRA recipes run), predicted before measured (experiments/measure_tier2_lora_ga.out)
+    # LoRA with accumulation (what most LoRA recipes run), predicted before measured
+    # (experiments/measure_tier2_lora_ga.out)
     ("llama-2-7b", 2, "bf16", False, 1, 2, 64, "deepspeed", {"stage": 2}, None, (8, None), GA2),
     ("gpt2", 2, "fp32", True, 1, 2, 64, "deepspeed", small_buckets(1), None, (8, None), GA3),
     ("qwen2.5-0.5b", 2, "bf16", True, 1, 2, 64, "deepspeed", {"stage": 0}, None, (16, None), GA2),

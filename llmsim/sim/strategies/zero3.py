@@ -56,7 +56,7 @@ NOT_AVAILABLE, INFLIGHT, AVAILABLE = "not_available", "inflight", "available"  #
 _BUILD, _BACKWARD = Phase.BUILD.value, Phase.BACKWARD.value
 _PARAMETER, _GRADIENT = Category.PARAMETER.value, Category.GRADIENT.value
 GATHERED = Category.ALLGATHER_BUFFER
-NORM_CHUNK = 250_000_000  # `_constant_buffered_norm2`'s buffer_size: the float64 copy is made this many elements at a time
+NORM_CHUNK = 250_000_000  # `_constant_buffered_norm2`'s buffer_size: its float64 copy, this many elements at a time
 SCALAR_FP32_BYTES = 4  # a 0-d fp32 tensor
 
 
@@ -600,9 +600,10 @@ class _Rank:
     def _offload_step(self, step: int) -> None:
         """The step under offload: each sub-group's norm from the kept per-partition norms, returned to the host
         (`total_norm.cpu()`, a 0-d each), their combination (a 0-d) and `_global_grad_norm` (a 0-d, kept to the
-        next step, whose engine holds it until that step returns); per sub-group the host gradient clipped in place, the client AdamW on the host master (torch's
-        for-loop path: host tensors), the update copied into the device partition (on a GPU in bf16 through a host
-        copy in bf16, as a copy that changes the dtype across devices converts on the host)."""
+        next step, whose engine holds it until that step returns); per sub-group the host gradient clipped in
+        place, the client AdamW on the host master (torch's for-loop path: host tensors), the update copied into
+        the device partition (on a GPU in bf16 through a host copy in bf16, as a copy that changes the dtype across
+        devices converts on the host)."""
         scalars = [self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD) for _ in self.sub_groups]
         scalars.append(self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD))  # combine_grad_norm_groups
         kept = self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
