@@ -192,12 +192,16 @@ def test_pinned_buffers_are_copies_on_a_gpu_only():
 
 
 @pytest.mark.slow
-def test_fresh_offload_run_matches_prediction():
+@pytest.mark.parametrize("zero", [
+    {"stage": 2, "overlap_comm": True},
+    {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}, "sub_group_size": 20_000},
+])
+def test_fresh_offload_run_matches_prediction(zero):
     from llmsim.measure.runs import measure_distributed
     from llmsim.measure.tolerances import PEAK_ALLOCATED_TOLERANCE
 
     spec = load_model_spec("gpt2", shrink("gpt2", 96, 3, 900, 4))
-    deepspeed = ds_setup(_config(2, bf16=True, overlap_comm=True), 2, 96, None, None, 2)
+    deepspeed = ds_setup(_config(bf16=True, **zero), 2, 96, None, None, 2)
     setup = TrainSetup(2, 48, Precision.BF16, Attention.SDPA, True, grad_accum=2)
     layout = Layout(Strategy.DEEPSPEED, 2, deepspeed=deepspeed)
     measured = measure_distributed(spec, setup, layout, ds_gloo_settle=True)
