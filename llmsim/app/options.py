@@ -110,6 +110,9 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=1, help="micro-batches through the pipeline per step, each "
                    "of --micro-batch samples (with --pp)")
     p.add_argument("--ds-config", default=None, help="DeepSpeed JSON, as passed to deepspeed.initialize")
+    p.add_argument("--accelerate-config", default=None, metavar="FILE", help="accelerate's YAML (accelerate launch "
+                   "--config_file): its distributed_type (NO, MULTI_GPU, DEEPSPEED), num_processes, mixed_precision "
+                   "and deepspeed_config set the layout, as accelerate builds it (llmsim/inputs/accelerate_config.py)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node, for the host memory a node needs "
                    "when ranks offload to it (ZeRO-Offload, --ckpt-offload; default 8)")
     p.add_argument("--fsdp-param-dtype", default=None, help="with --strategy fsdp: MixedPrecisionPolicy(param_dtype=): "
@@ -209,14 +212,19 @@ def _trainer_inputs(args):
 
 
 def inputs(args):
-    from llmsim.inputs.dsconfig import load_ds_config
+    from llmsim.inputs.dsconfig import ds_setup, load_ds_config
     from llmsim.enums import Device
     from llmsim.inputs.spec import TrainSetup, load_model_spec
     from llmsim.model.pipelining import Schedule
     from llmsim.sim.strategies import Layout, Strategy
 
     if args.training_args:
+        if getattr(args, "accelerate_config", None):
+            raise InputError("--accelerate-config with --training-args is not modelled yet (the Trainer under "
+                             "accelerate launch takes its DeepSpeed plugin from the launcher); give the Trainer's "
+                             "deepspeed= or --ds-config")
         return _trainer_inputs(args)
+    accelerate_ds = _apply_accelerate_config(args) if getattr(args, "accelerate_config", None) else None
     for flag, what in (("peft_config", "--peft-config"), ("dtype", "--dtype"),
                        ("quantization_config", "--quantization-config"), ("no_kbit_prep", "--no-kbit-prep")):
         if getattr(args, flag, None):
@@ -229,12 +237,14 @@ def inputs(args):
         raise InputError(f"dp({args.dp}) x pp({args.pp}) x tp({args.tp}) must equal world-size({world_size})")
     strategy = parse_enum(Strategy, args.strategy, "strategy") if args.strategy else None
     deepspeed = None
-    if args.ds_config:
+    if args.ds_config or accelerate_ds is not None:
         if strategy not in (None, Strategy.DEEPSPEED):
             raise InputError(f"--strategy {strategy.value} contradicts --ds-config (a DeepSpeed run)")
         strategy = Strategy.DEEPSPEED
-        deepspeed = load_ds_config(args.ds_config, world_size, int(spec.hf_config().hidden_size),
-                                   args.micro_batch, precision, args.grad_accum)
+        hidden = int(spec.hf_config().hidden_size)
+        deepspeed = (ds_setup(accelerate_ds, world_size, hidden, args.micro_batch, precision, args.grad_accum)
+                     if accelerate_ds is not None else
+                     load_ds_config(args.ds_config, world_size, hidden, args.micro_batch, precision, args.grad_accum))
         micro_batch, precision = deepspeed.micro_batch, deepspeed.precision
         grad_accum = deepspeed.gradient_accumulation_steps
     else:
@@ -259,6 +269,31 @@ def inputs(args):
         loss_chunk=args.loss_chunk, lora_modules_to_save=_names(args.lora_modules_to_save),
         trainable_tokens=_token_indices(args.trainable_tokens))
     return spec, setup, layout
+
+
+def _apply_accelerate_config(args) -> dict | None:
+    """--accelerate-config: the launch's strategy, world size and precision in place of the flags, which may repeat
+    them but not contradict them; returns its DeepSpeed JSON (None for a launch without DeepSpeed)."""
+    from llmsim.inputs.accelerate_config import read_accelerate_config
+
+    launch = read_accelerate_config(args.accelerate_config)
+    path = args.accelerate_config
+    if args.ds_config:
+        raise InputError(f"--ds-config with --accelerate-config {path}: the accelerate config sets the DeepSpeed JSON "
+                         "(its deepspeed_config_file)")
+    if args.strategy not in (None, launch.strategy):
+        raise InputError(f"--strategy {args.strategy} contradicts --accelerate-config {path} ({launch.strategy})")
+    if args.world_size not in (None, launch.world_size):
+        raise InputError(f"--world-size {args.world_size} contradicts --accelerate-config {path} "
+                         f"(num_processes {launch.world_size})")
+    if launch.precision is not None:
+        if args.precision not in (None, launch.precision.value):
+            raise InputError(f"--precision {args.precision} contradicts --accelerate-config {path} "
+                             f"(mixed_precision: {launch.precision.value})")
+        args.precision = launch.precision.value
+    args.strategy = None if launch.strategy == "deepspeed" else launch.strategy
+    args.world_size = launch.world_size
+    return launch.ds_config
 
 
 def _fsdp_setup(args, strategy):

@@ -1,0 +1,72 @@
+"""--accelerate-config: accelerate's launch YAML read with accelerate's own classes predicts what the equivalent
+flags predict; what accelerate does that llmsim does not model is refused with one line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmsim.app.cli import main
+
+TINY = ["--model", "llama-2-7b", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
+        "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+        "--set", "vocab_size=256", "--seq-len", "16", "--micro-batch", "2"]
+
+
+def _write(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _peaks(capsys, *args) -> list[int]:
+    assert main(["predict", *TINY, *args, "--format", "json"]) == 0
+    return [r["peak_allocated_bytes"] for r in json.loads(capsys.readouterr().out)["ranks"]]
+
+
+def test_deepspeed_launch_is_the_json_accelerate_builds(tmp_path, capsys):
+    """Inline deepspeed_config keys (DeepSpeedPlugin's JSON, bf16 written in by set_mixed_precision) and a
+    deepspeed_config_file with "auto" values both predict what the written-out JSON predicts."""
+    inline = _write(tmp_path, "inline.yaml", "distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 2\n"
+                    "deepspeed_config:\n  zero_stage: 2\n  gradient_clipping: 1.0\n  gradient_accumulation_steps: 1\n"
+                    "  offload_optimizer_device: none\n  offload_param_device: none\n  zero3_init_flag: false\n")
+    written = _write(tmp_path, "ds.json", json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+                                                      "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
+    expected = _peaks(capsys, "--ds-config", written, "--world-size", "2")
+    assert _peaks(capsys, "--accelerate-config", inline) == expected
+    auto = _write(tmp_path, "auto.json", json.dumps({"train_micro_batch_size_per_gpu": "auto",
+                                                     "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
+                                                     "bf16": {"enabled": "auto"}}))
+    from_file = _write(tmp_path, "file.yaml", "distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 2\n"
+                       f"deepspeed_config:\n  deepspeed_config_file: {auto}\n  deepspeed_multinode_launcher: standard\n")
+    assert _peaks(capsys, "--accelerate-config", from_file) == expected
+
+
+def test_multi_gpu_launch_is_ddp_under_autocast(tmp_path, capsys):
+    config = _write(tmp_path, "ddp.yaml", "distributed_type: MULTI_GPU\nmixed_precision: bf16\nnum_processes: 4\n"
+                    "num_machines: 1\ngpu_ids: all\n")
+    assert _peaks(capsys, "--accelerate-config", config) == \
+        _peaks(capsys, "--strategy", "ddp", "--world-size", "4", "--precision", "bf16-autocast")
+    assert _peaks(capsys, "--accelerate-config", config, "--world-size", "4") == \
+        _peaks(capsys, "--strategy", "ddp", "--world-size", "4", "--precision", "bf16-autocast")
+
+
+@pytest.mark.parametrize("text,extra,needle", [
+    ("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n", [],
+     "distributed_type FSDP is not modelled yet: accelerate's fsdp2_prepare_model"),
+    ("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precison: bf16\n", [], "unknown keys (['mixed_precison'])"),
+    ("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\n", [], "mixed_precision 'fp8'"),
+    ("distributed_type: MULTI_GPU\nnum_processes: 2\n", ["--world-size", "4"], "--world-size 4 contradicts"),
+    ("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: bf16\n", ["--precision", "bf16"],
+     "--precision bf16 contradicts"),
+    ("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stage: 2\n"
+     "  offload_optimizer_device: cpu\n", [], "replaces the torch optimizer by DeepSpeed's CPU Adam"),
+    ("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stag: 2\n", [],
+     "deepspeed_config: unknown keys ['zero_stag']"),
+    ("distributed_type: XLA\nnum_processes: 2\n", [], "distributed_type XLA is not modelled"),
+])
+def test_what_accelerate_does_and_llmsim_does_not_model_is_one_line(tmp_path, capsys, text, extra, needle):
+    config = _write(tmp_path, "bad.yaml", text)
+    assert main(["predict", *TINY, "--accelerate-config", config, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
