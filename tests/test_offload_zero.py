@@ -211,3 +211,15 @@ def test_fresh_offload_run_matches_prediction(zero):
         rank = predicted.ranks[row["rank"]]
         assert abs(rank.peak_allocated_bytes - row["peak_allocated_bytes"]) <= tolerance * row["peak_allocated_bytes"]
         assert abs(rank.peak_host_bytes - row["peak_host_bytes"]) <= tolerance * row["peak_host_bytes"]
+
+
+def test_the_table_says_what_is_offloaded():
+    from llmsim.app.report import layout_text
+
+    for zero, words in (({"stage": 2}, "ZeRO-2, optimizer offloaded to the CPU"),
+                        ({"stage": 3, "offload_param": {"device": "cpu"}},
+                         "ZeRO-3, optimizer and parameters offloaded to the CPU")):
+        config = _config(**zero)
+        config["zero_optimization"].update(zero)
+        layout = Layout(Strategy.DEEPSPEED, 2, deepspeed=ds_setup(config, 2, SHAPE[0], None, None))
+        assert words in layout_text(layout)

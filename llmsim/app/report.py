@@ -23,6 +23,9 @@ def human_bytes(n: int) -> str:
 def layout_text(layout) -> str:
     """"ddp x 8 (pp 2, 1f1b over 4 micro-batches)": the strategy over the world, then what splits each rank."""
     parts = [f"ZeRO-{layout.deepspeed.stage}"] if layout.deepspeed is not None else []
+    if layout.deepspeed is not None and layout.deepspeed.offloads_optimizer:  # the step then runs on the host
+        parts.append("optimizer" + (" and parameters" if layout.deepspeed.offloads_params else "")
+                     + " offloaded to the CPU, where AdamW steps")
     if layout.tp > 1:
         parts.append(f"tp {layout.tp}")
     if layout.pp > 1:
