@@ -172,12 +172,6 @@ class HostMemory:
         on_accelerator = accelerator.on_accelerator
         memory = self
 
-        def placed(real):
-            def call(*args, **kwargs):
-                with _Place(memory):
-                    return real(*args, **kwargs)
-            return call
-
         def on_host(real):
             def call(optimizer, *args, **kwargs):
                 since = memory.tracker._next_serial
@@ -191,13 +185,14 @@ class HostMemory:
                    mock.patch.object(accelerator, "on_accelerator",
                                      lambda tensor: not memory.is_host(tensor) and on_accelerator(tensor)),
                    mock.patch.object(Stage3, "independent_gradient_partition_epilogue",
-                                     placed(Stage3.independent_gradient_partition_epilogue))]
+                                     _placed(self, Stage3.independent_gradient_partition_epilogue))]
         if params:
             patches += [mock.patch.object(Init, "remote_device", _host_name_property(None), create=True),
                         mock.patch.object(Stage3, "_create_param_groups_fp16_flat_cpu_memory",
                                           on_host(Stage3._create_param_groups_fp16_flat_cpu_memory)),
-                        mock.patch.object(Coordinator, "fetch_sub_module", placed(Coordinator.fetch_sub_module)),
-                        mock.patch.object(Coordinator, "release_sub_module", placed(Coordinator.release_sub_module))]
+                        mock.patch.object(Coordinator, "fetch_sub_module", _placed(self, Coordinator.fetch_sub_module)),
+                        mock.patch.object(Coordinator, "release_sub_module",
+                                          _placed(self, Coordinator.release_sub_module))]
         with contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
@@ -207,18 +202,22 @@ class HostMemory:
         """`Tensor.register_post_accumulate_grad_hook` whose hooks run under `_Place`: the autograd engine calls
         them without the caller's torch function modes (dispatch modes it keeps), and DeepSpeed's gradient hooks
         make host buffers (the accumulation buffers, `accumulated_grads_in_cpu`)."""
-        memory = self
-
         def register_placed(tensor, hook):
-            def placed(param):
-                with _Place(memory):
-                    return hook(param)
-            return register(tensor, placed)
+            return register(tensor, _placed(self, hook))
         return register_placed
 
     def label(self) -> None:
         for serial in self.host:
             self.tracker._labels[serial] = Category.HOST_OFFLOAD
+
+
+def _placed(memory: HostMemory, function):
+    """`function` run under `_Place`: for what the autograd engine calls without the caller's torch function modes
+    (gradient hooks, queued callbacks, autograd Functions' backward)."""
+    def call(*args, **kwargs):
+        with _Place(memory):
+            return function(*args, **kwargs)
+    return call
 
 
 def _host_name_property(offloading: str | None = "cpu_offload") -> property:

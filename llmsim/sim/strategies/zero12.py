@@ -68,7 +68,7 @@ from llmsim.sim.strategies.events import (LazyRanks, RankEvents, Spliced, live_a
 from llmsim.sim.strategies.flat_optimizer import FlatOptimizer
 from llmsim.model.tracker import GRAD_READY, NO_BLOCK
 from llmsim.sim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, construct_optimizer,
-                                           rank_writer, optimizer_of, param_storages, parameters, rows_of,
+                                           host_buffer, rank_writer, optimizer_of, param_storages, parameters, rows_of,
                                            step_optimizer, own_runs, torch_fused, walk_phases, frame_of)
 
 # Where a gradient's storage is made: in the backward, or in the forward by a loss that computes the LM head's
@@ -199,23 +199,16 @@ class _Rank:
         name holds until `__init__` returns (on the CPU it returns `t`: the rows measure the unpinned path)."""
         p, largest = self.part.partition_numel, max(self.numel.values())
         clone = self.w.alloc(p * self.elem, Category.TEMPORARY)
-        self._host_buffer(p * FP32_BYTES)  # the master partition
+        host_buffer(self.w, p * FP32_BYTES, self.pins)  # the master partition
         self.w.free(clone, p * self.elem, Category.TEMPORARY)
         staging = self.w.alloc(p * self.elem, Category.HOST_OFFLOAD)
         if self.pins:  # its pinned copy; the pageable one lives on in a local name
             self.w.alloc(p * self.elem, Category.HOST_OFFLOAD)
-        self._host_buffer(largest * self.elem)
+        host_buffer(self.w, largest * self.elem, self.pins)
         self.w.alloc(largest * self.elem, Category.REDUCE_BUCKET)
-        self._host_buffer(p * FP32_BYTES)
+        host_buffer(self.w, p * FP32_BYTES, self.pins)
         if self.pins:  # `__init__` returns
             self.w.free(staging, p * self.elem, Category.HOST_OFFLOAD)
-
-    def _host_buffer(self, nbytes: int) -> None:
-        """A host buffer of DeepSpeed's offload; where `pins`, a pinned copy that replaces the pageable one."""
-        pageable = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
-        if self.pins:
-            self.w.alloc(nbytes, Category.HOST_OFFLOAD)
-            self.w.free(pageable, nbytes, Category.HOST_OFFLOAD)
 
     def _initialize_once(self) -> None:
         if not self.initialized:
@@ -284,7 +277,7 @@ class _Rank:
         copy of the slice, which goes to the host `.grad`."""
         if self.stage == 2 and (self.micro > 0 or not self.boundary) and name not in self.accumulators:
             self.accumulators.add(name)
-            self._host_buffer(self.numel[name] * self.elem)
+            host_buffer(self.w, self.numel[name] * self.elem, self.pins)
         if not self.boundary:
             return
         numel = self.mine[name]

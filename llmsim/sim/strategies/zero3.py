@@ -46,7 +46,8 @@ from llmsim.model.step import ROOT_MODULE
 from llmsim.sim.strategies.events import per_timeline, trainable_names
 from llmsim.sim.strategies.flat_optimizer import FlatOptimizer
 from llmsim.sim.strategies.zero3_resize import MAX_TERMS, Program, Recorder, Sized, World, sub_group_ends
-from llmsim.sim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, construct_optimizer, optimizer_of, rank_writer,
+from llmsim.sim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, construct_optimizer, host_buffer, optimizer_of,
+                                           rank_writer,
                                            own_runs, parameters, rows_of, step_optimizer, torch_fused,
                                            walk_phases)
 from llmsim.model.tracker import BACKWARD_POST, BACKWARD_PRE, FORWARD_POST, FORWARD_PRE, GRAD_READY, TIED
@@ -213,9 +214,9 @@ class _Rank:
                 self.w.free(whole, p.numel * p.elem, Category.TEMPORARY)
         # a tied module (the LM head) made its own parameter in __init__, which zero.Init partitioned too, before
         # `tie_weights` replaced it by the embedding's and it was freed
-        for row in self.rows:
-            if int(row[4]) == TIED and row[1] == _BUILD and row[7] in self.by_name:
-                p = self.by_name[row[7]]
+        for name in _tied_in_build(self.timeline):
+            if name in self.by_name:
+                p = self.by_name[name]
                 whole = self.w.alloc(p.numel * p.elem, Category.TEMPORARY)
                 own = self._partition(p)
                 self.w.free(whole, p.numel * p.elem, Category.TEMPORARY)
@@ -226,12 +227,9 @@ class _Rank:
         own by default): on the device, or with parameter offload on the host (`remote_device`), where pin_memory
         on a GPU replaces it by a pinned copy."""
         nbytes = p.partition * (elem or p.elem)
-        serial = self.w.alloc(nbytes, self.partition_category)
-        if self.param_pins:
-            pinned = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
-            self.w.free(serial, nbytes, Category.HOST_OFFLOAD)
-            serial = pinned
-        return serial, nbytes
+        if self.host_params:
+            return host_buffer(self.w, nbytes, self.param_pins), nbytes
+        return self.w.alloc(nbytes, Category.PARAMETER), nbytes
 
     def initialize(self) -> None:
         """DeepSpeedZeroOptimizer_Stage3.__init__ (after the basic optimizer is built)."""
@@ -257,15 +255,16 @@ class _Rank:
         largest = self._largest() * FP32_BYTES
         # initialize_optimizer_states: a zero gradient of the largest sub-group, dropped; with offload on the host,
         # and each sub-group's fp32 gradient a host buffer of its own, kept
-        zeros = self.w.alloc(largest, Category.HOST_OFFLOAD if self.offload else Category.TEMPORARY)
+        where = Category.HOST_OFFLOAD if self.offload else Category.TEMPORARY
+        zeros = self.w.alloc(largest, where)
         if self.offload:
             for group in self.sub_groups:
-                self._host_buffer(self._psum(group) * FP32_BYTES)
-        self.w.free(zeros, largest, Category.HOST_OFFLOAD if self.offload else Category.TEMPORARY)
+                host_buffer(self.w, self._psum(group) * FP32_BYTES, self.pins)
+        self.w.free(zeros, largest, where)
         if self.zero.contiguous_gradients:
             self.w.alloc(self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
         if self.offload:  # grad_partitions_flat_buffer
-            self._host_buffer(total * self.elem)
+            host_buffer(self.w, total * self.elem, self.pins)
         else:
             self.w.alloc(total * self.elem, Category.GRADIENT)
         for p in self.trainable:  # create_reduce_and_remove_grad_hooks: gather, register, partition
@@ -281,10 +280,8 @@ class _Rank:
         itself (`.to("cpu")` returns it), allocated while the partitions still exist."""
         nbytes = self._psum(self.trainable, per_element=True)
         if self.host_params:  # _create_param_groups_fp16_flat_cpu_memory, then _move_to_flat_buffer
-            flat = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
-            if self.cuda:  # always pinned: get_accelerator().pin_memory whatever offload_param.pin_memory says
-                self.w.alloc(nbytes, Category.HOST_OFFLOAD)
-                self.w.free(flat, nbytes, Category.HOST_OFFLOAD)
+            # always pinned on a GPU: get_accelerator().pin_memory whatever offload_param.pin_memory says
+            host_buffer(self.w, nbytes, self.cuda)
             for p in self.trainable:
                 self.w.free(*self.ds_tensors.pop(p), Category.HOST_OFFLOAD)
             return
@@ -309,13 +306,6 @@ class _Rank:
             self.w.free(staging, numel * elem, Category.HOST_OFFLOAD)
         self.w.alloc(numel * FP32_BYTES, Category.HOST_OFFLOAD)
         self.w.free(converted, numel * FP32_BYTES, Category.HOST_OFFLOAD)
-
-    def _host_buffer(self, nbytes) -> None:
-        """A host buffer of DeepSpeed's offload; where `pins`, a pinned copy that replaces the pageable one."""
-        pageable = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
-        if self.pins:
-            self.w.alloc(nbytes, Category.HOST_OFFLOAD)
-            self.w.free(pageable, nbytes, Category.HOST_OFFLOAD)
 
     # ---- gathering ---------------------------------------------------------------------------------------
     def _all_gather(self, params: list[_Param]) -> None:
@@ -719,6 +709,12 @@ def _runs(t: pd.DataFrame) -> list[tuple[int, int, int]]:
     return own_runs(rows_of(t), own, dropped)
 
 
+@per_timeline
+def _tied_in_build(t: pd.DataFrame) -> list[str]:
+    """The parameters a module ties in the build (TIED markers), in timeline order."""
+    return t.loc[(t["serial"] == TIED) & (t["phase"] == _BUILD), "tensor"].tolist()
+
+
 def _module_of(param: str) -> str:
     return param.rsplit(".", 1)[0] if "." in param else ROOT_MODULE
 
@@ -741,13 +737,13 @@ def _offload_plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFra
     `contains_real_data`: the last ranks' partitions of a small parameter can be all padding): the ranks fall into
     classes of the same such partitions, and one rank of each class is walked."""
     rows = rows_of(timeline)
-    trainable = [(p.numel, p.partition) for p in _Rank(timeline, rows, layout, setup).trainable]
+    first = _Rank(timeline, rows, layout, setup)  # rank 0, the first of its class
     classes: dict[tuple[bool, ...], list[int]] = {}
     for rank in range(layout.world_size):
-        classes.setdefault(tuple(partition * rank < numel for numel, partition in trainable), []).append(rank)
+        classes.setdefault(tuple(p.partition * rank < p.numel for p in first.trainable), []).append(rank)
     ranks = {}
     for members in classes.values():
-        walker = _Rank(timeline, rows, layout, setup, rank=members[0])
+        walker = first if members[0] == 0 else _Rank(timeline, rows, layout, setup, rank=members[0])
         walker.run()
         shared = walker.w.frame(timeline)
         ranks.update((rank, shared) for rank in members)

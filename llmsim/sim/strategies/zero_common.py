@@ -106,6 +106,18 @@ def frame_of(source: pd.DataFrame, order: np.ndarray, rows: list[tuple]) -> pd.D
     return both.take(at).reset_index(drop=True)
 
 
+def host_buffer(w: EventWriter, nbytes, pinned: bool) -> int:
+    """A host buffer of DeepSpeed's offload, its serial. `pinned` (pin_memory on a GPU): the pinned copy
+    `get_accelerator().pin_memory(t)` makes replaces the pageable buffer, which is freed at once (DeepSpeed's CPU
+    accelerator returns `t` itself, so the CPU rows measure the unpinned path)."""
+    pageable = w.alloc(nbytes, Category.HOST_OFFLOAD)
+    if not pinned:
+        return pageable
+    serial = w.alloc(nbytes, Category.HOST_OFFLOAD)
+    w.free(pageable, nbytes, Category.HOST_OFFLOAD)
+    return serial
+
+
 def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool, fused: bool = False,
           on_host: bool = False) -> None:
     """torch.optim.AdamW's step over fp32 parameters of `numels` elements (torch/optim/adam.py):
