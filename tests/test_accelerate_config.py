@@ -64,6 +64,7 @@ def test_multi_gpu_launch_is_ddp_under_autocast(tmp_path, capsys):
     ("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stag: 2\n", [],
      "deepspeed_config: unknown keys ['zero_stag']"),
     ("distributed_type: XLA\nnum_processes: 2\n", [], "distributed_type XLA is not modelled"),
+    ("distributed_type: MULTI_GPU\nmixed_precision: bf16\n", [], "num_processes(-1) is not a process count"),
 ])
 def test_what_accelerate_does_and_llmsim_does_not_model_is_one_line(tmp_path, capsys, text, extra, needle):
     config = _write(tmp_path, "bad.yaml", text)

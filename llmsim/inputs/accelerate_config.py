@@ -72,9 +72,10 @@ def read_accelerate_config(path: str | Path) -> AccelerateLaunch:
                          "(drop use_cpu)")
     if mixed not in AUTOCAST:
         raise InputError(f"accelerate config mixed_precision {mixed!r} is not modelled; modelled: no, bf16, fp16")
-    world = int(config.num_processes or 1)
-    if world < 1:
-        raise InputError(f"accelerate config num_processes({world}) must be at least 1")
+    world = config.num_processes
+    if not isinstance(world, int) or world < 1:  # accelerate's default, -1: `accelerate launch` counts the GPUs
+        raise InputError(f"accelerate config num_processes({world}) is not a process count (unset, accelerate "
+                         "launch uses every GPU it finds, which llmsim cannot know): set num_processes")
     if kind == "NO":
         if world != 1:
             raise InputError(f"accelerate config distributed_type NO runs one process, not num_processes({world})")
