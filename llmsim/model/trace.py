@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from llmsim.errors import InputError, one_line
-from llmsim.model import fsdp
+from llmsim.model import fsdp, moe
 from llmsim.model.kernels import cuda_kernels
 from llmsim.model.optimizer_values import answered_optimizer_values
 from llmsim.enums import Device, Recipe
@@ -42,15 +42,23 @@ class Trace:
     depth: int  # decoder layers in the traced copy
     period: int  # layers repeat their behaviour with this period
     num_layers: int  # decoder layers of the real model
+    lead: int = 0  # irregular leading layers (a MoE model's dense first layers), before the periodic ones
 
 
-def layer_period(spec: ModelSpec, setup: TrainSetup) -> int:
-    return math.lcm(setup.ckpt_period, spec.layer_period)
+def layer_structure(spec: ModelSpec, setup: TrainSetup, start: int, end: int) -> tuple[int, int]:
+    """(lead, period) of layers `start .. end-1`: the irregular leading layers traced as they are, then the period
+    with which the rest repeat their behaviour (attention types, checkpointing every n layers, and in a
+    mixture-of-experts model which layers are dense: llmsim/model/moe.py)."""
+    if not moe.num_experts(spec.hf_config()):
+        return 0, math.lcm(setup.ckpt_period, spec.layer_period)
+    signatures = moe.layer_signatures(spec.config_json)[start:end]
+    return moe.lead_and_period([(signature, i % setup.ckpt_period) for i, signature in enumerate(signatures)])
 
 
-def trace_depth(num_layers: int, period: int) -> int:
-    """Leading group + template group + trailing group (plus the remainder of a partial group)."""
-    depth = 3 * period + num_layers % period
+def trace_depth(num_layers: int, period: int, lead: int = 0) -> int:
+    """Irregular leading layers + leading group + template group + trailing group (plus the remainder of a
+    partial group)."""
+    depth = lead + 3 * period + (num_layers - lead) % period
     return min(depth, num_layers)
 
 
@@ -234,6 +242,7 @@ def _older_objects_frozen():
 def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tuple[pd.DataFrame, StepInfo]:
     """The canonical step under FakeTensorMode: exact bytes, no memory."""
     tracker = StorageTracker()
+    moe.grouped_mm_as_aten()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_older_objects_frozen())
         stack.enter_context(own_bitsandbytes_overrides())  # no earlier trace's 8-bit overrides in this one
@@ -281,12 +290,12 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     if spec.factory is not None:  # an arbitrary nn.Module cannot be cut to fewer layers: trace it whole
         timeline, info = run_fake(spec, setup, None)
         return Trace(timeline, info, info.num_blocks, 1, info.num_blocks)
-    num_layers = spec.num_layers
+    start, end = 0, spec.num_layers
     if setup.pp > 1:  # a pipeline stage: its own share of the layers, traced at reduced depth like a model
-        start, end = layer_range(setup.pp_stage, setup.pp, num_layers, setup.pp_split)
-        num_layers = end - start
-    period = layer_period(spec, setup)
-    depth = trace_depth(num_layers, period)
+        start, end = layer_range(setup.pp_stage, setup.pp, end, setup.pp_split)
+    num_layers = end - start
+    lead, period = layer_structure(spec, setup, start, end)
+    depth = trace_depth(num_layers, period, lead)
     if setup.fsdp is not None and (setup.fsdp_rank != 0 or setup.device is Device.CUDA):
         # A rank with shorter FSDP2 shards than rank 0 (llmsim.sim.strategies.fsdp.rank_classes): FSDP2 copies its
         # shards into the padded buffers at its first forward, all layers at once from the root's lazy init, where
@@ -296,4 +305,4 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         # needs (a Llama-shaped 8-layer model: 394 MB reserved at full depth, 1.59 GB expanded).
         depth = num_layers
     timeline, info = run_fake(spec, setup, depth)
-    return Trace(timeline, info, depth, period, num_layers)
+    return Trace(timeline, info, depth, period, num_layers, lead)

@@ -1,7 +1,7 @@
 """Stage 3: the traced reduced-depth timeline -> the full-depth event timeline of one process.
 
 Order key: events keep the traced execution order. Every maximal run of consecutive events that belong
-to the template group (blocks `period .. 2*period-1`) stands for the same run in each middle group, so
+to the template group (blocks `lead + period .. lead + 2*period-1`, after the irregular leading layers) stands for the same run in each middle group, so
 it is emitted once per middle group -- in increasing layer order, except in the backward, which walks the
 layers in reverse. Blocks after the template group are renumbered to the end of the real stack. Because
 identical layers make identical events, the result is the event stream of the full-depth run (the test
@@ -31,7 +31,8 @@ def expand(trace: Trace) -> pd.DataFrame:
     extra_groups = (trace.num_layers - trace.depth) // trace.period
     if extra_groups == 0:
         return frame.reset_index(drop=True)
-    first, after = trace.period, 2 * trace.period  # the template group is [first, after)
+    first = trace.lead + trace.period  # the template group is [first, after)
+    after = first + trace.period
     block = frame["block"].to_numpy()
     in_template = (block >= first) & (block < after)
     per_copy, alloc_block = _frees_of_copies(frame, in_template, trace.period)
