@@ -30,6 +30,13 @@ CASES = [
     # outputs each belong to their own parameter's layer
     ("llama-2-7b", TrainSetup(2, 32, foreach=True)),
     ("gpt2", TrainSetup(2, 32, Precision.BF16_AUTOCAST, grad_ckpt=True, foreach=True, optimizer=Optimizer.ADAM)),
+    # Mixture-of-experts: grouped_mm experts; DeepSeek-V3's 3 dense first layers kept before the template (lead 3),
+    # with checkpointing every 2 layers on top; gpt-oss's alternating sliding/full attention (period 2)
+    ("mixtral-8x7b", TrainSetup(2, 32)),
+    ("deepseek-v3", TrainSetup(2, 32, Precision.BF16, grad_ckpt=True, ckpt_every=2)),
+    ("deepseek-v2-lite", TrainSetup(2, 32, Precision.BF16_AUTOCAST)),
+    ("gpt-oss-20b", TrainSetup(2, 32, Precision.BF16, Attention.EAGER)),
+    ("qwen2-57b-a14b", TrainSetup(1, 32, grad_ckpt=True)),
 ]
 
 

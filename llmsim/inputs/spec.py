@@ -332,10 +332,17 @@ def load_model_spec(name: str, overrides: dict[str, Any] | None = None) -> Model
         config = _hf_config_from_json(config_json)
     except Exception as exc:  # transformers raises many types for invalid configs
         raise InputError(f"invalid config for model {name!r}: {one_line(exc)}") from None
-    spec = ModelSpec(name=name, config_json=config_json, overrides=tuple(sorted(overrides.items())))
+    spec = ModelSpec(name=name, config_json=config_json,
+                     overrides=tuple(sorted((key, _frozen(value)) for key, value in overrides.items())))
     if getattr(config, "num_hidden_layers", 0) < 1:
         raise InputError(f"model {name!r} has num_hidden_layers({config.num_hidden_layers}); need >= 1")
     return spec
+
+
+def _frozen(value: Any) -> Any:
+    """An override's value, hashable (a spec keys the trace cache): lists as tuples, which JSON writes back as
+    lists."""
+    return tuple(_frozen(item) for item in value) if isinstance(value, list) else value
 
 
 def _read_config(name: str) -> dict[str, Any]:

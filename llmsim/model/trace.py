@@ -224,6 +224,30 @@ def _holding_sends(real_batch_p2p):
     return batch_p2p
 
 
+def _cache_layers_of_the_real_model(spec: ModelSpec, setup: TrainSetup, depth: int | None):
+    """A `DynamicCache(config=...)` (the forward's, where `use_cache` stays on) makes one cache layer per decoder
+    layer of the config it is given, and a sliding-window layer allocates its window as a tensor there
+    (cache_utils.DynamicSlidingWindowLayer), before any layer runs: in the traced copy, one per layer of the
+    real model (or stage), with the real layers' types, not the copy's."""
+    from transformers import cache_utils
+
+    original = cache_utils.get_layer_types_and_kwargs
+    start, end = 0, spec.num_layers
+    if setup.pp > 1:
+        start, end = layer_range(setup.pp_stage, setup.pp, end, setup.pp_split)
+    real_types = getattr(spec.hf_config(), "layer_types", None)
+
+    def get_layer_types_and_kwargs(config):
+        types, kwargs = original(config)
+        if depth is None or len(types) != depth or depth >= end - start:
+            return types, kwargs
+        real = list(real_types[start:end]) if real_types else [types[0]] * (end - start)
+        of_type = dict(zip(types, kwargs))
+        return real, [of_type[layer_type] for layer_type in real]
+
+    return mock.patch.object(cache_utils, "get_layer_types_and_kwargs", get_layer_types_and_kwargs)
+
+
 @contextlib.contextmanager
 def _older_objects_frozen():
     """Every object alive before the trace kept out of the collections run inside it (`gc.freeze`): a library's
@@ -274,7 +298,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
                       mock.patch.object(_PipelineSchedule, "_warmup_p2p", _warmup_p2p_static),
                       mock.patch.object(schedules, "_batch_p2p", _holding_sends(schedules._batch_p2p)),
                       mock.patch.object(torch.amp.GradScaler, "_maybe_opt_step", _step_without_overflow),
-                      cuda_kernels(setup), answered_optimizer_values(setup.optimizer)):
+                      _cache_layers_of_the_real_model(spec, setup, num_layers), cuda_kernels(setup), answered_optimizer_values(setup.optimizer)):
             stack.enter_context(patch)
         if setup.pp > 1:
             info = run_pipeline_step(build, setup, tracker, mesh["pp"].get_group())
