@@ -11,7 +11,12 @@ over gloo), one row per rank, in data/measurements/trainer_ddp_cpu.csv.
 DEEPSPEED_CASES run the Trainer with TrainingArguments(deepspeed=...) on 2 ranks (ZeRO-1/2, "auto" values), in
 data/measurements/trainer_deepspeed_cpu.csv; OFFLOAD_CASES the same with the optimizer offloaded to the CPU (ZeRO-Offload), in
 data/measurements/trainer_offload_cpu.csv.
-Run: python experiments/measure_trainer.py [--out CSV] [--only N] [--cases all|plain|qlora|ddp|deepspeed|offload]
+MOE_CASES run the same entry points on mixture-of-experts models of seven families (small shapes of the zoo's
+configs from `llmsim.inputs.zoo.shrink`: 8 experts, top-2, each family's layout kept), transformers' default experts
+implementation (grouped_mm), in data/measurements/trainer_moe_cpu.csv; MOE_DEEPSPEED_CASES on 2 ranks with ZeRO-2,
+in data/measurements/trainer_moe_deepspeed_cpu.csv.
+Run: python experiments/measure_trainer.py [--out CSV] [--only N]
+     [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-deepspeed]
 """
 from __future__ import annotations
 
@@ -35,6 +40,11 @@ MODELS = {
     "pythia-160m": {"hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4, "num_hidden_layers": 3,
                     "vocab_size": 2500},
 }
+# Mixture-of-experts models: (zoo name, decoder layers); DeepSeek-V3 keeps its 3 dense first layers before 3 MoE ones
+MOE_SHAPES = [("mixtral-8x7b", 4), ("qwen3-30b-a3b", 4), ("deepseek-v3", 6), ("gpt-oss-20b", 4), ("olmoe-1b-7b", 3),
+              ("qwen2-57b-a14b", 3), ("deepseek-v2-lite", 3)]
+MOE_OUT = OUT.with_name("trainer_moe_cpu.csv")
+MOE_DEEPSPEED_OUT = OUT.with_name("trainer_moe_deepspeed_cpu.csv")
 BASE = {"per_device_train_batch_size": 2, "learning_rate": 2e-5}
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}
 # (name, TrainingArguments fields over BASE, LoraConfig or None, from_pretrained dtype)
@@ -56,6 +66,21 @@ CASES = [
     ("DoRA", {}, {**LORA, "use_dora": True}, "float32"),
     ("rsLoRA, bias lora_only, checkpointing", {"gradient_checkpointing": True},
      {**LORA, "use_rslora": True, "bias": "lora_only"}, "float32"),
+]
+
+# LoRA on the experts as well as on attention: peft's target_parameters wraps the 3-D expert parameters
+LORA_EXPERTS = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], "task_type": "CAUSAL_LM"}
+MOE_CASES = [
+    ("default optim (adamw_torch_fused)", {}, None, "float32"),
+    ("adamw_torch, accumulation 2", {"optim": "adamw_torch", "gradient_accumulation_steps": 2,
+                                     "per_device_train_batch_size": 1}, None, "float32"),
+    ("bf16 autocast", {"bf16": True}, None, "float32"),
+    ("fp16 autocast + GradScaler", {"fp16": True}, None, "float32"),
+    ("loaded in bf16, bf16=True", {"bf16": True}, None, "bfloat16"),
+    ("checkpointing, bf16", {"gradient_checkpointing": True, "bf16": True}, None, "float32"),
+    ("LoRA all-linear", {}, LORA, "float32"),
+    ("LoRA attention + experts, bf16 weights, bf16=True", {"bf16": True}, LORA_EXPERTS, "bfloat16"),
 ]
 
 # The QLoRA recipe as peft's and TRL's docs write it, and its variations:
@@ -112,6 +137,10 @@ OFFLOAD_CASES = [
     ("ZeRO-1 offload, fp32, checkpointing", {"gradient_checkpointing": True, "deepspeed": ZERO1_OFFLOAD}, None,
      "float32"),
 ]
+MOE_DEEPSPEED_CASES = [
+    ("ZeRO-2, bf16, default optim", {"bf16": True, "deepspeed": ZERO2}, None, "float32"),
+    ("ZeRO-2, bf16, LoRA attention + experts", {"bf16": True, "deepspeed": ZERO2}, LORA_EXPERTS, "float32"),
+]
 DEEPSPEED_CASES = [
     ("ZeRO-2, bf16, default optim", {"bf16": True, "deepspeed": ZERO2}, None, "float32"),
     ("ZeRO-2, bf16, adamw_torch", {"bf16": True, "optim": "adamw_torch", "deepspeed": ZERO2}, None, "float32"),
@@ -125,8 +154,14 @@ DEEPSPEED_CASES = [
 ]
 
 
+def moe_models() -> dict[str, dict]:
+    from llmsim.inputs.zoo import shrink
+
+    return {name: shrink(name, 128, layers, 1000, 4) for name, layers in MOE_SHAPES}
+
+
 def run_case(model: str, fields: dict, peft: dict | None, dtype: str, out: Path, quantization: dict | None = None,
-             kbit_prep: bool = True, world_size: int = 1) -> int:
+             kbit_prep: bool = True, world_size: int = 1, overrides: dict | None = None) -> int:
     with tempfile.TemporaryDirectory() as directory:
         args_path = Path(directory) / "training_args.json"
         args_path.write_text(json.dumps({**BASE, **fields}))
@@ -134,7 +169,7 @@ def run_case(model: str, fields: dict, peft: dict | None, dtype: str, out: Path,
                    "--training-args", str(args_path), "--dtype", dtype, "--out", str(out)]
         if world_size > 1:
             command += ["--world-size", str(world_size)]
-        for key, value in MODELS[model].items():
+        for key, value in (MODELS[model] if overrides is None else overrides).items():
             command += ["--set", f"{key}={json.dumps(value)}"]
         if peft is not None:
             peft_path = Path(directory) / "adapter_config.json"
@@ -157,22 +192,29 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="default: OUT (DDP_OUT for --cases ddp)")
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
-    parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload"], default="all",
+    parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload", "moe",
+                                            "moe-deepspeed"], default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
                         "DDP_OUT / DEEPSPEED_OUT)")
     args = parser.parse_args()
     world_size, out = {"ddp": (DDP_WORLD_SIZE, DDP_OUT), "deepspeed": (DDP_WORLD_SIZE, DEEPSPEED_OUT),
-                       "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT)}.get(args.cases, (1, OUT))
+                       "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT), "moe": (1, MOE_OUT),
+                       "moe-deepspeed": (DDP_WORLD_SIZE, MOE_DEEPSPEED_OUT)}.get(args.cases, (1, OUT))
     out = args.out or out
     cases = ([(*case, None, True) for case in CASES] if args.cases in ("all", "plain") else []) + \
         (QLORA_CASES if args.cases in ("all", "qlora") else []) + \
         ([(*case, None, True) for case in DDP_CASES] if args.cases == "ddp" else []) + \
         ([(*case, None, True) for case in DEEPSPEED_CASES] if args.cases == "deepspeed" else []) + \
         ([(*case, None, True) for case in OFFLOAD_CASES] if args.cases == "offload" else [])
+    models = {model: None for model in MODELS}
+    if args.cases.startswith("moe"):
+        models = moe_models()
+        cases = [(*case, None, True) for case in (MOE_CASES if args.cases == "moe" else MOE_DEEPSPEED_CASES)]
     failures = 0
-    for model in MODELS:
+    for model, overrides in models.items():
         for name, fields, peft, dtype, quantization, kbit_prep in cases[: args.only]:
-            failures += run_case(model, fields, peft, dtype, Path(out), quantization, kbit_prep, world_size) != 0
+            failures += run_case(model, fields, peft, dtype, Path(out), quantization, kbit_prep, world_size,
+                                 overrides) != 0
     return 1 if failures else 0
 
 
