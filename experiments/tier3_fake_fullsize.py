@@ -2,7 +2,7 @@
 
 The predictor traces 3 layers and replicates them; this runs every layer. Rows go to
 data/measurements/tier3_fake_fullsize.csv and `llmsim validate` compares them (tolerance 1 %).
-Run: python experiments/tier3_fake_fullsize.py   (a few minutes on 2 cores)
+Run: python experiments/tier3_fake_fullsize.py [--moe: the MoE cases alone]   (a few minutes on 2 cores)
 """
 from __future__ import annotations
 
@@ -25,10 +25,21 @@ CASES = [
     ("bloom-1b7", TrainSetup(2, 1024, Precision.BF16, grad_ckpt=True)),
     ("gpt2-xl", TrainSetup(4, 1024, Precision.FP32, grad_ckpt=True, ckpt_every=3)),
 ]
+# Mixture-of-experts models at full size (issue 25), transformers' grouped_mm experts: DeepSeek's dense first
+# layers are traced apart from the periodic MoE ones, gpt-oss alternates sliding and full attention
+MOE_CASES = [
+    ("qwen3-30b-a3b", TrainSetup(1, 4096, Precision.BF16, grad_ckpt=True)),
+    ("mixtral-8x7b", TrainSetup(1, 2048, Precision.BF16, grad_ckpt=True)),
+    ("deepseek-v2-lite", TrainSetup(2, 2048, Precision.BF16_AUTOCAST, grad_ckpt=True, ckpt_every=2)),
+    ("gpt-oss-20b", TrainSetup(1, 2048, Precision.BF16)),
+    ("olmoe-1b-7b", TrainSetup(4, 2048, Precision.FP32, grad_ckpt=True)),
+    ("deepseek-v3", TrainSetup(1, 1024, Precision.BF16, grad_ckpt=True)),
+]
 
 
-def main() -> int:
-    for name, setup in CASES:
+def main(argv: list[str]) -> int:
+    cases = MOE_CASES if "--moe" in argv else CASES + MOE_CASES
+    for name, setup in cases:
         spec = load_model_spec(name)
         row = measure_single(spec, setup, fake=True)
         append_rows([row], TIER3_CSV)
@@ -40,4 +51,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -12,6 +12,8 @@ A fake trace on the CPU device runs the CPU's kernels. For a GPU target (`TrainS
   allocate (flash-attention's `mha_bwd`: `softmax_d`, `dq_accum`, and full-head dk/dv for GQA; the
   memory-efficient backward's `delta`). Math is the composite `_scaled_dot_product_attention_math`
   (fp32 upcast of half inputs, the full attention matrix saved, `repeat_interleave` for GQA).
+- **MoE experts kernel**: transformers runs the experts with `grouped_mm` from sm80 and with its own per-expert
+  fallback below (llmsim/model/moe.py, `grouped_mm_on_cuda`); on the CPU it takes grouped_mm.
 - **autocast policy**: CUDA casts other ops than the CPU does (softmax, log_softmax, pow, exp, layer_norm,
   rms_norm, sum... run in fp32 on CUDA; on the CPU they stay in the low precision). The CPU autocast
   kernels are replaced for the duration of the trace by Python kernels with CUDA's policy
@@ -402,7 +404,9 @@ def cuda_kernels(setup):
     if setup.device is not Device.CUDA:
         yield
         return
+    from llmsim.model.moe import grouped_mm_on_cuda
+
     capability = _capability(setup.cuda_capability)
-    with cuda_autocast_policy(), \
+    with cuda_autocast_policy(), grouped_mm_on_cuda(capability), \
             mock.patch.object(F, "scaled_dot_product_attention", cuda_scaled_dot_product_attention(capability)):
         yield

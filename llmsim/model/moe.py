@@ -100,6 +100,19 @@ def grouped_mm_as_aten() -> torch.library.Library:
     return library
 
 
+def grouped_mm_on_cuda(capability: tuple[int, int]):
+    """transformers' choice of kernel for the experts on a CUDA device of `capability` (integrations/moe.py,
+    `_can_use_grouped_mm` under torch >= 2.10: `torch.nn.functional.grouped_mm` from sm80), made while the trace
+    runs on CPU fake tensors. Below sm80 (V100, T4) it runs its own `transformers::grouped_mm_fallback`: one
+    zero-filled output written expert by expert with `mm(out=...)`, its backward two zero-filled gradients
+    likewise; no tensor's size depends on the routing there either."""
+    from unittest import mock
+
+    from transformers.integrations import moe
+
+    return mock.patch.object(moe, "_can_use_grouped_mm", lambda input, weight, offs: capability >= (8, 0))
+
+
 def _signature(index: int, layer: torch.nn.Module, types: list | None) -> tuple:
     modules = tuple((name, type(module).__name__) for name, module in layer.named_modules())
     shapes = tuple((name, tuple(p.shape), p.dtype) for name, p in layer.named_parameters())

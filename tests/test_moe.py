@@ -1,0 +1,91 @@
+"""Mixture-of-experts models: the experts kernels under fake tensors, and the layer structure the trace keeps."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmsim.enums import Precision
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.inputs.zoo import shrink
+from llmsim.measure.runs import measure_single
+from llmsim.model import moe
+from llmsim.model.trace import layer_structure
+
+# (mat_a shape, mat_b shape as stored, transpose mat_b's last two dims, offsets): the three layouts transformers'
+# experts and their backward call (2-D x 3-D forward, 2-D x 3-D for the input gradient, 2-D x 2-D for the weight
+# gradient); the forward's output has 20 columns, which bf16 and fp16 pad to 24 (the inputs' leading strides must
+# be 16-byte multiples, so the other two layouts' outputs are aligned already)
+LAYOUTS = [((12, 16), (3, 20, 16), True, [4, 9, 12]), ((12, 24), (3, 24, 16), False, [4, 9, 12]),
+           ((16, 12), (12, 24), False, [4, 9, 12])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("a_shape,b_shape,transpose,offsets", LAYOUTS)
+def test_grouped_mm_fake_output_is_the_kernels(dtype, a_shape, b_shape, transpose, offsets):
+    """The fake mode's `aten::_grouped_mm` allocates what the CPU kernel allocates: dtype, size, strides, bytes."""
+    moe.grouped_mm_as_aten()
+
+    def run(make):
+        a, b = make(a_shape, dtype), make(b_shape, dtype)
+        b = b.transpose(-2, -1) if transpose else b
+        a = a.t().contiguous().t() if len(b_shape) == 2 else a  # the weight gradient's mat_a is column-major
+        return torch._grouped_mm(a, b, offs=torch.tensor(offsets, dtype=torch.int32))
+
+    real = run(lambda shape, dtype: torch.randn(shape, dtype=dtype))
+    with FakeTensorMode():
+        fake = run(lambda shape, dtype: torch.randn(shape, dtype=dtype))
+    assert (fake.dtype, fake.shape, fake.stride()) == (real.dtype, real.shape, real.stride())
+    assert fake.untyped_storage().nbytes() == real.untyped_storage().nbytes()
+
+
+def test_grouped_mm_misaligned_strides_fail_as_the_kernel_does():
+    moe.grouped_mm_as_aten()
+    offsets = [3, 5]  # mat_a (5, 6) and the weight (2, 6, 4) stored as (2, 4, 6): 6-element (24-byte) strides
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        torch._grouped_mm(torch.randn(5, 6), torch.randn(2, 4, 6).transpose(-2, -1),
+                          offs=torch.tensor(offsets, dtype=torch.int32))
+    with FakeTensorMode(), pytest.raises(RuntimeError, match="16 bytes"):
+        torch._grouped_mm(torch.randn(5, 6), torch.randn(2, 4, 6).transpose(-2, -1),
+                          offs=torch.tensor(offsets, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("model", ["mixtral-8x7b", "deepseek-v3"])
+def test_below_sm80_fallback_trace_equals_its_real_run(model):
+    """transformers' own per-expert fallback (what a V100 or T4 runs), traced under fake tensors, equals a real
+    CPU run that takes the same fallback, to the byte."""
+    spec = load_model_spec(model, shrink(model, 64, 4, 512, 4))
+    setup = TrainSetup(2, 32, Precision.FP32)
+    with moe.grouped_mm_on_cuda((7, 0)), _Ops() as ops:
+        real = measure_single(spec, setup)["peak_allocated_bytes"]
+        fake = measure_single(spec, setup, fake=True)["peak_allocated_bytes"]
+    assert fake == real
+    assert "transformers.grouped_mm_fallback.default" in ops.seen and "aten._grouped_mm.default" not in ops.seen
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_layer_structure_keeps_irregular_leading_layers():
+    setup = TrainSetup(1, 32)
+    for model, expected in [("deepseek-v3", (3, 1)), ("deepseek-v2-lite", (1, 1)), ("mixtral-8x7b", (0, 1)),
+                            ("gpt-oss-20b", (0, 2))]:
+        spec = load_model_spec(model)
+        assert layer_structure(spec, setup, 0, spec.num_layers) == expected, model
+    sparse_step = load_model_spec("qwen2-57b-a14b", {**shrink("qwen2-57b-a14b", 64, 12, 512, 4),
+                                                     "decoder_sparse_step": 2})
+    assert layer_structure(sparse_step, setup, 0, 12) == (0, 2)
+    dense_two = load_model_spec("qwen3-30b-a3b", {**shrink("qwen3-30b-a3b", 64, 12, 512, 4),
+                                                  "mlp_only_layers": [0, 4]})
+    assert layer_structure(dense_two, setup, 0, 12) == (5, 1)
+    # checkpointing every 2 layers on top of DeepSeek-V3's 3 dense layers
+    assert layer_structure(load_model_spec("deepseek-v3"), TrainSetup(1, 32, grad_ckpt=True, ckpt_every=2),
+                           0, 61) == (3, 2)
+    # a pipeline stage's own layers: past the dense ones, homogeneous
+    assert layer_structure(load_model_spec("deepseek-v3"), setup, 30, 61) == (0, 1)
