@@ -379,7 +379,12 @@ def add_peft(model: nn.Module, setup: TrainSetup) -> nn.Module:
     try:
         return get_peft_model(model, config)
     except ValueError as exc:  # peft names the target modules it could not find, or a conflict between options
-        raise InputError(f"{'LoRA' if setup.lora_rank else 'trainable tokens'}: {one_line(exc)}") from exc
+        hint = ""
+        if setup.lora_rank and not setup.lora_targets:  # peft keeps no default targets for this model type
+            hint = (f" (peft has no default LoRA targets for model type {model.config.model_type!r}: give "
+                    "--lora-targets, e.g. all-linear or q_proj,v_proj, or a --peft-config with target_modules or "
+                    "target_parameters)")
+        raise InputError(f"{'LoRA' if setup.lora_rank else 'trainable tokens'}: {one_line(exc)}{hint}") from exc
 
 
 add_lora = add_peft  # the name llmsim.measure.dist_worker imports

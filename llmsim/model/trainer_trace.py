@@ -121,9 +121,7 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
         hooks = LayerHooks(tracker, model, expected_blocks)
         vocab_size = model.get_input_embeddings().num_embeddings
         if peft is not None:
-            from peft import get_peft_model
-
-            model = get_peft_model(model, peft)
+            model = _peft_model(model, peft)
         if setup.trainer_under_deepspeed:  # deepspeed.initialize's cast, after get_peft_model (the adapters too)
             hooks.label_model()  # the fp32 adapters named (their layer known) before the cast frees them
             cast_parameters(model, setup.precision.cast_dtype)
@@ -143,3 +141,16 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
             trainer.train()
         tracker.finish()
     return hooks.info(vocab_size)
+
+
+def _peft_model(model, peft):
+    """`get_peft_model(model, peft)`; what peft refuses (a target the model lacks, options that do not go together:
+    LoRA on expert parameters with dropout) is one line."""
+    from peft import get_peft_model
+
+    from llmsim.errors import InputError, one_line
+
+    try:
+        return get_peft_model(model, peft)
+    except ValueError as exc:
+        raise InputError(f"peft config: {one_line(exc)}") from exc
