@@ -1,0 +1,80 @@
+"""Mixture-of-experts models under every layout llmsim models: data/measurements/tier2_moe_cpu.csv.
+
+Each run is `llmsim measure` in a fresh process on 2 ranks (torchrun, gloo, the exact tracker in every rank), the
+canonical recipe through each engine's entry point: `deepspeed.initialize` for ZeRO-1/2/3 (and ZeRO-3 with the
+optimizer and parameters offloaded), `fully_shard` per decoder layer then the root for FSDP2, transformers' own TP
+plan on DTensor (its MoE plan: `packed_colwise` gate_up, `rowwise` down, `moe_tp_experts` on the experts module),
+torch.distributed.pipelining for PP, DistributedDataParallel. Small real shapes of the zoo's MoE configs
+(`llmsim.inputs.zoo.shrink`: 8 experts, top-2, each family's layout kept; 8 or 16 heads so that the kv-heads
+divide by 2), transformers' default experts implementation (grouped_mm).
+Run: python experiments/measure_moe_parallel.py [--only N]   (about 10 minutes on 2 cores)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent.parent / "data" / "measurements" / "tier2_moe_cpu.csv"
+SHAPES = {"mixtral-8x7b": (128, 4, 1000, 8), "qwen3-30b-a3b": (128, 4, 1000, 16), "deepseek-v3": (128, 5, 1000, 4),
+          "gpt-oss-20b": (128, 4, 1000, 8), "deepseek-v2-lite": (128, 3, 1000, 4)}
+ZERO = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
+BF16 = {"bf16": {"enabled": True}}
+ZERO3_OFFLOAD = {"zero_force_ds_cpu_optimizer": False,
+                 "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                       "offload_param": {"device": "cpu", "pin_memory": True}}}
+# (model, precision, extra llmsim flags, DeepSpeed JSON or None)
+RUNS = [
+    ("mixtral-8x7b", "fp32", [], {**ZERO, "zero_optimization": {"stage": 3}}),
+    ("mixtral-8x7b", "bf16", ["--grad-ckpt"], {**ZERO, **BF16, "zero_optimization": {"stage": 3}}),
+    ("qwen3-30b-a3b", "bf16", [], {**ZERO, **BF16, "zero_optimization": {"stage": 3}}),
+    ("deepseek-v3", "bf16", [], {**ZERO, **BF16, "zero_optimization": {"stage": 3}}),
+    ("gpt-oss-20b", "bf16", [], {**ZERO, **BF16, "zero_optimization": {"stage": 3}}),
+    ("deepseek-v2-lite", "fp32", ["--lora-rank", "8", "--lora-targets", "q_proj,kv_b_proj,o_proj"],
+     {**ZERO, "zero_optimization": {"stage": 3}}),
+    ("mixtral-8x7b", "bf16", [], {**ZERO, **BF16, **ZERO3_OFFLOAD}),
+    ("mixtral-8x7b", "fp32", [], {**ZERO, "zero_optimization": {"stage": 2}}),
+    ("qwen3-30b-a3b", "bf16", [], {**ZERO, **BF16, "zero_optimization": {"stage": 1}}),
+    ("mixtral-8x7b", "fp32", ["--strategy", "fsdp", "--world-size", "2"], None),
+    ("deepseek-v3", "fp32", ["--strategy", "fsdp", "--world-size", "2", "--fsdp-param-dtype", "bf16"], None),
+    ("mixtral-8x7b", "fp32", ["--tp", "2"], None),
+    ("qwen3-30b-a3b", "bf16", ["--tp", "2", "--grad-ckpt"], None),
+    ("deepseek-v3", "fp32", ["--tp", "2"], None),
+    ("mixtral-8x7b", "fp32", ["--pp", "2", "--schedule", "1f1b", "--microbatches", "2"], None),
+    ("mixtral-8x7b", "fp32", ["--strategy", "ddp", "--world-size", "2"], None),
+]
+
+
+def run(model: str, precision: str, flags: list[str], ds: dict | None, out: Path) -> int:
+    from llmsim.inputs.zoo import shrink
+
+    with tempfile.TemporaryDirectory() as directory:
+        command = [sys.executable, "-m", "llmsim.app.cli", "measure", "--model", model, "--seq-len", "64",
+                   "--micro-batch", "2", "--precision", precision, "--out", str(out), *flags]
+        for key, value in shrink(model, *SHAPES[model]).items():
+            command += ["--set", f"{key}={json.dumps(value)}"]
+        if ds is not None:
+            path = Path(directory) / "ds_config.json"
+            path.write_text(json.dumps(ds))
+            command += ["--ds-config", str(path), "--world-size", "2"]
+        done = subprocess.run(command, capture_output=True, text=True)
+        last = " | ".join((done.stdout.strip().splitlines() or [done.stderr.strip()[-300:]])[-2:])
+        layout = json.dumps(ds["zero_optimization"]) if ds else " ".join(flags)
+        print(f"{model:16} {precision:5} {layout[:70]:70} -> {last}", flush=True)
+        return done.returncode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", type=int, default=None, help="the first N runs")
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args()
+    failures = sum(run(*case, Path(args.out)) != 0 for case in RUNS[: args.only])
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
