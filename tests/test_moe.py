@@ -89,3 +89,14 @@ def test_layer_structure_keeps_irregular_leading_layers():
                            0, 61) == (3, 2)
     # a pipeline stage's own layers: past the dense ones, homogeneous
     assert layer_structure(load_model_spec("deepseek-v3"), setup, 30, 61) == (0, 1)
+
+
+@pytest.mark.parametrize("model", ["mixtral-8x7b", "qwen2-57b-a14b"])
+def test_router_aux_loss_run_is_predicted(model):
+    """With `output_router_logits` the load-balancing loss walks every layer's router logits after the stack (at
+    the model's level, not in a layer): the trace keeps every layer, and the prediction equals a real run."""
+    from llmsim.sim.pipeline import predict
+
+    spec = load_model_spec(model, {**shrink(model, 64, 6, 512, 4), "output_router_logits": True})
+    setup = TrainSetup(2, 32, Precision.BF16_AUTOCAST)
+    assert predict(spec, setup).ranks[0].peak_allocated_bytes == measure_single(spec, setup)["peak_allocated_bytes"]

@@ -328,5 +328,10 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         # times a step, but not which layer's storage each resize acts on, which the caching-allocator model
         # needs (a Llama-shaped 8-layer model: 394 MB reserved at full depth, 1.59 GB expanded).
         depth = num_layers
+    if getattr(spec.hf_config(), "output_router_logits", False):
+        # The MoE load-balancing loss walks every layer's router logits after the decoder stack, at the model's
+        # level (load_balancing_loss_func): per-layer events outside any layer, which replicating the template
+        # layer would not make. Traced whole (Mixtral's 32 layers: seconds).
+        depth = num_layers
     timeline, info = run_fake(spec, setup, depth)
     return Trace(timeline, info, depth, period, num_layers, lead)
