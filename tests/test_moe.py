@@ -100,3 +100,39 @@ def test_router_aux_loss_run_is_predicted(model):
     spec = load_model_spec(model, {**shrink(model, 64, 6, 512, 4), "output_router_logits": True})
     setup = TrainSetup(2, 32, Precision.BF16_AUTOCAST)
     assert predict(spec, setup).ranks[0].peak_allocated_bytes == measure_single(spec, setup)["peak_allocated_bytes"]
+
+
+MOE_ZOO = ["mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen2-57b-a14b", "deepseek-v2-lite", "deepseek-v3",
+           "olmoe-1b-7b", "gpt-oss-20b", "gpt-oss-120b"]
+FLAG_SETS = [["--precision", "fp32"], ["--precision", "bf16", "--grad-ckpt"], ["--precision", "fp16-autocast"],
+             ["--precision", "fp16"], ["--lora-rank", "8"], ["--lora-rank", "8", "--lora-targets", "all-linear"],
+             ["--quant", "nf4", "--lora-rank", "8", "--lora-targets", "all-linear"],
+             ["--strategy", "ddp", "--world-size", "2"], ["--ds-config", "examples/ds_zero2.json", "--world-size", "2"],
+             ["--ds-config", "examples/ds_zero3.json", "--world-size", "2"], ["--strategy", "fsdp", "--world-size", "2"],
+             ["--tp", "2"], ["--pp", "2"], ["--gpu", "v100-16gb"], ["--gpu", "h100-80gb", "--precision", "bf16"],
+             ["--training-args", "examples/training_args.yaml", "--peft-config", "examples/lora_all_linear.json"],
+             ["--training-args", "examples/training_args.yaml", "--quantization-config", "examples/bnb_nf4.json",
+              "--peft-config", "examples/lora_all_linear.json", "--dtype", "bfloat16"]]
+FAST = ("deepseek-v3", "gpt-oss-20b")  # the default run; the other MoE configs under -m slow
+
+
+@pytest.mark.parametrize("model", [m if m in FAST else pytest.param(m, marks=pytest.mark.slow) for m in MOE_ZOO])
+def test_no_moe_config_ends_in_a_traceback(model, capsys, monkeypatch):
+    """Every MoE zoo config (shrunk: same layout, small widths), under each supported flag, predicts or refuses in
+    one line with exit status 2."""
+    import json
+    from pathlib import Path
+
+    from llmsim.app.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    overrides = [arg for key, value in shrink(model, 64, 5, 512, 8).items()
+                 for arg in ("--set", f"{key}={json.dumps(value)}")]
+    for flags in FLAG_SETS:
+        batch = [] if "--training-args" in flags else ["--micro-batch", "1"]
+        status = main(["predict", "--model", model, *overrides, "--seq-len", "32", *batch, "--no-suggest",
+                       "--format", "json", *flags])
+        error = capsys.readouterr().err.strip()
+        assert status in (0, 2), (flags, status)
+        if status == 2:
+            assert len(error.splitlines()) == 1 and error.startswith("error: "), (flags, error)
