@@ -136,3 +136,20 @@ def test_no_moe_config_ends_in_a_traceback(model, capsys, monkeypatch):
         assert status in (0, 2), (flags, status)
         if status == 2:
             assert len(error.splitlines()) == 1 and error.startswith("error: "), (flags, error)
+
+
+@pytest.mark.parametrize("quantization,message", [
+    ({"quant_method": "mxfp4"}, "MXFP4 checkpoint"),
+    ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, "quant_method 'fp8'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "--quantization-config")])
+def test_a_quantized_checkpoints_config_is_not_predicted_as_unquantized(tmp_path, quantization, message):
+    import json
+
+    from llmsim.errors import InputError
+    from llmsim.inputs.spec import ZOO_DIR
+
+    config = json.loads((ZOO_DIR / "gpt-oss-20b.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config, "quantization_config": quantization}))
+    with pytest.raises(InputError, match=message):
+        load_model_spec(str(path))

@@ -327,6 +327,7 @@ def load_model_spec(name: str, overrides: dict[str, Any] | None = None) -> Model
     config_dict = _read_config(name)
     config_dict.update(overrides)
     _check_architecture(name, config_dict)
+    _check_checkpoint_quantization(name, config_dict)
     config_json = json.dumps(config_dict, sort_keys=True)
     try:
         config = _hf_config_from_json(config_json)
@@ -361,6 +362,26 @@ def _read_config(name: str) -> dict[str, Any]:
     if not isinstance(config_dict, dict):
         raise InputError(f"model config {str(path)!r} is not a JSON object")
     return config_dict
+
+
+def _check_checkpoint_quantization(name: str, config_dict: dict[str, Any]) -> None:
+    """A config.json that says its checkpoint is quantized (`quantization_config`) is not silently predicted as the
+    unquantized model."""
+    quantization = config_dict.get("quantization_config")
+    if not quantization:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method == "mxfp4":
+        raise InputError(f"model {name!r} is an MXFP4 checkpoint (quantization_config quant_method mxfp4): "
+                         "transformers trains it dequantized to bf16 (from_pretrained with "
+                         "Mxfp4Config(dequantize=True), as it also does where its MXFP4 kernels cannot run), which is "
+                         "the model llmsim predicts without quantization_config (the zoo's gpt-oss-20b, gpt-oss-120b)")
+    if method == "bitsandbytes":
+        raise InputError(f"model {name!r} is a pre-quantized bitsandbytes checkpoint: give its quantization_config "
+                         "as --quantization-config (with the Trainer recipe) and the config without it")
+    raise InputError(f"model {name!r} has quantization_config quant_method {method!r}, which is not modelled "
+                     "(modelled: bitsandbytes 4-bit and 8-bit through --quantization-config); remove it to predict "
+                     "the unquantized model")
 
 
 def _check_architecture(name: str, config_dict: dict[str, Any]) -> None:
