@@ -13,10 +13,10 @@ data/measurements/trainer_deepspeed_cpu.csv; OFFLOAD_CASES the same with the opt
 data/measurements/trainer_offload_cpu.csv.
 MOE_CASES run the same entry points on mixture-of-experts models of seven families (small shapes of the zoo's
 configs from `llmsim.inputs.zoo.shrink`: 8 experts, top-2, each family's layout kept), transformers' default experts
-implementation (grouped_mm), in data/measurements/trainer_moe_cpu.csv; MOE_DEEPSPEED_CASES on 2 ranks with ZeRO-2,
+implementation (grouped_mm), in data/measurements/trainer_moe_cpu.csv (MOE_QLORA_CASES too); MOE_DEEPSPEED_CASES on 2 ranks with ZeRO-2,
 in data/measurements/trainer_moe_deepspeed_cpu.csv.
 Run: python experiments/measure_trainer.py [--out CSV] [--only N]
-     [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-deepspeed]
+     [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed]
 """
 from __future__ import annotations
 
@@ -137,6 +137,9 @@ OFFLOAD_CASES = [
     ("ZeRO-1 offload, fp32, checkpointing", {"gradient_checkpointing": True, "deepspeed": ZERO1_OFFLOAD}, None,
      "float32"),
 ]
+# QLoRA on MoE models: bitsandbytes quantizes the nn.Linear layers; the 3-D experts stay in the load dtype
+MOE_QLORA_CASES = [("QLoRA: nf4 double-quant, bf16 load, bf16=True, all-linear", {"bf16": True}, LORA, "bfloat16",
+                    None, True)]
 MOE_DEEPSPEED_CASES = [
     ("ZeRO-2, bf16, default optim", {"bf16": True, "deepspeed": ZERO2}, None, "float32"),
     ("ZeRO-2, bf16, LoRA attention + experts", {"bf16": True, "deepspeed": ZERO2}, LORA_EXPERTS, "float32"),
@@ -193,12 +196,12 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="default: OUT (DDP_OUT for --cases ddp)")
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
     parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload", "moe",
-                                            "moe-deepspeed"], default="all",
+                                            "moe-qlora", "moe-deepspeed"], default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
                         "DDP_OUT / DEEPSPEED_OUT)")
     args = parser.parse_args()
     world_size, out = {"ddp": (DDP_WORLD_SIZE, DDP_OUT), "deepspeed": (DDP_WORLD_SIZE, DEEPSPEED_OUT),
-                       "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT), "moe": (1, MOE_OUT),
+                       "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT), "moe": (1, MOE_OUT), "moe-qlora": (1, MOE_OUT),
                        "moe-deepspeed": (DDP_WORLD_SIZE, MOE_DEEPSPEED_OUT)}.get(args.cases, (1, OUT))
     out = args.out or out
     cases = ([(*case, None, True) for case in CASES] if args.cases in ("all", "plain") else []) + \
@@ -209,7 +212,9 @@ def main() -> int:
     models = {model: None for model in MODELS}
     if args.cases.startswith("moe"):
         models = moe_models()
-        cases = [(*case, None, True) for case in (MOE_CASES if args.cases == "moe" else MOE_DEEPSPEED_CASES)]
+        cases = {"moe": [(*case, None, True) for case in MOE_CASES],
+                 "moe-qlora": [(*case[:4], NF4_DQ_BF16, case[5]) for case in MOE_QLORA_CASES],
+                 "moe-deepspeed": [(*case, None, True) for case in MOE_DEEPSPEED_CASES]}[args.cases]
     failures = 0
     for model, overrides in models.items():
         for name, fields, peft, dtype, quantization, kbit_prep in cases[: args.only]:
