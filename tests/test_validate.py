@@ -108,6 +108,8 @@ FRESH = [
                                                  loss=Loss.FUSED_LINEAR_CE)),
     ("gpt2", (64, 3, 900, 2), TrainSetup(2, 70, Precision.BF16, loss=Loss.CHUNKED_NLL, loss_chunk=250)),
     ("gpt2", (64, 4, 700, 2), TrainSetup(1, 24, Precision.BF16, optimizer=Optimizer.HF_ADAFACTOR)),
+    # MoE: DeepSeek-V3's 3 dense layers then 5 MoE ones, traced as 6 (the irregular lead kept, the rest replicated)
+    ("deepseek-v3", (64, 8, 600, 4), TrainSetup(2, 48, Precision.BF16_AUTOCAST, grad_ckpt=True)),
     ("llama-3.1-8b", (64, 4, 900, 4), TrainSetup(2, 40, Precision.BF16_AUTOCAST, grad_ckpt=True,
                                                  optimizer=Optimizer.ADAMW_8BIT)),
     ("gpt2", (64, 5, 900, 2), TrainSetup(2, 48, Precision.BF16_AUTOCAST, grad_ckpt=True, lora_rank=4,
