@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.inputs.spec import TrainSetup, load_model_spec, num_experts
 from llmsim.inputs.zoo import shrink
 from llmsim.model.tracker import StorageTracker
 from llmsim.sim.pipeline import predict
@@ -51,8 +51,7 @@ def measure(spec, implementation: str, routing: str) -> int:
     config = spec.hf_config()
     tokens = MICRO_BATCH * SEQ_LEN
     top_k = int(config.num_experts_per_tok)
-    experts_count = next(getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
-                         if getattr(config, k, None))
+    experts_count = num_experts(config)
     forced = None if routing == ROUTER else forced_indices(routing, tokens, top_k, experts_count)
     batch = torch.randint(0, config.vocab_size, (MICRO_BATCH, SEQ_LEN))
 

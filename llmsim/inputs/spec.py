@@ -32,6 +32,20 @@ FUSED_OPTIMIZERS = (Optimizer.ADAMW, Optimizer.ADAM, Optimizer.SGD, Optimizer.SG
 LLM_INT8_THRESHOLD = 6.0  # BitsAndBytesConfig's llm_int8_threshold default (transformers/utils/quantization_config.py)
 
 
+# Config keys naming the number of routed experts of a mixture-of-experts model, by family (Mixtral, gpt-oss:
+# num_local_experts; Qwen-MoE, OLMoE: num_experts; DeepSeek: n_routed_experts)
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def num_experts(config) -> int:
+    """Routed experts per MoE layer of a transformers config, 0 for a dense model."""
+    for key in EXPERT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
 # MixedPrecisionPolicy dtypes as llmsim spells them (torch.distributed.fsdp.MixedPrecisionPolicy takes torch dtypes)
 FSDP_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 FSDP_INITS = ("meta", "full")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmsim.inputs.spec import load_model_spec
+from llmsim.inputs.spec import EXPERT_KEYS, load_model_spec
 
 FFN_KEYS = ("intermediate_size", "ffn_dim", "n_inner", "moe_intermediate_size", "shared_expert_intermediate_size")
 SHRUNK_EXPERTS = 8  # routed experts of a shrunken mixture-of-experts model (at most)
@@ -48,8 +48,6 @@ def shrink(name: str, hidden: int, layers: int, vocab: int, heads: int) -> dict[
 
 
 def _shrunk_experts(original: dict[str, Any], hidden: int, heads: int, layers: int) -> dict[str, Any]:
-    from llmsim.model.moe import EXPERT_KEYS
-
     overrides: dict[str, Any] = {}
     for key in EXPERT_KEYS:
         if isinstance(original.get(key), int) and original[key] > 0:

@@ -98,7 +98,11 @@ class MemoryRecorder(TrainerCallback):
         append_rows([row], out)
 
     def _config_file(self, config) -> str:
-        text = config.to_json_string()
+        """The model's config as a file the row names; without the `quantization_config` from_pretrained put there
+        (the row's own column carries it, and a config that keeps it reads as a pre-quantized checkpoint)."""
+        fields = json.loads(config.to_json_string())
+        fields.pop("quantization_config", None)
+        text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
         folder = self.out.with_name(f"{self.out.stem}-configs")
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{config.model_type}-{hashlib.sha1(text.encode()).hexdigest()[:10]}.json"

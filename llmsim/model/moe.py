@@ -26,19 +26,7 @@ import json
 
 import torch
 
-# Config keys naming the number of routed experts, by family (Mixtral, gpt-oss: num_local_experts; Qwen-MoE,
-# OLMoE: num_experts; DeepSeek: n_routed_experts)
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def num_experts(config) -> int:
-    """Routed experts per MoE layer, 0 for a dense model."""
-    for key in EXPERT_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 0
 
 
 def _check_strides(name: str, mat: torch.Tensor) -> None:

@@ -24,7 +24,7 @@ from llmsim.model import fsdp, moe
 from llmsim.model.kernels import cuda_kernels
 from llmsim.model.optimizer_values import answered_optimizer_values
 from llmsim.enums import Device, Recipe
-from llmsim.inputs.spec import ModelSpec, TrainSetup
+from llmsim.inputs.spec import ModelSpec, TrainSetup, num_experts
 from llmsim.model.step import StepInfo, optimizer_class, run_canonical_step, run_pipeline_step
 from llmsim.model.pipelining import cut, layer_range
 from llmsim.model.quantized import (fake_loading, header_checkpoint, load_checkpoint_quantized, load_quantized,
@@ -49,7 +49,7 @@ def layer_structure(spec: ModelSpec, setup: TrainSetup, start: int, end: int) ->
     """(lead, period) of layers `start .. end-1`: the irregular leading layers traced as they are, then the period
     with which the rest repeat their behaviour (attention types, checkpointing every n layers, and in a
     mixture-of-experts model which layers are dense: llmsim/model/moe.py)."""
-    if not moe.num_experts(spec.hf_config()):
+    if not num_experts(spec.hf_config()):
         return 0, math.lcm(setup.ckpt_period, spec.layer_period)
     signatures = moe.layer_signatures(spec.config_json)[start:end]
     return moe.lead_and_period([(signature, i % setup.ckpt_period) for i, signature in enumerate(signatures)])
