@@ -7,7 +7,9 @@ plan on DTensor (its MoE plan: `packed_colwise` gate_up, `rowwise` down, `moe_tp
 torch.distributed.pipelining for PP, DistributedDataParallel. Small real shapes of the zoo's MoE configs
 (`llmsim.inputs.zoo.shrink`: 8 experts, top-2, each family's layout kept; 8 or 16 heads so that the kv-heads
 divide by 2), transformers' default experts implementation (grouped_mm).
-Run: python experiments/measure_moe_parallel.py [--only N]   (about 10 minutes on 2 cores)
+HELDOUT runs (`--heldout`, data/measurements/tier2_moe_heldout_cpu.csv): families, shapes and layouts none of the
+runs above has, each predicted (printed first) before it is measured, with llmsim's code fixed.
+Run: python experiments/measure_moe_parallel.py [--only N] [--heldout]   (about 10 minutes on 2 cores)
 """
 from __future__ import annotations
 
@@ -19,8 +21,11 @@ import tempfile
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "data" / "measurements" / "tier2_moe_cpu.csv"
+HELDOUT_OUT = OUT.with_name("tier2_moe_heldout_cpu.csv")
 SHAPES = {"mixtral-8x7b": (128, 4, 1000, 8), "qwen3-30b-a3b": (128, 4, 1000, 16), "deepseek-v3": (128, 5, 1000, 4),
-          "gpt-oss-20b": (128, 4, 1000, 8), "deepseek-v2-lite": (128, 3, 1000, 4)}
+          "gpt-oss-20b": (128, 4, 1000, 8), "deepseek-v2-lite": (128, 3, 1000, 4),
+          "olmoe-1b-7b": (96, 5, 1200, 4), "qwen2-57b-a14b": (112, 4, 900, 28), "qwen3-235b-a22b": (128, 6, 800, 16),
+          "gpt-oss-120b": (96, 5, 700, 8)}
 ZERO = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
 BF16 = {"bf16": {"enabled": True}}
 ZERO3_OFFLOAD = {"zero_force_ds_cpu_optimizer": False,
@@ -47,6 +52,41 @@ RUNS = [
     ("mixtral-8x7b", "fp32", ["--strategy", "ddp", "--world-size", "2"], None),
 ]
 
+HELDOUT = [
+    ("olmoe-1b-7b", "bf16", ["--grad-ckpt"], {**ZERO, **BF16, "zero_optimization": {"stage": 3}}),
+    ("qwen2-57b-a14b", "fp32", ["--strategy", "fsdp", "--world-size", "2", "--fsdp-no-reshard"], None),
+    ("gpt-oss-120b", "bf16-autocast", ["--tp", "2"], None),
+    ("qwen3-235b-a22b", "bf16", ["--grad-ckpt", "--grad-accum", "2"], {**ZERO, **BF16, "gradient_accumulation_steps": 2,
+                                                                     "zero_optimization": {"stage": 2}}),
+    ("qwen2-57b-a14b", "bf16", [], {**ZERO, **BF16, "zero_force_ds_cpu_optimizer": False,
+                                    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
+    ("olmoe-1b-7b", "fp32", ["--pp", "2", "--microbatches", "2"], None),
+    ("gpt-oss-120b", "bf16", ["--lora-rank", "8", "--lora-targets", "q_proj,v_proj"],
+     {**ZERO, **BF16, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}),
+]
+
+
+def predicted(model: str, precision: str, flags: list[str], ds: dict | None) -> str:
+    """llmsim's prediction per rank, before the run is measured."""
+    from llmsim.inputs.zoo import shrink
+
+    with tempfile.TemporaryDirectory() as directory:
+        command = [sys.executable, "-m", "llmsim.app.cli", "predict", "--model", model, "--seq-len", "64",
+                   "--micro-batch", "2", "--precision", precision, "--format", "json", "--no-suggest", *flags]
+        for key, value in shrink(model, *SHAPES[model]).items():
+            command += ["--set", f"{key}={json.dumps(value)}"]
+        if ds is not None:
+            path = Path(directory) / "ds_config.json"
+            path.write_text(json.dumps(ds))
+            command += ["--ds-config", str(path), "--world-size", "2"]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            return "refused: " + done.stderr.strip()[-300:]
+        ranks = json.loads(done.stdout)["ranks"]
+        return "predicted " + " | ".join(f"rank {r['rank']}: {r['peak_allocated_bytes']:,} B" +
+                                         (f", host {r['peak_host_bytes']:,} B" if r.get("peak_host_bytes") else "")
+                                         for r in ranks)
+
 
 def run(model: str, precision: str, flags: list[str], ds: dict | None, out: Path) -> int:
     from llmsim.inputs.zoo import shrink
@@ -70,9 +110,15 @@ def run(model: str, precision: str, flags: list[str], ds: dict | None, out: Path
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", type=int, default=None, help="the first N runs")
-    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--out", default=None, help="default: OUT (HELDOUT_OUT with --heldout)")
+    parser.add_argument("--heldout", action="store_true", help="the HELDOUT runs, each predicted first")
     args = parser.parse_args()
-    failures = sum(run(*case, Path(args.out)) != 0 for case in RUNS[: args.only])
+    out = Path(args.out or (HELDOUT_OUT if args.heldout else OUT))
+    failures = 0
+    for case in (HELDOUT if args.heldout else RUNS)[: args.only]:
+        if args.heldout:
+            print(f"{case[0]:16} {case[1]:5} {predicted(*case)}", flush=True)
+        failures += run(*case, out) != 0
     return 1 if failures else 0
 
 
