@@ -153,3 +153,19 @@ def test_a_quantized_checkpoints_config_is_not_predicted_as_unquantized(tmp_path
     path.write_text(json.dumps({**config, "quantization_config": quantization}))
     with pytest.raises(InputError, match=message):
         load_model_spec(str(path))
+
+
+def test_lora_all_linear_on_moe_is_predicted_and_offered():
+    """`--lora-targets all-linear` is peft's shorthand (the router and the experts too on a MoE model); the
+    prediction equals a real run, and where peft has no default targets the advice and compare's LoRA levers use it."""
+    from llmsim.app.advice import candidates
+    from llmsim.model.step import peft_default_targets
+    from llmsim.sim.pipeline import predict
+    from llmsim.sim.strategies import Layout
+
+    spec = load_model_spec("mixtral-8x7b", shrink("mixtral-8x7b", 64, 4, 512, 4))
+    setup = TrainSetup(2, 32, Precision.BF16_AUTOCAST, lora_rank=8, lora_targets=("all-linear",))
+    assert predict(spec, setup).ranks[0].peak_allocated_bytes == measure_single(spec, setup)["peak_allocated_bytes"]
+    assert not peft_default_targets(spec) and peft_default_targets(load_model_spec("llama-2-7b"))
+    lora = [c for c in candidates(spec, TrainSetup(2, 32), Layout()) if c.setup.lora_rank]
+    assert lora and all(c.setup.lora_targets == ("all-linear",) for c in lora)

@@ -22,6 +22,7 @@ from llmsim.enums import Loss, Optimizer, Precision, Recipe
 from llmsim.errors import InputError
 from llmsim.inputs.gpus import GpuProfile
 from llmsim.inputs.spec import ModelSpec, TrainSetup
+from llmsim.model.step import peft_default_targets
 from llmsim.sim.allocator import AllocatorConfig
 from llmsim.sim.strategies import Layout, Strategy
 
@@ -82,10 +83,10 @@ def suggestions(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuPro
 def candidates(model: ModelSpec, setup: TrainSetup, layout: Layout) -> list[Change]:
     if setup.recipe is Recipe.HF_TRAINER:
         return _trainer_changes(model, setup, layout)
-    return _canonical_levers(setup, layout) + _canonical_layouts(model, setup, layout)
+    return _canonical_levers(model, setup, layout) + _canonical_layouts(model, setup, layout)
 
 
-def _canonical_levers(setup: TrainSetup, layout: Layout) -> list[Change]:
+def _canonical_levers(model: ModelSpec, setup: TrainSetup, layout: Layout) -> list[Change]:
     out = []
 
     def add(change: str, cost: str, **fields) -> None:
@@ -109,8 +110,12 @@ def _canonical_levers(setup: TrainSetup, layout: Layout) -> list[Change]:
         add(f"--micro-batch {setup.micro_batch // 2} --grad-accum {2 * setup.grad_accum}",
             "the same samples per step in twice the passes", micro_batch=setup.micro_batch // 2,
             grad_accum=2 * setup.grad_accum)
-    if not setup.lora_rank:
+    if not setup.lora_rank and peft_default_targets(model):
         add(f"--lora-rank {LORA_RANK}", "a different fine-tune: LoRA adapters on a frozen base", lora_rank=LORA_RANK)
+    elif not setup.lora_rank:  # peft has no default targets for the model type (a mixture-of-experts model)
+        add(f"--lora-rank {LORA_RANK} --lora-targets all-linear", "a different fine-tune: LoRA adapters on a frozen "
+            "base (peft's all-linear: the attention and, on MoE models, the router and experts too)",
+            lora_rank=LORA_RANK, lora_targets=("all-linear",))
     elif setup.quant is None:
         add("--quant nf4 --double-quant", "a different fine-tune: a 4-bit base under the adapters (QLoRA)",
             quant="nf4", double_quant=True)

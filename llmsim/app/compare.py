@@ -15,6 +15,7 @@ from llmsim.errors import InputError
 from llmsim.sim.allocator import AllocatorConfig
 from llmsim.inputs.gpus import GpuProfile, on_gpu
 from llmsim.model.losses import check_loss
+from llmsim.model.step import peft_default_targets
 from llmsim.sim.pipeline import predict
 from llmsim.inputs.spec import ModelSpec, TrainSetup
 from llmsim.sim.strategies import Layout, check_supported
@@ -62,7 +63,8 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
                    lora_targets=None, optimizer=Optimizer.ADAMW, quant=None, double_quant=False, grad_accum=1,
                    ckpt_offload=False, fused=False,
                    loss=Loss.HF, loss_chunk=None, lora_modules_to_save=None, trainable_tokens=None)
-    setups = [(label, overrides, replace(base, **overrides)) for label, overrides in LEVERS]
+    levers = LEVERS if peft_default_targets(model) else [_on_all_linear(label, overrides) for label, overrides in LEVERS]
+    setups = [(label, overrides, replace(base, **overrides)) for label, overrides in levers]
     chosen = [(label, setup) for label, overrides, setup in setups
               if _lever_modelled(model, setup, overrides, layout, gpu)]
     rows = in_processes(functools.partial(_lever_row, model, layout, gpu, alloc_conf), chosen, jobs, progress,
@@ -70,6 +72,14 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
     frame = pd.DataFrame(rows)
     frame["saving_vs_baseline"] = 1 - frame["device_total_bytes"] / frame["device_total_bytes"].iloc[0]
     return frame
+
+
+def _on_all_linear(label: str, overrides: dict) -> tuple[str, dict]:
+    """A LoRA lever where peft has no default targets for the model type (mixture-of-experts models): all-linear,
+    said in its label."""
+    if not overrides.get("lora_rank"):
+        return label, overrides
+    return f"{label} (all-linear)", {**overrides, "lora_targets": ("all-linear",)}
 
 
 def _lever_modelled(model: ModelSpec, setup: TrainSetup, overrides: dict, layout: Layout,

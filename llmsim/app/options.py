@@ -63,8 +63,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "never reads it")
     p.add_argument("--double-quant", action="store_true", help="bitsandbytes double quantization of the 4-bit "
                    "absmax (bnb_4bit_use_double_quant)")
-    p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: peft's for the "
-                   "model type)")
+    p.add_argument("--lora-targets", default=None, help="comma-separated module names, or all-linear (peft's "
+                   "shorthand: every linear layer but the LM head; on MoE models the router and experts too); "
+                   "default: peft's for the model type")
     p.add_argument("--lora-modules-to-save", default=None, help="comma-separated module names trained in full next "
                    "to the adapters (LoraConfig modules_to_save: peft trains a copy, the original stays frozen), e.g. "
                    "lm_head; needs --lora-rank")

@@ -11,6 +11,10 @@ def quiet_libraries() -> None:
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+    # peft's all-linear on a MoE model adds the experts as target_parameters with rank/alpha patterns of its own,
+    # and warns that the patterns match no targeted module: peft's bookkeeping, not the user's configuration
+    warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match",
+                            category=RuntimeWarning)
     # bitsandbytes' paged optimizers on the CPU ("falling back to non-paged"): what the CPU rows measure anyway
     warnings.filterwarnings("ignore", category=UserWarning, module="bitsandbytes")
     # the Trainer counts the embeddings an 8-bit optimizer skips by data_ptr(), which a traced fake tensor warns of

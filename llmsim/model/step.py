@@ -20,6 +20,7 @@ The loop, exactly:
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -323,6 +324,32 @@ def import_peft(setup: TrainSetup) -> None:
         import peft  # noqa: F401
 
 
+ALL_LINEAR = "all-linear"  # peft's INCLUDE_LINEAR_LAYERS_SHORTHAND: every linear layer but the output head
+
+
+@functools.lru_cache(maxsize=32)
+def _peft_takes_defaults(config_json: str) -> bool:
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(config_json)))
+    try:
+        get_peft_model(model, LoraConfig(r=8))
+    except ValueError:
+        return False
+    return True
+
+
+def peft_default_targets(spec) -> bool:
+    """Whether `get_peft_model(model, LoraConfig(r=...))` finds targets by itself for this model, as peft decides
+    (on the meta device): not on the mixture-of-experts models (peft 0.21 refuses Mixtral's defaults and keeps none
+    for Qwen-MoE, DeepSeek, OLMoE, gpt-oss), where a LoRA lever takes `all-linear`."""
+    return spec.config_json is None or _peft_takes_defaults(spec.config_json)
+
+
 def peft_config(model: nn.Module, setup: TrainSetup):
     """The peft config the step passes to `get_peft_model`: `LoraConfig(r, lora_alpha, target_modules,
     modules_to_save, trainable_token_indices)` with a LoRA rank, else `TrainableTokensConfig(token_indices)` (whose
@@ -333,8 +360,10 @@ def peft_config(model: nn.Module, setup: TrainSetup):
     tokens = list(setup.trainable_tokens) if setup.trainable_tokens else None
     if not setup.lora_rank:
         return TrainableTokensConfig(token_indices=tokens)
-    return LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha,
-                      target_modules=list(setup.lora_targets) if setup.lora_targets else None,
+    targets = list(setup.lora_targets) if setup.lora_targets else None
+    if targets == [ALL_LINEAR]:  # peft's shorthand is the string itself, not a module name in a list
+        targets = ALL_LINEAR
+    return LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha, target_modules=targets,
                       modules_to_save=list(setup.lora_modules_to_save) if setup.lora_modules_to_save else None,
                       trainable_token_indices=tokens)
 
