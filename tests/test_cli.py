@@ -24,6 +24,14 @@ def test_predict_json_contract(capsys):
     assert out["peak_host_bytes"] == rank["peak_host_bytes"] == 0  # nothing offloaded without --ckpt-offload
 
 
+def test_list_and_dict_overrides_predict(capsys):
+    """`--set` takes any JSON value: a list (layer types) or a dict (rope scaling) too, not only scalars."""
+    for value in ('rope_scaling={"rope_type": "linear", "factor": 2.0}', 'layer_types=["full_attention", "full_attention"]'):
+        assert main(["predict", *TINY, "--set", value, "--seq-len", "16", "--micro-batch", "2", "--format",
+                     "json", "--no-suggest"]) == 0, value
+        assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] > 0
+
+
 def test_predict_json_reports_host_bytes_apart(capsys):
     assert main(["predict", *TINY, "--seq-len", "16", "--micro-batch", "2", "--grad-ckpt", "--ckpt-offload",
                  "--format", "json"]) == 0

@@ -354,10 +354,21 @@ def load_model_spec(name: str, overrides: dict[str, Any] | None = None) -> Model
     return spec
 
 
+class _FrozenDict(dict):
+    """A dict-valued override (`--set rope_scaling={...}`), hashable; JSON writes it as the dict it is."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(json.dumps(self, sort_keys=True))
+
+
 def _frozen(value: Any) -> Any:
-    """An override's value, hashable (a spec keys the trace cache): lists as tuples, which JSON writes back as
-    lists."""
-    return tuple(_frozen(item) for item in value) if isinstance(value, list) else value
+    """An override's value, hashable (a spec keys the trace cache): lists as tuples and dicts as `_FrozenDict`s,
+    which JSON writes back as lists and dicts."""
+    if isinstance(value, list):
+        return tuple(_frozen(item) for item in value)
+    if isinstance(value, dict):
+        return _FrozenDict({key: _frozen(item) for key, item in value.items()})
+    return value
 
 
 def _read_config(name: str) -> dict[str, Any]:
