@@ -67,45 +67,39 @@ HELDOUT = [
 ]
 
 
-def predicted(model: str, precision: str, flags: list[str], ds: dict | None) -> str:
-    """llmsim's prediction per rank, before the run is measured."""
+def _llmsim(verb: str, model: str, precision: str, flags: list[str], ds: dict | None, *extra: str):
+    """`llmsim predict|measure` on the run's shape, 2 ranks of the DeepSpeed JSON `ds` when one is given."""
     from llmsim.inputs.zoo import shrink
 
     with tempfile.TemporaryDirectory() as directory:
-        command = [sys.executable, "-m", "llmsim.app.cli", "predict", "--model", model, "--seq-len", "64",
-                   "--micro-batch", "2", "--precision", precision, "--format", "json", "--no-suggest", *flags]
+        command = [sys.executable, "-m", "llmsim.app.cli", verb, "--model", model, "--seq-len", "64",
+                   "--micro-batch", "2", "--precision", precision, *extra, *flags]
         for key, value in shrink(model, *SHAPES[model]).items():
             command += ["--set", f"{key}={json.dumps(value)}"]
         if ds is not None:
             path = Path(directory) / "ds_config.json"
             path.write_text(json.dumps(ds))
             command += ["--ds-config", str(path), "--world-size", "2"]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode:
-            return "refused: " + done.stderr.strip()[-300:]
-        ranks = json.loads(done.stdout)["ranks"]
-        return "predicted " + " | ".join(f"rank {r['rank']}: {r['peak_allocated_bytes']:,} B" +
-                                         (f", host {r['peak_host_bytes']:,} B" if r.get("peak_host_bytes") else "")
-                                         for r in ranks)
+        return subprocess.run(command, capture_output=True, text=True)
+
+
+def predicted(model: str, precision: str, flags: list[str], ds: dict | None) -> str:
+    """llmsim's prediction per rank, before the run is measured."""
+    done = _llmsim("predict", model, precision, flags, ds, "--format", "json", "--no-suggest")
+    if done.returncode:
+        return "refused: " + done.stderr.strip()[-300:]
+    ranks = json.loads(done.stdout)["ranks"]
+    return "predicted " + " | ".join(f"rank {r['rank']}: {r['peak_allocated_bytes']:,} B" +
+                                     (f", host {r['peak_host_bytes']:,} B" if r.get("peak_host_bytes") else "")
+                                     for r in ranks)
 
 
 def run(model: str, precision: str, flags: list[str], ds: dict | None, out: Path) -> int:
-    from llmsim.inputs.zoo import shrink
-
-    with tempfile.TemporaryDirectory() as directory:
-        command = [sys.executable, "-m", "llmsim.app.cli", "measure", "--model", model, "--seq-len", "64",
-                   "--micro-batch", "2", "--precision", precision, "--out", str(out), *flags]
-        for key, value in shrink(model, *SHAPES[model]).items():
-            command += ["--set", f"{key}={json.dumps(value)}"]
-        if ds is not None:
-            path = Path(directory) / "ds_config.json"
-            path.write_text(json.dumps(ds))
-            command += ["--ds-config", str(path), "--world-size", "2"]
-        done = subprocess.run(command, capture_output=True, text=True)
-        last = " | ".join((done.stdout.strip().splitlines() or [done.stderr.strip()[-300:]])[-2:])
-        layout = json.dumps(ds["zero_optimization"]) if ds else " ".join(flags)
-        print(f"{model:16} {precision:5} {layout[:70]:70} -> {last}", flush=True)
-        return done.returncode
+    done = _llmsim("measure", model, precision, flags, ds, "--out", str(out))
+    last = " | ".join((done.stdout.strip().splitlines() or [done.stderr.strip()[-300:]])[-2:])
+    layout = json.dumps(ds["zero_optimization"]) if ds else " ".join(flags)
+    print(f"{model:16} {precision:5} {layout[:70]:70} -> {last}", flush=True)
+    return done.returncode
 
 
 def main() -> int:

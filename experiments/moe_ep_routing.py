@@ -34,7 +34,7 @@ def worker(checkpoint: str, routing: str) -> None:
     from transformers.distributed import DistributedConfig
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from moe_routing import forced_indices
+    from moe_routing import forced_indices, train
 
     from llmsim.model.tracker import StorageTracker
 
@@ -44,24 +44,11 @@ def worker(checkpoint: str, routing: str) -> None:
     forced = None if routing == "router" else forced_indices(routing, tokens, top_k, experts)
     batch = torch.randint(0, CONFIG["vocab_size"], (MICRO_BATCH, SEQ_LEN))
 
-    def force(module, args):
-        return (args[0], forced, *args[2:])
-
     tracker = StorageTracker()
     with tracker:
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
                                                      distributed_config=DistributedConfig(tp_size=2, ep_size=2))
-        if forced is not None:
-            for name, module in model.named_modules():
-                if name.endswith("mlp.experts"):
-                    module.register_forward_pre_hook(force)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        for _ in range(STEPS):
-            loss = model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            del loss
+        train(model, batch, forced, STEPS)
     peak = int(tracker.timeline()["delta_bytes"].cumsum().max())
     print(json.dumps({"rank": dist.get_rank(), "routing": routing, "peak": peak}), flush=True)
     dist.destroy_process_group()

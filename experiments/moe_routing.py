@@ -55,26 +55,30 @@ def measure(spec, implementation: str, routing: str) -> int:
     forced = None if routing == ROUTER else forced_indices(routing, tokens, top_k, experts_count)
     batch = torch.randint(0, config.vocab_size, (MICRO_BATCH, SEQ_LEN))
 
-    def force(module, args):
-        return (args[0], forced, *args[2:])  # top_k_index, (tokens, top_k) int64, made before the tracker
-
     tracker = StorageTracker()
     with tracker:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, experts_implementation=implementation)
-        hooked = [m.register_forward_pre_hook(force) for name, m in model.named_modules()
-                  if name.endswith("mlp.experts") and forced is not None]
-        assert hooked or forced is None, "no experts module found"
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        for _ in range(STEPS):
-            loss = model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            del loss
+        train(model, batch, forced)
     live = tracker.timeline()["delta_bytes"].cumsum()
-    del model, optimizer
+    del model
     gc.collect()
     return int(live.max())
+
+
+def train(model, batch: torch.Tensor, forced: torch.Tensor | None, steps: int = STEPS) -> None:
+    """`steps` AdamW steps; with `forced`, every experts module is handed it in place of the router's
+    `top_k_index` (made before the measured region: the hook allocates nothing)."""
+    if forced is not None:
+        hooked = [m.register_forward_pre_hook(lambda module, args: (args[0], forced, *args[2:]))
+                  for name, m in model.named_modules() if name.endswith("mlp.experts")]
+        assert hooked, "no experts module found"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    for _ in range(steps):
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        del loss
 
 
 def main() -> int:

@@ -55,6 +55,13 @@ def layer_structure(spec: ModelSpec, setup: TrainSetup, start: int, end: int) ->
     return moe.lead_and_period([(signature, i % setup.ckpt_period) for i, signature in enumerate(signatures)])
 
 
+def stage_layers(spec: ModelSpec, setup: TrainSetup) -> tuple[int, int]:
+    """The decoder layers `start .. end-1` this trace stands for: the whole stack, or a pipeline stage's share."""
+    if setup.pp > 1:
+        return layer_range(setup.pp_stage, setup.pp, spec.num_layers, setup.pp_split)
+    return 0, spec.num_layers
+
+
 def trace_depth(num_layers: int, period: int, lead: int = 0) -> int:
     """Irregular leading layers + leading group + template group + trailing group (plus the remainder of a
     partial group)."""
@@ -232,9 +239,7 @@ def _cache_layers_of_the_real_model(spec: ModelSpec, setup: TrainSetup, depth: i
     from transformers import cache_utils
 
     original = cache_utils.get_layer_types_and_kwargs
-    start, end = 0, spec.num_layers
-    if setup.pp > 1:
-        start, end = layer_range(setup.pp_stage, setup.pp, end, setup.pp_split)
+    start, end = stage_layers(spec, setup)
     real_types = getattr(spec.hf_config(), "layer_types", None)
 
     def get_layer_types_and_kwargs(config):
@@ -314,9 +319,7 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     if spec.factory is not None:  # an arbitrary nn.Module cannot be cut to fewer layers: trace it whole
         timeline, info = run_fake(spec, setup, None)
         return Trace(timeline, info, info.num_blocks, 1, info.num_blocks)
-    start, end = 0, spec.num_layers
-    if setup.pp > 1:  # a pipeline stage: its own share of the layers, traced at reduced depth like a model
-        start, end = layer_range(setup.pp_stage, setup.pp, end, setup.pp_split)
+    start, end = stage_layers(spec, setup)  # a pipeline stage: traced at reduced depth like a model
     num_layers = end - start
     lead, period = layer_structure(spec, setup, start, end)
     depth = trace_depth(num_layers, period, lead)
