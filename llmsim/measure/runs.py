@@ -84,7 +84,8 @@ def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> di
     wall_s = time.perf_counter() - start
     device, host = split_host(timeline)  # what a GPU run holds on the device, and offloaded to the host
     peak = replay(device)
-    return {"tier": 3 if fake else 1, **setup_columns(spec, setup), "strategy": "single", "world_size": 1,
+    return {"tier": 3 if fake else 1, "recipe": setup.recipe.value, **setup_columns(spec, setup),
+            "strategy": "single", "world_size": 1,
             "rank": 0, "peak_allocated_bytes": peak.allocated_bytes, "peak_host_bytes": host_peak_bytes(host),
             "device": "cpu-fake" if fake else "cpu",
             **environment(), "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
