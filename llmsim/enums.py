@@ -100,6 +100,11 @@ class Loss(str, Enum):
     FUSED_LINEAR_CE = "fused-linear-ce"  # Liger's fused linear cross-entropy, chunked over tokens
 
 
+# The routings an expert-parallel trace can state (llmsim/model/moe.py, `split_sizes`): each rank's experts an equal
+# share of the (token, slot) pairs, or every pair one rank can take sent to it (the bound of any routing).
+ROUTINGS = ("balanced", "collapsed")
+
+
 class Recipe(str, Enum):
     """How the user's job runs its steps (DESIGN.md, "Recipes"): the loop the trace runs, under fake tensors."""
 

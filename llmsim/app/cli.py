@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from llmsim.app.options import alloc_conf, build_parser, gpu_of, inputs, prediction, quiet_libraries
@@ -117,8 +118,23 @@ def cmd_measure(args) -> int:
     from llmsim.measure.launch import LaunchFailure
     from llmsim.measure.runs import MEASURED_DEFAULT_CSV, append_rows, measure_distributed, measure_single
 
+    router = getattr(args, "routing", None) == "router"  # measured with the router's own choice
+    if router:
+        args.routing = "balanced"
     spec, setup, layout = inputs(args)
-    if setup.recipe is Recipe.HF_TRAINER:
+    if args.recipe == "from-pretrained":
+        from llmsim.measure.runs import measure_from_pretrained
+
+        try:
+            rows = measure_from_pretrained(spec, replace(setup, ep=layout.ep), layout,
+                                           None if router or layout.ep == 1 else setup.routing, args.timeout)
+        except LaunchFailure as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_RUN_FAILED
+    elif router or layout.ep > 1:
+        raise InputError("expert parallelism is measured through transformers' own entry point: --recipe "
+                         "from-pretrained")
+    elif setup.recipe is Recipe.HF_TRAINER:
         from llmsim.measure.runs import measure_trainer
 
         try:

@@ -102,6 +102,12 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=None, help="number of ranks (default: tp)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: transformers' TP plan on DTensor "
                    "(colwise/rowwise, the LM head's logits gathered); world-size = dp x pp x tp")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE models): transformers' EP plan over "
+                   "the TP group, DistributedConfig(tp_size=N, ep_size=N); needs --tp N. Each rank holds 1/N of "
+                   "every layer's experts, tokens exchanged by all-to-all")
+    p.add_argument("--routing", default="balanced", help="with --ep: the routing the prediction states: balanced "
+                   "(each rank's experts get an equal share; the default, and the worst case is reported beside "
+                   "it) | collapsed (every token's top-k onto one rank's experts: the bound of any routing)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (torch.distributed.pipelining, layers split "
                    "as transformers splits them)")
     p.add_argument("--pp-split", default=None, help="layers per stage, e.g. 9,10,10,11 (default: transformers' "
@@ -233,6 +239,9 @@ def inputs(args):
                              "use --lora-rank / --lora-targets, --quant and --precision / --build-dtype")
     spec = load_model_spec(args.model, dict(_override(t) for t in args.set))
     precision = parse_enum(Precision, args.precision, "precision") if args.precision else None
+    if getattr(args, "routing", "balanced") != "balanced" and getattr(args, "ep", 1) == 1:
+        raise InputError(f"--routing {args.routing} states how tokens reach the experts of other ranks: it needs "
+                         "expert parallelism (--ep N with --tp N)")
     world_size = (args.dp or 1) * args.tp * args.pp if args.world_size is None else args.world_size
     if args.dp is not None and args.dp * args.tp * args.pp != world_size:
         raise InputError(f"dp({args.dp}) x pp({args.pp}) x tp({args.tp}) must equal world-size({world_size})")
@@ -254,7 +263,8 @@ def inputs(args):
         micro_batch = args.micro_batch
         grad_accum = 1 if args.grad_accum is None else args.grad_accum
     layout = Layout(strategy or (Strategy.DDP if world_size > args.tp * args.pp else Strategy.SINGLE), world_size,
-                    deepspeed, fsdp=_fsdp_setup(args, strategy), tp=args.tp, pp=args.pp, schedule=parse_enum(Schedule, args.schedule, "schedule"),
+                    deepspeed, fsdp=_fsdp_setup(args, strategy), tp=args.tp, ep=args.ep, pp=args.pp,
+                    schedule=parse_enum(Schedule, args.schedule, "schedule"),
                     n_microbatches=args.microbatches, pp_split=_split(args.pp_split))
     setup = TrainSetup(
         micro_batch=micro_batch, seq_len=args.seq_len, precision=precision or Precision.FP32,
@@ -268,7 +278,7 @@ def inputs(args):
         quant=args.quant, double_quant=args.double_quant, int8_threshold=args.int8_threshold,
         loss=parse_enum(Loss, args.loss, "loss"),
         loss_chunk=args.loss_chunk, lora_modules_to_save=_names(args.lora_modules_to_save),
-        trainable_tokens=_token_indices(args.trainable_tokens))
+        trainable_tokens=_token_indices(args.trainable_tokens), routing=args.routing)
     return spec, setup, layout
 
 
@@ -466,7 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "micro-batch")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="local processes (layouts in parallel)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(strategy=None, world_size=None, ds_config=None, tp=1, pp=1, schedule="gpipe",
+    p.set_defaults(strategy=None, world_size=None, ds_config=None, tp=1, ep=1, routing="balanced", pp=1,
+                   schedule="gpipe",
                    microbatches=1, pp_split=None, dp=None)
     p = sub.add_parser("sweep", help="predict every combination of a YAML/JSON grid of predict's options")
     p.add_argument("file", help="YAML or JSON: option -> value or list of values (llmsim/app/sweep.py)")
@@ -479,6 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="CSV to append to (default ./llmsim-measurements.csv)")
     p.add_argument("--dry-run", action="store_true", help="measure but write nothing")
     p.add_argument("--timeout", type=int, default=900, help="seconds before a multi-process run is killed")
+    p.add_argument("--recipe", choices=["canonical", "from-pretrained"], default="canonical", help="with --tp: "
+                   "canonical (llmsim's loop) | from-pretrained (the user's: from_pretrained(tp_plan=\"auto\"), "
+                   "with --ep DistributedConfig(tp_size=N, ep_size=N), then a plain AdamW loop; "
+                   "llmsim/model/from_pretrained_recipe.py). --routing router keeps the router's own choice")
     p = sub.add_parser("validate", help="re-predict every measured row; exit 1 if any is out of tolerance")
     p.add_argument("csv", nargs="*", help="measurement CSVs (default: data/measurements/*.csv)")
     p.add_argument("--jobs", type=int, default=1, help="local processes to share the rows between")

@@ -28,6 +28,8 @@ def layout_text(layout) -> str:
                      + " offloaded to the CPU, where AdamW steps")
     if layout.tp > 1:
         parts.append(f"tp {layout.tp}")
+    if layout.ep > 1:
+        parts.append(f"ep {layout.ep}")
     if layout.pp > 1:
         parts.append(f"pp {layout.pp}, {layout.schedule.value} over {layout.n_microbatches} micro-batches")
     return f"{layout.strategy.value} x {layout.world_size}" + (f" ({', '.join(parts)})" if parts else "")
@@ -59,6 +61,7 @@ def prediction_table(prediction: Prediction, gpus_per_node: int = 8) -> str:
         lines += ["", f"host memory per node ({per_node} rank(s) per node, --gpus-per-node): "
                       f"{human_bytes(prediction.host_per_node_bytes(gpus_per_node))}, the sum of its ranks' host peaks "
                       "(live tensor bytes; not the pinned pool's rounding)"]
+    lines += _routing_lines(prediction)
     worst = prediction.deciding_rank
     if prediction.gpu is not None:
         lines += ["", f"{prediction.gpu.name} ({human_bytes(prediction.gpu.capacity_bytes)}): "
@@ -73,6 +76,21 @@ def prediction_table(prediction: Prediction, gpus_per_node: int = 8) -> str:
     for category, nbytes in sorted(worst.peak.breakdown_bytes.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {category:<18} {human_bytes(nbytes):>14}  {100 * nbytes / total:5.1f} %")
     return "\n".join(lines)
+
+
+def _routing_lines(prediction: Prediction) -> list[str]:
+    """Expert parallelism: the routing the table states, and the worst routing's bound beside it."""
+    if prediction.layout.ep == 1:
+        return []
+    if prediction.routing_bound is None:
+        return ["", "routing: collapsed (every token's top-k onto one rank's experts, the most rows a rank's experts "
+                    "can receive: the bound of any routing, for every rank)"]
+    bound = max(prediction.routing_bound, key=lambda r: (r.needed_bytes or 0, r.peak_allocated_bytes))
+    verdict = f", needs {human_bytes(bound.needed_bytes)}: {bound.verdict}" if bound.verdict else ""
+    return ["", "routing: balanced (each rank's experts receive an equal share of the tokens); the routing decides "
+                "how many rows a rank's experts run on",
+            f"worst routing (every token's top-k onto one rank's experts; any rank can be that one): peak "
+            f"allocated {human_bytes(bound.peak_allocated_bytes)} per rank{verdict}"]
 
 
 def _rank_groups(ranks: list[RankPrediction]):

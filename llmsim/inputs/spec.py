@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from llmsim.enums import Attention, Device, Loss, Optimizer, Precision, Recipe
+from llmsim.enums import ROUTINGS, Attention, Device, Loss, Optimizer, Precision, Recipe
 from llmsim.errors import InputError, one_line
 
 ZOO_DIR = Path(__file__).resolve().parents[2] / "data" / "models"
@@ -117,6 +117,8 @@ class TrainSetup:
     lora_targets: tuple[str, ...] | None = None  # None: peft's default target modules for the model type
     zero3_hooks: bool = False  # trace with DeepSpeed ZeRO-3's module hooks mirrored (llmsim/model/zero3_hooks.py)
     tp: int = 1  # tensor-parallel degree: trace one rank of transformers' TP plan (llmsim/model/tensor_parallel.py)
+    ep: int = 1  # expert-parallel degree (1, or tp: transformers' EP plan over the TP group; llmsim/model/moe.py)
+    routing: str = "balanced"  # with ep > 1: the routing the trace states (llmsim.model.moe.ROUTINGS)
     pp: int = 1  # pipeline stages: trace stage `pp_stage` of the canonical PP step (llmsim/model/pipelining.py)
     pp_stage: int = 0
     schedule: str = "gpipe"  # llmsim.model.pipelining.Schedule
@@ -172,7 +174,8 @@ class TrainSetup:
     fsdp_rank: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "pp", "n_microbatches", "grad_accum"):
+        for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "ep", "pp", "n_microbatches",
+                     "grad_accum"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -205,6 +208,8 @@ class TrainSetup:
             raise InputError(f"optimizer {self.optimizer.value} with tp({self.tp}) is not modelled yet; modelled "
                              "with tp: adamw, adam, sgd, sgd-momentum")
         self._check_fused()
+        if self.routing not in ROUTINGS:
+            raise InputError(f"routing {self.routing!r} is not one of {', '.join(ROUTINGS)}")
         if not isinstance(self.int8_threshold, (int, float)) or not self.int8_threshold >= 0:
             raise InputError(f"int8-threshold must be a number >= 0 (0 turns LLM.int8's outlier split off), "
                              f"got {self.int8_threshold!r}")

@@ -57,7 +57,9 @@ def torchrun(module: str, job: dict, world_size: int, out: Path, timeout_s: int 
         proc.communicate()
         raise LaunchFailure(f"measured run timed out after {timeout_s} s") from None
     if proc.returncode != 0:
-        tail = "\n".join(output.strip().splitlines()[-15:])
+        lines = output.strip().splitlines()
+        ranks = [line for line in lines if line.startswith("[rank")]  # a rank's traceback says why, torchrun's not
+        tail = "\n".join((ranks or lines)[-15:])
         raise LaunchFailure(f"measured run failed (exit {proc.returncode}):\n{tail}")
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from llmsim.enums import Loss, Optimizer, Precision
+from llmsim.errors import InputError
 from llmsim.model.losses import check_loss
 from llmsim.measure.launch import DEFAULT_TIMEOUT_S, run_ranks, torchrun
 from llmsim.model.offload import host_peak_bytes, split_host
@@ -24,7 +26,7 @@ from llmsim.model.step import run_canonical_step
 from llmsim.sim.strategies import Layout, Strategy, check_supported
 from llmsim.model.pipelining import check_pipeline
 from llmsim.model.quantized import check_quantized
-from llmsim.model.tensor_parallel import check_tensor_parallel
+from llmsim.model.tensor_parallel import check_expert_parallel, check_tensor_parallel
 from llmsim.model.trace import model_builder, run_fake
 from llmsim.model.trainer_recipe import own_bitsandbytes_overrides
 from llmsim.model.tracker import StorageTracker
@@ -144,6 +146,69 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
             "peft": _version("peft"), "accelerate": _version("accelerate"), "bitsandbytes": _version("bitsandbytes"),
             "measured_at": stamp, "wall_s": round(wall_s, 2)})
     return rows
+
+
+def measure_from_pretrained(spec: ModelSpec, setup: TrainSetup, layout: Layout, routing: str | None = None,
+                            timeout_s: int = DEFAULT_TIMEOUT_S) -> list[dict]:
+    """Tensor (and expert) parallelism as a user runs it: `from_pretrained(distributed_config=DistributedConfig(
+    tp_size=N))` (tp_plan "auto", what the deprecated `tp_plan="auto"` argument becomes), with `ep_size=N` where the
+    setup asks for EP, then a plain AdamW loop
+    (llmsim/model/from_pretrained_recipe.py: nothing of the predictor); one tier-2 row per rank. The weights load
+    in the setup's dtype (bf16 with --build-dtype bf16, else fp32) from a checkpoint in the config's dtype."""
+    from llmsim.model import trainer_recipe
+
+    setup = resolve_attention(spec, setup)
+    check_fits_positions(spec, setup)
+    check_tensor_parallel(spec.hf_config(), layout.tp)
+    check_expert_parallel(spec.hf_config(), layout.tp, setup.ep)
+    unsupported = [name for name, on in (("pp", layout.pp > 1), ("dp", layout.dp > 1), ("LoRA", setup.lora_rank),
+                                         ("quantization", setup.quant), ("checkpointing", setup.grad_ckpt),
+                                         ("accumulation", setup.grad_accum > 1),
+                                         ("an optimizer other than AdamW", setup.optimizer is not Optimizer.ADAMW),
+                                         ("autocast", setup.precision.autocast_dtype is not None), ("foreach/fused", setup.foreach
+                                                                                  or setup.fused),
+                                         ("a loss other than transformers'", setup.loss is not Loss.HF))
+                   if on]
+    if layout.tp < 2 or unsupported:
+        raise InputError("the from-pretrained recipe measures TP (and EP) ranks alone: tp >= 2, with none of "
+                         + ", ".join(unsupported or ["(tp is 1)"]))
+    if setup.precision not in (Precision.FP32, Precision.BF16) or (setup.precision is Precision.BF16) != \
+            setup.build_bf16:
+        raise InputError("the from-pretrained recipe loads the weights in the dtype it trains in: fp32, or bf16 "
+                         "with --build-dtype bf16")
+    distributed = {"tp_size": layout.tp, **({"ep_size": setup.ep} if setup.ep > 1 else {})}  # tp_plan "auto"
+    load_dtype = "bfloat16" if setup.build_bf16 else "float32"
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="llmsim-from-pretrained-") as out:
+        trainer_recipe.write_checkpoint(spec.config_dict, Path(out) / "model")
+        job = {"checkpoint": str(Path(out) / "model"), "config": spec.config_dict, "load_dtype": load_dtype,
+               "distributed": distributed, "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
+               "steps": setup.steps, "routing": routing}
+        torchrun("llmsim.model.from_pretrained_recipe", job, layout.world_size, Path(out), timeout_s)
+        results = [{**json.loads((Path(out) / f"rank{rank}.json").read_text()),
+                    "timeline": pd.read_pickle(Path(out) / f"rank{rank}.timeline.pkl")}
+                   for rank in range(layout.world_size)]
+    wall_s = round(time.perf_counter() - start, 2)
+    stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    rows = []
+    for result in results:
+        if result["loaded_dtype"] != load_dtype:
+            raise RuntimeError(f"from_pretrained(dtype={load_dtype}) loaded {result['loaded_dtype']}")
+        peak = replay(result["timeline"])
+        rows.append({"tier": 2, "recipe": "from-pretrained", **setup_columns(spec, setup), "strategy": "single",
+                     "world_size": layout.world_size, "tp": layout.tp, "ep": setup.ep, "pp": 1,
+                     "distributed": json.dumps(distributed, sort_keys=True), "routing": (routing or "router") if setup.ep > 1 else "",
+                     "routing_check": _routing_check(routing, result["rank"]) if setup.ep > 1 else "",
+                     "rank": result["rank"], "peak_allocated_bytes": peak.allocated_bytes, "peak_phase": peak.phase,
+                     "gloo_settle": True, "device": "cpu", **environment(), "measured_at": stamp, "wall_s": wall_s})
+    return rows
+
+
+def _routing_check(routing: str | None, rank: int) -> str:
+    """How validate compares an EP rank: exact where the forced routing is the one predicted (balanced; collapsed on
+    rank 0, which owns the experts the forcing picks: from_pretrained_recipe.forced_routing), and at or under the
+    worst routing's bound elsewhere (the router's own choice; the collapsed run's ranks left without tokens)."""
+    return "exact" if routing == "balanced" or (routing == "collapsed" and rank == 0) else "bound"
 
 
 def append_rows(rows: list[dict], path: Path = TIER1_CSV) -> None:

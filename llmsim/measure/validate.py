@@ -56,7 +56,8 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
                        loss=Loss(row["loss"]) if isinstance(row.get("loss"), str) and row["loss"] else Loss.HF,
                        loss_chunk=_int(row, "loss_chunk", None),
                        lora_modules_to_save=_names(row, "lora_modules_to_save"),
-                       trainable_tokens=_tokens(row), fused=_flag(row, "fused"), **_lora(row))
+                       trainable_tokens=_tokens(row), fused=_flag(row, "fused"), routing=_routing(row),
+                       **_lora(row))
     ds_config = row.get("ds_config")
     deepspeed = (DeepSpeedSetup(ds_config, int(row["world_size"])) if isinstance(ds_config, str) and ds_config
                  else None)
@@ -67,7 +68,7 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
     fsdp = FsdpSetup.from_json(fsdp_config) if isinstance(fsdp_config, str) and fsdp_config else None
     schedule = row.get("schedule")
     layout = Layout(Strategy(row["strategy"]), int(row["world_size"]), deepspeed, fsdp=fsdp, tp=_int(row, "tp", 1),
-                    pp=_int(row, "pp", 1), n_microbatches=_int(row, "n_microbatches", 1),
+                    ep=_int(row, "ep", 1), pp=_int(row, "pp", 1), n_microbatches=_int(row, "n_microbatches", 1),
                     schedule=Schedule(schedule) if isinstance(schedule, str) and schedule else Schedule.GPIPE,
                     pp_split=_split(row))
     return spec, setup, layout
@@ -138,8 +139,25 @@ def _validate_rows(measurements: pd.DataFrame) -> pd.DataFrame:
                         "measured_bytes": measured, "predicted_bytes": predicted, "rel_error": error,
                         "measured_host_bytes": measured_host, "predicted_host_bytes": predicted_host,
                         "host_rel_error": host_error, "tolerance": tolerance,
-                        "ok": abs(error) <= tolerance and abs(host_error) <= tolerance and device_ok})
+                        "ok": _within(row, error, tolerance) and abs(host_error) <= tolerance and device_ok})
     return pd.DataFrame(results)
+
+
+def _routing(row: pd.Series) -> str:
+    """The routing an expert-parallel row is predicted under: a forced balanced routing as stated, a collapsed one or
+    the router's own against the worst routing (`routing_check` says whether the rank must equal it or stay under)."""
+    routing = row.get("routing")
+    if not isinstance(routing, str) or routing in ("", "balanced"):
+        return "balanced"
+    return "collapsed"
+
+
+def _within(row: pd.Series, error: float, tolerance: float) -> bool:
+    """Within tolerance; for a bound row (`routing_check` bound: a rank under the router's own routing, or one that
+    the collapsed routing leaves without tokens), at or under the predicted bound."""
+    if row.get("routing_check") == "bound":
+        return error >= 0
+    return abs(error) <= tolerance
 
 
 def _strategy_name(layout: Layout) -> str:

@@ -21,10 +21,14 @@ Two facts of torch 2.13 shape the trace:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+from unittest import mock
 
 import torch
+
+from llmsim.enums import ROUTINGS
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -135,3 +139,77 @@ def lead_and_period(signatures: list) -> tuple[int, int]:
                 best = (lead, period)
                 break
     return best
+
+
+# ---- expert parallelism -------------------------------------------------------------------------------------
+# How a rank's experts get their tokens in training (transformers/distributed/expert_parallel.py, AllToAllEP, what
+# AutoEP picks when gradients flow): the ranks of the TP group share the batch, each keeps its Shard(0) slice of
+# the rows, sends every (token, slot) pair to the rank owning the chosen expert with an all-to-all and gets the
+# outputs back with a second one. The split sizes are read back to the host (`.tolist()`): they are the routing's,
+# which a fake tensor does not know. Only their sums allocate -- the received rows, which the rank's experts run
+# on, and the send buffer, which is the rank's own slice times top-k whatever the routing -- so a stated routing
+# is enough for the trace:
+# (llmsim.enums.ROUTINGS)
+# - "balanced": each rank's pairs split evenly over the EP ranks (what a load-balanced router approaches);
+# - "collapsed": every token's pairs that one rank can take (min(top-k, local experts) of them) sent to the traced
+#   rank: the most rows a rank's experts can receive, so its peak is the bound of any routing (measured:
+#   experiments/moe_ep_routing.py). Every rank can be the one, so the bound holds for each.
+
+
+def _slice_rows(num_tokens: int, tp: int) -> list[int]:
+    """The rows each TP rank keeps of a Replicate -> Shard(0) redistribute: torch.chunk's split."""
+    chunk = -(-num_tokens // tp)
+    return [max(0, min(chunk, num_tokens - rank * chunk)) for rank in range(tp)]
+
+
+def _even(total: int, parts: int) -> list[int]:
+    return [total // parts + (index < total % parts) for index in range(parts)]
+
+
+def split_sizes(routing: str, num_tokens: int, top_k: int, local_experts: int, ep: int, rank: int) -> list[list[int]]:
+    """[send_sizes, recv_sizes] of EP rank `rank` (ep == tp: EP rank i holds TP slice i), as AllToAllEP reads them
+    back: send_sizes[d] pairs to rank d, recv_sizes[s] from rank s."""
+    rows = _slice_rows(num_tokens, ep)
+    if routing == "balanced":
+        sent = [_even(rows[source] * top_k, ep) for source in range(ep)]
+    elif routing == "collapsed":
+        here = min(top_k, local_experts)
+        sent = []
+        for source in range(ep):
+            rest = _even(rows[source] * (top_k - here), ep - 1) if ep > 1 else []
+            rest.insert(rank, rows[source] * here)
+            sent.append(rest)
+    else:
+        raise ValueError(f"routing {routing!r}: one of {', '.join(ROUTINGS)}")
+    return [sent[rank], [sent[source][rank] for source in range(ep)]]
+
+
+@contextlib.contextmanager
+def stated_routing(routing: str):
+    """Under FakeTensorMode: AllToAllEP's split sizes answered for `routing` (split_sizes), where a real run reads
+    them from the routed counts; every tensor op of the dispatch is transformers' own."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers.distributed.expert_parallel import AllToAllEP
+
+    dispatch = AllToAllEP._dispatch_tokens
+    answers: list[list[list[int]]] = []
+
+    def dispatch_tokens(self, hidden_states, top_k_index, top_k_weights):
+        ep = self.ep_mesh.size()
+        answers.append(split_sizes(routing, hidden_states.size(0), top_k_index.size(-1), self.num_local_experts,
+                                   ep, self.ep_mesh.get_local_rank()))
+        try:
+            return dispatch(self, hidden_states, top_k_index, top_k_weights)
+        finally:
+            answers.pop()
+
+    tolist = FakeTensor.tolist
+
+    def answered_tolist(tensor):
+        if answers and tuple(tensor.shape) == (2, len(answers[-1][0])):  # torch.stack([send, recv]).tolist()
+            return answers[-1]
+        return tolist(tensor)
+
+    with mock.patch.object(AllToAllEP, "_dispatch_tokens", dispatch_tokens), \
+            mock.patch.object(FakeTensor, "tolist", answered_tolist):
+        yield

@@ -56,16 +56,38 @@ def check_tensor_parallel(config, tp: int) -> None:
                              f"{', '.join(str(d) for d in _common_divisors(sizes.values()))}")
 
 
+def check_expert_parallel(config, tp: int, ep: int) -> None:
+    """Expert parallelism as transformers applies it here: over the TP group (`DistributedConfig(tp_size=N,
+    ep_size=N)`; with no FSDP, transformers needs ep to be a multiple of tp that divides tp), on a model with an
+    EP plan whose routed experts divide by ep."""
+    if ep == 1:
+        return
+    from llmsim.inputs.spec import num_experts
+
+    if ep != tp:
+        raise InputError(f"ep({ep}) must equal tp({tp}): transformers shards the experts over the TP group "
+                         "(DistributedConfig ep_size a multiple of tp_size dividing fsdp_size x tp_size, and "
+                         "fsdp_size is 1 here)")
+    experts = num_experts(config)
+    if not experts or not getattr(config, "base_model_ep_plan", None):
+        raise InputError(f"model type {config.model_type!r} has no expert-parallel plan in transformers "
+                         "(base_model_ep_plan: mixture-of-experts models only); ep must be 1")
+    if experts % ep:
+        raise InputError(f"ep({ep}) must divide the {experts} routed experts; valid ep degrees: "
+                         f"{', '.join(str(d) for d in range(2, experts + 1) if experts % d == 0)}")
+
+
 def _common_divisors(sizes) -> list[int]:
     sizes = [s for s in sizes if isinstance(s, int)]
     return [d for d in range(1, min(sizes) + 1) if all(s % d == 0 for s in sizes)][:12]
 
 
 def build_parallel(build_on_meta: Callable[[], nn.Module], name: str, mesh=None,
-                   cut: Callable[[nn.Module], None] | None = None) -> nn.Module:
+                   cut: Callable[[nn.Module], None] | None = None, ep: int = 1) -> nn.Module:
     """The canonical build of one rank (module docstring): on the meta device, cut to a pipeline stage
-    (`cut`), transformers' TP plan over `mesh` (when given), then this rank's shards only, initialised."""
-    model = parallel_on_meta(build_on_meta, name, mesh, cut)
+    (`cut`), transformers' TP plan over `mesh` (when given) and with `ep` > 1 its expert-parallel plan, then this
+    rank's shards only, initialised."""
+    model = parallel_on_meta(build_on_meta, name, mesh, cut, ep)
     for module in model.modules():
         for key, param in module._parameters.items():
             if param is not None:
@@ -81,11 +103,16 @@ def build_parallel(build_on_meta: Callable[[], nn.Module], name: str, mesh=None,
 
 
 def parallel_on_meta(build_on_meta: Callable[[], nn.Module], name: str, mesh=None,
-                     cut: Callable[[nn.Module], None] | None = None) -> nn.Module:
+                     cut: Callable[[nn.Module], None] | None = None, ep: int = 1) -> nn.Module:
     """The canonical build of one rank up to its allocation: the model on the meta device, cut to a pipeline
     stage (`cut`), transformers' TP plan applied over `mesh` (when given; parameters become DTensors whose local
-    tensors are this rank's shards). No memory: llmsim/sim/bound.py reads the shards' shapes from it."""
+    tensors are this rank's shards), and with `ep` > 1 (= the TP degree) its expert-parallel plan, as
+    `maybe_distribute_model` applies them (transformers/distributed/mixin.py): TP on the dense modules, then each
+    rank whole experts (`grouped_gemm`: Shard(0) of the stacked expert weights), reached by all-to-all
+    (`ep_dispatch_experts`, AutoEP: AllToAllEP in training). No memory: llmsim/sim/bound.py reads the shards'
+    shapes from it."""
     from transformers.distributed import DistributedConfig
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     with torch.device("meta"):
@@ -94,10 +121,13 @@ def parallel_on_meta(build_on_meta: Callable[[], nn.Module], name: str, mesh=Non
         cut(model)
     if mesh is not None:  # check_tensor_parallel has made sure the model has a plan
         try:
-            plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=mesh.size()))
+            config = DistributedConfig(tp_size=mesh.size(), ep_size=ep)
+            plan, ep_plan, _ = model._resolve_parallel_plans(config)
             modules = dict(model.named_modules())  # a pipeline stage has no LM head to shard: it was cut away
             plan = {key: style for key, style in plan.items() if not isinstance(modules.get(key), nn.Identity)}
             apply_tensor_parallelism(model, mesh, plan)
+            if ep > 1:  # the EP group is the TP group (ep_size == tp_size): one mesh of the same ranks
+                apply_expert_parallelism(model, mesh, mesh, ep_plan, ep_implementation=config.ep_implementation)
         except (KeyError, ValueError) as exc:  # e.g. a tied LM head, which the plan names but the model shares
             raise InputError(f"transformers cannot apply its TP plan to {name}: {one_line(exc)}") from exc
     return model

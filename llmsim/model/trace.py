@@ -91,7 +91,7 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
             build_parallel, build, spec.name, mesh["tp"] if setup.tp > 1 else None,
             functools.partial(cut, stage=setup.pp_stage, num_stages=setup.pp, keep=num_layers,
                               split=setup.pp_split) if setup.pp > 1
-            else None)
+            else None, setup.ep)
     return build
 
 
@@ -295,6 +295,8 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
             stack.enter_context(WaitReturnsInput())
         if setup.quant is not None:
             stack.enter_context(fake_loading())
+        if setup.ep > 1:  # the all-to-all's split sizes, which the routing decides (llmsim/model/moe.py)
+            stack.enter_context(moe.stated_routing(setup.routing))
         from torch.distributed.pipelining import schedules
         from torch.distributed.pipelining.schedules import _PipelineSchedule
 

@@ -11,6 +11,7 @@ event belongs to, which is what lets the timeline stage replicate one traced lay
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import Iterable
@@ -45,15 +46,21 @@ class _Live:
     module: str
 
 
-def _storages(tensor: torch.Tensor) -> Iterable[torch.UntypedStorage]:
+def _locals(tensor: torch.Tensor) -> Iterable[torch.Tensor]:
+    """The plain tensors a wrapper subclass (DTensor: its local shard) is made of; the tensor itself otherwise."""
     if is_traceable_wrapper_subclass(tensor):
         inner_names, _ = tensor.__tensor_flatten__()
         for name in inner_names:
             inner = getattr(tensor, name)
             if isinstance(inner, torch.Tensor):  # DTensor also names its device mesh
-                yield from _storages(inner)
+                yield from _locals(inner)
     else:
-        yield tensor.untyped_storage()
+        yield tensor
+
+
+def _storages(tensor: torch.Tensor) -> Iterable[torch.UntypedStorage]:
+    for local in _locals(tensor):
+        yield local.untyped_storage()
 
 
 class StorageTracker(TorchDispatchMode):
@@ -83,6 +90,9 @@ class StorageTracker(TorchDispatchMode):
         self.frees_by_owner = True
         self._saved_resize = None
         self._tied_rows: dict[int, str] = {}  # row -> the parameter a TIED row's alias is
+        self._loading = False  # inside `loading_checkpoint`
+        self._copied: set[int] = set()  # serials counted by `adopt_loaded` at their tensors' bytes
+        self._excluded: list[torch.UntypedStorage] = []  # the instrument's own tensors (`exclude`)
 
     # ---- the context ---------------------------------------------------------------------------------
     def set_phase(self, step: int, phase: Phase) -> None:
@@ -130,6 +140,42 @@ class StorageTracker(TorchDispatchMode):
                 if storage._cdata not in self._live:
                     self._allocate(storage, storage._cdata, storage.nbytes(), self.block, self.module)
 
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never count these tensors' storages: the measurement's own inputs made before the run (a forced routing
+        handed to the experts in place of the router's), not the job's memory."""
+        for tensor in tensors:
+            self._excluded.extend(_storages(tensor))
+
+    @contextlib.contextmanager
+    def loading_checkpoint(self):
+        """Around `from_pretrained`: a view of a storage this tracker has not seen is memory the run did not
+        allocate -- on the CPU, the safetensors file mapping that a loaded tensor (or its TP shard, a slice of it)
+        still points into -- and is not counted there; `adopt_loaded` counts what the device holds of it."""
+        self._loading = True
+        try:
+            yield
+        finally:
+            self._loading = False
+
+    def adopt_loaded(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count the loaded tensors that still point into the checkpoint's file mapping as what a GPU holds of
+        them: the copy `tensor.to(device)` makes in transformers' loader (core_model_loading, sharding_utils
+        `shard_tensor`: `source[slices].to(device=device, dtype=dtype)`), the tensor's own bytes -- for a TP
+        shard, the shard, not the whole checkpoint tensor it slices. Such a storage is not resized later by
+        what its size says (it is the file's)."""
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                continue
+            for local in _locals(tensor):
+                storage, nbytes = local.untyped_storage(), local.numel() * local.element_size()
+                live = self._live.get(storage._cdata)
+                if live is None:
+                    self._allocate(storage, storage._cdata, nbytes, self.block, self.module)
+                    self._copied.add(self._live[storage._cdata].serial)
+                elif live.serial in self._copied:  # a second tensor in the same file storage: its own copy too
+                    self._rows.append((self.step, self.phase, self.block, self.module, live.serial, nbytes))
+                    live.nbytes += nbytes
+
     def mark_grad_ready(self, name: str) -> None:
         """A zero-byte row at the moment autograd has accumulated `name`'s gradient: where DeepSpeed's
         and DDP's gradient hooks (`register_post_accumulate_grad_hook`) run."""
@@ -153,6 +199,8 @@ class StorageTracker(TorchDispatchMode):
                 self._op_blocks(args)  # as for any op there: its tensor's layer becomes the current one
             return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         out = func(*args, **(kwargs or {}))
+        if self._loading and func.is_view:  # a view of what exists already: no allocation (`loading_checkpoint`)
+            return out
         op_blocks = self._op_blocks(args) if self.phase in (Phase.BUILD, Phase.OPTIMIZER) else None
         if not isinstance(op_blocks, list) and self.phase in (Phase.BUILD, Phase.OPTIMIZER):
             op_blocks = self._mixed_list_blocks(args, out) or op_blocks
@@ -206,11 +254,13 @@ class StorageTracker(TorchDispatchMode):
             return  # FakeTensor reports its fake device here, so fake runs are still counted
         for storage in _storages(tensor):
             key = storage._cdata
+            if self._excluded and any(key == excluded._cdata for excluded in self._excluded):
+                continue
             nbytes = storage.nbytes()
             live = self._live.get(key)
             if live is None:
                 self._allocate(storage, key, nbytes, block, name)
-            elif live.nbytes != nbytes:
+            elif live.nbytes != nbytes and live.serial not in self._copied:
                 self._resize(live, nbytes)
 
     def _allocate(self, storage, key: int, nbytes: int, block: int, name: str) -> None:
@@ -250,7 +300,7 @@ class StorageTracker(TorchDispatchMode):
         def resize_(storage, size):
             result = original(storage, size)
             live = tracker._live.get(storage._cdata)
-            if live is not None and live.nbytes != storage.nbytes():
+            if live is not None and live.nbytes != storage.nbytes() and live.serial not in tracker._copied:
                 tracker._resize(live, storage.nbytes())
             return result
 

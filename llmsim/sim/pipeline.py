@@ -12,7 +12,7 @@ from llmsim.inputs.spec import ModelSpec, TrainSetup, check_fits_positions, reso
 from llmsim.model.losses import check_loss
 from llmsim.model.pipelining import check_pipeline
 from llmsim.model.quantized import check_quantized
-from llmsim.model.tensor_parallel import check_tensor_parallel
+from llmsim.model.tensor_parallel import check_expert_parallel, check_tensor_parallel
 from llmsim.sim.allocator import AllocatorConfig
 from llmsim.sim.prediction import Prediction, RankPrediction
 from llmsim.sim.processes import collector_paused
@@ -49,7 +49,11 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             timeline, graph = expanded(model, setup)
             rank_timelines = plan(timeline, layout, setup)
         ranks = replay_ranks(rank_timelines, gpu, alloc_conf, jobs)  # peak, reserved and device total per rank
-        return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf)
+        bound = None
+        if setup.ep > 1 and setup.routing != "collapsed":  # the routing's worst case beside the stated one
+            worst = replace(setup, routing="collapsed")
+            bound = replay_ranks(plan(expanded(model, worst)[0], layout, worst), gpu, alloc_conf, jobs)
+        return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf, routing_bound=bound)
 
 
 def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile | None = None) -> TrainSetup:
@@ -66,7 +70,8 @@ def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile
     setup = traced_setup(setup, layout)
     if layout.tp > 1:
         check_tensor_parallel(model.hf_config(), layout.tp)
-        setup = replace(setup, tp=layout.tp)
+        check_expert_parallel(model.hf_config(), layout.tp, layout.ep)
+        setup = replace(setup, tp=layout.tp, ep=layout.ep)
     check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
                    setup.precision)
     check_fits_positions(model, setup)

@@ -71,6 +71,9 @@ class Prediction:
     graph_of: Callable[[], nx.DiGraph] = field(repr=False)  # the layer graph, built when first asked for
     gpu: GpuProfile | None = None
     alloc_conf: AllocatorConfig = AllocatorConfig()
+    # With expert parallelism under a stated balanced routing: every rank as the worst routing leaves it (every
+    # token's top-k onto its experts; llmsim/model/moe.py, `split_sizes`), the bound of any routing
+    routing_bound: list[RankPrediction] | None = None
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -111,7 +114,10 @@ class Prediction:
 
     def to_dict(self, gpus_per_node: int = 8) -> dict:
         return {"model": self.model.name, "strategy": self.layout.strategy.value,
-                "world_size": self.layout.world_size, "tp": self.layout.tp, "pp": self.layout.pp,
+                "world_size": self.layout.world_size, "tp": self.layout.tp, "ep": self.layout.ep,
+                "routing": self.setup.routing if self.layout.ep > 1 else None,
+                "routing_bound": [r.to_dict() for r in self.routing_bound] if self.routing_bound else None,
+                "pp": self.layout.pp,
                 "schedule": self.layout.schedule.value if self.layout.pp > 1 else None,
                 "n_microbatches": self.layout.n_microbatches,
                 "pp_split": list(self.layout.pp_split) if self.layout.pp_split else None,

@@ -37,13 +37,14 @@ class Layout:
     deepspeed: DeepSpeedSetup | None = None
     fsdp: FsdpSetup | None = None
     tp: int = 1
+    ep: int = 1  # expert parallelism over the TP group (ep == tp; llmsim/model/moe.py)
     pp: int = 1
     schedule: Schedule = Schedule.GPIPE
     n_microbatches: int = 1  # micro-batches through the pipeline per step (pp > 1)
     pp_split: tuple[int, ...] | None = None  # layers per stage (pp > 1); None: transformers' balanced split
 
     def __post_init__(self) -> None:
-        for name, flag in (("tp", "tp"), ("pp", "pp"), ("n_microbatches", "microbatches"),
+        for name, flag in (("tp", "tp"), ("ep", "ep"), ("pp", "pp"), ("n_microbatches", "microbatches"),
                            ("world_size", "world-size")):
             if getattr(self, name) < 1:
                 raise InputError(f"{flag}({getattr(self, name)}) must be >= 1")
@@ -59,6 +60,9 @@ class Layout:
                                           (self.strategy is Strategy.DDP and self.pp > 1 and self.tp == 1)):
             raise InputError(f"pp({self.pp}) x tp({self.tp}) with strategy {self.strategy.value} is not modelled "
                              "yet; modelled: tp and pp with single (dp = 1), and pp with ddp (tp = 1)")
+        if self.ep > 1 and (self.ep != self.tp or self.pp > 1):
+            raise InputError(f"ep({self.ep}) shards the experts over the TP group: it needs tp({self.tp}) = ep and "
+                             f"no pipeline (pp({self.pp}) = 1)")
         if (self.strategy is Strategy.DEEPSPEED) != (self.deepspeed is not None):
             raise InputError("strategy deepspeed needs a DeepSpeed config (--ds-config), and only it takes one")
         if (self.strategy is Strategy.FSDP) != (self.fsdp is not None):

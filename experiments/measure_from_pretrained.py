@@ -1,0 +1,114 @@
+"""Tensor and expert parallelism as users run them: `from_pretrained(tp_plan="auto")`, and for MoE models
+`from_pretrained(distributed_config=DistributedConfig(tp_size=2, ep_size=2))`, then a plain AdamW loop
+(llmsim/model/from_pretrained_recipe.py, `llmsim measure --recipe from-pretrained`), on 2 ranks (torchrun, gloo,
+each wait settled as NCCL releases at the wait, the exact tracker in every rank from before from_pretrained).
+
+- data/measurements/tier2_tp_from_pretrained_cpu.csv: dense models at TP 2 (Llama-2, Llama-3.1, Mistral, Qwen2.5),
+  fp32 and bf16 loads, against `llmsim predict --tp 2` (whose build is transformers' own TP plan on the meta
+  device, then init_weights: tensor_parallel.py).
+- data/measurements/tier2_moe_ep_cpu.csv: MoE models at TP 2 x EP 2 (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE,
+  DeepSeek-V2, gpt-oss), each with the routing forced balanced (against the balanced prediction), collapsed onto
+  experts 0..k-1 (EP rank 0's: rank 0 against the worst-routing prediction, rank 1 under it) and the router's own
+  (every rank at or under the worst-routing bound). `routing_check` in each row says which.
+- HELDOUT (`--heldout`, data/measurements/tier2_from_pretrained_heldout_cpu.csv): shapes and families none of the
+  runs above has, each predicted (printed first) with llmsim's code fixed, then measured.
+
+Run: python experiments/measure_from_pretrained.py [--heldout] > experiments/measure_from_pretrained[_heldout].out
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+MEASUREMENTS = Path(__file__).resolve().parent.parent / "data" / "measurements"
+TP_OUT, EP_OUT = MEASUREMENTS / "tier2_tp_from_pretrained_cpu.csv", MEASUREMENTS / "tier2_moe_ep_cpu.csv"
+HELDOUT_OUT = MEASUREMENTS / "tier2_from_pretrained_heldout_cpu.csv"
+DENSE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": False}
+MOE_SHAPES = {"mixtral-8x7b": (128, 4, 1000, 8), "qwen3-30b-a3b": (128, 4, 1000, 16),
+              "olmoe-1b-7b": (96, 4, 1200, 4), "qwen2-57b-a14b": (112, 4, 900, 28),
+              "deepseek-v2-lite": (128, 3, 1000, 4), "gpt-oss-20b": (128, 4, 1000, 8),
+              "deepseek-v3": (128, 5, 1000, 4), "qwen3-235b-a22b": (128, 5, 800, 16)}
+# (model, overrides or MoE shape key, micro-batch, seq, precision flags, routing or None for a dense run)
+TP_RUNS = [
+    ("llama-2-7b", {**DENSE, "num_key_value_heads": 4}, 2, 64, []),
+    ("llama-3.1-8b", DENSE, 2, 128, ["--precision", "bf16", "--build-dtype", "bf16"]),
+    ("mistral-7b", DENSE, 4, 64, []),
+    ("qwen2.5-7b", {**DENSE, "num_attention_heads": 8, "num_key_value_heads": 4}, 2, 64, []),
+    ("qwen2.5-0.5b", {**DENSE, "num_attention_heads": 8, "num_key_value_heads": 4}, 2, 96,
+     ["--precision", "bf16", "--build-dtype", "bf16"]),
+    ("llama-2-13b", {**DENSE, "num_hidden_layers": 4, "num_key_value_heads": 4}, 3, 80, []),
+]
+EP_RUNS = [(model, routing, precision)
+           for model in ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "qwen2-57b-a14b", "deepseek-v2-lite",
+                         "gpt-oss-20b")
+           for routing, precision in (("balanced", "fp32"), ("collapsed", "fp32"), ("router", "fp32"),
+                                      ("balanced", "bf16"))]
+EP_BATCH = (4, 128)  # micro-batch, seq: 512 tokens, 1024 (token, slot) pairs, 128 per expert when balanced
+HELDOUT_TP = [("llama-3.1-70b", {**DENSE, "num_hidden_layers": 5, "hidden_size": 192, "num_attention_heads": 6,
+                                "num_key_value_heads": 2, "intermediate_size": 320}, 3, 80, [])]
+HELDOUT_EP = [("deepseek-v3", "balanced", "bf16"), ("qwen3-235b-a22b", "collapsed", "fp32"),
+              ("mixtral-8x7b", "router", "bf16")]
+
+
+def _command(verb: str, model: str, overrides: dict, micro_batch: int, seq_len: int, flags: list[str]) -> list[str]:
+    command = [sys.executable, "-m", "llmsim.app.cli", verb, "--model", model, "--micro-batch", str(micro_batch),
+               "--seq-len", str(seq_len), "--tp", "2", *flags]
+    for key, value in overrides.items():
+        command += ["--set", f"{key}={json.dumps(value)}"]
+    return command
+
+
+def _ep(model: str, routing: str, precision: str) -> tuple[list, list[str]]:
+    from llmsim.inputs.zoo import shrink
+
+    flags = ["--ep", "2"] + (["--precision", "bf16", "--build-dtype", "bf16"] if precision == "bf16" else [])
+    return [model, shrink(model, *MOE_SHAPES[model]), *EP_BATCH], flags + ["--routing", routing]
+
+
+def predicted(args: list, flags: list[str]) -> str:
+    """llmsim's prediction per rank (and the worst routing's bound), before the run is measured."""
+    flags = [f if f != "router" else "balanced" for f in flags]
+    done = subprocess.run(_command("predict", *args, flags) + ["--format", "json"], capture_output=True, text=True)
+    if done.returncode:
+        return "refused: " + done.stderr.strip()[-300:]
+    result = json.loads(done.stdout)
+    text = "predicted " + " | ".join(f"rank {r['rank']}: {r['peak_allocated_bytes']:,} B" for r in result["ranks"])
+    if result.get("routing_bound"):
+        text += " | worst routing " + " | ".join(f"{r['peak_allocated_bytes']:,} B" for r in result["routing_bound"])
+    return text
+
+
+def measure(args: list, flags: list[str], out: Path) -> int:
+    done = subprocess.run(_command("measure", *args, flags) + ["--recipe", "from-pretrained", "--out", str(out)],
+                          capture_output=True, text=True)
+    last = " | ".join((done.stdout.strip().splitlines() or [done.stderr.strip()[-300:]])[-2:])
+    print(f"{args[0]:16} {args[2]}x{args[3]} {' '.join(flags):52} -> {last}", flush=True)
+    return done.returncode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--heldout", action="store_true", help="the HELDOUT runs, each predicted first")
+    parser.add_argument("--only", choices=["tp", "ep"], default=None)
+    options = parser.parse_args()
+    tp_runs, ep_runs = (HELDOUT_TP, HELDOUT_EP) if options.heldout else (TP_RUNS, EP_RUNS)
+    failures = 0
+    for model, overrides, micro_batch, seq_len, flags in tp_runs if options.only != "ep" else []:
+        case = [model, overrides, micro_batch, seq_len]
+        if options.heldout:
+            print(f"{model:16} {predicted(case, flags)}", flush=True)
+        failures += measure(case, flags, HELDOUT_OUT if options.heldout else TP_OUT) != 0
+    for model, routing, precision in ep_runs if options.only != "tp" else []:
+        case, flags = _ep(model, routing, precision)
+        if options.heldout:
+            print(f"{model:16} {routing:9} {precision} {predicted(case, flags)}", flush=True)
+        failures += measure(case, flags, HELDOUT_OUT if options.heldout else EP_OUT) != 0
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
