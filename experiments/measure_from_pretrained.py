@@ -30,17 +30,17 @@ DENSE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "
          "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": False}
 MOE_SHAPES = {"mixtral-8x7b": (128, 4, 1000, 8), "qwen3-30b-a3b": (128, 4, 1000, 16),
               "olmoe-1b-7b": (96, 4, 1200, 4), "qwen2-57b-a14b": (112, 4, 900, 28),
-              "deepseek-v2-lite": (128, 3, 1000, 4), "gpt-oss-20b": (128, 4, 1000, 8),
+              "deepseek-v2-lite": (128, 3, 1000, 4), "gpt-oss-20b": (128, 4, 1000, 16),
               "deepseek-v3": (128, 5, 1000, 4), "qwen3-235b-a22b": (128, 5, 800, 16)}
 # (model, overrides or MoE shape key, micro-batch, seq, precision flags, routing or None for a dense run)
 TP_RUNS = [
-    ("llama-2-7b", {**DENSE, "num_key_value_heads": 4}, 2, 64, []),
-    ("llama-3.1-8b", DENSE, 2, 128, ["--precision", "bf16", "--build-dtype", "bf16"]),
-    ("mistral-7b", DENSE, 4, 64, []),
-    ("qwen2.5-7b", {**DENSE, "num_attention_heads": 8, "num_key_value_heads": 4}, 2, 64, []),
+    ("llama-2-7b", {**DENSE, "num_key_value_heads": 4}, 2, 64, ["--dtype", "float32"]),
+    ("llama-3.1-8b", DENSE, 2, 128, ["--dtype", "bfloat16"]),
+    ("mistral-7b", DENSE, 4, 64, ["--dtype", "float32"]),
+    ("qwen2.5-7b", {**DENSE, "num_attention_heads": 8, "num_key_value_heads": 4}, 2, 64, ["--dtype", "float32"]),
     ("qwen2.5-0.5b", {**DENSE, "num_attention_heads": 8, "num_key_value_heads": 4}, 2, 96,
-     ["--precision", "bf16", "--build-dtype", "bf16"]),
-    ("llama-2-13b", {**DENSE, "num_hidden_layers": 4, "num_key_value_heads": 4}, 3, 80, []),
+     ["--dtype", "bfloat16"]),
+    ("llama-2-13b", {**DENSE, "num_hidden_layers": 4, "num_key_value_heads": 4}, 3, 80, ["--dtype", "float32"]),
 ]
 EP_RUNS = [(model, routing, precision)
            for model in ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "qwen2-57b-a14b", "deepseek-v2-lite",
@@ -49,7 +49,7 @@ EP_RUNS = [(model, routing, precision)
                                       ("balanced", "bf16"))]
 EP_BATCH = (4, 128)  # micro-batch, seq: 512 tokens, 1024 (token, slot) pairs, 128 per expert when balanced
 HELDOUT_TP = [("llama-3.1-70b", {**DENSE, "num_hidden_layers": 5, "hidden_size": 192, "num_attention_heads": 6,
-                                "num_key_value_heads": 2, "intermediate_size": 320}, 3, 80, [])]
+                                "num_key_value_heads": 2, "intermediate_size": 320}, 3, 80, ["--dtype", "bfloat16"])]
 HELDOUT_EP = [("deepseek-v3", "balanced", "bf16"), ("qwen3-235b-a22b", "collapsed", "fp32"),
               ("mixtral-8x7b", "router", "bf16")]
 
@@ -65,7 +65,7 @@ def _command(verb: str, model: str, overrides: dict, micro_batch: int, seq_len: 
 def _ep(model: str, routing: str, precision: str) -> tuple[list, list[str]]:
     from llmsim.inputs.zoo import shrink
 
-    flags = ["--ep", "2"] + (["--precision", "bf16", "--build-dtype", "bf16"] if precision == "bf16" else [])
+    flags = ["--ep", "2", "--dtype", "bfloat16" if precision == "bf16" else "float32"]
     return [model, shrink(model, *MOE_SHAPES[model]), *EP_BATCH], flags + ["--routing", routing]
 
 

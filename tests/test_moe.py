@@ -1,4 +1,8 @@
-"""Mixture-of-experts models: the experts kernels under fake tensors, and the layer structure the trace keeps."""
+"""Mixture-of-experts models: the experts kernels under fake tensors, the layer structure the trace keeps, and expert
+parallelism (transformers' AllToAllEP) under a stated routing."""
+import json
+from dataclasses import replace
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -10,6 +14,11 @@ from llmsim.inputs.zoo import shrink
 from llmsim.measure.runs import measure_single
 from llmsim.model import moe
 from llmsim.model.trace import layer_structure
+from llmsim.sim.pipeline import predict
+
+# What a CPU run of from_pretrained(distributed_config=...) holds beyond the prediction: DeviceMesh's rank tensors
+# (transformers' dense and expert meshes, int32 each), host memory on a GPU
+MESH_TENSOR_BYTES = 16
 
 # (mat_a shape, mat_b shape as stored, transpose mat_b's last two dims, offsets): the three layouts transformers'
 # experts and their backward call (2-D x 3-D forward, 2-D x 3-D for the input gradient, 2-D x 2-D for the weight
@@ -109,7 +118,9 @@ FLAG_SETS = [["--precision", "fp32"], ["--precision", "bf16", "--grad-ckpt"], ["
              ["--quant", "nf4", "--lora-rank", "8", "--lora-targets", "all-linear"],
              ["--strategy", "ddp", "--world-size", "2"], ["--ds-config", "examples/ds_zero2.json", "--world-size", "2"],
              ["--ds-config", "examples/ds_zero3.json", "--world-size", "2"], ["--strategy", "fsdp", "--world-size", "2"],
-             ["--tp", "2"], ["--pp", "2"], ["--gpu", "v100-16gb"], ["--gpu", "h100-80gb", "--precision", "bf16"],
+             ["--tp", "2"], ["--tp", "2", "--ep", "2"], ["--tp", "2", "--ep", "2", "--routing", "collapsed",
+                                                         "--dtype", "bfloat16", "--gpu", "h100-80gb"],
+             ["--pp", "2"], ["--gpu", "v100-16gb"], ["--gpu", "h100-80gb", "--precision", "bf16"],
              ["--training-args", "examples/training_args.yaml", "--peft-config", "examples/lora_all_linear.json"],
              ["--training-args", "examples/training_args.yaml", "--quantization-config", "examples/bnb_nf4.json",
               "--peft-config", "examples/lora_all_linear.json", "--dtype", "bfloat16"]]
@@ -169,3 +180,60 @@ def test_lora_all_linear_on_moe_is_predicted_and_offered():
     assert not peft_default_targets(spec) and peft_default_targets(load_model_spec("llama-2-7b"))
     lora = [c for c in candidates(spec, TrainSetup(2, 32), Layout()) if c.setup.lora_rank]
     assert lora and all(c.setup.lora_targets == ("all-linear",) for c in lora)
+
+
+@pytest.mark.parametrize("routing,tokens,top_k,local,ep,expected", [
+    ("balanced", 512, 2, 4, 2, [[256, 256], [256, 256]]),  # 256 rows a rank, 512 pairs: half to each rank
+    ("balanced", 7, 2, 4, 2, [[4, 4], [4, 3]]),  # uneven slices (4 and 3 rows): torch.chunk's split
+    ("collapsed", 512, 2, 4, 2, [[512, 0], [512, 512]]),  # every pair of both ranks onto rank 0's experts
+    ("collapsed", 300, 4, 2, 3, [[200, 100, 100], [200, 200, 200]]),  # top-4 over 2 local experts: 2 pairs a row
+])
+def test_split_sizes(routing, tokens, top_k, local, ep, expected):
+    """AllToAllEP's [send_sizes, recv_sizes] for traced rank 0, as llmsim/model/moe.py states them."""
+    sizes = moe.split_sizes(routing, tokens, top_k, local, ep, 0)
+    assert sizes == expected
+    assert sum(sizes[0]) == moe._slice_rows(tokens, ep)[0] * top_k  # the send buffer: the slice's pairs, always
+
+
+EP_SHAPE = shrink("mixtral-8x7b", 64, 3, 512, 4)
+
+
+def test_expert_parallel_bad_input_is_one_line(capsys):
+    from llmsim.app.cli import main
+
+    overrides = [arg for key, value in EP_SHAPE.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
+    base = ["predict", "--model", "mixtral-8x7b", *overrides, "--seq-len", "32", "--micro-batch", "1"]
+    cases = [(["--ep", "2"], "it needs tp(1) = ep"),
+             (["--tp", "2", "--ep", "4", "--world-size", "4"], "ep(4) shards the experts over the TP group"),
+             (["--tp", "2", "--routing", "collapsed"], "it needs expert parallelism"),
+             (["--tp", "2", "--ep", "2", "--routing", "lucky"], "routing 'lucky' is not one of balanced, collapsed"),
+             (["--tp", "2", "--ep", "2", "--set", "num_local_experts=7", "--set", "num_experts_per_tok=2"],
+              "ep(2) must divide the 7 routed experts; valid ep degrees: 7"),
+             (["--tp", "2", "--ep", "2", "--pp", "2", "--world-size", "4"], "no pipeline")]
+    for flags, message in cases:
+        assert main([*base, *flags]) == 2, flags
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and message in error, (flags, error)
+    dense = ["predict", "--model", "llama-2-7b", "--set", "num_hidden_layers=2", "--seq-len", "32", "--micro-batch",
+             "1", "--tp", "2", "--ep", "2"]
+    assert main(dense) == 2
+    assert "has no expert-parallel plan" in capsys.readouterr().err
+
+
+def test_expert_parallel_fresh_run_is_predicted_and_bounded():
+    """A fresh from_pretrained(distributed_config=DistributedConfig(tp_size=2, ep_size=2)) run, the routing forced
+    onto EP rank 0's experts: rank 0 is the worst-routing prediction, rank 1 (no tokens) under it, and the balanced
+    prediction below the bound (the 16 bytes: the device mesh's rank tensors, host memory on a GPU)."""
+    from llmsim.measure.runs import measure_from_pretrained
+    from llmsim.sim.strategies import Layout
+
+    spec = load_model_spec("mixtral-8x7b", EP_SHAPE)
+    layout = Layout(world_size=2, tp=2, ep=2)
+    setup = TrainSetup(2, 64, ep=2, load_dtype="float32")
+    rows = measure_from_pretrained(spec, replace(setup, routing="collapsed"), layout, "collapsed")
+    prediction = predict(spec, setup, layout)
+    bound = prediction.routing_bound[0].peak_allocated_bytes
+    assert rows[0]["peak_allocated_bytes"] - bound == MESH_TENSOR_BYTES
+    assert rows[1]["peak_allocated_bytes"] < bound
+    assert prediction.ranks[0].peak_allocated_bytes < bound
+    assert [r["routing_check"] for r in rows] == ["exact", "bound"]

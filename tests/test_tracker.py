@@ -58,3 +58,33 @@ def test_meta_tensors_hold_no_memory():
         real = torch.empty(10)
         torch.zeros_like(real, device="meta")
     assert list(tracker.timeline()["delta_bytes"]) == [40]
+
+
+def test_a_loaded_checkpoint_tensor_counts_as_the_copy_a_gpu_holds():
+    """On the CPU a TP shard that from_pretrained loads is a slice of the whole checkpoint tensor, still in the
+    safetensors mapping; on a GPU it is the `.to(device)` copy of the slice. Inside `loading_checkpoint` a view
+    of memory the run did not allocate is no allocation; `adopt_loaded` counts the shard's own bytes, and the
+    storage's size (the whole tensor's) never reads as a resize."""
+    checkpoint = torch.empty(100, 64)  # 25,600 B: "the file", made before the run
+    tracker = StorageTracker()
+    with tracker:
+        with tracker.loading_checkpoint():
+            shard = checkpoint[:50]  # rank 0's rows: a view, 12,800 B of the 25,600
+            made = torch.ones(8)  # a real allocation while loading still counts: 32 B
+        tracker.adopt_loaded([shard, made])
+        shard.view(-1)  # a later op on the shard sees the whole storage: no resize
+        (shard * 2).sum()
+    deltas = list(tracker.timeline()["delta_bytes"])
+    assert deltas[:2] == [32, 50 * 64 * 4]
+    assert 100 * 64 * 4 not in deltas  # the shard, the product and its 4-byte sum, never the whole tensor
+    assert replay(tracker.timeline()).allocated_bytes == 32 + 12_800 + 12_800 + 4
+
+
+def test_an_excluded_tensor_is_never_counted():
+    forced = torch.zeros(16, 2, dtype=torch.long)  # the measurement's own input (a forced routing)
+    tracker = StorageTracker()
+    tracker.exclude([forced])
+    with tracker:
+        forced[:8].view(-1)
+        torch.ones(4)
+    assert list(tracker.timeline()["delta_bytes"]) == [16, -16]  # the ones alone

@@ -84,8 +84,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "accumulation, bf16/fp16, optim, max_grad_norm and gradient checkpointing as the file sets them")
     p.add_argument("--peft-config", default=None, metavar="FILE", help="with --training-args: a LoraConfig as JSON "
                    "or YAML (an adapter_config.json), given to get_peft_model; target_modules \"all-linear\" too")
-    p.add_argument("--dtype", default=None, help="with --training-args: from_pretrained's dtype, auto (default: the "
-                   "config's dtype, as transformers 5 loads) | float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default=None, help="from_pretrained's dtype: auto (the config's dtype, as transformers "
+                   "5 loads) | float32 | bfloat16 | float16. With --training-args the Trainer's model (default auto); "
+                   "without, the canonical loop trains the weights as loaded, nothing cast after (default: the "
+                   "fp32 build, --build-dtype)")
     p.add_argument("--quantization-config", default=None, metavar="FILE", help="with --training-args: a "
                    "BitsAndBytesConfig as JSON or YAML, given to from_pretrained(quantization_config=...) (QLoRA: "
                    "load_in_4bit, bnb_4bit_quant_type nf4, ...); the script then calls peft's "
@@ -232,13 +234,16 @@ def inputs(args):
                              "deepspeed= or --ds-config")
         return _trainer_inputs(args)
     accelerate_ds = _apply_accelerate_config(args) if getattr(args, "accelerate_config", None) else None
-    for flag, what in (("peft_config", "--peft-config"), ("dtype", "--dtype"),
+    for flag, what in (("peft_config", "--peft-config"),
                        ("quantization_config", "--quantization-config"), ("no_kbit_prep", "--no-kbit-prep")):
         if getattr(args, flag, None):
             raise InputError(f"{what} is read with --training-args (the HF Trainer recipe); for the canonical step "
                              "use --lora-rank / --lora-targets, --quant and --precision / --build-dtype")
     spec = load_model_spec(args.model, dict(_override(t) for t in args.set))
     precision = parse_enum(Precision, args.precision, "precision") if args.precision else None
+    load_dtype = None
+    if getattr(args, "dtype", None):  # the weights as from_pretrained(dtype=...) loads them, no cast after
+        load_dtype, precision = _loaded(spec, args, precision)
     if getattr(args, "routing", "balanced") != "balanced" and getattr(args, "ep", 1) == 1:
         raise InputError(f"--routing {args.routing} states how tokens reach the experts of other ranks: it needs "
                          "expert parallelism (--ep N with --tp N)")
@@ -273,7 +278,8 @@ def inputs(args):
         ckpt_offload=args.ckpt_offload,
         device=parse_enum(Device, args.device, "device"),
         optimizer=parse_enum(Optimizer, args.optimizer, "optimizer"), foreach=args.foreach, fused=args.fused,
-        build_bf16=_build_bf16(args.build_dtype), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        build_bf16=_build_bf16(args.build_dtype) or load_dtype == "bfloat16", load_dtype=load_dtype,
+        lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=tuple(t for t in args.lora_targets.split(",") if t) if args.lora_targets else None,
         quant=args.quant, double_quant=args.double_quant, int8_threshold=args.int8_threshold,
         loss=parse_enum(Loss, args.loss, "loss"),
@@ -349,6 +355,28 @@ def _token_indices(text: str | None) -> tuple[int, ...] | None:
     except ValueError:
         raise InputError(f"trainable-tokens({text}) must be vocabulary indices separated by commas, e.g. 0,1,2") \
             from None
+
+
+# The precisions the canonical loop runs on weights loaded in each dtype (from_pretrained(dtype=...), no cast)
+LOADED_PRECISIONS = {"float32": (Precision.FP32, Precision.BF16_AUTOCAST, Precision.FP16_AUTOCAST),
+                     "bfloat16": (Precision.BF16,), "float16": (Precision.FP16,)}
+
+
+def _loaded(spec, args, precision):
+    """--dtype without --training-args: the canonical loop on the weights from_pretrained(dtype=...) loads, which it
+    then trains as they are (no model.to() cast: the rotary tables transformers keeps in fp32 stay fp32)."""
+    from llmsim.inputs.hf import resolve_load_dtype
+
+    if args.build_dtype != "fp32":
+        raise InputError("--dtype is how from_pretrained loads the weights; --build-dtype is the canonical build's: "
+                         "give one")
+    load_dtype = resolve_load_dtype(spec, args.dtype)
+    allowed = LOADED_PRECISIONS[load_dtype]
+    precision = precision or allowed[0]
+    if precision not in allowed:
+        raise InputError(f"weights loaded in {load_dtype} train as {', '.join(p.value for p in allowed)}, not "
+                         f"{precision.value} (the loop casts nothing after from_pretrained)")
+    return load_dtype, precision
 
 
 def _build_bf16(value: str) -> bool:

@@ -158,7 +158,9 @@ class TrainSetup:
     recipe: Recipe = Recipe.CANONICAL
     training_args: str | None = None  # TrainingArguments fields as the user's file gives them
     peft_config: str | None = None  # LoraConfig fields (an adapter_config.json), or None: full fine-tuning
-    load_dtype: str | None = None  # from_pretrained(dtype=...) resolved: "float32" | "bfloat16" | "float16"
+    # from_pretrained(dtype=...) resolved: "float32" | "bfloat16" | "float16". The build is then in that dtype and
+    # the canonical loop casts nothing after it (the rotary tables transformers keeps in fp32 stay so)
+    load_dtype: str | None = None
     # Trace flag (llmsim.sim.strategies.traced_setup): the HF Trainer recipe under DeepSpeed ZeRO, whose engine owns
     # the precision (it casts the model after get_peft_model; no autocast) and the step: the trace runs the
     # Trainer without `deepspeed`, `bf16` and `fp16`, casts as the engine does, and the strategy replaces the step
@@ -187,8 +189,12 @@ class TrainSetup:
         self._check_peft_extras()
         if self.build_bf16 and self.precision is not Precision.BF16:
             raise InputError(f"build-dtype bf16 needs precision bf16, got {self.precision.value}")
-        if (self.recipe is Recipe.HF_TRAINER) != (self.training_args is not None and self.load_dtype is not None):
-            raise InputError("recipe hf-trainer needs its TrainingArguments and load dtype (and only it takes them)")
+        if (self.recipe is Recipe.HF_TRAINER) != (self.training_args is not None) or \
+                (self.recipe is Recipe.HF_TRAINER and self.load_dtype is None):
+            raise InputError("recipe hf-trainer needs its TrainingArguments and load dtype (and only it takes "
+                             "TrainingArguments)")
+        if self.load_dtype is not None and self.load_dtype not in ("float32", "bfloat16", "float16"):
+            raise InputError(f"load dtype {self.load_dtype!r}: float32, bfloat16 or float16")
         if (self.quantization_config is not None or self.kbit_prep) and self.recipe is not Recipe.HF_TRAINER:
             raise InputError("a BitsAndBytesConfig file is read with --training-args (the hf-trainer recipe); for "
                              "the canonical step use --quant")

@@ -154,7 +154,7 @@ def measure_from_pretrained(spec: ModelSpec, setup: TrainSetup, layout: Layout, 
     tp_size=N))` (tp_plan "auto", what the deprecated `tp_plan="auto"` argument becomes), with `ep_size=N` where the
     setup asks for EP, then a plain AdamW loop
     (llmsim/model/from_pretrained_recipe.py: nothing of the predictor); one tier-2 row per rank. The weights load
-    in the setup's dtype (bf16 with --build-dtype bf16, else fp32) from a checkpoint in the config's dtype."""
+    in the setup's load dtype (--dtype: float32 or bfloat16) from a checkpoint in the config's dtype."""
     from llmsim.model import trainer_recipe
 
     setup = resolve_attention(spec, setup)
@@ -172,12 +172,11 @@ def measure_from_pretrained(spec: ModelSpec, setup: TrainSetup, layout: Layout, 
     if layout.tp < 2 or unsupported:
         raise InputError("the from-pretrained recipe measures TP (and EP) ranks alone: tp >= 2, with none of "
                          + ", ".join(unsupported or ["(tp is 1)"]))
-    if setup.precision not in (Precision.FP32, Precision.BF16) or (setup.precision is Precision.BF16) != \
-            setup.build_bf16:
-        raise InputError("the from-pretrained recipe loads the weights in the dtype it trains in: fp32, or bf16 "
-                         "with --build-dtype bf16")
+    if setup.load_dtype not in ("float32", "bfloat16"):
+        raise InputError("the from-pretrained recipe loads the weights in the dtype it trains in: --dtype float32 "
+                         "or bfloat16")
     distributed = {"tp_size": layout.tp, **({"ep_size": setup.ep} if setup.ep > 1 else {})}  # tp_plan "auto"
-    load_dtype = "bfloat16" if setup.build_bf16 else "float32"
+    load_dtype = setup.load_dtype
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="llmsim-from-pretrained-") as out:
         trainer_recipe.write_checkpoint(spec.config_dict, Path(out) / "model")
@@ -195,7 +194,8 @@ def measure_from_pretrained(spec: ModelSpec, setup: TrainSetup, layout: Layout, 
         if result["loaded_dtype"] != load_dtype:
             raise RuntimeError(f"from_pretrained(dtype={load_dtype}) loaded {result['loaded_dtype']}")
         peak = replay(result["timeline"])
-        rows.append({"tier": 2, "recipe": "from-pretrained", **setup_columns(spec, setup), "strategy": "single",
+        rows.append({"tier": 2, "recipe": "from-pretrained", **setup_columns(spec, setup), "load_dtype": load_dtype,
+                     "strategy": "single",
                      "world_size": layout.world_size, "tp": layout.tp, "ep": setup.ep, "pp": 1,
                      "distributed": json.dumps(distributed, sort_keys=True), "routing": (routing or "router") if setup.ep > 1 else "",
                      "routing_check": _routing_check(routing, result["rank"]) if setup.ep > 1 else "",

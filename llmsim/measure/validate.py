@@ -57,6 +57,7 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
                        loss_chunk=_int(row, "loss_chunk", None),
                        lora_modules_to_save=_names(row, "lora_modules_to_save"),
                        trainable_tokens=_tokens(row), fused=_flag(row, "fused"), routing=_routing(row),
+                       load_dtype=row["load_dtype"] if row.get("recipe") == "from-pretrained" else None,
                        **_lora(row))
     ds_config = row.get("ds_config")
     deepspeed = (DeepSpeedSetup(ds_config, int(row["world_size"])) if isinstance(ds_config, str) and ds_config

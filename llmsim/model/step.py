@@ -5,7 +5,7 @@ trace runs it on fake tensors at reduced depth (the predictor). What happens her
 
 The loop, exactly:
     model = AutoModelForCausalLM.from_config(config, attn_implementation=...)   # fp32
-    model.to(torch.bfloat16)                  # precision bf16 only
+    model.to(torch.bfloat16)                  # precision bf16 only (not with a load dtype: weights as loaded)
     model.train()                             # fine-tuning runs in train mode: dropout masks are real memory
     model.activation_checkpointing_enable(every_n_layers=n)   # --grad-ckpt only (offload=True: --ckpt-offload,
                                               # llmsim/model/offload.py: its inputs copied to host memory)
@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from llmsim.model import zero3_hooks
 from llmsim.model.offload import offloading
 from llmsim.model.losses import compute_loss, install_loss
-from llmsim.enums import Category, Device, Optimizer, Phase, Precision
+from llmsim.enums import Category, Device, Optimizer, Phase, Precision, Recipe
 from llmsim.inputs.spec import TrainSetup
 from llmsim.model.tracker import NO_BLOCK, StorageTracker
 
@@ -436,7 +436,8 @@ def _build_for_training(build: Callable[[], nn.Module], setup: TrainSetup, track
     """The opening of both canonical steps: build, hook the layers, cast (bf16/fp16 precision), train mode."""
     model = build()
     hooks = LayerHooks(tracker, model, expected_blocks)
-    if setup.precision.cast_dtype is not None and not setup.cast_after_peft:
+    as_loaded = setup.load_dtype is not None and setup.recipe is Recipe.CANONICAL  # from_pretrained's, no cast
+    if setup.precision.cast_dtype is not None and not setup.cast_after_peft and not as_loaded:
         model.to(setup.precision.cast_dtype)
         hooks.label_model()
     model.train()

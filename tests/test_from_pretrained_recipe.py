@@ -1,0 +1,53 @@
+"""Tensor parallelism as users run it: from_pretrained(distributed_config=DistributedConfig(tp_size=N)) and a plain
+AdamW loop (llmsim/model/from_pretrained_recipe.py), measured fresh against `llmsim predict --tp N`."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llmsim.app.cli import main
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.measure.runs import measure_from_pretrained
+from llmsim.sim.pipeline import predict
+from llmsim.sim.strategies import Layout
+
+HARNESS_MAY_IMPORT = {"llmsim", "llmsim.model", "llmsim.model.from_pretrained_recipe", "llmsim.model.tracker",
+                      "llmsim.enums"}
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 600}
+MESH_TENSOR_BYTES = 16  # DeviceMesh's rank tensors, which from_pretrained makes in the run: host memory on a GPU
+
+
+def test_the_recipe_imports_nothing_of_the_predictor():
+    code = ("import sys; import llmsim.model.from_pretrained_recipe; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'llmsim'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    imported = set(eval(done.stdout.strip().splitlines()[-1]))
+    assert imported <= HARNESS_MAY_IMPORT, imported - HARNESS_MAY_IMPORT
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_fresh_tp_run_is_the_prediction(dtype):
+    """The loaded shards count as the copies a GPU holds (the CPU keeps them in the safetensors mapping), and
+    every other byte of both ranks is the prediction's, the rotary tables that transformers keeps in fp32 included."""
+    spec = load_model_spec("mistral-7b", SMALL)
+    setup = TrainSetup(2, 48, load_dtype=dtype, **({"precision": "bf16", "build_bf16": True}
+                                                    if dtype == "bfloat16" else {}))
+    layout = Layout(world_size=2, tp=2)
+    rows = measure_from_pretrained(spec, setup, layout)
+    predicted = predict(spec, setup, layout).ranks
+    assert [r["peak_allocated_bytes"] - p.peak_allocated_bytes for r, p in zip(rows, predicted)] == \
+        [MESH_TENSOR_BYTES] * 2
+
+
+def test_what_the_recipe_does_not_run_is_refused_in_one_line(capsys):
+    base = ["measure", "--model", "mistral-7b", *[a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")],
+            "--seq-len", "32", "--micro-batch", "1", "--recipe", "from-pretrained", "--dry-run"]
+    for flags, message in ((["--dtype", "float32"], "tp >= 2"),
+                           (["--tp", "2", "--dtype", "float32", "--lora-rank", "8"], "LoRA"),
+                           (["--tp", "2"], "--dtype float32 or bfloat16"),
+                           (["--tp", "2", "--dtype", "bfloat16", "--precision", "bf16-autocast"], "train as bf16")):
+        assert main([*base, *flags]) == 2, flags
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and message in error, (flags, error)
