@@ -31,7 +31,7 @@ DENSE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "
 MOE_SHAPES = {"mixtral-8x7b": (128, 4, 1000, 8), "qwen3-30b-a3b": (128, 4, 1000, 16),
               "olmoe-1b-7b": (96, 4, 1200, 4), "qwen2-57b-a14b": (112, 4, 900, 28),
               "deepseek-v2-lite": (128, 3, 1000, 4), "gpt-oss-20b": (128, 4, 1000, 16),
-              "deepseek-v3": (128, 5, 1000, 4), "qwen3-235b-a22b": (128, 5, 800, 16)}
+              "deepseek-v3": (128, 5, 1000, 4), "qwen3-235b-a22b": (128, 5, 800, 32)}
 # (model, overrides or MoE shape key, micro-batch, seq, precision flags, routing or None for a dense run)
 TP_RUNS = [
     ("llama-2-7b", {**DENSE, "num_key_value_heads": 4}, 2, 64, ["--dtype", "float32"]),

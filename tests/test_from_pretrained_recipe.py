@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from llmsim.app.cli import main
+from llmsim.enums import Precision
 from llmsim.inputs.spec import TrainSetup, load_model_spec
 from llmsim.measure.runs import measure_from_pretrained
 from llmsim.sim.pipeline import predict
@@ -32,7 +33,7 @@ def test_a_fresh_tp_run_is_the_prediction(dtype):
     """The loaded shards count as the copies a GPU holds (the CPU keeps them in the safetensors mapping), and
     every other byte of both ranks is the prediction's, the rotary tables that transformers keeps in fp32 included."""
     spec = load_model_spec("mistral-7b", SMALL)
-    setup = TrainSetup(2, 48, load_dtype=dtype, **({"precision": "bf16", "build_bf16": True}
+    setup = TrainSetup(2, 48, load_dtype=dtype, **({"precision": Precision.BF16, "build_bf16": True}
                                                     if dtype == "bfloat16" else {}))
     layout = Layout(world_size=2, tp=2)
     rows = measure_from_pretrained(spec, setup, layout)

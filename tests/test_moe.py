@@ -195,7 +195,7 @@ def test_split_sizes(routing, tokens, top_k, local, ep, expected):
     assert sum(sizes[0]) == moe._slice_rows(tokens, ep)[0] * top_k  # the send buffer: the slice's pairs, always
 
 
-EP_SHAPE = shrink("mixtral-8x7b", 64, 3, 512, 4)
+EP_SHAPE = shrink("mixtral-8x7b", 64, 3, 512, 8)  # 8 heads, 2 kv-heads: TP 2 divides both
 
 
 def test_expert_parallel_bad_input_is_one_line(capsys):

@@ -89,10 +89,13 @@ def test_peft_extras_build_what_the_readme_says():
 def test_every_measured_row_is_within_tolerance():
     results = validate(load_measurements(), jobs=min(2, os.cpu_count() or 1))  # the CI machine's 2 cores
     assert len(results) >= 40
-    worst = results.loc[results["rel_error"].abs().idxmax()]
+    exact, bound = results[results["check"] == "exact"], results[results["check"] == "bound"]
+    worst = exact.loc[exact["rel_error"].abs().idxmax()]
     assert results["ok"].all(), f"worst row: {worst.to_dict()}"
     for tier, tolerance in PEAK_ALLOCATED_TOLERANCE.items():
-        assert (results[results["tier"] == tier]["rel_error"].abs() <= tolerance).all()
+        assert (exact[exact["tier"] == tier]["rel_error"].abs() <= tolerance).all()
+    # expert-parallel ranks under the router's own routing (or left without tokens): at or under the worst routing
+    assert len(bound) >= 10 and (bound["measured_bytes"] <= bound["predicted_bytes"]).all()
 
 
 FRESH = [

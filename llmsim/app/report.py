@@ -136,9 +136,17 @@ def validation_table(results: pd.DataFrame) -> str:
         error=results["rel_error"].map(lambda e: f"{100 * e:+.3f} %"))
     columns = ["tier", "model", "micro_batch", "seq_len", "precision", "attention", "grad_ckpt", "ckpt_every",
                "lora", "strategy", "world_size", "rank", "measured", "predicted", "error", "ok"]
-    worst = results["rel_error"].abs().max() if len(results) else 0.0
+    bound = results["check"] == "bound" if "check" in results else pd.Series(False, index=results.index)
+    if bound.any():  # expert-parallel ranks checked against the worst routing's bound: "predicted" is the bound
+        columns.insert(-1, "check")
+    exact = results[~bound]
+    worst = exact["rel_error"].abs().max() if len(exact) else 0.0
     summary = (f"{len(results)} rows, {int((~results['ok']).sum())} outside tolerance, "
                f"worst |error| {100 * worst:.3f} %")
+    if bound.any():
+        summary += (f" over {len(exact)} exact rows; {int(bound.sum())} bound rows (the router's own routing, or a "
+                    f"rank the forced routing leaves without tokens) at or under the worst routing's prediction, "
+                    f"{100 * results[bound]['rel_error'].min():.2f} % the closest")
     host = results[results["measured_host_bytes"] > 0] if len(results) else results
     if len(host):  # rows with offloaded activations: their host peak is checked too
         summary += (f"; host peak of {len(host)} offload rows: worst |error| "

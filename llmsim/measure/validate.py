@@ -140,6 +140,7 @@ def _validate_rows(measurements: pd.DataFrame) -> pd.DataFrame:
                         "measured_bytes": measured, "predicted_bytes": predicted, "rel_error": error,
                         "measured_host_bytes": measured_host, "predicted_host_bytes": predicted_host,
                         "host_rel_error": host_error, "tolerance": tolerance,
+                        "check": "bound" if row.get("routing_check") == "bound" else "exact",
                         "ok": _within(row, error, tolerance) and abs(host_error) <= tolerance and device_ok})
     return pd.DataFrame(results)
 

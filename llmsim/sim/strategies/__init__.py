@@ -48,6 +48,9 @@ class Layout:
                            ("world_size", "world-size")):
             if getattr(self, name) < 1:
                 raise InputError(f"{flag}({getattr(self, name)}) must be >= 1")
+        if self.ep > 1 and (self.ep != self.tp or self.pp > 1):
+            raise InputError(f"ep({self.ep}) shards the experts over the TP group: it needs tp({self.tp}) = ep and "
+                             f"no pipeline (pp({self.pp}) = 1)")
         if self.world_size % (self.tp * self.pp):
             raise InputError(f"dp x pp x tp must equal world-size: pp({self.pp}) x tp({self.tp}) does not divide "
                              f"world-size({self.world_size})")
@@ -60,9 +63,6 @@ class Layout:
                                           (self.strategy is Strategy.DDP and self.pp > 1 and self.tp == 1)):
             raise InputError(f"pp({self.pp}) x tp({self.tp}) with strategy {self.strategy.value} is not modelled "
                              "yet; modelled: tp and pp with single (dp = 1), and pp with ddp (tp = 1)")
-        if self.ep > 1 and (self.ep != self.tp or self.pp > 1):
-            raise InputError(f"ep({self.ep}) shards the experts over the TP group: it needs tp({self.tp}) = ep and "
-                             f"no pipeline (pp({self.pp}) = 1)")
         if (self.strategy is Strategy.DEEPSPEED) != (self.deepspeed is not None):
             raise InputError("strategy deepspeed needs a DeepSpeed config (--ds-config), and only it takes one")
         if (self.strategy is Strategy.FSDP) != (self.fsdp is not None):
