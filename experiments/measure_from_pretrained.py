@@ -13,7 +13,11 @@ each wait settled as NCCL releases at the wait, the exact tracker in every rank 
 - HELDOUT (`--heldout`, data/measurements/tier2_from_pretrained_heldout_cpu.csv): shapes and families none of the
   runs above has, each predicted (printed first) with llmsim's code fixed, then measured.
 
-Run: python experiments/measure_from_pretrained.py [--heldout] > experiments/measure_from_pretrained[_heldout].out
+`--unsettled` measures a dense TP run and a collapsed EP run each three times without the settle (gloo's own timing)
+beside the settled rows, and writes nothing: whether gloo's worker thread holding a collective's buffers past the
+wait moves these peaks (experiments/measure_from_pretrained_unsettled.out).
+
+Run: python experiments/measure_from_pretrained.py [--heldout | --unsettled] > experiments/measure_from_pretrained_*.out
 """
 from __future__ import annotations
 
@@ -90,11 +94,33 @@ def measure(args: list, flags: list[str], out: Path) -> int:
     return done.returncode
 
 
+def unsettled() -> int:
+    from llmsim.inputs.spec import TrainSetup, load_model_spec
+    from llmsim.inputs.zoo import shrink
+    from llmsim.measure.runs import measure_from_pretrained
+    from llmsim.sim.strategies import Layout
+
+    cases = [("mistral-7b", DENSE, TrainSetup(4, 64, load_dtype="float32"), Layout(world_size=2, tp=2), None),
+             ("mixtral-8x7b", shrink("mixtral-8x7b", *MOE_SHAPES["mixtral-8x7b"]),
+              TrainSetup(*EP_BATCH, ep=2, routing="collapsed", load_dtype="float32"),
+              Layout(world_size=2, tp=2, ep=2), "collapsed")]
+    for model, overrides, setup, layout, routing in cases:
+        spec = load_model_spec(model, overrides)
+        for settle in (True, False, False, False):
+            rows = measure_from_pretrained(spec, setup, layout, routing, gloo_settle=settle)
+            print(f"{model:14} {'settled  ' if settle else 'unsettled'} " +
+                  " | ".join(f"rank {r['rank']}: {r['peak_allocated_bytes']:,} B" for r in rows), flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--heldout", action="store_true", help="the HELDOUT runs, each predicted first")
     parser.add_argument("--only", choices=["tp", "ep"], default=None)
+    parser.add_argument("--unsettled", action="store_true", help="gloo's own timing, three repeats, nothing written")
     options = parser.parse_args()
+    if options.unsettled:
+        return unsettled()
     tp_runs, ep_runs = (HELDOUT_TP, HELDOUT_EP) if options.heldout else (TP_RUNS, EP_RUNS)
     failures = 0
     for model, overrides, micro_batch, seq_len, flags in tp_runs if options.only != "ep" else []:

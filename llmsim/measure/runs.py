@@ -149,12 +149,13 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
 
 
 def measure_from_pretrained(spec: ModelSpec, setup: TrainSetup, layout: Layout, routing: str | None = None,
-                            timeout_s: int = DEFAULT_TIMEOUT_S) -> list[dict]:
+                            timeout_s: int = DEFAULT_TIMEOUT_S, gloo_settle: bool = True) -> list[dict]:
     """Tensor (and expert) parallelism as a user runs it: `from_pretrained(distributed_config=DistributedConfig(
     tp_size=N))` (tp_plan "auto", what the deprecated `tp_plan="auto"` argument becomes), with `ep_size=N` where the
     setup asks for EP, then a plain AdamW loop
     (llmsim/model/from_pretrained_recipe.py: nothing of the predictor); one tier-2 row per rank. The weights load
-    in the setup's load dtype (--dtype: float32 or bfloat16) from a checkpoint in the config's dtype."""
+    in the setup's load dtype (--dtype: float32 or bfloat16) from a checkpoint in the config's dtype. `gloo_settle`:
+    give gloo's worker thread a moment after each wait, as NCCL releases there (False: gloo's own timing)."""
     from llmsim.model import trainer_recipe
 
     setup = resolve_attention(spec, setup)
@@ -182,7 +183,7 @@ def measure_from_pretrained(spec: ModelSpec, setup: TrainSetup, layout: Layout, 
         trainer_recipe.write_checkpoint(spec.config_dict, Path(out) / "model")
         job = {"checkpoint": str(Path(out) / "model"), "config": spec.config_dict, "load_dtype": load_dtype,
                "distributed": distributed, "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
-               "steps": setup.steps, "routing": routing}
+               "steps": setup.steps, "routing": routing, "gloo_settle": gloo_settle}
         torchrun("llmsim.model.from_pretrained_recipe", job, layout.world_size, Path(out), timeout_s)
         results = [{**json.loads((Path(out) / f"rank{rank}.json").read_text()),
                     "timeline": pd.read_pickle(Path(out) / f"rank{rank}.timeline.pkl")}
@@ -200,7 +201,7 @@ def measure_from_pretrained(spec: ModelSpec, setup: TrainSetup, layout: Layout, 
                      "distributed": json.dumps(distributed, sort_keys=True), "routing": (routing or "router") if setup.ep > 1 else "",
                      "routing_check": _routing_check(routing, result["rank"]) if setup.ep > 1 else "",
                      "rank": result["rank"], "peak_allocated_bytes": peak.allocated_bytes, "peak_phase": peak.phase,
-                     "gloo_settle": True, "device": "cpu", **environment(), "measured_at": stamp, "wall_s": wall_s})
+                     "gloo_settle": gloo_settle, "device": "cpu", **environment(), "measured_at": stamp, "wall_s": wall_s})
     return rows
 
 

@@ -30,6 +30,7 @@ JOB OUT`; each rank writes its timeline under OUT.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -95,7 +96,7 @@ def _settled_waits():
 
 def run(job: dict) -> dict:
     """One rank: `job` has checkpoint, config (the HF config dict), load_dtype, distributed (DistributedConfig's
-    fields), micro_batch, seq_len, steps, routing."""
+    fields), micro_batch, seq_len, steps, routing, gloo_settle (default true: each wait settled)."""
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -112,7 +113,7 @@ def run(job: dict) -> dict:
     tracker = StorageTracker()
     if forced is not None:
         tracker.exclude([forced])
-    with tracker, _settled_waits():
+    with tracker, (_settled_waits() if job.get("gloo_settle", True) else contextlib.nullcontext()):
         with tracker.loading_checkpoint():
             model = AutoModelForCausalLM.from_pretrained(
                 directory, dtype=getattr(torch, job["load_dtype"]),
