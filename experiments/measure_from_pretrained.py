@@ -45,6 +45,14 @@ TP_RUNS = [
     ("qwen2.5-0.5b", {**DENSE, "num_attention_heads": 8, "num_key_value_heads": 4}, 2, 96,
      ["--dtype", "bfloat16"]),
     ("llama-2-13b", {**DENSE, "num_hidden_layers": 4, "num_key_value_heads": 4}, 3, 80, ["--dtype", "float32"]),
+    # tied embeddings: from_pretrained builds untied, shards, loads, then ties the LM head to the embedding
+    ("qwen2.5-0.5b", {**DENSE, "tie_word_embeddings": True}, 2, 64, ["--dtype", "float32"]),
+    ("qwen2.5-1.5b", {**DENSE, "tie_word_embeddings": True, "num_hidden_layers": 4}, 3, 48, ["--dtype", "bfloat16"]),
+    # uneven shards: DTensor splits the MLP width and the vocabulary as torch.chunk does (ceil first)
+    ("mistral-7b", {**DENSE, "intermediate_size": 251}, 2, 64, ["--dtype", "float32"]),
+    ("llama-2-7b", {**DENSE, "num_key_value_heads": 4, "vocab_size": 1001}, 2, 64, ["--dtype", "float32"]),
+    ("llama-3.1-8b", {**DENSE, "num_key_value_heads": 4, "intermediate_size": 250, "vocab_size": 1002}, 2, 48,
+     ["--dtype", "bfloat16", "--tp", "4"]),
 ]
 EP_RUNS = [(model, routing, precision)
            for model in ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "qwen2-57b-a14b", "deepseek-v2-lite",
@@ -59,8 +67,9 @@ HELDOUT_EP = [("deepseek-v3", "balanced", "bf16"), ("qwen3-235b-a22b", "collapse
 
 
 def _command(verb: str, model: str, overrides: dict, micro_batch: int, seq_len: int, flags: list[str]) -> list[str]:
+    tp = [] if "--tp" in flags else ["--tp", "2"]
     command = [sys.executable, "-m", "llmsim.app.cli", verb, "--model", model, "--micro-batch", str(micro_batch),
-               "--seq-len", str(seq_len), "--tp", "2", *flags]
+               "--seq-len", str(seq_len), *tp, *flags]
     for key, value in overrides.items():
         command += ["--set", f"{key}={json.dumps(value)}"]
     return command

@@ -28,11 +28,14 @@ def test_the_recipe_imports_nothing_of_the_predictor():
     assert imported <= HARNESS_MAY_IMPORT, imported - HARNESS_MAY_IMPORT
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_fresh_tp_run_is_the_prediction(dtype):
+@pytest.mark.parametrize("dtype,extra", [("float32", {}), ("bfloat16", {}),
+                                         ("float32", {"intermediate_size": 125, "tie_word_embeddings": True})],
+                         ids=["fp32", "bf16", "uneven-mlp-tied"])
+def test_a_fresh_tp_run_is_the_prediction(dtype, extra):
     """The loaded shards count as the copies a GPU holds (the CPU keeps them in the safetensors mapping), and
-    every other byte of both ranks is the prediction's, the rotary tables that transformers keeps in fp32 included."""
-    spec = load_model_spec("mistral-7b", SMALL)
+    every other byte of both ranks is the prediction's, the rotary tables that transformers keeps in fp32 included;
+    an MLP width TP 2 does not divide (63 and 62 columns: a trace per rank) and a head tied to the embedding too."""
+    spec = load_model_spec("mistral-7b", {**SMALL, **extra})
     setup = TrainSetup(2, 48, load_dtype=dtype, **({"precision": Precision.BF16, "build_bf16": True}
                                                     if dtype == "bfloat16" else {}))
     layout = Layout(world_size=2, tp=2)
@@ -48,7 +51,16 @@ def test_what_the_recipe_does_not_run_is_refused_in_one_line(capsys):
     for flags, message in ((["--dtype", "float32"], "tp >= 2"),
                            (["--tp", "2", "--dtype", "float32", "--lora-rank", "8"], "LoRA"),
                            (["--tp", "2"], "--dtype float32 or bfloat16"),
-                           (["--tp", "2", "--dtype", "bfloat16", "--precision", "bf16-autocast"], "train as bf16")):
+                           (["--tp", "2", "--dtype", "bfloat16", "--precision", "bf16-autocast"], "train as bf16"),
+                           (["--tp", "3", "--dtype", "float32"], "tp(3) must divide num_attention_heads(4)")):
         assert main([*base, *flags]) == 2, flags
         error = capsys.readouterr().err.strip()
         assert len(error.splitlines()) == 1 and message in error, (flags, error)
+
+
+def test_uneven_shards_with_pp_are_refused_in_one_line(capsys):
+    argv = ["predict", "--model", "mistral-7b", *[a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")],
+            "--set", "intermediate_size=125", "--seq-len", "32", "--micro-batch", "1", "--tp", "2", "--pp", "2"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "unevenly" in error, error

@@ -117,6 +117,7 @@ class TrainSetup:
     lora_targets: tuple[str, ...] | None = None  # None: peft's default target modules for the model type
     zero3_hooks: bool = False  # trace with DeepSpeed ZeRO-3's module hooks mirrored (llmsim/model/zero3_hooks.py)
     tp: int = 1  # tensor-parallel degree: trace one rank of transformers' TP plan (llmsim/model/tensor_parallel.py)
+    tp_rank: int = 0  # the TP rank traced (ranks with shorter uneven shards: tensor_parallel.tp_rank_classes)
     ep: int = 1  # expert-parallel degree (1, or tp: transformers' EP plan over the TP group; llmsim/model/moe.py)
     routing: str = "balanced"  # with ep > 1: the routing the trace states (llmsim.model.moe.ROUTINGS)
     pp: int = 1  # pipeline stages: trace stage `pp_stage` of the canonical PP step (llmsim/model/pipelining.py)

@@ -35,25 +35,49 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llmsim.errors import InputError, one_line
 
 
+# Sizes transformers' TP may shard unevenly: DTensor's Shard(d) splits a dimension as torch.chunk does (the first ranks
+# get ceil(n / tp) rows, the rest what is left), and the MLP and the LM head run on whatever width they hold. The
+# attention heads are not among them: each rank's attention reshapes its columns into whole heads.
+UNEVEN_SIZES = ("intermediate_size", "vocab_size")
+
+
 def check_tensor_parallel(config, tp: int) -> None:
-    """The model has a TP plan, and every rank holds an equal shard: heads, kv-heads, MLP width and vocabulary
-    divide by tp."""
+    """The model has a TP plan, and every rank holds whole attention heads: heads and kv-heads divide by tp (the
+    MLP width and the vocabulary may not: `tp_rank_classes`; a mixture-of-experts model's must)."""
     if tp == 1:
         return
     if not getattr(config, "base_model_tp_plan", None):
         raise InputError(f"model type {config.model_type!r} has no tensor-parallel plan in transformers "
                          "(base_model_tp_plan); tp must be 1")
-    if getattr(config, "tie_word_embeddings", False):
-        raise InputError("transformers' TP plan shards the LM head, which this model ties to its embedding "
-                         "(tie_word_embeddings): apply_tensor_parallelism fails on it; tp must be 1")
+    from llmsim.inputs.spec import num_experts
+
     sizes = {"num_attention_heads": getattr(config, "num_attention_heads", None),
              "num_key_value_heads": getattr(config, "num_key_value_heads", None),
              "intermediate_size": getattr(config, "intermediate_size", None),
              "vocab_size": getattr(config, "vocab_size", None)}
-    for name, size in sizes.items():
+    even = [name for name in sizes if name not in UNEVEN_SIZES or num_experts(config)]
+    for name in even:
+        size = sizes[name]
         if isinstance(size, int) and size % tp:
+            valid = _common_divisors([sizes[n] for n in even])
             raise InputError(f"tp({tp}) must divide {name}({size}); valid tp degrees: "
-                             f"{', '.join(str(d) for d in _common_divisors(sizes.values()))}")
+                             f"{', '.join(str(d) for d in valid)}")
+
+
+def _local_rows(size: int, tp: int, rank: int) -> int:
+    chunk = -(-size // tp)
+    return max(0, min(chunk, size - rank * chunk))
+
+
+def tp_rank_classes(config, tp: int) -> list[list[int]]:
+    """The TP ranks in groups of equal local shards (one group where every sharded size divides by tp): a rank
+    of each group is traced (`TrainSetup.tp_rank`)."""
+    sizes = [getattr(config, name, None) for name in UNEVEN_SIZES]
+    classes: dict[tuple, list[int]] = {}
+    for rank in range(tp):
+        key = tuple(_local_rows(size, tp, rank) for size in sizes if isinstance(size, int))
+        classes.setdefault(key, []).append(rank)
+    return list(classes.values())
 
 
 def check_expert_parallel(config, tp: int, ep: int) -> None:
@@ -88,6 +112,7 @@ def build_parallel(build_on_meta: Callable[[], nn.Module], name: str, mesh=None,
     (`cut`), transformers' TP plan over `mesh` (when given) and with `ep` > 1 its expert-parallel plan, then this
     rank's shards only, initialised."""
     model = parallel_on_meta(build_on_meta, name, mesh, cut, ep)
+    untied = mesh is not None and cut is None
     for module in model.modules():
         for key, param in module._parameters.items():
             if param is not None:
@@ -99,6 +124,8 @@ def build_parallel(build_on_meta: Callable[[], nn.Module], name: str, mesh=None,
     with warnings.catch_warnings():  # DTensor's RNG tracker has no CPU support: each rank draws its own values
         warnings.filterwarnings("ignore", message="DTensor random operators")
         model.init_weights()
+    if untied:  # from_pretrained's `_finalize_model_loading`: a tied LM head, materialised as a missing key, then
+        model.tie_weights()  # tied to the embedding (its own shard dropped); a no-op for an untied model
     return model
 
 
@@ -115,7 +142,10 @@ def parallel_on_meta(build_on_meta: Callable[[], nn.Module], name: str, mesh=Non
     from transformers.distributed.expert_parallel import apply_expert_parallelism
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    with torch.device("meta"):
+    from transformers import initialization
+
+    untied = mesh is not None and cut is None  # TP as from_pretrained builds it: tied after the load (below)
+    with torch.device("meta"), initialization.no_tie_weights() if untied else contextlib.nullcontext():
         model = build_on_meta()
     if cut is not None:
         cut(model)

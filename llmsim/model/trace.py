@@ -281,8 +281,9 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
             wrap = functools.partial(fsdp.shard, fsdp=setup.fsdp, mesh=fsdp.mesh_1d(setup.fsdp_world))
             if setup.device is Device.CPU:
                 stack.enter_context(fsdp.gloo_reduce_scatter_copy())
-        elif setup.tp * setup.pp > 1:  # TP rank 0 of the stage's group; the mesh is built before the fake mode
-            stack.enter_context(fake_process_group(setup.tp * setup.pp, rank=setup.pp_stage * setup.tp))
+        elif setup.tp * setup.pp > 1:  # TP rank `tp_rank` (0 but for uneven shards) of the stage's group; the mesh
+            # is built before the fake mode
+            stack.enter_context(fake_process_group(setup.tp * setup.pp, rank=setup.pp_stage * setup.tp + setup.tp_rank))
             mesh = parallel_mesh(1, setup.pp, setup.tp)  # data-parallel replica 0
         build = model_builder(spec, setup, num_layers, mesh, fake=True)  # a checkpoint is written for real
         if setup.fsdp is not None and setup.fsdp.init == "meta":

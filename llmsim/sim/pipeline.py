@@ -12,7 +12,7 @@ from llmsim.inputs.spec import ModelSpec, TrainSetup, check_fits_positions, reso
 from llmsim.model.losses import check_loss
 from llmsim.model.pipelining import check_pipeline
 from llmsim.model.quantized import check_quantized
-from llmsim.model.tensor_parallel import check_expert_parallel, check_tensor_parallel
+from llmsim.model.tensor_parallel import UNEVEN_SIZES, check_expert_parallel, check_tensor_parallel, tp_rank_classes
 from llmsim.sim.allocator import AllocatorConfig
 from llmsim.sim.prediction import Prediction, RankPrediction
 from llmsim.sim.processes import collector_paused
@@ -45,6 +45,11 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             for ranks in rank_classes(model, setup, layout.world_size):
                 timeline, graph = expanded(model, replace(setup, fsdp_rank=ranks[0]))
                 rank_timelines.update(dict.fromkeys(ranks, timeline))
+        elif len(classes := tp_rank_classes(model.hf_config(), setup.tp) if setup.tp > 1 else [[0]]) > 1:
+            rank_timelines = {}  # uneven TP shards: one trace per group of ranks with equal shards
+            for ranks in classes:
+                timeline, graph = expanded(model, replace(setup, tp_rank=ranks[0]))
+                rank_timelines.update(dict.fromkeys(ranks, timeline))
         else:  # one trace, at full depth; the strategy plans each rank's timeline from it
             timeline, graph = expanded(model, setup)
             rank_timelines = plan(timeline, layout, setup)
@@ -71,6 +76,12 @@ def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile
     if layout.tp > 1:
         check_tensor_parallel(model.hf_config(), layout.tp)
         check_expert_parallel(model.hf_config(), layout.tp, layout.ep)
+        if layout.pp > 1 and getattr(model.hf_config(), "tie_word_embeddings", False):
+            raise InputError(f"tp({layout.tp}) x pp({layout.pp}) with tied embeddings (tie_word_embeddings) is not "
+                             "modelled yet: TP alone and PP alone are")
+        if (layout.pp > 1 or layout.ep > 1) and len(tp_rank_classes(model.hf_config(), layout.tp)) > 1:
+            raise InputError(f"tp({layout.tp}) shards {' and '.join(UNEVEN_SIZES)} unevenly; with pp or ep that is "
+                             "not modelled yet (TP alone is)")
         setup = replace(setup, tp=layout.tp, ep=layout.ep)
     check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
                    setup.precision)
