@@ -14,9 +14,10 @@ data/measurements/trainer_offload_cpu.csv.
 MOE_CASES run the same entry points on mixture-of-experts models of seven families (small shapes of the zoo's
 configs from `llmsim.inputs.zoo.shrink`: 8 experts, top-2, each family's layout kept), transformers' default experts
 implementation (grouped_mm), in data/measurements/trainer_moe_cpu.csv (MOE_QLORA_CASES too); MOE_DEEPSPEED_CASES on 2 ranks with ZeRO-2,
-in data/measurements/trainer_moe_deepspeed_cpu.csv.
+in data/measurements/trainer_moe_deepspeed_cpu.csv. ZERO3_CASES: the Trainer under ZeRO-3 on 2 ranks, in
+data/measurements/trainer_zero3_cpu.csv.
 Run: python experiments/measure_trainer.py [--out CSV] [--only N]
-     [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed]
+     [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3]
 """
 from __future__ import annotations
 
@@ -157,6 +158,26 @@ DEEPSPEED_CASES = [
 ]
 
 
+# ZeRO-3 as HF's docs write it (examples/ds_zero3.json: "auto" buckets and persistence threshold, overlap_comm);
+# TrainingArguments are made before from_pretrained, so the model loads partitioned under zero.Init
+# (transformers' HfDeepSpeedConfig), as the Trainer's ZeRO-3 guide requires. Without its "train_batch_size": "auto":
+# on this CPU DeepSpeedConfig is first read (from_pretrained's zero.Init) before deepspeed.comm is initialised, takes
+# a world size of 1 (deepspeed/runtime/config.py, "HF zero.init case") and asserts 4 != 2 * 1 * 1 on the filled
+# value; without the key it derives the batch itself
+ZERO3 = {k: v for k, v in json.loads((Path(__file__).resolve().parent.parent / "examples" / "ds_zero3.json")
+                                     .read_text()).items() if k != "train_batch_size"}
+ZERO3_OUT = OUT.with_name("trainer_zero3_cpu.csv")
+ZERO3_CASES = [
+    ("ZeRO-3, bf16, default optim", {"bf16": True, "deepspeed": ZERO3}, None, "float32"),
+    ("ZeRO-3, fp32, adamw_torch", {"optim": "adamw_torch", "deepspeed": ZERO3}, None, "float32"),
+    ("ZeRO-3, bf16, checkpointing", {"bf16": True, "gradient_checkpointing": True, "deepspeed": ZERO3}, None,
+     "float32"),
+    ("ZeRO-3, bf16, LoRA all-linear", {"bf16": True, "deepspeed": ZERO3}, LORA, "float32"),
+    ("ZeRO-3, bf16, accumulation 2", {"bf16": True, "gradient_accumulation_steps": 2, "deepspeed": ZERO3}, None,
+     "float32"),
+]
+
+
 def moe_models() -> dict[str, dict]:
     from llmsim.inputs.zoo import shrink
 
@@ -196,19 +217,21 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="default: OUT (DDP_OUT for --cases ddp)")
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
     parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload", "moe",
-                                            "moe-qlora", "moe-deepspeed"], default="all",
+                                            "moe-qlora", "moe-deepspeed", "zero3"], default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
                         "DDP_OUT / DEEPSPEED_OUT)")
     args = parser.parse_args()
     world_size, out = {"ddp": (DDP_WORLD_SIZE, DDP_OUT), "deepspeed": (DDP_WORLD_SIZE, DEEPSPEED_OUT),
                        "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT), "moe": (1, MOE_OUT), "moe-qlora": (1, MOE_OUT),
-                       "moe-deepspeed": (DDP_WORLD_SIZE, MOE_DEEPSPEED_OUT)}.get(args.cases, (1, OUT))
+                       "moe-deepspeed": (DDP_WORLD_SIZE, MOE_DEEPSPEED_OUT),
+                       "zero3": (DDP_WORLD_SIZE, ZERO3_OUT)}.get(args.cases, (1, OUT))
     out = args.out or out
     cases = ([(*case, None, True) for case in CASES] if args.cases in ("all", "plain") else []) + \
         (QLORA_CASES if args.cases in ("all", "qlora") else []) + \
         ([(*case, None, True) for case in DDP_CASES] if args.cases == "ddp" else []) + \
         ([(*case, None, True) for case in DEEPSPEED_CASES] if args.cases == "deepspeed" else []) + \
-        ([(*case, None, True) for case in OFFLOAD_CASES] if args.cases == "offload" else [])
+        ([(*case, None, True) for case in OFFLOAD_CASES] if args.cases == "offload" else []) + \
+        ([(*case, None, True) for case in ZERO3_CASES] if args.cases == "zero3" else [])
     models = {model: None for model in MODELS}
     if args.cases.startswith("moe"):
         models = moe_models()

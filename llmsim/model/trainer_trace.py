@@ -129,6 +129,11 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
             hooks.adopt_new_parameters()
         if setup.label_micro_grads:
             hooks.label_micro_grads()
+        if setup.zero3_hooks:  # deepspeed.initialize (in the Trainer's accelerate prepare) registers them last
+            from llmsim.model import zero3_hooks
+            from llmsim.model.step import base_fqn
+
+            zero3_hooks.install(model, tracker, base_fqn, hooks.block_of)
         phases = _Phases(tracker, hooks, setup.device is Device.CUDA)
         model.register_forward_pre_hook(phases.forward, with_kwargs=True, prepend=True)
         model.register_forward_hook(phases.backward)
