@@ -112,7 +112,11 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
         fields = {**{k: v for k, v in fields.items() if k != "deepspeed"}, "bf16": False, "fp16": False}
     peft = lora_config(json.loads(setup.peft_config)) if setup.peft_config else None
     torch.manual_seed(0)  # peft is imported by now (lora_config), before the tracked region, as step.py does
-    with tempfile.TemporaryDirectory() as directory, tracker:
+    from llmsim.model import zero3_hooks
+
+    # under ZeRO-3, from_pretrained's zero.Init replaces F.linear for the rest of the process (mem_efficient_linear)
+    linear = zero3_hooks.linear_as_zero3() if setup.zero3_hooks else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as directory, tracker, linear:
         args = training_arguments(fields, **MEASUREMENT_ARGS, output_dir=directory)
         count = MEASURED_STEPS * args.per_device_train_batch_size * args.gradient_accumulation_steps
         model = build()
@@ -130,7 +134,6 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
         if setup.label_micro_grads:
             hooks.label_micro_grads()
         if setup.zero3_hooks:  # deepspeed.initialize (in the Trainer's accelerate prepare) registers them last
-            from llmsim.model import zero3_hooks
             from llmsim.model.step import base_fqn
 
             zero3_hooks.install(model, tracker, base_fqn, hooks.block_of)
