@@ -10,6 +10,9 @@ each wait settled as NCCL releases at the wait, the exact tracker in every rank 
   DeepSeek-V2, gpt-oss), each with the routing forced balanced (against the balanced prediction), collapsed onto
   experts 0..k-1 (EP rank 0's: rank 0 against the worst-routing prediction, rank 1 under it) and the router's own
   (every rank at or under the worst-routing bound). `routing_check` in each row says which.
+- data/measurements/tier2_fsdp_from_pretrained_cpu.csv (`--only fsdp`): FSDP2 as transformers applies it,
+  `from_pretrained(distributed_config=DistributedConfig(fsdp_size=N[, fsdp_mixed_precision=True]))`, 2 and 4 ranks,
+  against `--strategy fsdp --fsdp-wrap transformers`.
 - HELDOUT (`--heldout`, data/measurements/tier2_from_pretrained_heldout_cpu.csv): shapes and families none of the
   runs above has, each predicted (printed first) with llmsim's code fixed, then measured.
 
@@ -30,6 +33,7 @@ from pathlib import Path
 MEASUREMENTS = Path(__file__).resolve().parent.parent / "data" / "measurements"
 TP_OUT, EP_OUT = MEASUREMENTS / "tier2_tp_from_pretrained_cpu.csv", MEASUREMENTS / "tier2_moe_ep_cpu.csv"
 HELDOUT_OUT = MEASUREMENTS / "tier2_from_pretrained_heldout_cpu.csv"
+FSDP_OUT = MEASUREMENTS / "tier2_fsdp_from_pretrained_cpu.csv"
 DENSE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": False}
 MOE_SHAPES = {"mixtral-8x7b": (128, 4, 1000, 8), "qwen3-30b-a3b": (128, 4, 1000, 16),
@@ -53,6 +57,23 @@ TP_RUNS = [
     ("llama-2-7b", {**DENSE, "num_key_value_heads": 4, "vocab_size": 1001}, 2, 64, ["--dtype", "float32"]),
     ("llama-3.1-8b", {**DENSE, "num_key_value_heads": 4, "intermediate_size": 250, "vocab_size": 1002}, 2, 48,
      ["--dtype", "bfloat16", "--tp", "4"]),
+]
+# FSDP2 as transformers applies it: from_pretrained(distributed_config=DistributedConfig(fsdp_size=N[,
+# fsdp_mixed_precision=True])), the model's own FSDP plan (embedding and layers resharded, the final norm and the LM
+# head one group kept gathered, then the root), against `--strategy fsdp --fsdp-wrap transformers`
+FSDP = ["--tp", "1", "--strategy", "fsdp", "--fsdp-wrap", "transformers"]
+MIXED = ["--fsdp-param-dtype", "bf16", "--fsdp-reduce-dtype", "fp32"]
+FSDP_RUNS = [
+    ("llama-2-7b", {**DENSE, "num_key_value_heads": 4}, 2, 64, [*FSDP, "--world-size", "2", "--dtype", "float32"]),
+    ("llama-3.1-8b", DENSE, 2, 96, [*FSDP, "--world-size", "2", "--dtype", "bfloat16"]),
+    ("mistral-7b", DENSE, 2, 64, [*FSDP, *MIXED, "--world-size", "2", "--dtype", "float32"]),
+    ("qwen2.5-0.5b", {**DENSE, "tie_word_embeddings": True}, 2, 64, [*FSDP, "--world-size", "2", "--dtype",
+                                                                     "float32"]),
+    ("qwen2.5-7b", {**DENSE, "intermediate_size": 250, "vocab_size": 1002}, 2, 48,
+     [*FSDP, "--world-size", "4", "--dtype", "float32"]),  # dim 0 of 250 and 1002 over 4 ranks: uneven shards
+    ("llama-2-13b", {**DENSE, "num_hidden_layers": 4, "num_key_value_heads": 4}, 3, 48,
+     [*FSDP, *MIXED, "--world-size", "4", "--dtype", "float32"]),
+    ("mixtral-8x7b", "moe", 2, 64, [*FSDP, "--world-size", "2", "--dtype", "float32"]),
 ]
 EP_RUNS = [(model, routing, precision)
            for model in ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "qwen2-57b-a14b", "deepseek-v2-lite",
@@ -125,19 +146,25 @@ def unsettled() -> int:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--heldout", action="store_true", help="the HELDOUT runs, each predicted first")
-    parser.add_argument("--only", choices=["tp", "ep"], default=None)
+    parser.add_argument("--only", choices=["tp", "ep", "fsdp"], default=None)
     parser.add_argument("--unsettled", action="store_true", help="gloo's own timing, three repeats, nothing written")
     options = parser.parse_args()
     if options.unsettled:
         return unsettled()
     tp_runs, ep_runs = (HELDOUT_TP, HELDOUT_EP) if options.heldout else (TP_RUNS, EP_RUNS)
     failures = 0
-    for model, overrides, micro_batch, seq_len, flags in tp_runs if options.only != "ep" else []:
+    for model, overrides, micro_batch, seq_len, flags in tp_runs if options.only in (None, "tp") else []:
         case = [model, overrides, micro_batch, seq_len]
         if options.heldout:
             print(f"{model:16} {predicted(case, flags)}", flush=True)
         failures += measure(case, flags, HELDOUT_OUT if options.heldout else TP_OUT) != 0
-    for model, routing, precision in ep_runs if options.only != "tp" else []:
+    for model, overrides, micro_batch, seq_len, flags in FSDP_RUNS if options.only == "fsdp" else []:
+        if overrides == "moe":
+            from llmsim.inputs.zoo import shrink
+
+            overrides = shrink(model, *MOE_SHAPES[model])
+        failures += measure([model, overrides, micro_batch, seq_len], flags, FSDP_OUT) != 0
+    for model, routing, precision in ep_runs if options.only not in ("tp", "fsdp") else []:
         case, flags = _ep(model, routing, precision)
         if options.heldout:
             print(f"{model:16} {routing:9} {precision} {predicted(case, flags)}", flush=True)

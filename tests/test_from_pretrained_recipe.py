@@ -64,3 +64,33 @@ def test_uneven_shards_with_pp_are_refused_in_one_line(capsys):
     assert main(argv) == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "unevenly" in error, error
+
+
+def test_a_fresh_fsdp_run_as_transformers_applies_it_is_the_prediction():
+    """from_pretrained(distributed_config=DistributedConfig(fsdp_size=2, fsdp_mixed_precision=True)): the model's
+    own FSDP plan (a head tied to the embedding wrapped with it), against --strategy fsdp --fsdp-wrap transformers."""
+    from llmsim.inputs.spec import FsdpSetup
+    from llmsim.sim.strategies import Strategy
+
+    spec = load_model_spec("qwen2.5-0.5b", {**SMALL, "tie_word_embeddings": True})
+    setup = TrainSetup(2, 40, load_dtype="float32")
+    layout = Layout(Strategy.FSDP, 2, fsdp=FsdpSetup(param_dtype="bfloat16", reduce_dtype="float32",
+                                                     wrap="transformers"))
+    rows = measure_from_pretrained(spec, setup, layout)
+    predicted = predict(spec, setup, layout).ranks
+    assert all(0 <= r["peak_allocated_bytes"] - p.peak_allocated_bytes <= MESH_TENSOR_BYTES
+               for r, p in zip(rows, predicted)), ([r["peak_allocated_bytes"] for r in rows], predicted)
+
+
+def test_transformers_fsdp_plan_options_are_checked_in_one_line(capsys):
+    base = ["predict", "--model", "mistral-7b", *[a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")],
+            "--seq-len", "32", "--micro-batch", "1"]
+    for flags, message in ((["--fsdp-wrap", "transformers"], "--fsdp-wrap needs --strategy fsdp"),
+                           (["--strategy", "fsdp", "--world-size", "2", "--fsdp-wrap", "modules"], "fsdp-wrap(modules)"),
+                           (["--strategy", "fsdp", "--world-size", "2", "--fsdp-wrap", "transformers",
+                             "--fsdp-no-reshard"], "decides the resharding itself"),
+                           (["--strategy", "fsdp", "--world-size", "2", "--fsdp-wrap", "transformers",
+                             "--fsdp-param-dtype", "fp16"], "fsdp_mixed_precision")):
+        assert main([*base, *flags]) == 2, flags
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and message in error, (flags, error)

@@ -133,6 +133,9 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    "(default; PyTorch's FSDP2 tutorial, torchtitan: on the meta device, sharded, then to_empty and "
                    "initialised, so no rank holds the whole model) | full (every rank builds it whole, fully_shard "
                    "shards it in place)")
+    p.add_argument("--fsdp-wrap", default=None, help="with --strategy fsdp: layers (default: fully_shard on every "
+                   "decoder layer, then the root, as accelerate and torchtitan wrap) | transformers (the model's own "
+                   "FSDP plan, as from_pretrained(distributed_config=DistributedConfig(fsdp_size=N)) applies it)")
     p.add_argument("--fsdp-offload", action="store_true", help="with --strategy fsdp: fully_shard(offload_policy="
                    "CPUOffloadPolicy()) (not modelled yet: refused)")
     p.add_argument("--fsdp-no-reshard", action="store_true", help="with --strategy fsdp: fully_shard("
@@ -322,6 +325,7 @@ def _fsdp_setup(args, strategy):
                                    ("--fsdp-reduce-dtype", getattr(args, "fsdp_reduce_dtype", None)),
                                    ("--fsdp-no-reshard", getattr(args, "fsdp_no_reshard", False)),
                                    ("--fsdp-init", getattr(args, "fsdp_init", None)),
+                                   ("--fsdp-wrap", getattr(args, "fsdp_wrap", None)),
                                    ("--fsdp-offload", getattr(args, "fsdp_offload", False))) if on]
     if strategy is not Strategy.FSDP:
         if given:
@@ -340,7 +344,8 @@ def _fsdp_setup(args, strategy):
         return FSDP_DTYPES[value]
     return FsdpSetup(reshard_after_forward=not args.fsdp_no_reshard, init=args.fsdp_init or "meta",
                      param_dtype=dtype("fsdp-param-dtype", args.fsdp_param_dtype),
-                     reduce_dtype=dtype("fsdp-reduce-dtype", args.fsdp_reduce_dtype))
+                     reduce_dtype=dtype("fsdp-reduce-dtype", args.fsdp_reduce_dtype),
+                     wrap=getattr(args, "fsdp_wrap", None) or "layers")
 
 
 def _names(text: str | None) -> tuple[str, ...] | None:

@@ -49,6 +49,11 @@ def num_experts(config) -> int:
 # MixedPrecisionPolicy dtypes as llmsim spells them (torch.distributed.fsdp.MixedPrecisionPolicy takes torch dtypes)
 FSDP_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 FSDP_INITS = ("meta", "full")
+# How the model is wrapped: "layers" (fully_shard on every decoder layer, then the root: accelerate's
+# TRANSFORMER_BASED_WRAP, torchtitan) or "transformers" (the model's own FSDP plan, as
+# from_pretrained(distributed_config=DistributedConfig(fsdp_size=N)) applies it: the embedding and every layer
+# resharded, the final norm and the LM head one group kept unsharded after the forward, then the root)
+FSDP_WRAPS = ("layers", "transformers")
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class FsdpSetup:
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     init: str = "meta"
+    wrap: str = "layers"  # FSDP_WRAPS
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -74,16 +80,29 @@ class FsdpSetup:
         if self.init not in FSDP_INITS:
             raise InputError(f"fsdp-init({self.init}) is not a way to build the model; choose one of "
                              f"{', '.join(FSDP_INITS)}")
+        if self.wrap not in FSDP_WRAPS:
+            raise InputError(f"fsdp-wrap({self.wrap}) is not a way to wrap the model; choose one of "
+                             f"{', '.join(FSDP_WRAPS)}")
+        if self.wrap == "transformers":
+            # DistributedConfig's switches: fsdp_mixed_precision is MixedPrecisionPolicy(bf16, fp32), nothing else
+            if (self.param_dtype, self.reduce_dtype) not in ((None, None), ("bfloat16", "float32")):
+                raise InputError("transformers' FSDP plan takes DistributedConfig(fsdp_mixed_precision=True), i.e. "
+                                 "--fsdp-param-dtype bf16 --fsdp-reduce-dtype fp32, or no mixed precision")
+            if not self.reshard_after_forward or self.init != "meta":
+                raise InputError("transformers' FSDP plan decides the resharding itself and builds on the meta "
+                                 "device: --fsdp-no-reshard and --fsdp-init full do not apply to it")
 
     def as_json(self) -> str:
         return json.dumps({"reshard_after_forward": self.reshard_after_forward, "param_dtype": self.param_dtype,
-                           "reduce_dtype": self.reduce_dtype, "init": self.init}, sort_keys=True)
+                           "reduce_dtype": self.reduce_dtype, "init": self.init, "wrap": self.wrap}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "FsdpSetup":
         """A row's `fsdp_config`: every field stated (a row says how it was built, never a default)."""
         fields = json.loads(text)
-        names = ["init", "param_dtype", "reduce_dtype", "reshard_after_forward"]
+        # rows made before `wrap` existed were all wrapped per layer, the only wrap llmsim measured then
+        fields.setdefault("wrap", "layers")
+        names = ["init", "param_dtype", "reduce_dtype", "reshard_after_forward", "wrap"]
         unknown, missing = sorted(set(fields) - set(names)), sorted(set(names) - set(fields))
         if unknown or missing:
             raise InputError(f"fsdp_config {'has unknown field ' + unknown[0] if unknown else 'lacks ' + missing[0]}"

@@ -162,7 +162,9 @@ def measure_from_pretrained(spec: ModelSpec, setup: TrainSetup, layout: Layout, 
     check_fits_positions(spec, setup)
     check_tensor_parallel(spec.hf_config(), layout.tp)
     check_expert_parallel(spec.hf_config(), layout.tp, setup.ep)
-    unsupported = [name for name, on in (("pp", layout.pp > 1), ("dp", layout.dp > 1), ("LoRA", setup.lora_rank),
+    fsdp = layout.fsdp is not None and layout.fsdp.wrap == "transformers"  # DistributedConfig(fsdp_size=N)
+    unsupported = [name for name, on in (("pp", layout.pp > 1), ("dp", layout.dp > 1 and not fsdp),
+                                         ("tp with fsdp", fsdp and layout.tp > 1), ("LoRA", setup.lora_rank),
                                          ("quantization", setup.quant), ("checkpointing", setup.grad_ckpt),
                                          ("accumulation", setup.grad_accum > 1),
                                          ("an optimizer other than AdamW", setup.optimizer is not Optimizer.ADAMW),
@@ -170,13 +172,17 @@ def measure_from_pretrained(spec: ModelSpec, setup: TrainSetup, layout: Layout, 
                                                                                   or setup.fused),
                                          ("a loss other than transformers'", setup.loss is not Loss.HF))
                    if on]
-    if layout.tp < 2 or unsupported:
-        raise InputError("the from-pretrained recipe measures TP (and EP) ranks alone: tp >= 2, with none of "
+    if layout.fsdp is not None and not fsdp:
+        unsupported.append("FSDP2 wrapped per layer (--fsdp-wrap transformers is what from_pretrained applies)")
+    if (layout.tp < 2 and not fsdp) or unsupported:
+        raise InputError("the from-pretrained recipe measures TP (and EP) ranks, or FSDP2 as transformers applies "
+                         "it (--strategy fsdp --fsdp-wrap transformers), with none of "
                          + ", ".join(unsupported or ["(tp is 1)"]))
     if setup.load_dtype not in ("float32", "bfloat16"):
         raise InputError("the from-pretrained recipe loads the weights in the dtype it trains in: --dtype float32 "
                          "or bfloat16")
-    distributed = {"tp_size": layout.tp, **({"ep_size": setup.ep} if setup.ep > 1 else {})}  # tp_plan "auto"
+    distributed = ({"fsdp_size": layout.world_size, "fsdp_mixed_precision": layout.fsdp.param_dtype is not None}
+                   if fsdp else {"tp_size": layout.tp, **({"ep_size": setup.ep} if setup.ep > 1 else {})})
     load_dtype = setup.load_dtype
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="llmsim-from-pretrained-") as out:
@@ -196,7 +202,8 @@ def measure_from_pretrained(spec: ModelSpec, setup: TrainSetup, layout: Layout, 
             raise RuntimeError(f"from_pretrained(dtype={load_dtype}) loaded {result['loaded_dtype']}")
         peak = replay(result["timeline"])
         rows.append({"tier": 2, "recipe": "from-pretrained", **setup_columns(spec, setup), "load_dtype": load_dtype,
-                     "strategy": "single",
+                     "strategy": layout.strategy.value,
+                     **({"fsdp_config": layout.fsdp.as_json()} if fsdp else {}),
                      "world_size": layout.world_size, "tp": layout.tp, "ep": setup.ep, "pp": 1,
                      "distributed": json.dumps(distributed, sort_keys=True), "routing": (routing or "router") if setup.ep > 1 else "",
                      "routing_check": _routing_check(routing, result["rank"]) if setup.ep > 1 else "",

@@ -58,8 +58,9 @@ def forced_routing(routing: str, tokens: int, top_k: int, experts: int):
 
 def _settled_waits():
     """gloo's worker thread can hold a collective's buffers past the wait; NCCL drops them there. Each wait of a
-    functional collective (DTensor's, `all_to_all_single_autograd`) and each synchronous c10d collective is given
-    GLOO_SETTLE_S, so the rows are what a GPU run holds."""
+    functional collective (DTensor's, `all_to_all_single_autograd`), each synchronous c10d collective and each of
+    FSDP2's reduce-scatters (gloo copies its input; llmsim/model/fsdp.py) is given GLOO_SETTLE_S, so the rows are
+    what a GPU run holds."""
     import contextlib
 
     import torch
@@ -85,6 +86,15 @@ def _settled_waits():
 
     stack = contextlib.ExitStack()
     from transformers.distributed import expert_parallel
+
+    reduce_scatter = dist.reduce_scatter_single
+
+    def settled_reduce_scatter(*args, **kwargs):  # FSDP2's, async: gloo's copy of the input dropped meanwhile
+        work = reduce_scatter(*args, **kwargs)
+        time.sleep(GLOO_SETTLE_S)
+        return work
+
+    stack.enter_context(mock.patch.object(dist, "reduce_scatter_single", settled_reduce_scatter))
 
     for name in ("all_reduce", "all_gather_into_tensor", "all_to_all_single", "broadcast"):
         stack.enter_context(mock.patch.object(dist, name, settled(getattr(dist, name))))

@@ -63,10 +63,13 @@ def rank_classes(dim0_sizes: frozenset[int], world_size: int) -> list[list[int]]
     return list(groups.values())
 
 
-def meta_build(build):
-    """The model built on the meta device (FsdpSetup.init "meta"): no storage until `shard` materialises the shards."""
+def meta_build(build, untied: bool = False):
+    """The model built on the meta device (FsdpSetup.init "meta"): no storage until `shard` materialises the shards.
+    `untied`: as from_pretrained builds it (`init.no_tie_weights`), tied by `shard` after the load."""
     def built():
-        with torch.device("meta"):
+        from transformers import initialization
+
+        with torch.device("meta"), initialization.no_tie_weights() if untied else contextlib.nullcontext():
             return build()
     return built
 
@@ -79,15 +82,43 @@ def shard(model: nn.Module, fsdp: FsdpSetup, mesh) -> nn.Module:
 
     from llmsim.model.step import find_blocks
 
-    policy = mixed_precision(fsdp)
-    _, blocks = find_blocks(model, None)
-    for layer in blocks:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy)
+    if fsdp.wrap == "transformers":
+        _shard_as_transformers(model, fsdp, mesh)
+    else:
+        policy = mixed_precision(fsdp)
+        _, blocks = find_blocks(model, None)
+        for layer in blocks:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy)
     if fsdp.init == "meta":
         model.to_empty(device="cpu")
         model.apply(model._init_weights)
+    if fsdp.wrap == "transformers":  # from_pretrained's `_finalize_model_loading`: a tied head tied after the load
+        model.tie_weights()
     return model
+
+
+class _OneMesh:
+    """transformers' TransformersDeviceMesh for a 1-D data-parallel world: every dimension asked for is `mesh`."""
+
+    def __init__(self, mesh) -> None:
+        self.mesh = mesh
+
+    def get_mesh(self, dims):
+        return self.mesh
+
+
+def _shard_as_transformers(model: nn.Module, fsdp: FsdpSetup, mesh) -> None:
+    """The model's own FSDP plan applied as `from_pretrained(distributed_config=DistributedConfig(fsdp_size=N,
+    fsdp_mixed_precision=...))` applies it (transformers/distributed/mixin.py `_resolve_parallel_plans`, then
+    fsdp.py `apply_fully_sharded_data_parallelism`): transformers' own code, on this rank's mesh."""
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.fsdp import apply_fully_sharded_data_parallelism
+
+    config = DistributedConfig(fsdp_size=mesh.size(), fsdp_mixed_precision=fsdp.param_dtype is not None)
+    model.config.distributed_config = config
+    _, _, plan = model._resolve_parallel_plans(config)
+    apply_fully_sharded_data_parallelism(model, _OneMesh(mesh), plan, {})
 
 
 def mesh_1d(world_size: int):

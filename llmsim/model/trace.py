@@ -287,7 +287,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
             mesh = parallel_mesh(1, setup.pp, setup.tp)  # data-parallel replica 0
         build = model_builder(spec, setup, num_layers, mesh, fake=True)  # a checkpoint is written for real
         if setup.fsdp is not None and setup.fsdp.init == "meta":
-            build = fsdp.meta_build(build)
+            build = fsdp.meta_build(build, untied=setup.fsdp.wrap == "transformers")
         optimizer_class(setup.optimizer)  # imported for real: a module imported under the fake mode keeps fakes
         if setup.recipe is Recipe.HF_TRAINER:
             import transformers.trainer  # noqa: F401  (and accelerate with it)
