@@ -12,7 +12,8 @@ each wait settled as NCCL releases at the wait, the exact tracker in every rank 
   (every rank at or under the worst-routing bound). `routing_check` in each row says which.
 - data/measurements/tier2_fsdp_from_pretrained_cpu.csv (`--only fsdp`): FSDP2 as transformers applies it,
   `from_pretrained(distributed_config=DistributedConfig(fsdp_size=N[, fsdp_mixed_precision=True]))`, 2 and 4 ranks,
-  against `--strategy fsdp --fsdp-wrap transformers`.
+  and FSDP2 x TP (`DistributedConfig(tp_size=2, fsdp_size=2)`, 4 ranks), against `--strategy fsdp --fsdp-wrap
+  transformers [--tp 2]`.
 - HELDOUT (`--heldout`, data/measurements/tier2_from_pretrained_heldout_cpu.csv): shapes and families none of the
   runs above has, each predicted (printed first) with llmsim's code fixed, then measured.
 
@@ -62,6 +63,7 @@ TP_RUNS = [
 # fsdp_mixed_precision=True])), the model's own FSDP plan (embedding and layers resharded, the final norm and the LM
 # head one group kept gathered, then the root), against `--strategy fsdp --fsdp-wrap transformers`
 FSDP = ["--tp", "1", "--strategy", "fsdp", "--fsdp-wrap", "transformers"]
+FSDP_TP = ["--tp", "2", "--strategy", "fsdp", "--fsdp-wrap", "transformers"]
 MIXED = ["--fsdp-param-dtype", "bf16", "--fsdp-reduce-dtype", "fp32"]
 FSDP_RUNS = [
     ("llama-2-7b", {**DENSE, "num_key_value_heads": 4}, 2, 64, [*FSDP, "--world-size", "2", "--dtype", "float32"]),
@@ -74,6 +76,12 @@ FSDP_RUNS = [
     ("llama-2-13b", {**DENSE, "num_hidden_layers": 4, "num_key_value_heads": 4}, 3, 48,
      [*FSDP, *MIXED, "--world-size", "4", "--dtype", "float32"]),
     ("mixtral-8x7b", "moe", 2, 64, [*FSDP, "--world-size", "2", "--dtype", "float32"]),
+    # FSDP2 x TP: DistributedConfig(tp_size=2, fsdp_size=2) on 4 ranks, TP innermost
+    ("llama-2-7b", {**DENSE, "num_key_value_heads": 4}, 2, 64, [*FSDP_TP, "--world-size", "4", "--dtype", "float32"]),
+    ("mistral-7b", DENSE, 2, 64, [*FSDP_TP, *MIXED, "--world-size", "4", "--dtype", "float32"]),
+    ("qwen2.5-0.5b", {**DENSE, "tie_word_embeddings": True}, 2, 48, [*FSDP_TP, "--world-size", "4", "--dtype",
+                                                                     "bfloat16"]),
+    ("mixtral-8x7b", "moe", 2, 64, [*FSDP_TP, "--world-size", "4", "--dtype", "float32"]),
 ]
 EP_RUNS = [(model, routing, precision)
            for model in ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "qwen2-57b-a14b", "deepseek-v2-lite",

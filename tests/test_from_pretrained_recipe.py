@@ -94,3 +94,28 @@ def test_transformers_fsdp_plan_options_are_checked_in_one_line(capsys):
         assert main([*base, *flags]) == 2, flags
         error = capsys.readouterr().err.strip()
         assert len(error.splitlines()) == 1 and message in error, (flags, error)
+
+
+def test_a_fresh_fsdp_x_tp_run_is_the_prediction(capsys):
+    """DistributedConfig(tp_size=2, fsdp_size=2) on 4 ranks: transformers' TP plan, then its FSDP plan over the
+    data-parallel ranks of a 2-D mesh; the per-layer wrap with TP, and uneven shards, are refused in one line."""
+    from llmsim.inputs.spec import FsdpSetup
+    from llmsim.sim.strategies import Strategy
+
+    spec = load_model_spec("llama-2-7b", {**SMALL, "num_key_value_heads": 4})
+    setup = TrainSetup(2, 32, load_dtype="float32")
+    layout = Layout(Strategy.FSDP, 4, fsdp=FsdpSetup(wrap="transformers"), tp=2)
+    rows = measure_from_pretrained(spec, setup, layout)
+    predicted = predict(spec, setup, layout).ranks
+    assert all(0 <= r["peak_allocated_bytes"] - p.peak_allocated_bytes <= MESH_TENSOR_BYTES
+               for r, p in zip(rows, predicted)), ([r["peak_allocated_bytes"] for r in rows], predicted)
+    capsys.readouterr()  # the checkpoint's save_pretrained progress
+    base = ["predict", "--model", "llama-2-7b", *[a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")],
+            "--set", "num_key_value_heads=4", "--seq-len", "32", "--micro-batch", "1", "--strategy", "fsdp",
+            "--world-size", "4", "--tp", "2"]
+    for flags, message in (([], "tp with fsdp as transformers composes them (--fsdp-wrap transformers)"),
+                           (["--fsdp-wrap", "transformers", "--set", "intermediate_size=126"],
+                            "do not divide evenly over the 4 ranks")):
+        assert main([*base, *flags]) == 2, flags
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and message in error, (flags, error)

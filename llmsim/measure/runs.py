@@ -164,7 +164,7 @@ def measure_from_pretrained(spec: ModelSpec, setup: TrainSetup, layout: Layout, 
     check_expert_parallel(spec.hf_config(), layout.tp, setup.ep)
     fsdp = layout.fsdp is not None and layout.fsdp.wrap == "transformers"  # DistributedConfig(fsdp_size=N)
     unsupported = [name for name, on in (("pp", layout.pp > 1), ("dp", layout.dp > 1 and not fsdp),
-                                         ("tp with fsdp", fsdp and layout.tp > 1), ("LoRA", setup.lora_rank),
+                                         ("LoRA", setup.lora_rank),
                                          ("quantization", setup.quant), ("checkpointing", setup.grad_ckpt),
                                          ("accumulation", setup.grad_accum > 1),
                                          ("an optimizer other than AdamW", setup.optimizer is not Optimizer.ADAMW),
@@ -174,15 +174,18 @@ def measure_from_pretrained(spec: ModelSpec, setup: TrainSetup, layout: Layout, 
                    if on]
     if layout.fsdp is not None and not fsdp:
         unsupported.append("FSDP2 wrapped per layer (--fsdp-wrap transformers is what from_pretrained applies)")
-    if (layout.tp < 2 and not fsdp) or unsupported:
-        raise InputError("the from-pretrained recipe measures TP (and EP) ranks, or FSDP2 as transformers applies "
-                         "it (--strategy fsdp --fsdp-wrap transformers), with none of "
-                         + ", ".join(unsupported or ["(tp is 1)"]))
+    if layout.tp < 2 and not fsdp:
+        raise InputError("the from-pretrained recipe measures TP ranks (tp >= 2, with --ep for EP) or FSDP2 as "
+                         "transformers applies it (--strategy fsdp --fsdp-wrap transformers); this layout is neither")
+    if unsupported:
+        raise InputError(f"the from-pretrained recipe runs a plain AdamW loop: not with {', '.join(unsupported)}")
     if setup.load_dtype not in ("float32", "bfloat16"):
         raise InputError("the from-pretrained recipe loads the weights in the dtype it trains in: --dtype float32 "
                          "or bfloat16")
-    distributed = ({"fsdp_size": layout.world_size, "fsdp_mixed_precision": layout.fsdp.param_dtype is not None}
-                   if fsdp else {"tp_size": layout.tp, **({"ep_size": setup.ep} if setup.ep > 1 else {})})
+    distributed = {"tp_size": layout.tp, **({"ep_size": setup.ep} if setup.ep > 1 else {})}  # tp_plan "auto"
+    if fsdp:  # FSDP2 over the data-parallel ranks (x TP: transformers' 2-D mesh, TP innermost)
+        distributed.update(fsdp_size=layout.world_size // layout.tp,
+                           fsdp_mixed_precision=layout.fsdp.param_dtype is not None)
     load_dtype = setup.load_dtype
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="llmsim-from-pretrained-") as out:

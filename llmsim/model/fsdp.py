@@ -98,14 +98,14 @@ def shard(model: nn.Module, fsdp: FsdpSetup, mesh) -> nn.Module:
     return model
 
 
-class _OneMesh:
-    """transformers' TransformersDeviceMesh for a 1-D data-parallel world: every dimension asked for is `mesh`."""
+class _Meshes:
+    """transformers' TransformersDeviceMesh over this trace's mesh: 1-D (data parallel), or 2-D ("fsdp", "tp")."""
 
     def __init__(self, mesh) -> None:
         self.mesh = mesh
 
     def get_mesh(self, dims):
-        return self.mesh
+        return self.mesh if self.mesh.ndim == 1 else self.mesh[dims]
 
 
 def _shard_as_transformers(model: nn.Module, fsdp: FsdpSetup, mesh) -> None:
@@ -115,10 +115,39 @@ def _shard_as_transformers(model: nn.Module, fsdp: FsdpSetup, mesh) -> None:
     from transformers.distributed import DistributedConfig
     from transformers.distributed.fsdp import apply_fully_sharded_data_parallelism
 
-    config = DistributedConfig(fsdp_size=mesh.size(), fsdp_mixed_precision=fsdp.param_dtype is not None)
+    tp = 1 if mesh.ndim == 1 else mesh["tp"].size()  # TP applied before (tensor_parallel.parallel_on_meta)
+    config = DistributedConfig(fsdp_size=mesh.size() // tp, tp_size=tp,
+                               fsdp_mixed_precision=fsdp.param_dtype is not None)
     model.config.distributed_config = config
     _, _, plan = model._resolve_parallel_plans(config)
-    apply_fully_sharded_data_parallelism(model, _OneMesh(mesh), plan, {})
+    with _meshes_made_for_real():
+        apply_fully_sharded_data_parallelism(model, _Meshes(mesh), plan, {})
+
+
+@contextlib.contextmanager
+def _meshes_made_for_real():
+    """With TP, fully_shard joins the data-parallel and the TP mesh (`DeviceMesh._concatenate`), whose rank tensor is
+    computed by tensor ops: outside the trace's dispatch modes (a fake tensor cannot be a mesh's ranks; on a GPU the
+    mesh lives on the host)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    concatenate = DeviceMesh._concatenate
+
+    def concatenated(meshes):
+        with _disable_current_modes():
+            return concatenate(meshes)
+
+    with mock.patch.object(DeviceMesh, "_concatenate", staticmethod(concatenated)):
+        yield
+
+
+def mesh_2d(fsdp_size: int, tp: int):
+    """FSDP2 x TP's mesh as transformers lays it out (`initialize_distributed_mesh`: TP innermost), outside any
+    FakeTensorMode."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (fsdp_size, tp), mesh_dim_names=("fsdp", "tp"))
 
 
 def mesh_1d(world_size: int):

@@ -29,7 +29,8 @@ from llmsim.model.step import StepInfo, optimizer_class, run_canonical_step, run
 from llmsim.model.pipelining import cut, layer_range
 from llmsim.model.quantized import (fake_loading, header_checkpoint, load_checkpoint_quantized, load_quantized,
                                     real_checkpoint)
-from llmsim.model.tensor_parallel import WaitReturnsInput, build_parallel, fake_process_group, parallel_mesh
+from llmsim.model.tensor_parallel import (WaitReturnsInput, build_parallel, fake_process_group, parallel_mesh,
+                                          parallel_on_meta)
 from llmsim.model.tracker import StorageTracker
 from llmsim.model.trainer_recipe import checkpoint_dtype, own_bitsandbytes_overrides
 from llmsim.model.trainer_trace import run_trainer_step
@@ -86,6 +87,8 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
         directory = header_checkpoint(spec.config_json, num_layers) if fake else real_checkpoint(config)
         return functools.partial(load_quantized, directory, setup)
     build = hf_builder(spec, setup, config)
+    if setup.fsdp is not None and setup.tp > 1:  # FSDP2 x TP: the TP plan on the meta device, fully_shard next
+        return functools.partial(parallel_on_meta, build, spec.name, mesh["tp"])
     if setup.tp > 1 or setup.pp > 1:
         return functools.partial(
             build_parallel, build, spec.name, mesh["tp"] if setup.tp > 1 else None,
@@ -278,7 +281,9 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
         mesh, wrap = None, None
         if setup.fsdp is not None:  # one rank of FSDP2's mesh (llmsim/model/fsdp.py)
             stack.enter_context(fake_process_group(setup.fsdp_world, rank=setup.fsdp_rank))
-            wrap = functools.partial(fsdp.shard, fsdp=setup.fsdp, mesh=fsdp.mesh_1d(setup.fsdp_world))
+            mesh = (fsdp.mesh_1d(setup.fsdp_world) if setup.tp == 1 else  # FSDP2 x TP: a 2-D mesh, TP innermost
+                    fsdp.mesh_2d(setup.fsdp_world // setup.tp, setup.tp))
+            wrap = functools.partial(fsdp.shard, fsdp=setup.fsdp, mesh=mesh)
             if setup.device is Device.CPU:
                 stack.enter_context(fsdp.gloo_reduce_scatter_copy())
         elif setup.tp * setup.pp > 1:  # TP rank `tp_rank` (0 but for uneven shards) of the stage's group; the mesh

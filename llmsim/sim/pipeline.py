@@ -42,7 +42,9 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             from llmsim.sim.strategies.fsdp import rank_classes
 
             rank_timelines = {}
-            for ranks in rank_classes(model, setup, layout.world_size):
+            classes = rank_classes(model, setup, layout.world_size) if layout.tp == 1 else [list(range(
+                layout.world_size))]  # FSDP2 x TP: even shards only (`checked`), every rank alike
+            for ranks in classes:
                 timeline, graph = expanded(model, replace(setup, fsdp_rank=ranks[0]))
                 rank_timelines.update(dict.fromkeys(ranks, timeline))
         elif len(classes := tp_rank_classes(model.hf_config(), setup.tp) if setup.tp > 1 else [[0]]) > 1:
@@ -79,6 +81,13 @@ def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile
         if layout.pp > 1 and getattr(model.hf_config(), "tie_word_embeddings", False):
             raise InputError(f"tp({layout.tp}) x pp({layout.pp}) with tied embeddings (tie_word_embeddings) is not "
                              "modelled yet: TP alone and PP alone are")
+        if layout.fsdp is not None:
+            from llmsim.sim.strategies.fsdp import rank_classes
+
+            if len(tp_rank_classes(model.hf_config(), layout.tp)) > 1 or \
+                    len(rank_classes(model, setup, layout.world_size)) > 1:
+                raise InputError(f"fsdp x tp({layout.tp}) with shards that do not divide evenly over the "
+                                 f"{layout.world_size} ranks is not modelled yet (each alone is)")
         if (layout.pp > 1 or layout.ep > 1) and len(tp_rank_classes(model.hf_config(), layout.tp)) > 1:
             raise InputError(f"tp({layout.tp}) shards {' and '.join(UNEVEN_SIZES)} unevenly; with pp or ep that is "
                              "not modelled yet (TP alone is)")

@@ -59,10 +59,13 @@ class Layout:
                              f"pp({self.pp}) x tp({self.tp}) (use --strategy ddp or --ds-config for several)")
         if self.strategy is Strategy.FSDP and self.world_size < 2:
             raise InputError(f"strategy fsdp shards over the ranks: world-size({self.world_size}) must be at least 2")
-        if self.tp * self.pp > 1 and not (self.strategy is Strategy.SINGLE or
+        fsdp_x_tp = (self.strategy is Strategy.FSDP and self.pp == 1 and self.fsdp is not None
+                     and self.fsdp.wrap == "transformers")  # DistributedConfig(tp_size, fsdp_size): a 2-D mesh
+        if self.tp * self.pp > 1 and not (self.strategy is Strategy.SINGLE or fsdp_x_tp or
                                           (self.strategy is Strategy.DDP and self.pp > 1 and self.tp == 1)):
             raise InputError(f"pp({self.pp}) x tp({self.tp}) with strategy {self.strategy.value} is not modelled "
-                             "yet; modelled: tp and pp with single (dp = 1), and pp with ddp (tp = 1)")
+                             "yet; modelled: tp and pp with single (dp = 1), pp with ddp (tp = 1), and tp with fsdp "
+                             "as transformers composes them (--fsdp-wrap transformers)")
         if (self.strategy is Strategy.DEEPSPEED) != (self.deepspeed is not None):
             raise InputError("strategy deepspeed needs a DeepSpeed config (--ds-config), and only it takes one")
         if (self.strategy is Strategy.FSDP) != (self.fsdp is not None):
