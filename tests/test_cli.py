@@ -317,3 +317,24 @@ def test_a_lora_prediction_prints_no_library_noise():
     done = subprocess.run([sys.executable, "-m", "llmsim.app.cli", "predict", *TINY, "--seq-len", "16",
                            "--micro-batch", "1", "--lora-rank", "4"], capture_output=True, text=True)
     assert done.returncode == 0 and done.stderr == ""
+
+
+def test_dtype_for_the_canonical_loop_is_the_load_and_levers_keep_it(capsys):
+    """--dtype without --training-args: the weights as from_pretrained(dtype=...) loads them, nothing cast after; a
+    precision contradicting the load is one line; a lever's bf16 loads in bf16 rather than casting an fp32 load."""
+    from llmsim.enums import Precision
+    from llmsim.inputs.spec import TrainSetup, as_loaded
+
+    base = ["predict", "--model", "gpt2", "--set", "n_layer=2", "--set", "n_embd=64", "--set", "n_head=2",
+            "--set", "vocab_size=500", "--seq-len", "16", "--micro-batch", "1"]
+    assert main([*base, "--dtype", "bfloat16", "--format", "json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["precision"] == "bf16" and result["load_dtype"] == "bfloat16"
+    for flags, message in ((["--dtype", "float32", "--precision", "bf16"], "train as fp32, bf16-autocast"),
+                           (["--dtype", "bfloat16", "--build-dtype", "bf16", "--precision", "bf16"], "give one"),
+                           (["--dtype", "int4"], "unknown dtype 'int4'")):
+        assert main([*base, *flags]) == 2, flags
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and message in error, (flags, error)
+    loaded = as_loaded(TrainSetup(1, 8, load_dtype="float32"), precision=Precision.BF16, build_bf16=True)
+    assert (loaded.load_dtype, loaded.precision, loaded.build_bf16) == ("bfloat16", Precision.BF16, True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from llmsim.enums import Loss, Optimizer, Precision, Recipe
 from llmsim.errors import InputError
 from llmsim.inputs.gpus import GpuProfile
-from llmsim.inputs.spec import ModelSpec, TrainSetup
+from llmsim.inputs.spec import ModelSpec, TrainSetup, as_loaded
 from llmsim.model.step import peft_default_targets
 from llmsim.sim.allocator import AllocatorConfig
 from llmsim.sim.strategies import Layout, Strategy
@@ -90,7 +90,7 @@ def _canonical_levers(model: ModelSpec, setup: TrainSetup, layout: Layout) -> li
     out = []
 
     def add(change: str, cost: str, **fields) -> None:
-        out.append(Change(change, cost, replace(setup, **fields), layout))
+        out.append(Change(change, cost, as_loaded(setup, **fields), layout))
     if setup.optimizer in (Optimizer.ADAMW, Optimizer.ADAM) and not setup.fused:
         add("--fused", "none: the same optimizer in one fused kernel (no foreach temporaries)", fused=True,
             foreach=False)

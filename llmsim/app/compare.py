@@ -17,7 +17,7 @@ from llmsim.inputs.gpus import GpuProfile, on_gpu
 from llmsim.model.losses import check_loss
 from llmsim.model.step import peft_default_targets
 from llmsim.sim.pipeline import predict
-from llmsim.inputs.spec import ModelSpec, TrainSetup
+from llmsim.inputs.spec import ModelSpec, TrainSetup, as_loaded
 from llmsim.sim.strategies import Layout, check_supported
 
 # (label, TrainSetup overrides): each lever alone, then the combinations people use
@@ -64,7 +64,7 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
                    ckpt_offload=False, fused=False,
                    loss=Loss.HF, loss_chunk=None, lora_modules_to_save=None, trainable_tokens=None)
     levers = LEVERS if peft_default_targets(model) else [_on_all_linear(label, overrides) for label, overrides in LEVERS]
-    setups = [(label, overrides, replace(base, **overrides)) for label, overrides in levers]
+    setups = [(label, overrides, as_loaded(base, **overrides)) for label, overrides in levers]
     chosen = [(label, setup) for label, overrides, setup in setups
               if _lever_modelled(model, setup, overrides, layout, gpu)]
     rows = in_processes(functools.partial(_lever_row, model, layout, gpu, alloc_conf), chosen, jobs, progress,

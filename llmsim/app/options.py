@@ -362,15 +362,11 @@ def _token_indices(text: str | None) -> tuple[int, ...] | None:
             from None
 
 
-# The precisions the canonical loop runs on weights loaded in each dtype (from_pretrained(dtype=...), no cast)
-LOADED_PRECISIONS = {"float32": (Precision.FP32, Precision.BF16_AUTOCAST, Precision.FP16_AUTOCAST),
-                     "bfloat16": (Precision.BF16,), "float16": (Precision.FP16,)}
-
-
 def _loaded(spec, args, precision):
     """--dtype without --training-args: the canonical loop on the weights from_pretrained(dtype=...) loads, which it
     then trains as they are (no model.to() cast: the rotary tables transformers keeps in fp32 stay fp32)."""
     from llmsim.inputs.hf import resolve_load_dtype
+    from llmsim.inputs.spec import LOADED_PRECISIONS
 
     if args.build_dtype != "fp32":
         raise InputError("--dtype is how from_pretrained loads the weights; --build-dtype is the canonical build's: "

@@ -49,7 +49,7 @@ from llmsim.sim.processes import in_processes
 from llmsim.app.report import human_bytes
 from llmsim.model.pipelining import Schedule, check_pipeline
 from llmsim.model.tensor_parallel import check_tensor_parallel
-from llmsim.inputs.spec import FsdpSetup, ModelSpec, TrainSetup
+from llmsim.inputs.spec import FsdpSetup, ModelSpec, TrainSetup, as_loaded
 from llmsim.sim.strategies import ZERO_ALLOW_UNTESTED_OPTIMIZER, Layout, Strategy, deepspeed_tested
 
 
@@ -287,7 +287,7 @@ def lever_sets(allow: tuple[str, ...]) -> list[tuple[str, ...]]:
 
 def with_levers(setup: TrainSetup, levers: tuple[str, ...]) -> TrainSetup:
     for name in levers:
-        setup = replace(setup, **LEVERS[name])
+        setup = as_loaded(setup, **LEVERS[name])
     return setup
 
 

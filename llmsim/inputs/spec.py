@@ -48,6 +48,20 @@ def num_experts(config) -> int:
 
 # MixedPrecisionPolicy dtypes as llmsim spells them (torch.distributed.fsdp.MixedPrecisionPolicy takes torch dtypes)
 FSDP_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# The precisions the canonical loop runs on weights loaded in each dtype (from_pretrained(dtype=...), no cast after)
+LOADED_PRECISIONS = {"float32": (Precision.FP32, Precision.BF16_AUTOCAST, Precision.FP16_AUTOCAST),
+                     "bfloat16": (Precision.BF16,), "float16": (Precision.FP16,)}
+
+
+def as_loaded(setup: "TrainSetup", **changes) -> "TrainSetup":
+    """`setup` with `changes` (a lever's), where a job that loads its weights with from_pretrained(dtype=...) keeps
+    doing so: a precision lever loads them in that precision's dtype instead of casting them."""
+    changed = replace(setup, **changes) if setup.load_dtype is None or setup.recipe is not Recipe.CANONICAL else None
+    if changed is not None:
+        return changed
+    precision = changes.get("precision", setup.precision)
+    load_dtype = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}.get(precision, "float32")
+    return replace(setup, **{**changes, "load_dtype": load_dtype, "build_bf16": load_dtype == "bfloat16"})
 FSDP_INITS = ("meta", "full")
 # How the model is wrapped: "layers" (fully_shard on every decoder layer, then the root: accelerate's
 # TRANSFORMER_BASED_WRAP, torchtitan) or "transformers" (the model's own FSDP plan, as
@@ -215,6 +229,12 @@ class TrainSetup:
                              "TrainingArguments)")
         if self.load_dtype is not None and self.load_dtype not in ("float32", "bfloat16", "float16"):
             raise InputError(f"load dtype {self.load_dtype!r}: float32, bfloat16 or float16")
+        if self.load_dtype is not None and self.recipe is Recipe.CANONICAL:
+            allowed = LOADED_PRECISIONS[self.load_dtype]
+            if self.precision not in allowed or self.build_bf16 != (self.load_dtype == "bfloat16"):
+                raise InputError(f"weights loaded in {self.load_dtype} train as "
+                                 f"{', '.join(p.value for p in allowed)}, not {self.precision.value} (the canonical "
+                                 "loop casts nothing after from_pretrained)")
         if (self.quantization_config is not None or self.kbit_prep) and self.recipe is not Recipe.HF_TRAINER:
             raise InputError("a BitsAndBytesConfig file is read with --training-args (the hf-trainer recipe); for "
                              "the canonical step use --quant")
