@@ -126,9 +126,11 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
         vocab_size = model.get_input_embeddings().num_embeddings
         if peft is not None:
             model = _peft_model(model, peft)
-        if setup.trainer_under_deepspeed:  # deepspeed.initialize's cast, after get_peft_model (the adapters too)
-            hooks.label_model()  # the fp32 adapters named (their layer known) before the cast frees them
+        if setup.trainer_under_deepspeed and not setup.zero3_hooks:  # deepspeed.initialize's cast, after
+            hooks.label_model()  # get_peft_model (the adapters too); the fp32 adapters named before it frees them
             cast_parameters(model, setup.precision.cast_dtype)
+        # (ZeRO-3 casts nothing: the base loaded in the config's dtype under zero.Init, peft's adapters stay fp32,
+        # `autocast_adapter_dtype`, as in the canonical ZeRO-3 LoRA step: llmsim/sim/strategies/zero3.py)
         if peft is not None or setup.trainer_under_deepspeed:
             hooks.adopt_new_parameters()
         if setup.label_micro_grads:

@@ -242,10 +242,6 @@ def trainer_layout(model, setup, world_size: int, strategy: "Strategy | None" = 
     if deepspeed.optimizer_kind != "client":
         raise InputError("the Trainer with a DeepSpeed \"optimizer\" section is not modelled yet; modelled: the "
                          "Trainer's own optimizer (no \"optimizer\" section)")
-    if deepspeed.stage == 3 and setup.lora_rank:
-        raise InputError("the Trainer with DeepSpeed ZeRO-3 and a peft config is not modelled yet: measured, its ranks "
-                         "hold 1.4-5.2 MB more than llmsim's ZeRO-3 LoRA model gives (8-25 %, "
-                         "experiments/measure_trainer_zero3.out); modelled: ZeRO-3 full fine-tuning, LoRA under ZeRO-1/2")
     setup = replace(setup, precision=deepspeed.precision)
     if deepspeed.stage == 3 and deepspeed.precision is Precision.BF16 and setup.load_dtype != "bfloat16":
         # TrainingArguments(deepspeed=...) made first (HfDeepSpeedConfig): from_pretrained builds under zero.Init,
