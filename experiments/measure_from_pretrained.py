@@ -15,7 +15,8 @@ each wait settled as NCCL releases at the wait, the exact tracker in every rank 
   and FSDP2 x TP (`DistributedConfig(tp_size=2, fsdp_size=2)`, 4 ranks), against `--strategy fsdp --fsdp-wrap
   transformers [--tp 2]`.
 - HELDOUT (`--heldout`, data/measurements/tier2_from_pretrained_heldout_cpu.csv): shapes and families none of the
-  runs above has, each predicted (printed first) with llmsim's code fixed, then measured.
+  runs above has, each predicted (printed first) with llmsim's code fixed, then measured (`--heldout --only fsdp`:
+  the FSDP2 ones, experiments/measure_from_pretrained_heldout_fsdp.out).
 
 `--unsettled` measures a dense TP run and a collapsed EP run each three times without the settle (gloo's own timing)
 beside the settled rows, and writes nothing: whether gloo's worker thread holding a collective's buffers past the
@@ -93,6 +94,15 @@ HELDOUT_TP = [("llama-3.1-70b", {**DENSE, "num_hidden_layers": 5, "hidden_size":
                                 "num_key_value_heads": 2, "intermediate_size": 320}, 3, 80, ["--dtype", "bfloat16"])]
 HELDOUT_EP = [("deepseek-v3", "balanced", "bf16"), ("qwen3-235b-a22b", "collapsed", "fp32"),
               ("mixtral-8x7b", "router", "bf16")]
+# FSDP2 held out (`--heldout --only fsdp`): shapes and combinations none of FSDP_RUNS has, each predicted first
+HELDOUT_FSDP = [
+    ("qwen2.5-7b", {**DENSE, "num_hidden_layers": 5, "hidden_size": 96, "num_attention_heads": 6,
+                    "num_key_value_heads": 2, "intermediate_size": 200}, 3, 40,
+     [*FSDP, "--world-size", "2", "--dtype", "bfloat16"]),
+    ("llama-3.1-8b", {**DENSE, "num_key_value_heads": 4, "intermediate_size": 192}, 2, 56,
+     [*FSDP_TP, *MIXED, "--world-size", "4", "--dtype", "float32"]),
+    ("olmoe-1b-7b", "moe", 2, 48, [*FSDP, *MIXED, "--world-size", "2", "--dtype", "float32"]),
+]
 
 
 def _command(verb: str, model: str, overrides: dict, micro_batch: int, seq_len: int, flags: list[str]) -> list[str]:
@@ -166,12 +176,16 @@ def main() -> int:
         if options.heldout:
             print(f"{model:16} {predicted(case, flags)}", flush=True)
         failures += measure(case, flags, HELDOUT_OUT if options.heldout else TP_OUT) != 0
-    for model, overrides, micro_batch, seq_len, flags in FSDP_RUNS if options.only == "fsdp" else []:
+    for model, overrides, micro_batch, seq_len, flags in ((HELDOUT_FSDP if options.heldout else FSDP_RUNS)
+                                                          if options.only == "fsdp" else []):
         if overrides == "moe":
             from llmsim.inputs.zoo import shrink
 
             overrides = shrink(model, *MOE_SHAPES[model])
-        failures += measure([model, overrides, micro_batch, seq_len], flags, FSDP_OUT) != 0
+        case = [model, overrides, micro_batch, seq_len]
+        if options.heldout:
+            print(f"{model:16} {predicted(case, flags)}", flush=True)
+        failures += measure(case, flags, HELDOUT_OUT if options.heldout else FSDP_OUT) != 0
     for model, routing, precision in ep_runs if options.only not in ("tp", "fsdp") else []:
         case, flags = _ep(model, routing, precision)
         if options.heldout:
