@@ -40,7 +40,8 @@ from unittest import mock
 from llmsim.enums import Phase
 from llmsim.model.tracker import StorageTracker
 
-GLOO_SETTLE_S = 0.002  # what gloo's worker thread is given after each wait to drop its buffers, as NCCL's does
+GLOO_SETTLE_S = 0.01  # what gloo's worker thread is given after each wait to drop its buffers, as NCCL does;
+# 2 ms, enough with a core a process, was not always enough with 4 ranks on 2 cores (`_settled_waits`)
 
 
 def forced_routing(routing: str, tokens: int, top_k: int, experts: int):
@@ -58,9 +59,12 @@ def forced_routing(routing: str, tokens: int, top_k: int, experts: int):
 
 def _settled_waits():
     """gloo's worker thread can hold a collective's buffers past the wait; NCCL drops them there. Each wait of a
-    functional collective (DTensor's, `all_to_all_single_autograd`), each synchronous c10d collective and each of
-    FSDP2's reduce-scatters (gloo copies its input; llmsim/model/fsdp.py) is given GLOO_SETTLE_S, so the rows are
-    what a GPU run holds."""
+    functional collective (DTensor's, `all_to_all_single_autograd`) and each synchronous c10d collective is given
+    GLOO_SETTLE_S; FSDP2's asynchronous all-gathers and reduce-scatters are waited for as they are issued, then given
+    it (FSDP2 keeps its own references until its own wait). With a 2 ms sleep alone, an OLMoE FSDP2 run came out
+    218,688 B over on one rank in 3 runs of 8 (the first held-out run among them); with the wait, 5 of 5 equal; one
+    4-rank run on 2 cores was still 256,288 B over on one rank until the settle was 10 ms. So the rows are what a GPU
+    run holds.""" 
     import contextlib
 
     import torch
@@ -89,17 +93,31 @@ def _settled_waits():
 
     reduce_scatter = dist.reduce_scatter_single
 
-    def settled_reduce_scatter(*args, **kwargs):  # FSDP2's, async: gloo's copy of the input dropped meanwhile
-        work = reduce_scatter(*args, **kwargs)
+    def settled_reduce_scatter(*args, **kwargs):  # FSDP2's, async: gloo's copy of its input dropped before FSDP2
+        work = reduce_scatter(*args, **kwargs)  # goes on (NCCL makes none); a sleep alone missed it in one run of
+        if work is not None:  # three on a loaded machine (OLMoE, 218,688 B on one rank), so the work is waited for
+            work.wait()  # first: FSDP2 still holds the input and output until its own wait
+        time.sleep(GLOO_SETTLE_S)
+        return work
+
+    all_gather = dist.all_gather_into_tensor
+
+    def settled_all_gather(*args, **kwargs):  # FSDP2's are async too
+        work = all_gather(*args, **kwargs)
+        if kwargs.get("async_op") and work is not None:
+            work.wait()
         time.sleep(GLOO_SETTLE_S)
         return work
 
     stack.enter_context(mock.patch.object(dist, "reduce_scatter_single", settled_reduce_scatter))
 
-    for name in ("all_reduce", "all_gather_into_tensor", "all_to_all_single", "broadcast"):
+    for name in ("all_reduce", "all_to_all_single", "broadcast"):
         stack.enter_context(mock.patch.object(dist, name, settled(getattr(dist, name))))
         if hasattr(expert_parallel, name):  # imported by name there
             stack.enter_context(mock.patch.object(expert_parallel, name, settled(getattr(expert_parallel, name))))
+    stack.enter_context(mock.patch.object(dist, "all_gather_into_tensor", settled_all_gather))
+    if hasattr(expert_parallel, "all_gather_into_tensor"):
+        stack.enter_context(mock.patch.object(expert_parallel, "all_gather_into_tensor", settled_all_gather))
     stack.enter_context(SettledWaits())
     return stack
 
