@@ -61,10 +61,10 @@ def _settled_waits():
     """gloo's worker thread can hold a collective's buffers past the wait; NCCL drops them there. Each wait of a
     functional collective (DTensor's, `all_to_all_single_autograd`) and each synchronous c10d collective is given
     GLOO_SETTLE_S; FSDP2's asynchronous all-gathers and reduce-scatters are waited for as they are issued, then given
-    it (FSDP2 keeps its own references until its own wait). With a 2 ms sleep alone, an OLMoE FSDP2 run came out
-    218,688 B over on one rank in 3 runs of 8 (the first held-out run among them); with the wait, 5 of 5 equal; one
-    4-rank run on 2 cores was still 256,288 B over on one rank until the settle was 10 ms. So the rows are what a GPU
-    run holds.""" 
+    it (FSDP2 keeps its own references until its own wait). An OLMoE FSDP2 run on 2 ranks came out 218,688 B over
+    on one rank in 2 of 4 runs with a 2 ms sleep alone (the first held-out run among them), in 2 of 5 with the
+    reduce-scatters waited for, in none of 5 with the all-gathers waited for too; a 4-rank run on 2 cores was still
+    256,288 B over on one rank until the sleep was 10 ms. So the rows are what a GPU run holds."""
     import contextlib
 
     import torch
