@@ -13,7 +13,8 @@ from llmsim.measure.runs import measure_from_pretrained
 from llmsim.sim.pipeline import predict
 from llmsim.sim.strategies import Layout
 
-HARNESS_MAY_IMPORT = {"llmsim", "llmsim.model", "llmsim.model.from_pretrained_recipe", "llmsim.model.tracker",
+HARNESS_MAY_IMPORT = {"llmsim", "llmsim.model", "llmsim.model.from_pretrained_recipe", "llmsim.model.gloo",
+                      "llmsim.model.tracker",
                       "llmsim.enums"}
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 600}

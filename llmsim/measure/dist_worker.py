@@ -104,17 +104,11 @@ def _deepspeed_settled(settle: bool):
         return contextlib.nullcontext()
     import torch.distributed as dist
 
-    def settled(real):
-        def call(*args, **kwargs):
-            out = real(*args, **kwargs)
-            if not kwargs.get("async_op"):
-                time.sleep(GLOO_SETTLE_S)
-            return out
-        return call
+    from llmsim.model.gloo import settled
 
     stack = contextlib.ExitStack()
     for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"):
-        stack.enter_context(mock.patch.object(dist, name, settled(getattr(dist, name))))
+        stack.enter_context(mock.patch.object(dist, name, settled(getattr(dist, name), GLOO_SETTLE_S)))
     return stack
 
 

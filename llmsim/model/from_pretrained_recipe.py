@@ -38,6 +38,7 @@ from pathlib import Path
 from unittest import mock
 
 from llmsim.enums import Phase
+from llmsim.model.gloo import settled
 from llmsim.model.tracker import StorageTracker
 
 GLOO_SETTLE_S = 0.01  # what gloo's worker thread is given after each wait to drop its buffers, as NCCL does;
@@ -80,44 +81,17 @@ def _settled_waits():
                 time.sleep(GLOO_SETTLE_S)
             return out
 
-    def settled(real):
-        def call(*args, **kwargs):
-            out = real(*args, **kwargs)
-            if not kwargs.get("async_op"):
-                time.sleep(GLOO_SETTLE_S)
-            return out
-        return call
-
     stack = contextlib.ExitStack()
     from transformers.distributed import expert_parallel
 
-    reduce_scatter = dist.reduce_scatter_single
-
-    def settled_reduce_scatter(*args, **kwargs):  # FSDP2's, async: gloo's copy of its input dropped before FSDP2
-        work = reduce_scatter(*args, **kwargs)  # goes on (NCCL makes none); a sleep alone missed it in one run of
-        if work is not None:  # three on a loaded machine (OLMoE, 218,688 B on one rank), so the work is waited for
-            work.wait()  # first: FSDP2 still holds the input and output until its own wait
-        time.sleep(GLOO_SETTLE_S)
-        return work
-
-    all_gather = dist.all_gather_into_tensor
-
-    def settled_all_gather(*args, **kwargs):  # FSDP2's are async too
-        work = all_gather(*args, **kwargs)
-        if kwargs.get("async_op") and work is not None:
-            work.wait()
-        time.sleep(GLOO_SETTLE_S)
-        return work
-
-    stack.enter_context(mock.patch.object(dist, "reduce_scatter_single", settled_reduce_scatter))
-
-    for name in ("all_reduce", "all_to_all_single", "broadcast"):
-        stack.enter_context(mock.patch.object(dist, name, settled(getattr(dist, name))))
-        if hasattr(expert_parallel, name):  # imported by name there
-            stack.enter_context(mock.patch.object(expert_parallel, name, settled(getattr(expert_parallel, name))))
-    stack.enter_context(mock.patch.object(dist, "all_gather_into_tensor", settled_all_gather))
-    if hasattr(expert_parallel, "all_gather_into_tensor"):
-        stack.enter_context(mock.patch.object(expert_parallel, "all_gather_into_tensor", settled_all_gather))
+    # FSDP2's asynchronous all-gathers and reduce-scatters waited for as issued; the others slept after when
+    # synchronous (transformers' EP imports its collectives by name)
+    for name, wait_async in (("all_reduce", False), ("all_to_all_single", False), ("broadcast", False),
+                             ("all_gather_into_tensor", True), ("reduce_scatter_single", True)):
+        stack.enter_context(mock.patch.object(dist, name, settled(getattr(dist, name), GLOO_SETTLE_S, wait_async)))
+        if hasattr(expert_parallel, name):
+            stack.enter_context(mock.patch.object(
+                expert_parallel, name, settled(getattr(expert_parallel, name), GLOO_SETTLE_S, wait_async)))
     stack.enter_context(SettledWaits())
     return stack
 

@@ -158,8 +158,9 @@ def lead_and_period(signatures: list) -> tuple[int, int]:
 
 def _slice_rows(num_tokens: int, tp: int) -> list[int]:
     """The rows each TP rank keeps of a Replicate -> Shard(0) redistribute: torch.chunk's split."""
-    chunk = -(-num_tokens // tp)
-    return [max(0, min(chunk, num_tokens - rank * chunk)) for rank in range(tp)]
+    from llmsim.model.fsdp import local_rows
+
+    return [local_rows(num_tokens, tp, rank) for rank in range(tp)]
 
 
 def _even(total: int, parts: int) -> list[int]:

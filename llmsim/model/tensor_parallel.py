@@ -64,18 +64,15 @@ def check_tensor_parallel(config, tp: int) -> None:
                              f"{', '.join(str(d) for d in valid)}")
 
 
-def _local_rows(size: int, tp: int, rank: int) -> int:
-    chunk = -(-size // tp)
-    return max(0, min(chunk, size - rank * chunk))
-
-
 def tp_rank_classes(config, tp: int) -> list[list[int]]:
     """The TP ranks in groups of equal local shards (one group where every sharded size divides by tp): a rank
-    of each group is traced (`TrainSetup.tp_rank`)."""
+    of each group is traced (`TrainSetup.tp_rank`). DTensor's Shard splits as FSDP2's shards do (`local_rows`)."""
+    from llmsim.model.fsdp import local_rows
+
     sizes = [getattr(config, name, None) for name in UNEVEN_SIZES]
     classes: dict[tuple, list[int]] = {}
     for rank in range(tp):
-        key = tuple(_local_rows(size, tp, rank) for size in sizes if isinstance(size, int))
+        key = tuple(local_rows(size, tp, rank) for size in sizes if isinstance(size, int))
         classes.setdefault(key, []).append(rank)
     return list(classes.values())
 

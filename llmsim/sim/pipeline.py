@@ -41,17 +41,12 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
         elif layout.fsdp is not None:  # one trace per group of ranks with equal local shards
             from llmsim.sim.strategies.fsdp import rank_classes
 
-            rank_timelines = {}
             classes = rank_classes(model, setup, layout.world_size) if layout.tp == 1 else [list(range(
                 layout.world_size))]  # FSDP2 x TP: even shards only (`checked`), every rank alike
-            for ranks in classes:
-                timeline, graph = expanded(model, replace(setup, fsdp_rank=ranks[0]))
-                rank_timelines.update(dict.fromkeys(ranks, timeline))
+            rank_timelines, graph = _traced_per_class(model, setup, classes, "fsdp_rank")
         elif len(classes := tp_rank_classes(model.hf_config(), setup.tp) if setup.tp > 1 else [[0]]) > 1:
-            rank_timelines = {}  # uneven TP shards: one trace per group of ranks with equal shards
-            for ranks in classes:
-                timeline, graph = expanded(model, replace(setup, tp_rank=ranks[0]))
-                rank_timelines.update(dict.fromkeys(ranks, timeline))
+            # uneven TP shards: one trace per group of ranks with equal shards
+            rank_timelines, graph = _traced_per_class(model, setup, classes, "tp_rank")
         else:  # one trace, at full depth; the strategy plans each rank's timeline from it
             timeline, graph = expanded(model, setup)
             rank_timelines = plan(timeline, layout, setup)
@@ -61,6 +56,16 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             worst = replace(setup, routing="collapsed")
             bound = replay_ranks(plan(expanded(model, worst)[0], layout, worst), gpu, alloc_conf, jobs)
         return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf, routing_bound=bound)
+
+
+def _traced_per_class(model: ModelSpec, setup: TrainSetup, classes: list[list[int]], rank_field: str):
+    """One trace per group of ranks with equal shards, as the group's first rank (`rank_field` of the setup), given
+    to every rank of the group; and the last trace's layer graph."""
+    rank_timelines, graph = {}, None
+    for ranks in classes:
+        timeline, graph = expanded(model, replace(setup, **{rank_field: ranks[0]}))
+        rank_timelines.update(dict.fromkeys(ranks, timeline))
+    return rank_timelines, graph
 
 
 def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile | None = None) -> TrainSetup:
