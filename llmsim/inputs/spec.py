@@ -114,8 +114,6 @@ class FsdpSetup:
     def from_json(cls, text: str) -> "FsdpSetup":
         """A row's `fsdp_config`: every field stated (a row says how it was built, never a default)."""
         fields = json.loads(text)
-        # rows made before `wrap` existed were all wrapped per layer, the only wrap llmsim measured then
-        fields.setdefault("wrap", "layers")
         names = ["init", "param_dtype", "reduce_dtype", "reshard_after_forward", "wrap"]
         unknown, missing = sorted(set(fields) - set(names)), sorted(set(names) - set(fields))
         if unknown or missing:

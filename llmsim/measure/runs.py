@@ -241,6 +241,9 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     setup = resolve_attention(spec, setup)
     check_fits_positions(spec, setup)
     check_supported(setup, layout)  # what is not modelled (e.g. ckpt-offload with ZeRO) is not measured either
+    if layout.fsdp is not None and layout.fsdp.wrap != "layers":  # llmsim/measure/dist_worker.py wraps per layer
+        raise InputError("FSDP2 as transformers applies it is measured through transformers' own entry point: "
+                         "llmsim measure --recipe from-pretrained")
     check_tensor_parallel(spec.hf_config(), layout.tp)
     check_pipeline(spec.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
                    setup.precision)
