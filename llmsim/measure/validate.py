@@ -149,9 +149,12 @@ def _routing(row: pd.Series) -> str:
     """The routing an expert-parallel row is predicted under: a forced balanced routing as stated, a collapsed one or
     the router's own against the worst routing (`routing_check` says whether the rank must equal it or stay under)."""
     routing = row.get("routing")
-    if not isinstance(routing, str) or routing in ("", "balanced"):
-        return "balanced"
-    return "collapsed"
+    if _int(row, "ep", 1) == 1:
+        return "balanced"  # no expert parallelism: the routing decides no split
+    if routing not in ("balanced", "collapsed", "router"):
+        raise InputError(f"{row['model']}: an expert-parallel row must say its routing (balanced, collapsed or "
+                         f"router), not {routing!r}")
+    return "balanced" if routing == "balanced" else "collapsed"
 
 
 def _within(row: pd.Series, error: float, tolerance: float) -> bool:
