@@ -15,7 +15,7 @@ own timing and prints the peaks beside the settled ones (not kept). A run refuse
 Run: python experiments/measure_offload.py [--only I ...] [--both-ways] (about 12 minutes on 2 cores);
 experiments/measure_offload.out holds the outputs that made the rows, in order: the ZeRO-1/2 runs, then the ZeRO-3
 ones by `--only 23 ... 34`, `--only 35 ... 44`, the default-bucket run's repeats, `--only 45 46 47` and
-`--only 48 49`.
+`--only 48 49`, then DeepSpeed's CPU Adam by `--only 50 ... 61`.
 """
 from __future__ import annotations
 
@@ -52,6 +52,13 @@ def offload(stage: int, bf16: bool, pin: bool = True, ga: int = 1, clip: float =
     if bf16:
         config["bf16"] = {"enabled": True}
     return config
+
+
+def cpu_adam(config: dict, kind: str = "AdamW") -> dict:
+    """The same JSON with DeepSpeed's own optimizer, an "optimizer" section (as DeepSpeed's offload tutorials write
+    it): with the optimizer offloaded it builds DeepSpeedCPUAdam (engine.get_optimizer_configuration)."""
+    config = {key: value for key, value in config.items() if key != "zero_force_ds_cpu_optimizer"}
+    return {**config, "optimizer": {"type": kind, "params": {"lr": 1e-4, "weight_decay": 0.01}}}
 
 
 # (model, world size, DeepSpeed JSON, grad_ckpt, seq_len, TrainSetup fields)
@@ -121,6 +128,19 @@ RUNS = [
     # modelled (zero.Init partitions it before tie_weights replaces it): two more, predicted before measured
     ("qwen2.5-0.5b", 2, offload(3, False, offload_param=HOST_PARAMS), False, 64, {"lora_rank": 16}),
     ("gpt2", 3, offload(3, True, offload_param=HOST_PARAMS_UNPINNED), True, 64, {"lora_rank": 8}),
+    # DeepSpeed's CPU Adam (an "optimizer" section), every one predicted before it was first measured
+    ("llama-2-7b", 2, cpu_adam(offload(2, False, pin=False)), False, 64, {}),
+    ("llama-2-7b", 2, cpu_adam(offload(2, True)), False, 64, {}),
+    ("llama-2-7b", 2, cpu_adam(offload(1, True, overlap_comm=True)), True, 64, {}),
+    ("mistral-7b", 3, cpu_adam(offload(2, True, ga=2)), False, 64, {"grad_accum": 2}),
+    ("gpt2", 2, cpu_adam(offload(1, False)), False, 64, {}),  # tied embeddings
+    ("qwen2.5-0.5b", 2, cpu_adam(offload(2, True)), True, 64, {"lora_rank": 8}),
+    ("pythia-160m", 2, cpu_adam(offload(2, False), kind="Adam"), False, 64, {}),
+    ("llama-2-7b", 2, cpu_adam(offload(3, False)), False, 64, {}),
+    ("llama-2-7b", 2, cpu_adam(offload(3, True, sub_group_size=30_000)), True, 64, {}),  # several sub-groups
+    ("mistral-7b", 3, cpu_adam(offload(3, True, offload_param=HOST_PARAMS)), False, 64, {}),
+    ("gpt2", 2, cpu_adam(offload(3, False, ga=2, offload_param=HOST_PARAMS)), True, 64, {"grad_accum": 2}),
+    ("qwen2.5-0.5b", 4, cpu_adam(offload(3, True, offload_param=HOST_PARAMS_UNPINNED)), False, 64, {"lora_rank": 8}),
 ]
 
 

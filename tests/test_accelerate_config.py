@@ -42,6 +42,29 @@ def test_deepspeed_launch_is_the_json_accelerate_builds(tmp_path, capsys):
     assert _peaks(capsys, "--accelerate-config", from_file) == expected
 
 
+def test_offloaded_optimizer_is_deepspeeds_cpu_adam_as_accelerate_swaps_it_in(tmp_path, capsys):
+    """With the optimizer offloaded accelerate hands DeepSpeed `map_pytorch_optim_to_deepspeed(optimizer)`, a
+    DeepSpeedCPUAdam: the launch predicts what a JSON with an Adam "optimizer" section predicts (DeepSpeed's CPU
+    Adam again), not what the client AdamW kept by "zero_force_ds_cpu_optimizer": false predicts."""
+    launch = _write(tmp_path, "offload.yaml", "distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 2\n"
+                    "deepspeed_config:\n  zero_stage: 2\n  gradient_clipping: 1.0\n  gradient_accumulation_steps: 1\n"
+                    "  offload_optimizer_device: cpu\n")
+    base = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    section = _write(tmp_path, "adam.json", json.dumps({**base, "optimizer": {"type": "AdamW"}}))
+    client = _write(tmp_path, "client.json", json.dumps({**base, "zero_force_ds_cpu_optimizer": False}))
+
+    def host(*args) -> list[int]:
+        assert main(["predict", *TINY, *args, "--format", "json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        return [(r["peak_allocated_bytes"], r["peak_host_bytes"]) for r in out["ranks"]], out["optimizer"]
+
+    swapped, words = host("--accelerate-config", launch)
+    assert swapped == host("--ds-config", section, "--world-size", "2")[0]
+    assert swapped != host("--ds-config", client, "--world-size", "2")[0]
+    assert words.startswith("DeepSpeed's CPU Adam (accelerate's map_pytorch_optim_to_deepspeed, in place of adamw")
+
+
 def test_multi_gpu_launch_is_ddp_under_autocast(tmp_path, capsys):
     config = _write(tmp_path, "ddp.yaml", "distributed_type: MULTI_GPU\nmixed_precision: bf16\nnum_processes: 4\n"
                     "num_machines: 1\ngpu_ids: all\n")
@@ -60,7 +83,7 @@ def test_multi_gpu_launch_is_ddp_under_autocast(tmp_path, capsys):
     ("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: bf16\n", ["--precision", "bf16"],
      "--precision bf16 contradicts"),
     ("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stage: 2\n"
-     "  offload_optimizer_device: cpu\n", [], "replaces the torch optimizer by DeepSpeed's CPU Adam"),
+     "  offload_optimizer_device: cpu\n", ["--optimizer", "sgd"], "replaced by DeepSpeed's CPU Adam"),
     ("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stag: 2\n", [],
      "deepspeed_config: unknown keys ['zero_stag']"),
     ("distributed_type: XLA\nnum_processes: 2\n", [], "distributed_type XLA is not modelled"),

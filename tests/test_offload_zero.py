@@ -56,6 +56,9 @@ def test_committed_rows_cover_the_offload_matrix():
     assert {c["gradient_accumulation_steps"] for c in configs} >= {1, 2, 3}
     assert set(rows["world_size"]) >= {2, 3, 4} and (rows["lora_rank"] > 0).any() and rows["grad_ckpt"].any()
     assert (rows["peak_host_bytes"] > 0).all()  # every rank holds its optimizer on the host
+    cpu_adam = [z for c, z in zip(configs, zero) if "optimizer" in c]  # DeepSpeed's CPU Adam
+    assert len(cpu_adam) >= 28 and {z["stage"] for z in cpu_adam} == {1, 2, 3}
+    assert any(z.get("offload_param") for z in cpu_adam) and any(z.get("sub_group_size") for z in cpu_adam)
 
 
 def test_committed_trainer_rows_cover_offload_as_recipes_write_it():
@@ -135,6 +138,39 @@ def test_zero3_offload_keeps_master_gradients_and_states_on_the_host():
         params = _predict(config)
         assert params.peak_host_bytes == offloaded.peak_host_bytes + elem * partition
         assert params.peak_allocated_bytes < offloaded.peak_allocated_bytes
+
+
+def test_deepspeeds_cpu_adam_steps_in_place_on_the_host():
+    """DeepSpeedCPUAdam (an "optimizer" section with the optimizer offloaded) keeps AdamW's two fp32 states on the
+    host and steps in compiled code, in place, as torch's fused AdamW does: no sqrt/denom temporaries. Against the
+    client AdamW on the for-loop path each rank's host peak is 2 x 4 B per partition element lower (stages 1 and 2,
+    where the step makes the host peak); against the fused client it is lower by the fused path's 0-d `step`
+    alone, which torch keeps beside the host partition and CPU Adam keeps as a Python int."""
+    numel = 2 * 2000 * 128 + 3 * (4 * 128 * 128 + 3 * 128 * 344 + 2 * 128) + 128
+    section = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    for stage, partition in ((1, -(-numel // 4) * 4 // 2), (2, -(-numel // 4) * 4 // 2), (3, numel // 2)):
+        for bf16 in (False, True):
+            client = _config(stage, bf16=bf16)
+            adam = {key: value for key, value in client.items() if key != "zero_force_ds_cpu_optimizer"}
+            cpu_adam, fused = _predict({**adam, **section}), _predict(client, fused=True)
+            assert cpu_adam.peak_host_bytes == fused.peak_host_bytes - 4
+            assert [r.peak_allocated_bytes for r in cpu_adam.ranks] == [r.peak_allocated_bytes for r in fused.ranks]
+            if stage < 3:
+                assert cpu_adam.peak_host_bytes == _predict(client).peak_host_bytes - 2 * 4 * partition
+
+
+def test_a_client_optimizer_offloaded_without_zero_force_is_refused_unless_accelerate_swaps_it():
+    """deepspeed.initialize refuses a client optimizer with the optimizer offloaded unless
+    "zero_force_ds_cpu_optimizer" is false; accelerate (the HF Trainer) swaps in DeepSpeedCPUAdam instead."""
+    from llmsim.errors import InputError
+
+    config = {key: value for key, value in _config(2).items() if key != "zero_force_ds_cpu_optimizer"}
+    with pytest.raises(InputError, match="zero_force_ds_cpu_optimizer"):
+        ds_setup(config, 2, SHAPE[0], None, None)
+    swapped = ds_setup(config, 2, SHAPE[0], None, None, launcher="accelerate")
+    assert swapped.optimizer_kind == "cpu_adam" and swapped.replaces_client_optimizer
+    kept = ds_setup({**config, "zero_force_ds_cpu_optimizer": False}, 2, SHAPE[0], None, None, launcher="accelerate")
+    assert kept.optimizer_kind == "client" and not kept.replaces_client_optimizer
 
 
 def test_zero3_on_a_gpu_defragments_through_the_host_and_pins_copies():

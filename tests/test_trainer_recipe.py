@@ -174,7 +174,8 @@ def test_the_trainer_under_deepspeed_refuses_what_is_not_modelled_in_one_line(tm
     zero = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
     assert "ZeRO-0 is not modelled yet" in _error(capsys, *base, *with_ds({**zero, "zero_optimization": {"stage": 0}}))
     optimizer = {**zero, "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
-    assert "\"optimizer\" section is not modelled yet" in _error(capsys, *base, *with_ds(optimizer))
+    assert "\"optimizer\" section that builds DeepSpeed's FusedAdam is not modelled yet" in _error(
+        capsys, *base, *with_ds(optimizer))
     assert "fp16=True is not modelled" in _error(capsys, *base, *with_ds({**zero, "zero_optimization": {"stage": 2}},
                                                                          fp16=True))
     assert "zero_optimization" in _error(capsys, *base, *with_ds({**zero, "zero_optimization": {"stage": 2,

@@ -260,7 +260,8 @@ def inputs(args):
             raise InputError(f"--strategy {strategy.value} contradicts --ds-config (a DeepSpeed run)")
         strategy = Strategy.DEEPSPEED
         hidden = int(spec.hf_config().hidden_size)
-        deepspeed = (ds_setup(accelerate_ds, world_size, hidden, args.micro_batch, precision, args.grad_accum)
+        deepspeed = (ds_setup(accelerate_ds, world_size, hidden, args.micro_batch, precision, args.grad_accum,
+                              launcher="accelerate")
                      if accelerate_ds is not None else
                      load_ds_config(args.ds_config, world_size, hidden, args.micro_batch, precision, args.grad_accum))
         micro_batch, precision = deepspeed.micro_batch, deepspeed.precision

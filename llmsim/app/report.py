@@ -24,8 +24,9 @@ def layout_text(layout) -> str:
     """"ddp x 8 (pp 2, 1f1b over 4 micro-batches)": the strategy over the world, then what splits each rank."""
     parts = [f"ZeRO-{layout.deepspeed.stage}"] if layout.deepspeed is not None else []
     if layout.deepspeed is not None and layout.deepspeed.offloads_optimizer:  # the step then runs on the host
+        steps = "DeepSpeed's CPU Adam" if layout.deepspeed.optimizer_kind == "cpu_adam" else "AdamW"
         parts.append("optimizer" + (" and parameters" if layout.deepspeed.offloads_params else "")
-                     + " offloaded to the CPU, where AdamW steps")
+                     + f" offloaded to the CPU, where {steps} steps")
     if layout.tp > 1:
         parts.append(f"tp {layout.tp}")
     if layout.ep > 1:
@@ -46,7 +47,7 @@ def prediction_table(prediction: Prediction, gpus_per_node: int = 8) -> str:
     width = max(4, 2 * len(str(prediction.ranks[-1].rank)) + 1)
     lines = [f"{prediction.model.name}: micro-batch {s.micro_batch}, seq {s.seq_len}, {s.precision.value}, "
              f"attention {s.attention.value}, {ckpt}, {layout_text(prediction.layout)}, device {s.device.value}",
-             _recipe_line(s), "",
+             _recipe_line(s, prediction.layout.deepspeed), "",
              f"{'rank':>{width}}  {'peak allocated':>16}  {'peak reserved':>16}  {'device total':>16}  "
              + (f"{'host peak':>16}  " if on_host else "") + "peak at",
              ]
@@ -119,10 +120,10 @@ def suggestions_table(advice, gpu) -> str:
     return "\n".join(lines)
 
 
-def _recipe_line(setup) -> str:
+def _recipe_line(setup, deepspeed=None) -> str:
     from llmsim.inputs.hf import recipe_facts
 
-    f = recipe_facts(setup)
+    f = recipe_facts(setup, deepspeed)
     clip = f", max_grad_norm {f['max_grad_norm']}" if f["max_grad_norm"] is not None else ""
     return (f"recipe {f['recipe']}: weights {f['load_dtype']}, mixed precision {f['mixed_precision']}, optimizer "
             f"{f['optimizer']}, accumulation {f['grad_accum']}{clip}, peft {f['peft']}"

@@ -10,8 +10,8 @@ accelerate's own classes: which layout the launch runs, on how many processes, i
   (its `deepspeed_config_file`, or the inline `zero_stage`, offload devices, accumulation and clipping), then
   `set_mixed_precision`, which writes `bf16`/`fp16` into it; its "auto" values are resolved as for `--ds-config`.
   With the optimizer offloaded accelerate replaces a torch optimizer by DeepSpeed's CPU Adam
-  (`map_pytorch_optim_to_deepspeed`) unless the JSON sets `"zero_force_ds_cpu_optimizer": false`: CPU Adam is not
-  modelled, so that launch is refused;
+  (`map_pytorch_optim_to_deepspeed`) unless the JSON sets `"zero_force_ds_cpu_optimizer": false`
+  (`DeepSpeedSetup.replaces_client_optimizer`, the setup made with `launcher="accelerate"`);
 - `FSDP` is refused: accelerate 1.15's `fsdp2_prepare_model` upcasts the trainable parameters to fp32 under mixed
   precision and wraps the embedding and a tail group (final norm and LM head, never resharded) as units of their
   own, which is not the FSDP2 layout llmsim models (`fully_shard` on each decoder layer, then the root), and
@@ -109,10 +109,4 @@ def _deepspeed_json(fields: dict[str, Any], mixed: str) -> dict[str, Any]:
     except Exception as exc:  # the plugin's own validation (a stage, a device, a mismatch with the file)
         raise InputError(f"accelerate config deepspeed_config: {one_line(exc)}") from None
     config = json.loads(json.dumps(plugin.deepspeed_config))
-    offload = ((config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
-    if offload not in (None, "none") and config.get("zero_force_ds_cpu_optimizer", True):
-        raise InputError("accelerate config: with the optimizer offloaded accelerate replaces the torch optimizer by "
-                         "DeepSpeed's CPU Adam (map_pytorch_optim_to_deepspeed), which is not modelled yet; modelled: "
-                         "a deepspeed_config_file that sets \"zero_force_ds_cpu_optimizer\": false (the client "
-                         "optimizer kept)")
     return config

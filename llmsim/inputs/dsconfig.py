@@ -24,6 +24,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # predicting needs no accelerato
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 HF_DEFAULT_MAX_GRAD_NORM = 1.0  # transformers.TrainingArguments.max_grad_norm
 DEEPSPEED_ADAM_TYPES = ("adam", "adamw")  # deepspeed/runtime/config.py ADAM_OPTIMIZER, ADAMW_OPTIMIZER
+# DeepSpeedSetup.optimizer_kind, as the report names what steps
+DEEPSPEED_OPTIMIZER_NAMES = {"client": "the client optimizer", "torch": "torch.optim.AdamW (torch_adam)",
+                             "fused": "DeepSpeed's FusedAdam", "cpu_adam": "DeepSpeed's CPU Adam"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,9 @@ class DeepSpeedSetup:
 
     config_json: str
     world_size: int
+    # who calls deepspeed.initialize: the user's script ("deepspeed") or accelerate's `Accelerator.prepare` (the HF
+    # Trainer, `accelerate launch`), which replaces a torch optimizer by DeepSpeed's CPU Adam under optimizer offload
+    launcher: str = "deepspeed"
 
     @property
     def config(self) -> dict[str, Any]:
@@ -59,12 +65,25 @@ class DeepSpeedSetup:
     @property
     def optimizer_kind(self) -> str:
         """Which optimizer steps: "client" (no "optimizer" section: the client torch.optim.AdamW), "torch"
-        (`torch_adam: true`: torch.optim.Adam/AdamW) or "fused" (DeepSpeed's FusedAdam, what
-        engine.get_optimizer_configuration builds without offload)."""
+        (`torch_adam: true`: torch.optim.Adam/AdamW), "fused" (DeepSpeed's FusedAdam, what
+        engine.get_optimizer_configuration builds without offload) or "cpu_adam" (DeepSpeedCPUAdam: what it builds
+        with the optimizer offloaded, and what accelerate puts in place of a client optimizer then, see
+        `replaces_client_optimizer`)."""
         optimizer = self.config.get("optimizer")
         if optimizer is None:
-            return "client"
-        return "torch" if optimizer.get("params", {}).get("torch_adam") else "fused"
+            return "cpu_adam" if self.replaces_client_optimizer else "client"
+        if optimizer.get("params", {}).get("torch_adam"):
+            return "torch"
+        return "cpu_adam" if self.offloads_optimizer else "fused"
+
+    @property
+    def replaces_client_optimizer(self) -> bool:
+        """accelerate's `_prepare_deepspeed` (the HF Trainer's path): with the optimizer offloaded and
+        "zero_force_ds_cpu_optimizer" unset or true, a client torch optimizer is handed to DeepSpeed as
+        `map_pytorch_optim_to_deepspeed(optimizer)`, a DeepSpeedCPUAdam over its param groups with its lr and
+        weight decay (accelerate/utils/deepspeed.py; torch's Adagrad would be DeepSpeedCPUAdagrad)."""
+        return (self.launcher == "accelerate" and self.config.get("optimizer") is None and self.offloads_optimizer
+                and bool(self.config.get("zero_force_ds_cpu_optimizer", True)))
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -102,14 +121,16 @@ def load_ds_config(path: str | Path, world_size: int, hidden_size: int, micro_ba
 
 
 def ds_setup(config: dict[str, Any], world_size: int, hidden_size: int, micro_batch: int | None,
-             precision: Precision | None, grad_accum: int | None = None) -> DeepSpeedSetup:
-    """A DeepSpeed config given as a dict (as `deepspeed.initialize(config=...)` takes one): resolved, validated."""
+             precision: Precision | None, grad_accum: int | None = None,
+             launcher: str = "deepspeed") -> DeepSpeedSetup:
+    """A DeepSpeed config given as a dict (as `deepspeed.initialize(config=...)` takes one): resolved, validated.
+    `launcher`: "deepspeed" (the script calls deepspeed.initialize) or "accelerate" (the Trainer, accelerate launch)."""
     config = json.loads(json.dumps(config))  # a copy: resolving fills in "auto" values
     _resolve_batch(config, world_size, micro_batch, grad_accum)
     _resolve_precision(config, precision)
     _resolve_hidden_size_autos(config, hidden_size)
-    _validate(config)
-    return DeepSpeedSetup(json.dumps(config, sort_keys=True), world_size)
+    _validate(config, launcher)
+    return DeepSpeedSetup(json.dumps(config, sort_keys=True), world_size, launcher)
 
 
 def _resolve_batch(config: dict, world_size: int, micro_batch: int | None, grad_accum: int | None) -> None:
@@ -180,7 +201,7 @@ def _resolve_hidden_size_autos(config: dict, hidden_size: int) -> None:
             zero[key] = value
 
 
-def _validate(config: dict) -> None:
+def _validate(config: dict, launcher: str = "deepspeed") -> None:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     zero = config.get("zero_optimization", {})
@@ -212,15 +233,13 @@ def _validate(config: dict) -> None:
                          "yet; modelled: stages 1, 2 and 3")
     if device == "cpu" and float(optimizer_offload.get("ratio", 1.0)) < 1.0:
         raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer.ratio "
-                         f"{optimizer_offload['ratio']} (partial offload, which needs DeepSpeed's CPU Adam) is not "
+                         f"{optimizer_offload['ratio']} (partial offload: part of the step on the device) is not "
                          "modelled yet; modelled: 1.0 (the whole optimizer on the host)")
-    if device == "cpu" and optimizer is not None:
-        raise InputError("DeepSpeed config zero_optimization.offload_optimizer with an \"optimizer\" section "
-                         "(DeepSpeed's CPU Adam) is not modelled yet; modelled: a client optimizer "
-                         "(no \"optimizer\" section, \"zero_force_ds_cpu_optimizer\": false)")
-    if device == "cpu" and config.get("zero_force_ds_cpu_optimizer", True):
+    if device == "cpu" and optimizer is None and launcher == "deepspeed" and \
+            config.get("zero_force_ds_cpu_optimizer", True):
         raise InputError("DeepSpeed config: offload_optimizer with a client optimizer needs "
-                         "\"zero_force_ds_cpu_optimizer\": false (DeepSpeed refuses it otherwise)")
+                         "\"zero_force_ds_cpu_optimizer\": false (DeepSpeed refuses it otherwise), or an "
+                         "\"optimizer\" section (DeepSpeed's CPU Adam)")
     if stage in (1, 2) and zero.get("round_robin_gradients"):
         raise InputError("DeepSpeed config zero_optimization.round_robin_gradients (ZeRO-1/2's round-robin "
                          "partitioning of the gradients) is not modelled yet; modelled: false (DeepSpeed's default)")

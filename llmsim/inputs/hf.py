@@ -243,12 +243,14 @@ def trainer_setup(spec: ModelSpec, seq_len: int, fields: dict[str, Any], peft_fi
         kbit_prep=kbit_prep if quantization is not None else False)
 
 
-def recipe_facts(setup: TrainSetup) -> dict[str, Any]:
-    """What is predicted, in the ecosystem's words: the recipe, the two precision axes, the optimizer, accumulation."""
+def recipe_facts(setup: TrainSetup, deepspeed=None) -> dict[str, Any]:
+    """What is predicted, in the ecosystem's words: the recipe, the two precision axes, the optimizer, accumulation.
+    `deepspeed` (the layout's DeepSpeedSetup): what steps when DeepSpeed builds or replaces the optimizer."""
     if setup.recipe is Recipe.HF_TRAINER:
         args = training_arguments(json.loads(setup.training_args))
         return {"recipe": setup.recipe.value, "load_dtype": setup.load_dtype,
-                "mixed_precision": _mixed_precision(args) or "no", "optimizer": _optim_name(args),
+                "mixed_precision": _mixed_precision(args) or "no",
+                "optimizer": _deepspeed_optimizer(deepspeed, _optim_name(args)),
                 "grad_accum": setup.grad_accum,
                 "max_grad_norm": args.max_grad_norm,
                 "peft": "LoRA r=%d" % setup.lora_rank if setup.lora_rank else "none",
@@ -256,11 +258,25 @@ def recipe_facts(setup: TrainSetup) -> dict[str, Any]:
     build = "bfloat16" if setup.build_bf16 else "float32"  # build_bf16 holds with precision bf16 only
     mixed = {Precision.BF16_AUTOCAST: "bf16", Precision.FP16_AUTOCAST: "fp16"}.get(setup.precision, "no")
     cast = {Precision.BF16: ", then cast to bfloat16", Precision.FP16: ", then cast to float16"}.get(setup.precision, "")
-    optimizer = setup.optimizer.value + (" (fused)" if setup.fused else " (foreach)" if setup.foreach else "")
+    optimizer = _deepspeed_optimizer(
+        deepspeed, setup.optimizer.value + (" (fused)" if setup.fused else " (foreach)" if setup.foreach else ""))
     return {"recipe": setup.recipe.value, "load_dtype": build + ("" if setup.build_bf16 else cast),
             "mixed_precision": mixed, "optimizer": optimizer, "grad_accum": setup.grad_accum, "max_grad_norm": None,
             "peft": f"LoRA r={setup.lora_rank}" if setup.lora_rank else "none",
             "quantization": _quantization_words(setup)}
+
+
+def _deepspeed_optimizer(deepspeed, client: str) -> str:
+    """The optimizer that steps, named: the client's, or the one DeepSpeed builds from its JSON, or DeepSpeed's CPU
+    Adam that accelerate hands it in place of the client's (DeepSpeedSetup.replaces_client_optimizer)."""
+    from llmsim.inputs.dsconfig import DEEPSPEED_OPTIMIZER_NAMES
+
+    if deepspeed is None or deepspeed.optimizer_kind == "client":
+        return client
+    name = DEEPSPEED_OPTIMIZER_NAMES[deepspeed.optimizer_kind]
+    if deepspeed.replaces_client_optimizer:
+        return f"{name} (accelerate's map_pytorch_optim_to_deepspeed, in place of {client})"
+    return f"{name} (the DeepSpeed JSON's \"optimizer\" section)"
 
 
 def _quantization_words(setup: TrainSetup) -> str:

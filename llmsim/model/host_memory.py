@@ -99,6 +99,7 @@ class HostMemory:
     def __init__(self, tracker: StorageTracker) -> None:
         self.tracker = tracker
         self.host: set[int] = set()  # serials of host storages
+        self.plain_devices = 0  # inside DeepSpeedCPUAdam.step (`_plain_devices`): host tensors answer "cpu"
 
     # ---- storages ---------------------------------------------------------------------------------------
     def _serials(self, value) -> list[int]:
@@ -140,9 +141,12 @@ class HostMemory:
     def active(self, optimizer_classes: tuple[type, ...] = ()):
         """While the run goes: `HOST` for each offloading optimizer's host name, the two modes, and the labels at
         the end."""
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
         patches = [mock.patch.object(cls, "device", _host_name_property(), create=True) for cls in optimizer_classes]
         patches.append(mock.patch.object(torch.Tensor, "register_post_accumulate_grad_hook",
                                          self._placing_hooks(torch.Tensor.register_post_accumulate_grad_hook)))
+        patches.append(mock.patch.object(DeepSpeedCPUAdam, "step", self._plain_devices(DeepSpeedCPUAdam.step)))
         with contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
@@ -206,6 +210,21 @@ class HostMemory:
             return register(tensor, _placed(self, hook))
         return register_placed
 
+    def _plain_devices(self, step):
+        """DeepSpeedCPUAdam.step with `t.device` answering plain "cpu" for host tensors: it asserts
+        `p.device == torch.device('cpu')` of the host partition it steps (on a GPU run that partition is on the
+        CPU, as asserted); its states (`zeros_like` of that partition) are still the host's, made from a host
+        input."""
+        memory = self
+
+        def call(*args, **kwargs):
+            memory.plain_devices += 1
+            try:
+                return step(*args, **kwargs)
+            finally:
+                memory.plain_devices -= 1
+        return call
+
     def label(self) -> None:
         for serial in self.host:
             self.tracker._labels[serial] = Category.HOST_OFFLOAD
@@ -266,7 +285,8 @@ class _Place(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if getattr(func, "__self__", None) is _DEVICE_GETTER:  # `t.device`
             out = func(*args, **kwargs)
-            return HOST_DEVICE if out.type == "cpu" and self.memory.is_host(args[0]) else out
+            host = out.type == "cpu" and not self.memory.plain_devices and self.memory.is_host(args[0])
+            return HOST_DEVICE if host else out
         since = self.memory.tracker._next_serial
         if func in _TO or func in _CPU:
             source = args[0]

@@ -133,7 +133,7 @@ class Prediction:
                     "needed_bytes": self.deciding_rank.needed_bytes, "margin": self.gpu.margin,
                     "margin_bytes": self.gpu.margin_bytes, "verdict_why": verdict_why(self)}
                    if self.gpu is not None else {"verdict": None}),
-                **recipe_facts(self.setup), "torch": torch_version(),
+                **recipe_facts(self.setup, self.layout.deepspeed), "torch": torch_version(),
                 "ranks": [r.to_dict() for r in self.ranks]}
 
 

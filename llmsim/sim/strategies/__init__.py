@@ -11,9 +11,9 @@ from typing import Callable
 
 import pandas as pd
 
-from llmsim.inputs.dsconfig import DeepSpeedSetup
+from llmsim.inputs.dsconfig import DEEPSPEED_OPTIMIZER_NAMES, DeepSpeedSetup
 from llmsim.inputs.spec import FsdpSetup
-from llmsim.enums import Precision, Recipe
+from llmsim.enums import Optimizer, Precision, Recipe
 from llmsim.errors import InputError
 from llmsim.model.pipelining import Schedule
 from llmsim.sim.strategies import ddp, fsdp, single
@@ -136,6 +136,9 @@ LEVER_ZERO_STAGES = {
 # (data/measurements/tier2_zero_extras_cpu.csv): the optimizer is built and stepped by DeepSpeed's part alone
 # (zero_common.step_optimizer), which none of these levers touches.
 LEVER_ZERO_DS_OPTIMIZER = frozenset({"loss", "ckpt-offload", "peft-extras"})
+# ... and with DeepSpeed's CPU Adam (the offloaded optimizer an "optimizer" section builds, or accelerate swaps in):
+# gradient accumulation, which changes the host's gradient buffers and not the step (tier2_offload_cpu.csv)
+LEVER_ZERO_CPU_ADAM = frozenset({"grad-accum"})
 # Why a lever stays refused under a ZeRO stage where the reason is known. Both losses read `lm_head.weight` in the
 # model's forward without calling the lm_head module, whose ZeRO-3 hooks alone gather it: outside them it is the
 # numel-0 placeholder (`free_param`, deepspeed/runtime/zero/partition_parameters.py). Real 2-rank runs fail: the
@@ -166,8 +169,10 @@ def _levers_modelled(layout: Layout, lever: str) -> bool:
         return True
     if layout.strategy is Strategy.FSDP:  # gradient accumulation alone measured with FSDP2 (tier2_fsdp_cpu.csv)
         return lever == "grad-accum"
+    kind = layout.deepspeed.optimizer_kind
     return (layout.deepspeed.stage in LEVER_ZERO_STAGES[lever]
-            and (layout.deepspeed.optimizer_kind == "client" or lever in LEVER_ZERO_DS_OPTIMIZER))
+            and (kind == "client" or lever in LEVER_ZERO_DS_OPTIMIZER
+                 or (kind == "cpu_adam" and lever in LEVER_ZERO_CPU_ADAM)))
 
 
 def levers_modelled_text(lever: str) -> str:
@@ -203,6 +208,9 @@ def _refuse_lever(lever: str, what: str, layout: Layout, note: str = "") -> None
 # loaded partitioned under zero.Init in the config's dtype (trainer_zero3_cpu.csv)
 TRAINER_STRATEGIES = (Strategy.SINGLE, Strategy.DDP, Strategy.DEEPSPEED)
 TRAINER_ZERO_STAGES = (1, 2, 3)
+# what steps under the Trainer with DeepSpeed (DeepSpeedSetup.optimizer_kind), measured through Trainer.train()
+# (trainer_deepspeed_cpu.csv, trainer_offload_cpu.csv, trainer_zero3_cpu.csv)
+TRAINER_DEEPSPEED_OPTIMIZERS = ("client", "cpu_adam")
 
 
 def trainer_layout(model, setup, world_size: int, strategy: "Strategy | None" = None):
@@ -234,14 +242,23 @@ def trainer_layout(model, setup, world_size: int, strategy: "Strategy | None" = 
         config["gradient_clipping"] = args.max_grad_norm
     hidden = int(model.hf_config().hidden_size)
     deepspeed = ds_setup(config, world_size, hidden, args.per_device_train_batch_size,
-                         Precision.BF16 if args.bf16 else Precision.FP32, args.gradient_accumulation_steps)
+                         Precision.BF16 if args.bf16 else Precision.FP32, args.gradient_accumulation_steps,
+                         launcher="accelerate")
     if deepspeed.stage not in TRAINER_ZERO_STAGES:
         raise InputError(f"the Trainer with DeepSpeed ZeRO-{deepspeed.stage} is not modelled yet; modelled: ZeRO-"
                          f"{', ZeRO-'.join(map(str, TRAINER_ZERO_STAGES))} (the canonical DeepSpeed step covers "
                          "ZeRO-0: --ds-config without --training-args)")
-    if deepspeed.optimizer_kind != "client":
-        raise InputError("the Trainer with a DeepSpeed \"optimizer\" section is not modelled yet; modelled: the "
-                         "Trainer's own optimizer (no \"optimizer\" section)")
+    if deepspeed.optimizer_kind not in TRAINER_DEEPSPEED_OPTIMIZERS:
+        raise InputError(f"the Trainer with a DeepSpeed \"optimizer\" section that builds "
+                         f"{DEEPSPEED_OPTIMIZER_NAMES[deepspeed.optimizer_kind]} is not modelled yet; modelled: the "
+                         "Trainer's own optimizer (no \"optimizer\" section) and, with offload_optimizer, "
+                         "DeepSpeed's CPU Adam (an Adam/AdamW section, or the Trainer's optimizer as accelerate "
+                         "replaces it)")
+    if deepspeed.optimizer_kind == "cpu_adam":
+        # the Trainer's `optim` is not what steps: with an "optimizer" section it builds none (DummyOptim), without
+        # one accelerate hands DeepSpeed a DeepSpeedCPUAdam over its param groups in its place (Adam's two states
+        # whichever torch or bitsandbytes optimizer it was: map_pytorch_optim_to_deepspeed)
+        setup = replace(setup, optimizer=Optimizer.ADAMW, fused=False, foreach=False)
     setup = replace(setup, precision=deepspeed.precision)
     if deepspeed.stage == 3 and deepspeed.precision is Precision.BF16 and setup.load_dtype != "bfloat16":
         # TrainingArguments(deepspeed=...) made first (HfDeepSpeedConfig): from_pretrained builds under zero.Init,
@@ -302,7 +319,7 @@ def _check_optimizer_offload(setup, deepspeed: DeepSpeedSetup) -> None:
     from llmsim.enums import Device
 
     modelled = ("modelled with offload_optimizer: the canonical step and the HF Trainer, the client "
-                "torch.optim.AdamW (for-loop or fused path), LoRA, gradient accumulation")
+                "torch.optim.AdamW (for-loop or fused path) or DeepSpeed's CPU Adam, LoRA, gradient accumulation")
     refused = [what for what, on in (
         (f"optimizer {setup.optimizer.value}", setup.optimizer.value != "adamw"),
         ("--foreach", setup.foreach and setup.device is not Device.CUDA),
@@ -350,6 +367,10 @@ def check_deepspeed_optimizer(setup, deepspeed: DeepSpeedSetup) -> None:
     type in ZERO_SUPPORTED_OPTIMIZERS and the JSON does not set zero_allow_untested_optimizer (engine.py)."""
     if setup.optimizer.value == "adamw":
         return
+    if deepspeed.replaces_client_optimizer:
+        raise InputError(f"optimizer {setup.optimizer.value} with the optimizer offloaded under accelerate is "
+                         "replaced by DeepSpeed's CPU Adam (map_pytorch_optim_to_deepspeed), modelled for adamw only; "
+                         "set \"zero_force_ds_cpu_optimizer\": false to keep it")
     if deepspeed.optimizer_kind != "client":
         raise InputError(f"optimizer {setup.optimizer.value} is a client optimizer, which the DeepSpeed config's "
                          "\"optimizer\" section replaces; modelled with it: adamw")

@@ -164,17 +164,22 @@ FUSED_ADAM_OVERFLOW_BUF_BYTES = 4  # FusedAdam.__init__: `_dummy_overflow_buf = 
 
 def step_optimizer(w: EventWriter, numels: list[int], first: bool, foreach: bool, kind: str,
                    fused: bool = False, on_host: bool = False) -> None:
-    """The optimizer step a ZeRO stage runs on its fp32 partitions: a torch AdamW (the client's, or `torch_adam`)
-    or DeepSpeed's FusedAdam (deepspeed/ops/adam/fused_adam.py), which creates `exp_avg` and `exp_avg_sq` with
-    `zeros_like` at the first step (`step` is a Python int) and updates them in place in one compiled
-    multi-tensor kernel: no temporaries."""
-    if kind != "fused":
+    """The optimizer step a ZeRO stage runs on its fp32 partitions: a torch AdamW (the client's, or `torch_adam`),
+    DeepSpeed's FusedAdam (deepspeed/ops/adam/fused_adam.py) or, with the optimizer offloaded, its CPU Adam
+    (deepspeed/ops/adam/cpu_adam.py, `DeepSpeedCPUAdam.step`). Both DeepSpeed optimizers create `exp_avg` and
+    `exp_avg_sq` with `zeros_like` at the first step in fp32 (CPU Adam's `fp32_optimizer_states`, default True,
+    only matters for a master that is not fp32), keep `step` as a Python int and update parameters and states
+    in place in compiled code (FusedAdam's multi-tensor kernel; CPU Adam's `ds_opt_adam.adam_update`, SIMD tiles
+    over the tensors themselves): no tensor temporaries. CPU Adam steps the host partition, so its states are
+    host memory."""
+    if kind not in ("fused", "cpu_adam"):
         adamw(w, numels, first, foreach, fused, on_host)
         return
+    state = Category.HOST_OFFLOAD if on_host else Category.OPTIMIZER_STATE
     if first:
         for numel in numels:
-            w.alloc(numel * FP32_BYTES, Category.OPTIMIZER_STATE)
-            w.alloc(numel * FP32_BYTES, Category.OPTIMIZER_STATE)
+            w.alloc(numel * FP32_BYTES, state)
+            w.alloc(numel * FP32_BYTES, state)
 
 
 def optimizer_of(deepspeed, setup) -> tuple[str, bool]:
@@ -193,6 +198,8 @@ def torch_fused(deepspeed, setup) -> bool:
     from llmsim.errors import InputError
 
     kind = deepspeed.optimizer_kind
+    if deepspeed.replaces_client_optimizer:
+        return False  # the client's AdamW, fused or not, is replaced by DeepSpeed's CPU Adam
     if setup.fused and kind != "client":
         raise InputError("--fused sets the client torch.optim.AdamW, which a DeepSpeed \"optimizer\" section "
                          "replaces; put \"torch_adam\": true, \"fused\": true in its params instead")
