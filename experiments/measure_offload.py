@@ -15,7 +15,8 @@ own timing and prints the peaks beside the settled ones (not kept). A run refuse
 Run: python experiments/measure_offload.py [--only I ...] [--both-ways] (about 12 minutes on 2 cores);
 experiments/measure_offload.out holds the outputs that made the rows, in order: the ZeRO-1/2 runs, then the ZeRO-3
 ones by `--only 23 ... 34`, `--only 35 ... 44`, the default-bucket run's repeats, `--only 45 46 47` and
-`--only 48 49`, then DeepSpeed's CPU Adam by `--only 50 ... 61`.
+`--only 48 49`, then DeepSpeed's CPU Adam by `--only 50 ... 61`
+and round_robin_gradients by `--only 62 63 64 65`.
 """
 from __future__ import annotations
 
@@ -141,6 +142,12 @@ RUNS = [
     ("mistral-7b", 3, cpu_adam(offload(3, True, offload_param=HOST_PARAMS)), False, 64, {}),
     ("gpt2", 2, cpu_adam(offload(3, False, ga=2, offload_param=HOST_PARAMS)), True, 64, {"grad_accum": 2}),
     ("qwen2.5-0.5b", 4, cpu_adam(offload(3, True, offload_param=HOST_PARAMS_UNPINNED)), False, 64, {"lora_rank": 8}),
+    # round_robin_gradients (LLaMA-Factory's ZeRO-2 configs set it): the parameters flattened round-robin over the
+    # ranks; predicted before measured
+    ("llama-2-7b", 2, cpu_adam(offload(2, True, round_robin_gradients=True)), False, 64, {}),
+    ("mistral-7b", 3, offload(2, False, round_robin_gradients=True), True, 64, {}),
+    ("qwen2.5-0.5b", 4, cpu_adam(offload(1, True, round_robin_gradients=True, overlap_comm=True)), False, 64, {}),
+    ("gpt2", 3, cpu_adam(offload(2, True, ga=2, round_robin_gradients=True)), False, 64, {"grad_accum": 2}),
 ]
 
 

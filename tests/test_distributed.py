@@ -61,8 +61,8 @@ BAD = [
      [], "offload_param.device 'nvme' is not modelled yet"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, [], "offload_optimizer.ratio 0.3"),
-    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "round_robin_gradients": True}}, [],
-     "round_robin_gradients"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "parameter_alignment": True}}, [],
+     "parameter_alignment"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
       "zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True}, ["--optimizer", "sgd"],
      "offload_optimizer with optimizer sgd"),

@@ -240,9 +240,9 @@ def _validate(config: dict, launcher: str = "deepspeed") -> None:
         raise InputError("DeepSpeed config: offload_optimizer with a client optimizer needs "
                          "\"zero_force_ds_cpu_optimizer\": false (DeepSpeed refuses it otherwise), or an "
                          "\"optimizer\" section (DeepSpeed's CPU Adam)")
-    if stage in (1, 2) and zero.get("round_robin_gradients"):
-        raise InputError("DeepSpeed config zero_optimization.round_robin_gradients (ZeRO-1/2's round-robin "
-                         "partitioning of the gradients) is not modelled yet; modelled: false (DeepSpeed's default)")
+    if stage in (1, 2) and zero.get("parameter_alignment"):
+        raise InputError("DeepSpeed config zero_optimization.parameter_alignment (ZeRO-1/2 padding every parameter "
+                         "to 16 bytes in the flat buffer) is not modelled yet; modelled: false (DeepSpeed's default)")
     param_offload = zero.get("offload_param") if isinstance(zero.get("offload_param"), dict) else {}
     param_device = param_offload.get("device", "none")
     if param_device not in ("none", "cpu"):

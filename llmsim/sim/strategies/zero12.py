@@ -138,7 +138,10 @@ class _Rank:
         self.zero = layout.deepspeed.zero()
         self.stage = layout.deepspeed.stage
         self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
-        self.part = Partitioning.of(_trainable(parameters(timeline, self.elem), timeline, setup), layout.world_size)
+        flattened = _trainable(parameters(timeline, self.elem), timeline, setup)
+        if self.zero.round_robin_gradients:
+            flattened = round_robin(flattened, layout.world_size)
+        self.part = Partitioning.of(flattened, layout.world_size)
         self.numel = {p.name: p.numel for p in self.part.params}
         self.offload = layout.deepspeed.offloads_optimizer  # ZeRO-Offload: the optimizer on the host
         # offload's host buffers are pinned copies: pin_memory, on a GPU (DeepSpeed's CPU accelerator pins nothing)
@@ -437,6 +440,15 @@ class _Rank:
         elif phase == Phase.OPTIMIZER.value:
             self.step(step)
             self.micro = 0
+
+
+def round_robin(params: list[Param], world_size: int) -> list[Param]:
+    """`round_robin_gradients`: the order DeepSpeed flattens (and so partitions) a group's parameters in,
+    `_round_robin_reorder` (stage_1_and_2.py): the i-th parameter goes to list i % W, and the lists follow each
+    other, so consecutive gradients of the backward belong to different ranks' partitions. Everything walked "in
+    parameter order" (stage 1's end-of-backward reduction, the partition's parameters) walks this order, as
+    DeepSpeed walks `round_robin_bit16_groups`."""
+    return [p for first in range(world_size) for p in params[first::world_size]]
 
 
 def _trainable(params: list[Param], timeline: pd.DataFrame, setup) -> list[Param]:
