@@ -15,9 +15,10 @@ MOE_CASES run the same entry points on mixture-of-experts models of seven famili
 configs from `llmsim.inputs.zoo.shrink`: 8 experts, top-2, each family's layout kept), transformers' default experts
 implementation (grouped_mm), in data/measurements/trainer_moe_cpu.csv (MOE_QLORA_CASES too); MOE_DEEPSPEED_CASES on 2 ranks with ZeRO-2,
 in data/measurements/trainer_moe_deepspeed_cpu.csv. ZERO3_CASES: the Trainer under ZeRO-3 on 2 ranks, in
-data/measurements/trainer_zero3_cpu.csv.
+data/measurements/trainer_zero3_cpu.csv. LLAMA_FACTORY_CASES: LLaMA-Factory's DeepSpeed configs as it ships them, on 2
+ranks, each predicted first (printed before the run), in data/measurements/trainer_llamafactory_cpu.csv.
 Run: python experiments/measure_trainer.py [--out CSV] [--only N]
-     [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3]
+     [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3|llamafactory]
 """
 from __future__ import annotations
 
@@ -178,6 +179,42 @@ ZERO3_CASES = [
 ]
 
 
+# LLaMA-Factory's DeepSpeed configs exactly as it ships them (examples/deepspeed/, commit 1d6e8b2): ZeRO-2 with
+# round_robin_gradients, the same with the optimizer offloaded and no "zero_force_ds_cpu_optimizer" (accelerate then
+# swaps the Trainer's AdamW for DeepSpeed's CPU Adam), and ZeRO-3 with optimizer and parameters offloaded. The one
+# change: the ZeRO-3 config without "train_batch_size": "auto", which this CPU cannot start (see ZERO3)
+_LF_COMMON = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+              "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                       "hysteresis": 2, "min_loss_scale": 1},
+              "bf16": {"enabled": "auto"}, "comms_config": {"verbose": False},
+              "monitor_config": {"enabled": True, "tag": "DeepSpeedMonitor", "csv_monitor": {"enabled": False}}}
+_LF_Z2 = {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 5e8, "overlap_comm": False,
+          "reduce_scatter": True, "reduce_bucket_size": 5e8, "contiguous_gradients": True, "round_robin_gradients": True}
+LF_Z2 = {**_LF_COMMON, "zero_optimization": _LF_Z2}
+LF_Z2_OFFLOAD = {**_LF_COMMON, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                                          "pin_memory": True},
+                                                     **{k: v for k, v in _LF_Z2.items() if k != "stage"}}}
+LF_Z3_OFFLOAD = {**{k: v for k, v in _LF_COMMON.items() if k != "train_batch_size"}, "zero_optimization": {
+    "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": False, "contiguous_gradients": True,
+    "sub_group_size": 1e9, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+    "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+    "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True}}
+LLAMA_FACTORY_OUT = OUT.with_name("trainer_llamafactory_cpu.csv")
+LLAMA_FACTORY_CASES = [
+    ("LLaMA-Factory ds_z2_config, bf16, default optim", {"bf16": True, "deepspeed": LF_Z2}, None, "float32"),
+    ("LLaMA-Factory ds_z2_offload_config, bf16, default optim", {"bf16": True, "deepspeed": LF_Z2_OFFLOAD}, None,
+     "float32"),
+    ("LLaMA-Factory ds_z2_offload_config, bf16, LoRA all-linear", {"bf16": True, "deepspeed": LF_Z2_OFFLOAD}, LORA,
+     "float32"),
+    ("LLaMA-Factory ds_z2_offload_config, fp32, accumulation 2, checkpointing",
+     {"gradient_accumulation_steps": 2, "gradient_checkpointing": True, "deepspeed": LF_Z2_OFFLOAD}, None, "float32"),
+    ("LLaMA-Factory ds_z3_offload_config, bf16, default optim", {"bf16": True, "deepspeed": LF_Z3_OFFLOAD}, None,
+     "float32"),
+]
+
+
 def moe_models() -> dict[str, dict]:
     from llmsim.inputs.zoo import shrink
 
@@ -185,7 +222,8 @@ def moe_models() -> dict[str, dict]:
 
 
 def run_case(model: str, fields: dict, peft: dict | None, dtype: str, out: Path, quantization: dict | None = None,
-             kbit_prep: bool = True, world_size: int = 1, overrides: dict | None = None) -> int:
+             kbit_prep: bool = True, world_size: int = 1, overrides: dict | None = None,
+             predict_first: bool = False) -> int:
     with tempfile.TemporaryDirectory() as directory:
         args_path = Path(directory) / "training_args.json"
         args_path.write_text(json.dumps({**BASE, **fields}))
@@ -203,6 +241,13 @@ def run_case(model: str, fields: dict, peft: dict | None, dtype: str, out: Path,
             quant_path = Path(directory) / "bnb_config.json"
             quant_path.write_text(json.dumps(quantization))
             command += ["--quantization-config", str(quant_path)] + ([] if kbit_prep else ["--no-kbit-prep"])
+        if predict_first:  # the same inputs through `llmsim predict`, printed before the run starts
+            asked = [arg for arg in command if arg not in ("--out", str(out))]
+            asked[asked.index("measure")] = "predict"
+            predicted = subprocess.run(asked + ["--format", "json"], capture_output=True, text=True)
+            print(f"{model:14} predicted:", [(r["peak_allocated_bytes"], r["peak_host_bytes"]) for r in
+                                             json.loads(predicted.stdout)["ranks"]] if predicted.returncode == 0
+                  else predicted.stderr.strip()[-300:], flush=True)
         done = subprocess.run(command, capture_output=True, text=True)
         last = " | ".join((done.stdout.strip().splitlines() or [done.stderr.strip()[-300:]])[-world_size:])
         quant = "" if quantization is None else ("int8" if quantization.get("load_in_8bit") else
@@ -217,21 +262,23 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="default: OUT (DDP_OUT for --cases ddp)")
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
     parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload", "moe",
-                                            "moe-qlora", "moe-deepspeed", "zero3"], default="all",
+                                            "moe-qlora", "moe-deepspeed", "zero3", "llamafactory"], default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
                         "DDP_OUT / DEEPSPEED_OUT)")
     args = parser.parse_args()
     world_size, out = {"ddp": (DDP_WORLD_SIZE, DDP_OUT), "deepspeed": (DDP_WORLD_SIZE, DEEPSPEED_OUT),
                        "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT), "moe": (1, MOE_OUT), "moe-qlora": (1, MOE_OUT),
                        "moe-deepspeed": (DDP_WORLD_SIZE, MOE_DEEPSPEED_OUT),
-                       "zero3": (DDP_WORLD_SIZE, ZERO3_OUT)}.get(args.cases, (1, OUT))
+                       "zero3": (DDP_WORLD_SIZE, ZERO3_OUT),
+                       "llamafactory": (DDP_WORLD_SIZE, LLAMA_FACTORY_OUT)}.get(args.cases, (1, OUT))
     out = args.out or out
     cases = ([(*case, None, True) for case in CASES] if args.cases in ("all", "plain") else []) + \
         (QLORA_CASES if args.cases in ("all", "qlora") else []) + \
         ([(*case, None, True) for case in DDP_CASES] if args.cases == "ddp" else []) + \
         ([(*case, None, True) for case in DEEPSPEED_CASES] if args.cases == "deepspeed" else []) + \
         ([(*case, None, True) for case in OFFLOAD_CASES] if args.cases == "offload" else []) + \
-        ([(*case, None, True) for case in ZERO3_CASES] if args.cases == "zero3" else [])
+        ([(*case, None, True) for case in ZERO3_CASES] if args.cases == "zero3" else []) + \
+        ([(*case, None, True) for case in LLAMA_FACTORY_CASES] if args.cases == "llamafactory" else [])
     models = {model: None for model in MODELS}
     if args.cases.startswith("moe"):
         models = moe_models()
@@ -242,7 +289,7 @@ def main() -> int:
     for model, overrides in models.items():
         for name, fields, peft, dtype, quantization, kbit_prep in cases[: args.only]:
             failures += run_case(model, fields, peft, dtype, Path(out), quantization, kbit_prep, world_size,
-                                 overrides) != 0
+                                 overrides, predict_first=args.cases == "llamafactory") != 0
     return 1 if failures else 0
 
 

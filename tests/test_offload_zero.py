@@ -71,6 +71,22 @@ def test_committed_trainer_rows_cover_offload_as_recipes_write_it():
     assert rows["model"].nunique() == 4
 
 
+def test_committed_trainer_rows_cover_llama_factorys_configs_as_shipped():
+    """The Trainer with LLaMA-Factory's ZeRO-2 (round_robin_gradients), ZeRO-2 offload (no zero_force: accelerate
+    swaps in DeepSpeed's CPU Adam) and ZeRO-3 offload configs, each kept as shipped."""
+    from llmsim.inputs.dsconfig import ds_setup as setup_of
+
+    rows = pd.read_csv(MEASUREMENTS_DIR / "trainer_llamafactory_cpu.csv")
+    configs = [json.loads(a)["deepspeed"] for a in rows["training_args"]]
+    assert len(rows) >= 40 and rows["model"].nunique() == 4 and (rows["lora_rank"] > 0).any()
+    zero = [c["zero_optimization"] for c in configs]
+    assert {z["stage"] for z in zero} == {2, 3} and all(z.get("round_robin_gradients") for z in zero
+                                                        if z["stage"] == 2)
+    swapped = [setup_of(c, 2, 128, 2, None, 1, launcher="accelerate").replaces_client_optimizer for c in configs]
+    assert sum(swapped) >= 24 and all("zero_force_ds_cpu_optimizer" not in c for c in configs)
+    assert (rows["peak_host_bytes"] > 0).sum() == sum(swapped)
+
+
 class _Offloading:
     """What DeepSpeed's ZeRO optimizer does with its host name (stage_1_and_2.py, `__init__`)."""
 

@@ -14,6 +14,7 @@ from llmsim.sim.peaks import replay
 from llmsim.sim.pipeline import expanded, predict
 from llmsim.inputs.spec import TrainSetup, load_model_spec, resolve_attention
 from llmsim.sim.strategies import Layout, Strategy, traced_setup, zero12
+from llmsim.sim.strategies.zero_common import NO_DECAY, parameters
 from llmsim.inputs.zoo import shrink
 
 SPEC = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 2, 256, 4))
@@ -51,6 +52,11 @@ CASES = [
     ("bf16-z2-h100-small", on_gpu(TrainSetup(1, 16, BF16), load_gpu("h100-80gb")), 2, 6, 1,
      {"reduce_bucket_size": SMALL}, None),
     ("bf16-z1-200-small", TrainSetup(1, 16, BF16), 1, 200, 1, {"reduce_bucket_size": 6000}, None),
+    # the HF Trainer's two param groups (the norms without weight decay: `NO_DECAY`), each flattened apart
+    ("bf16-z2-groups-small", TrainSetup(1, 16, BF16), 2, 5, 1, {"reduce_bucket_size": SMALL}, None),
+    ("fp32-z1-groups-round-robin", TrainSetup(1, 16), 1, 3, 1, {"round_robin_gradients": True}, None),
+    ("bf16-z2-groups-ga2-round-robin", TrainSetup(1, 16, BF16, grad_accum=2), 2, 4, 2,
+     {"round_robin_gradients": True, "reduce_bucket_size": 4000}, None),
 ]
 
 
@@ -70,6 +76,9 @@ def _ranks(tmp_path, case):
     layout = _layout(tmp_path, setup, *shape)
     setup = traced_setup(resolve_attention(SPEC, setup), layout)
     timeline, _ = expanded(SPEC, setup)
+    if "groups" in name:  # as llmsim/sim/traced.py marks a Trainer's timeline (a copy: `expanded` keeps its own)
+        timeline = timeline.copy()
+        timeline.attrs[NO_DECAY] = frozenset(p.name for p in parameters(timeline, 1) if "norm" in p.name)
     rows, own = zero12._walk_inputs(timeline)
     return timeline, layout, setup, zero12._Ranks(timeline, rows, layout, setup, own)
 
@@ -93,7 +102,7 @@ def test_template_ranks_equal_their_own_walks(tmp_path, case):
         names = dict(zip(device["serial"].tolist(), serials.tolist()))
         assert [names[serial] for serial in device["serial"].tolist()] == serials.tolist()
         assert len(set(names.values())) == len(names)
-        assert ranks.slices(rank) == ranks.part.slices(rank)
+        assert ranks.group_slices(rank) == ranks.groups.group_slices(rank)
 
 
 def test_the_cases_reach_every_mark(tmp_path):
@@ -106,7 +115,7 @@ def test_the_cases_reach_every_mark(tmp_path):
             spliced = {int(ranks.device_before[p]) + j for j, p in enumerate(inserted.position)}  # device indices
             reached["peak at a rank's own event"] += events.peak.event in spliced
             reached["no slice"] += not mine
-            reached["padding"] += sum(mine.values()) < ranks.part.partition_numel
+            reached["padding"] += sum(mine.values()) < sum(ranks.partitions)
             for *_, kind, args in ranks.marks:
                 if kind in (zero12._XL_MINE, zero12._XL_OTHER):
                     reached[f"{kind}, freed"] += (args[0] in mine) == (kind == zero12._XL_MINE)

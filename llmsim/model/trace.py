@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 from unittest import mock
 from dataclasses import dataclass
@@ -346,3 +347,23 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         depth = num_layers
     timeline, info = run_fake(spec, setup, depth)
     return Trace(timeline, info, depth, period, num_layers, lead)
+
+
+def no_decay_names(spec, setup: TrainSetup) -> frozenset[str]:
+    """The trainable parameters the Trainer's optimizer puts in its second param group, without weight decay
+    (`Trainer.create_optimizer`: those not in `get_decay_parameter_names`, i.e. biases, norms and nn.LayerNorm's
+    parameters), named as the trace names them (peft's prefix dropped). transformers' own rule, run on the model
+    built on the meta device as the trace builds it (peft's adapters too): no memory."""
+    from transformers import Trainer
+
+    from llmsim.inputs.hf import lora_config
+    from llmsim.model.step import base_fqn
+    from llmsim.model.trainer_trace import _peft_model
+
+    with torch.device("meta"):
+        model = hf_builder(spec, setup, spec.hf_config())()
+        if setup.peft_config:
+            model = _peft_model(model, lora_config(json.loads(setup.peft_config)))
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    return frozenset(base_fqn(name) for name, param in model.named_parameters()
+                     if param.requires_grad and name not in decay)

@@ -11,10 +11,11 @@ import pandas as pd
 
 from llmsim.inputs.spec import ModelSpec, TrainSetup
 from llmsim.model.step import StepInfo
-from llmsim.model.trace import trace
+from llmsim.model.trace import no_decay_names, trace
 from llmsim.sim.processes import in_processes
 from llmsim.sim.strategies import STRATEGIES, Layout, Strategy
 from llmsim.sim.strategies.events import per_timeline
+from llmsim.sim.strategies.zero_common import NO_DECAY
 from llmsim.sim.timeline import TRACED_STEPS, expand, repeat_last_step
 
 if TYPE_CHECKING:  # networkx loads when a graph is first asked for
@@ -41,6 +42,8 @@ def _expand_key(key: tuple[ModelSpec, TrainSetup]) -> tuple[pd.DataFrame, StepIn
     if timeline is None:  # the last traced step is not steady: trace every step
         traced = trace(model, setup)
         timeline = expand(traced)
+    if setup.trainer_under_deepspeed:  # the Trainer's optimizer has two param groups, which DeepSpeed keeps apart
+        timeline.attrs[NO_DECAY] = no_decay_names(model, setup)
     return timeline, traced.info
 
 

@@ -26,6 +26,10 @@ every `.grad` to None after it, so each later micro-step's gradients are new sto
 TrainSetup.label_micro_grads) and its epilogue allocates a second `grads_in_partition`, adds it into the first
 (kept alive in `all_grad_tensors`) and frees it; the partition is padded at the boundary only
 (`independent_gradient_partition_epilogue`, `get_flat_partition`).
+Each of the optimizer's param groups is flattened, partitioned and stepped apart (`Groups`): the canonical step's
+AdamW has one, the HF Trainer's two (weight decay, then biases and norms without: zero_common.optimizer_groups), so
+under the Trainer each rank's partition is its slice of each group's buffer, with a master, padding, flattened
+gradient and optimizer step per group, and one `grads_in_partition` over them all.
 The batch is made after `deepspeed.initialize` returns, so initialize's events go before the build's input row.
 With LoRA the optimizer's groups keep only the parameters that require grad (`is_optimized_parameter`): the
 adapters alone are flattened, partitioned, bucketed and stepped; the frozen base keeps its own storage. The engine
@@ -68,8 +72,8 @@ from llmsim.sim.strategies.events import (LazyRanks, RankEvents, Spliced, live_a
 from llmsim.sim.strategies.flat_optimizer import FlatOptimizer
 from llmsim.model.tracker import GRAD_READY, NO_BLOCK
 from llmsim.sim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, EventWriter, Param, construct_optimizer,
-                                           host_buffer, rank_writer, optimizer_of, param_storages, parameters, rows_of,
-                                           step_optimizer, own_runs, torch_fused, walk_phases, frame_of)
+                                           host_buffer, rank_writer, optimizer_groups, optimizer_of, parameters,
+                                           rows_of, step_optimizer, own_runs, torch_fused, walk_phases, frame_of)
 
 # Where a gradient's storage is made: in the backward, or in the forward by a loss that computes the LM head's
 # weight gradient there (Liger's fused linear cross-entropy keeps it for the backward, which hands it to autograd)
@@ -121,6 +125,41 @@ class Partitioning:
         return out
 
 
+@dataclass(frozen=True)
+class Groups:
+    """The optimizer's param groups as DeepSpeed keeps them (`bit16_groups`): each flattened into a buffer of its
+    own and partitioned over the ranks (`parts`, one Partitioning each, in the order the group is flattened:
+    `round_robin_gradients` reorders it), and the parameters group by group in model order (`order`: what stage
+    1's end-of-backward reduction walks). A parameter is in one group; a rank's partition is its slice of every
+    group's buffer."""
+
+    parts: tuple[Partitioning, ...]
+    order: tuple[Param, ...]
+
+    @classmethod
+    def of(cls, groups: list[list[Param]], world_size: int, round_robin_gradients: bool) -> "Groups":
+        flattened = [round_robin(group, world_size) if round_robin_gradients else group for group in groups]
+        return cls(tuple(Partitioning.of(group, world_size) for group in flattened),
+                   tuple(p for group in groups for p in group))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_part_of", {p.name: part for part in self.parts for p in part.params})
+
+    @property
+    def params(self) -> list[Param]:
+        return [p for part in self.parts for p in part.params]
+
+    def partition_ids(self, name: str) -> list[int]:
+        return self._part_of[name].partition_ids(name)
+
+    def group_slices(self, rank: int) -> list[dict[str, int]]:
+        return [part.slices(rank) for part in self.parts]
+
+    def slices(self, rank: int) -> dict[str, int]:
+        """Parameter name -> numel of its slice in `rank`'s partitions, group by group."""
+        return {name: numel for sliced in self.group_slices(rank) for name, numel in sliced.items()}
+
+
 @dataclass
 class _Backward:
     """The reduction state of one backward pass."""
@@ -138,24 +177,24 @@ class _Rank:
         self.zero = layout.deepspeed.zero()
         self.stage = layout.deepspeed.stage
         self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
-        flattened = _trainable(parameters(timeline, self.elem), timeline, setup)
-        if self.zero.round_robin_gradients:
-            flattened = round_robin(flattened, layout.world_size)
-        self.part = Partitioning.of(flattened, layout.world_size)
-        self.numel = {p.name: p.numel for p in self.part.params}
+        trainable = _trainable(parameters(timeline, self.elem), timeline, setup)
+        self.groups = Groups.of(optimizer_groups(trainable, timeline), layout.world_size,
+                                bool(self.zero.round_robin_gradients))
+        self.partitions = [part.partition_numel for part in self.groups.parts]  # P per group
+        self.numel = {p.name: p.numel for p in self.groups.params}
         self.offload = layout.deepspeed.offloads_optimizer  # ZeRO-Offload: the optimizer on the host
         # offload's host buffers are pinned copies: pin_memory, on a GPU (DeepSpeed's CPU accelerator pins nothing)
         self.pins = (self.offload and bool(self.zero.offload_optimizer.pin_memory)
                      and setup.device is Device.CUDA)
         self.accumulators: set[str] = set()  # offload, stage 2: the host gradient accumulators made so far
-        self.mine = self.part.slices(rank)
+        self.mine_by_group = self.groups.group_slices(rank)
+        self.mine = {name: numel for sliced in self.mine_by_group for name, numel in sliced.items()}
         self.gip_bytes = sum(self.numel[name] for name in self.mine) * self.elem
         self.rank = rank
         self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
         self.fused = torch_fused(layout.deepspeed, setup)
         # another client optimizer: its own step on the flat fp32 partition (llmsim/sim/strategies/flat_optimizer.py)
-        self.client = (FlatOptimizer(setup.optimizer, [self.part.partition_numel], setup.steps, self.foreach,
-                                     self.fused)
+        self.client = (FlatOptimizer(setup.optimizer, self.partitions, setup.steps, self.foreach, self.fused)
                        if self.optimizer == "client" and setup.optimizer is not Optimizer.ADAMW else None)
         self.timeline = timeline
         self.rows = rows
@@ -167,51 +206,73 @@ class _Rank:
         self.initialized = False
         self.norms: list[int] = []  # offload: the per-parameter gradient norms kept until the step (0-d f64, device)
         self.global_norm: int | None = None  # offload: the last step's global norm (0-d fp32, host)
-        trainable = set(self.numel)
+        self.staging: tuple[int, int] | None = None  # offload, pinned: a staging buffer's pageable original
+        self.padding: list[tuple[int, int] | None] = []  # each group's padding at the boundary (`_pad`)
+        self.gip: int | None = None  # the window's grads_in_partition, kept to the step
+        # the last group with slices in this rank's partition: its release frees grads_in_partition
+        self.last_gip_group = max((g for g, mine in enumerate(self.mine_by_group) if mine), default=None)
         live = live_at_end_of_build(timeline, Category.PARAMETER)
-        self.trainable_serials = {int(serial) for serial, name in live["name"].items() if name in trainable}
+        storage = {name: (int(serial), int(nbytes)) for serial, nbytes, name in
+                   zip(live.index, live["nbytes"], live["name"])}
+        # each group's parameters' own storages, which its flattening frees
+        self.group_storages = [[storage[p.name] for p in part.params] for part in self.groups.parts]
 
     # ---- initialize --------------------------------------------------------------------------------
     def initialize(self) -> None:
+        """Group by group: the flat buffer, the originals freed, the fp32 master partition (under offload its host
+        side, `_offload_group`); then `initialize_optimizer_states`' zero fp32 gradient of every group's partition,
+        all made and then all dropped (under offload, `_initialize_offload`: kept on the host)."""
         construct_optimizer(self.w, self.optimizer)
-        flat = self.w.alloc(self.part.flat_numel * self.elem, Category.PARAMETER)
-        for serial, nbytes in param_storages(self.timeline):
-            if serial in self.trainable_serials:
+        for part, storages in zip(self.groups.parts, self.group_storages):
+            if part.flat_numel:
+                self.w.alloc(part.flat_numel * self.elem, Category.PARAMETER)
+            for serial, nbytes in storages:
                 self.w.free(serial, nbytes, Category.PARAMETER)
-        self.flat = flat
-        p32 = self.part.partition_numel * FP32_BYTES
+            if self.offload:
+                self._offload_group(part.partition_numel)
+            elif self.elem != FP32_BYTES:
+                clone = self.w.alloc(part.partition_numel * self.elem, Category.TEMPORARY)
+                self.w.alloc(part.partition_numel * FP32_BYTES, Category.MASTER_WEIGHTS)
+                self.w.free(clone, part.partition_numel * self.elem, Category.TEMPORARY)
+            else:
+                self.w.alloc(part.partition_numel * FP32_BYTES, Category.MASTER_WEIGHTS)
         if self.offload:
             self._initialize_offload()
             return
-        if self.elem != FP32_BYTES:
-            clone = self.w.alloc(self.part.partition_numel * self.elem, Category.TEMPORARY)
-            self.master = self.w.alloc(p32, Category.MASTER_WEIGHTS)
-            self.w.free(clone, self.part.partition_numel * self.elem, Category.TEMPORARY)
-        else:
-            self.master = self.w.alloc(p32, Category.MASTER_WEIGHTS)
-        zeros = self.w.alloc(p32, Category.TEMPORARY)
-        self.w.free(zeros, p32, Category.TEMPORARY)
+        zeros = [self.w.alloc(p * FP32_BYTES, Category.TEMPORARY) for p in self.partitions]
+        for serial, p in zip(zeros, self.partitions):
+            self.w.free(serial, p * FP32_BYTES, Category.TEMPORARY)
 
-    def _initialize_offload(self) -> None:
-        """The host side of ZeRO-Offload: the master partition is a host copy of a device clone; a host staging
-        buffer for the updated bf16/fp32 partition; `temp_grad_buffer_for_cpu_offload` (the largest parameter's
-        numel, on the host, never read) and `temp_grad_buffer_for_gpu_offload` (the same on the device, for
-        accumulation); the master partition's fp32 `.grad` on the host, kept (`initialize_optimizer_states`).
-        With pin_memory on a GPU each host buffer is pinned as it is made: `get_accelerator().pin_memory(t)` is a
-        pinned copy, the pageable one freed as its name is rebound, except the staging buffer's, which its local
-        name holds until `__init__` returns (on the CPU it returns `t`: the rows measure the unpinned path)."""
-        p, largest = self.part.partition_numel, max(self.numel.values())
+    def _offload_group(self, p: int) -> None:
+        """A group's host side of ZeRO-Offload, made in the group's turn: the master partition, a host copy of a
+        device clone, and a host staging buffer for the updated bf16/fp32 partition. With pin_memory on a GPU each
+        host buffer is pinned as it is made (`get_accelerator().pin_memory(t)` is a pinned copy, the pageable one
+        freed as its name is rebound); the staging buffer's pageable original lives in a local name until the next
+        group's replaces it, the last until `__init__` returns (on the CPU pin_memory returns `t`: the rows measure
+        the unpinned path)."""
         clone = self.w.alloc(p * self.elem, Category.TEMPORARY)
         host_buffer(self.w, p * FP32_BYTES, self.pins)  # the master partition
         self.w.free(clone, p * self.elem, Category.TEMPORARY)
         staging = self.w.alloc(p * self.elem, Category.HOST_OFFLOAD)
         if self.pins:  # its pinned copy; the pageable one lives on in a local name
             self.w.alloc(p * self.elem, Category.HOST_OFFLOAD)
+            if self.staging is not None:
+                self.w.free(*self.staging, Category.HOST_OFFLOAD)
+            self.staging = (staging, p * self.elem)
+
+    def _initialize_offload(self) -> None:
+        """After the groups: `temp_grad_buffer_for_cpu_offload` (the largest parameter's numel, on the host, never
+        read) and `temp_grad_buffer_for_gpu_offload` (the same on the device, for accumulation); each group's
+        master partition's fp32 `.grad` on the host, kept (`initialize_optimizer_states`); the last staging buffer's
+        pageable original freed as `__init__` returns."""
+        largest = max(self.numel.values())
         host_buffer(self.w, largest * self.elem, self.pins)
         self.w.alloc(largest * self.elem, Category.REDUCE_BUCKET)
-        host_buffer(self.w, p * FP32_BYTES, self.pins)
-        if self.pins:  # `__init__` returns
-            self.w.free(staging, p * self.elem, Category.HOST_OFFLOAD)
+        for p in self.partitions:
+            host_buffer(self.w, p * FP32_BYTES, self.pins)
+        if self.staging is not None:  # `__init__` returns
+            self.w.free(*self.staging, Category.HOST_OFFLOAD)
+            self.staging = None
 
     def _initialize_once(self) -> None:
         if not self.initialized:
@@ -297,7 +358,7 @@ class _Rank:
         (torch's `_flatten_dense_tensors` returns a view of a single tensor)."""
         runs, previous = 0, None
         for name in bucket:
-            for partition in self.part.partition_ids(name):
+            for partition in self.groups.partition_ids(name):
                 if partition != previous:
                     runs += 1
                 previous = partition
@@ -316,7 +377,7 @@ class _Rank:
         if self.stage == 1 and not self.boundary:
             return
         if self.stage == 1 and not self.zero.overlap_comm:  # engine.allreduce_gradients -> reduce_gradients, in
-            for p in self.part.params:                         # parameter order (with overlap_comm the hooks did)
+            for p in self.groups.order:                        # parameter order (with overlap_comm the hooks did)
                 if p.name in self.bw.grads:
                     self.reduce(p.name)
         self.flush()
@@ -336,8 +397,11 @@ class _Rank:
             self._free_grad(name)
 
     def _pad(self) -> None:
-        padding = self.part.partition_numel - sum(self.mine.values())
-        self.padding = self.w.alloc(padding * self.elem, Category.GRADIENT) if padding else None
+        """Each group's partition padded (`get_flat_partition`), group by group."""
+        self.padding = []
+        for p, mine in zip(self.partitions, self.mine_by_group):
+            padding = (p - sum(mine.values())) * self.elem
+            self.padding.append((self.w.alloc(padding, Category.GRADIENT), padding) if padding else None)
 
     def _keep_gip(self, first: bool) -> None:
         """The window's first reduction (`first`) keeps its `grads_in_partition`; a later one's is added into it
@@ -349,33 +413,39 @@ class _Rank:
 
     # ---- step ----------------------------------------------------------------------------------------
     def step(self, step: int) -> None:
+        """The norm over every group's slices, then group by group: its partition's gradients flattened (P, then
+        converted to fp32 in bf16), its gradients and padding freed (`grads_in_partition`, one buffer for every
+        group, with the last group that has slices here), the optimizer's step on its fp32 partition, the fp32
+        gradient freed."""
         if self.offload:
             self._offload_step(step)
             return
         self._upcast_slices()
-        p = self.part.partition_numel
-        flat_grad = self.w.alloc(p * self.elem, Category.GRADIENT)
-        if self.elem != FP32_BYTES:  # .to(fp32) of the flattened bf16 gradients
-            fp32_grad = self.w.alloc(p * FP32_BYTES, Category.GRADIENT)
-            self.w.free(flat_grad, p * self.elem, Category.GRADIENT)
-            flat_grad = fp32_grad
-        self._free_partition_grads()
-        if self.client is not None:
-            self.client.step(self.w, step, 0)
-        else:
-            step_optimizer(self.w, [self.part.partition_numel], step == 0, self.foreach, self.optimizer,
-                           self.fused)
-        self.w.free(flat_grad, p * FP32_BYTES, Category.GRADIENT)
+        for g, p in enumerate(self.partitions):
+            flat_grad = self.w.alloc(p * self.elem, Category.GRADIENT) if p else None
+            if self.elem != FP32_BYTES and p:  # .to(fp32) of the flattened bf16 gradients
+                fp32_grad = self.w.alloc(p * FP32_BYTES, Category.GRADIENT)
+                self.w.free(flat_grad, p * self.elem, Category.GRADIENT)
+                flat_grad = fp32_grad
+            self._free_partition_grads(g)
+            if self.client is not None:
+                self.client.step(self.w, step, g)
+            elif p:
+                step_optimizer(self.w, [p], step == 0, self.foreach, self.optimizer, self.fused)
+            if flat_grad is not None:
+                self.w.free(flat_grad, p * FP32_BYTES, Category.GRADIENT)
 
     def _offload_step(self, step: int) -> None:
         """The step on the host: the global norm from the kept per-parameter norms (a 0-d fp32 for the step, and
-        one kept as the global norm until the next step's replaces it), clipping in place, the client AdamW on the
-        host partition and its host `.grad`, then the update copied into the device partition and all-gathered in
-        place; the per-parameter norms are dropped (`reset_cpu_buffers`)."""
+        one kept as the global norm until the next step's replaces it), then group by group clipping in place and
+        the optimizer on the group's host partition and its host `.grad`, the update copied into the device
+        partition; the per-parameter norms are dropped (`reset_cpu_buffers`) and everything all-gathered in
+        place."""
         local = self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
         kept = self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
-        step_optimizer(self.w, [self.part.partition_numel], step == 0, False, self.optimizer, self.fused,
-                       on_host=True)  # host tensors: torch's for-loop AdamW (foreach is for accelerator tensors)
+        for p in self.partitions:
+            if p:  # host tensors: torch's for-loop AdamW (foreach is for accelerator tensors)
+                step_optimizer(self.w, [p], step == 0, False, self.optimizer, self.fused, on_host=True)
         for serial in self.norms:
             self.w.free(serial, FP64_BYTES, Category.GRADIENT)
         self.norms = []
@@ -385,17 +455,17 @@ class _Rank:
         self.global_norm = kept
 
     def _upcast_slices(self) -> None:
-        for numel in self.mine.values():  # get_grad_norm_direct: g.to(float64) per slice
+        for numel in self.mine.values():  # get_grad_norm_direct: g.to(float64) per slice, group by group
             upcast = self.w.alloc(numel * FP64_BYTES, Category.TEMPORARY)
             self.w.free(upcast, numel * FP64_BYTES, Category.TEMPORARY)
 
-    def _free_partition_grads(self) -> None:
-        """`grads_in_partition` and the padding are freed once flattened."""
-        if self.gip is not None:
+    def _free_partition_grads(self, group: int) -> None:
+        """A group's gradients freed once flattened: its padding, and with the last group that has slices here the
+        `grads_in_partition` buffer they all viewed."""
+        if group == self.last_gip_group and self.gip is not None:
             self.w.free(self.gip, self.gip_bytes, Category.GRADIENT)
-        if self.padding is not None:
-            self.w.free(self.padding, (self.part.partition_numel - sum(self.mine.values())) * self.elem,
-                        Category.GRADIENT)
+        if self.padding and self.padding[group] is not None:
+            self.w.free(*self.padding[group], Category.GRADIENT)
 
     # ---- the walk --------------------------------------------------------------------------------------
     def run(self) -> pd.DataFrame:
@@ -445,9 +515,9 @@ class _Rank:
 def round_robin(params: list[Param], world_size: int) -> list[Param]:
     """`round_robin_gradients`: the order DeepSpeed flattens (and so partitions) a group's parameters in,
     `_round_robin_reorder` (stage_1_and_2.py): the i-th parameter goes to list i % W, and the lists follow each
-    other, so consecutive gradients of the backward belong to different ranks' partitions. Everything walked "in
-    parameter order" (stage 1's end-of-backward reduction, the partition's parameters) walks this order, as
-    DeepSpeed walks `round_robin_bit16_groups`."""
+    other, so consecutive gradients of the backward belong to different ranks' partitions. The partitions'
+    parameters are in this order (`round_robin_bit16_groups`); stage 1's end-of-backward reduction still walks
+    the group in model order (`reduce_gradients` walks `bit16_groups`: Groups.order)."""
     return [p for first in range(world_size) for p in params[first::world_size]]
 
 
@@ -526,7 +596,7 @@ class _Template(_Rank):
         super().__init__(timeline, rows, layout, setup, 0, own)
         w = self.w
         self.w = _MarkingWriter(w.next_serial, module=w.module, steps_on_host=w.steps_on_host)
-        self.mine = self.gip_bytes = None  # no rank's: every use of them is a mark
+        self.mine = self.mine_by_group = self.gip_bytes = self.last_gip_group = None  # no rank's: marks
         self.pending: set[str] = set()  # stage 1: extra-large gradients flushed in this backward (_XL_MINE)
 
     def _gradient_row(self, row: tuple) -> None:
@@ -567,8 +637,8 @@ class _Template(_Rank):
     def _upcast_slices(self) -> None:
         self.w.mark(_UPCASTS)
 
-    def _free_partition_grads(self) -> None:
-        self.w.mark(_FREE_GIP)
+    def _free_partition_grads(self, group: int) -> None:
+        self.w.mark(_FREE_GIP, group)
 
 
 def _own_key(position: int, made: int) -> int:
@@ -612,7 +682,8 @@ class _Ranks:
         self.first_serial = template.w.next_serial  # the serials the strategy makes start here
         template.walk()
         w = template.w
-        self.timeline, self.part, self.elem, self.numel = timeline, template.part, template.elem, template.numel
+        self.timeline, self.groups, self.elem, self.numel = timeline, template.groups, template.elem, template.numel
+        self.partitions = template.partitions
         self.module, self.marks, self.rows, self.timeline_rows = w.module, w.marks, w.rows, rows
         self.order = np.asarray(w.order, dtype=np.int64)
         ends, end = [], None  # each mark's next _KEEP_GIP position (a position where a rank allocates nothing)
@@ -632,7 +703,7 @@ class _Ranks:
                 self.other_marks.append(index)
                 if mark[4] == _KEEP_GIP:
                     self.first_gip.append({})
-        self.ends = [off + p.numel for p, off in zip(self.part.params, self.part.offsets)]
+        self.ends = [[off + p.numel for p, off in zip(part.params, part.offsets)] for part in self.groups.parts]
         source, own_rows = _source_arrays(timeline), ~(self.order >= 0)
         columns = []
         for column, values in zip(source, ([r[4] for r in w.rows], [r[5] for r in w.rows],
@@ -653,25 +724,33 @@ class _Ranks:
         self.codes = np.unique(codes)
         self.by_category = np.cumsum(np.where(codes[None, :] == self.codes[:, None], self.delta[None, :], 0), axis=1)
 
-    def slices(self, rank: int) -> dict[str, int]:
-        """`Partitioning.slices(rank)` by bisection of the parameters' offsets."""
-        part = self.part
-        lo, hi = rank * part.partition_numel, (rank + 1) * part.partition_numel
-        out = {}
-        for index in range(bisect.bisect_right(self.ends, lo), bisect.bisect_left(part.offsets, hi)):
-            overlap = min(self.ends[index], hi) - max(part.offsets[index], lo)
-            if overlap > 0:
-                out[part.params[index].name] = overlap
+    def group_slices(self, rank: int) -> list[dict[str, int]]:
+        """`Groups.group_slices(rank)` by bisection of each group's parameters' offsets."""
+        out = []
+        for part, ends in zip(self.groups.parts, self.ends):
+            lo, hi = rank * part.partition_numel, (rank + 1) * part.partition_numel
+            sliced = {}
+            for index in range(bisect.bisect_right(ends, lo), bisect.bisect_left(part.offsets, hi)):
+                overlap = min(ends[index], hi) - max(part.offsets[index], lo)
+                if overlap > 0:
+                    sliced[part.params[index].name] = overlap
+            out.append(sliced)
         return out
+
+    def slices(self, rank: int) -> dict[str, int]:
+        return {name: numel for sliced in self.group_slices(rank) for name, numel in sliced.items()}
 
     def _inserted(self, rank: int) -> _Inserted:
         """The rank's events at the template's marks: what `_Rank`'s methods the template replaces would add."""
-        mine = self.slices(rank)
+        by_group = self.group_slices(rank)
+        mine = {name: numel for sliced in by_group for name, numel in sliced.items()}
         gip_bytes = sum(self.numel[name] for name in mine) * self.elem
-        padding_bytes = (self.part.partition_numel - sum(mine.values())) * self.elem
+        padding_bytes = [(p - sum(sliced.values())) * self.elem for p, sliced in zip(self.partitions, by_group)]
+        last_gip_group = max((g for g, sliced in enumerate(by_group) if sliced), default=None)
         out = _Inserted()
         gradient, temporary = Category.GRADIENT.value, Category.TEMPORARY.value
-        bw_gip = gip = padding = None
+        bw_gip = gip = None
+        padding: list = []
 
         made: dict[int, int] = {}  # allocations made at each position so far
 
@@ -703,7 +782,8 @@ class _Ranks:
                 if (name in mine) == (kind == _XL_MINE):
                     emit(position, step, phase, (self._shift(serial, out.allocs), serial), -nbytes, gradient)
             elif kind == _PAD:
-                padding = alloc(position, before, step, phase, padding_bytes, gradient) if padding_bytes else None
+                padding = [alloc(position, before, step, phase, nbytes, gradient) if nbytes else None
+                           for nbytes in padding_bytes]
             elif kind == _KEEP_GIP:
                 if args[0]:
                     gip = bw_gip
@@ -715,10 +795,11 @@ class _Ranks:
                     upcast = alloc(position, before, step, phase, numel * FP64_BYTES, temporary)
                     emit(position, step, phase, upcast, -numel * FP64_BYTES, temporary)
             elif kind == _FREE_GIP:
-                if gip is not None:
+                group = args[0]
+                if group == last_gip_group and gip is not None:
                     emit(position, step, phase, gip, -gip_bytes, gradient)
-                if padding is not None:
-                    emit(position, step, phase, padding, -padding_bytes, gradient)
+                if padding and padding[group] is not None:
+                    emit(position, step, phase, padding[group], -padding_bytes[group], gradient)
         return out
 
     def _shift(self, serial: int, allocs: list[int]) -> int:

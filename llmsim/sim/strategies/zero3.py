@@ -45,9 +45,9 @@ from llmsim.enums import Category, Device, Optimizer, Phase, Precision
 from llmsim.model.step import ROOT_MODULE
 from llmsim.sim.strategies.events import per_timeline, trainable_names
 from llmsim.sim.strategies.flat_optimizer import FlatOptimizer
-from llmsim.sim.strategies.zero3_resize import MAX_TERMS, Program, Recorder, Sized, World, sub_group_ends
-from llmsim.sim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, construct_optimizer, host_buffer, optimizer_of,
-                                           rank_writer,
+from llmsim.sim.strategies.zero3_resize import MAX_TERMS, Program, Recorder, Sized, World, grouped_sub_group_ends
+from llmsim.sim.strategies.zero_common import (FP32_BYTES, FP64_BYTES, construct_optimizer, host_buffer,
+                                           optimizer_groups, optimizer_of, rank_writer,
                                            own_runs, parameters, rows_of, step_optimizer, torch_fused,
                                            walk_phases)
 from llmsim.model.tracker import BACKWARD_POST, BACKWARD_PRE, FORWARD_POST, FORWARD_PRE, GRAD_READY, TIED
@@ -192,9 +192,16 @@ class _Rank:
                 total += p.numel
 
     def _sub_groups(self) -> list[list[_Param]]:
-        """stage3.py, `_create_fp16_sub_groups` (zero3_resize.sub_group_ends)."""
-        self.sub_group_ends = sub_group_ends([int(p.partition) for p in self.trainable], self.zero.sub_group_size)
-        return [self.trainable[start:end] for start, end in zip((0,) + self.sub_group_ends, self.sub_group_ends)]
+        """stage3.py, `_create_fp16_sub_groups` within each of the optimizer's param groups
+        (zero3_resize.grouped_sub_group_ends): the trainable parameters laid out group after group (one group for
+        the canonical step; the Trainer's two, zero_common.optimizer_groups)."""
+        groups = optimizer_groups(self.trainable, self.timeline)
+        self.trainable = [p for group in groups for p in group]
+        self.group_lengths = tuple(len(group) for group in groups)
+        self.sub_group_ends = grouped_sub_group_ends([int(p.partition) for p in self.trainable],
+                                                     self.zero.sub_group_size, self.group_lengths)
+        starts = (0,) + self.sub_group_ends[:-1]
+        return [self.trainable[start:end] for start, end in zip(starts, self.sub_group_ends)]
 
     def _largest(self) -> int | Sized:
         """The largest sub-group's partitions (`initialize_optimizer_states`' zero gradient)."""
@@ -763,7 +770,7 @@ def record(timeline: pd.DataFrame, layout, setup) -> Program:
     rank = _Rank(timeline, rows_of(timeline), layout, setup, recording=True)
     rank.run()
     return Program(rank.w, timeline, [p.numel for p in rank.params], [p.ds_id for p in rank.trainable],
-                   rank.zero.sub_group_size, rank.sub_group_ends)
+                   rank.zero.sub_group_size, rank.sub_group_ends, rank.group_lengths)
 
 
 def uses_flat_optimizer(layout, setup) -> bool:

@@ -108,6 +108,18 @@ def sub_group_ends(partition_numels, size) -> tuple[int, ...]:
     return tuple(ends)
 
 
+def grouped_sub_group_ends(partition_numels, size, group_lengths) -> tuple[int, ...]:
+    """`sub_group_ends` within each of the optimizer's param groups (stage3.py makes each param group's sub-groups
+    apart: `_create_fp16_partitions_with_defragmentation`), the parameters laid out group after group; an empty
+    group has none."""
+    ends, start = [], 0
+    for length in group_lengths:
+        if length:
+            ends += [start + end for end in sub_group_ends(partition_numels[start:start + length], size)]
+        start += length
+    return tuple(ends)
+
+
 class Recorder:
     """The writer (zero_common.EventWriter's interface) of a recording walk: every row in order, a copied one by its
     source index or its values, an own event with its size's formula and, for a free, the allocation it frees;
@@ -194,10 +206,10 @@ class Program:
     """A recorded walk, evaluated at any W whose sub-groups end where the recorded ones do (`frame`)."""
 
     def __init__(self, recorder: Recorder, source: pd.DataFrame, numels: list[int], trainable: list[int],
-                 sub_group_size: int | None, ends: tuple[int, ...]) -> None:
+                 sub_group_size: int | None, ends: tuple[int, ...], group_lengths: tuple[int, ...]) -> None:
         self.numels = np.asarray(numels, dtype=np.int64)
         self.trainable = np.asarray(trainable, dtype=np.int64)
-        self.sub_group_size, self.ends = sub_group_size, ends
+        self.sub_group_size, self.ends, self.group_lengths = sub_group_size, ends, group_lengths
         self.first_serial = recorder.first_serial
         self._fixed(recorder, source)
         self._formulas(list(recorder.formula_ids))
@@ -263,7 +275,8 @@ class Program:
     def matches(self, world: int) -> bool:
         """Whether `world`'s sub-groups end where the recorded ones do (the rest of the structure is W's own)."""
         partition_numels = partitions(self.numels[self.trainable], world)
-        return sub_group_ends(partition_numels.tolist(), self.sub_group_size) == self.ends
+        return grouped_sub_group_ends(partition_numels.tolist(), self.sub_group_size,
+                                      self.group_lengths) == self.ends
 
     def frame(self, world: int) -> pd.DataFrame:
         """The rank's timeline at `world` (which must match)."""

@@ -41,6 +41,25 @@ def parameters(timeline: pd.DataFrame, elem_bytes: int) -> list[Param]:
     return [Param(name, int(nbytes) // elem_bytes, elem_bytes) for name, nbytes in zip(live["name"], live["nbytes"])]
 
 
+# The timeline's attribute naming the parameters of the optimizer's weight-decay-free param group, where the traced
+# run's optimizer has one (the HF Trainer's `create_optimizer`; llmsim/sim/traced.py sets it): DeepSpeed flattens,
+# partitions and steps each param group apart
+NO_DECAY = "no_decay"
+
+
+def optimizer_groups(params: list[Param], timeline: pd.DataFrame) -> list[list[Param]]:
+    """The trainable parameters in the optimizer's param groups, each in model order: one group (the canonical step's
+    `AdamW(model.parameters())`), or the Trainer's two (weight decay, then none; an empty one is kept: DeepSpeed
+    keeps it, of no elements)."""
+    no_decay = timeline.attrs.get(NO_DECAY)
+    if no_decay is None:
+        return [params]
+    unknown = no_decay - {p.name for p in params}
+    if unknown:  # the meta model's names and the trace's disagree: a modelling error, not the user's input
+        raise AssertionError(f"the optimizer's groups name parameters the trace has not: {sorted(unknown)[:3]}")
+    return [[p for p in params if p.name not in no_decay], [p for p in params if p.name in no_decay]]
+
+
 def param_storages(timeline: pd.DataFrame) -> list[tuple[int, int]]:
     """(serial, bytes) of the parameter storages alive when the build ends."""
     live = live_at_end_of_build(timeline, Category.PARAMETER)
