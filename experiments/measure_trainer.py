@@ -17,8 +17,13 @@ implementation (grouped_mm), in data/measurements/trainer_moe_cpu.csv (MOE_QLORA
 in data/measurements/trainer_moe_deepspeed_cpu.csv. ZERO3_CASES: the Trainer under ZeRO-3 on 2 ranks, in
 data/measurements/trainer_zero3_cpu.csv. LLAMA_FACTORY_CASES: LLaMA-Factory's DeepSpeed configs as it ships them, on 2
 ranks, each predicted first (printed before the run), in data/measurements/trainer_llamafactory_cpu.csv.
+SFT_CASES run TRL's SFTTrainer (`llmsim measure --sft-config ...`: `SFTTrainer(model, SFTConfig(...),
+train_dataset=Dataset, processing_class=..., peft_config=...).train()`, TRL's defaults unless the case sets them:
+checkpointing, bf16, max_length 1024), each predicted first, in data/measurements/trainer_sft_cpu.csv; SFT_DDP_CASES
+the same on 2 ranks of DistributedDataParallel, in data/measurements/trainer_sft_ddp_cpu.csv. They need trl
+(pip install "llmsim[trl]"; measured with trl 1.16.0).
 Run: python experiments/measure_trainer.py [--out CSV] [--only N]
-     [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3|llamafactory]
+     [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3|llamafactory|sft|sft-ddp]
 """
 from __future__ import annotations
 
@@ -215,6 +220,31 @@ LLAMA_FACTORY_CASES = [
 ]
 
 
+# TRL's SFTTrainer: (name, SFTConfig fields over BASE, LoraConfig given to SFTTrainer(peft_config=...), dtype)
+SFT_OUT = OUT.with_name("trainer_sft_cpu.csv")
+SFT_DDP_OUT = OUT.with_name("trainer_sft_ddp_cpu.csv")
+SFT_CASES = [
+    ("SFTConfig defaults (checkpointing, bf16, adamw_torch_fused)", {}, None, "float32"),
+    ("no checkpointing", {"gradient_checkpointing": False}, None, "float32"),
+    ("bf16=False (fp32), checkpointing", {"bf16": False}, None, "float32"),
+    ("loaded in bf16", {}, None, "bfloat16"),
+    ("fp16 autocast + GradScaler", {"fp16": True}, None, "float32"),
+    ("LoRA all-linear (peft_config)", {}, LORA, "float32"),
+    ("LoRA dropout 0.05, bf16 weights, no checkpointing", {"gradient_checkpointing": False},
+     {**LORA, "lora_dropout": 0.05}, "bfloat16"),
+    ("DoRA", {}, {**LORA, "use_dora": True}, "float32"),
+    ("max_length 64 (rows truncated)", {"max_length": 64}, None, "float32"),
+    ("accumulation 2", {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 1}, None, "float32"),
+    ("adamw_torch, no clipping", {"optim": "adamw_torch", "max_grad_norm": 0.0}, None, "float32"),
+    ("loss_type dft", {"loss_type": "dft"}, None, "float32"),
+    ("adafactor, reentrant checkpointing", {"optim": "adafactor",
+                                            "gradient_checkpointing_kwargs": {"use_reentrant": True}}, None, "float32"),
+]
+SFT_DDP_CASES = [case for case in SFT_CASES if case[0] in (
+    "SFTConfig defaults (checkpointing, bf16, adamw_torch_fused)", "LoRA all-linear (peft_config)",
+    "no checkpointing", "accumulation 2")]
+
+
 def moe_models() -> dict[str, dict]:
     from llmsim.inputs.zoo import shrink
 
@@ -223,12 +253,12 @@ def moe_models() -> dict[str, dict]:
 
 def run_case(model: str, fields: dict, peft: dict | None, dtype: str, out: Path, quantization: dict | None = None,
              kbit_prep: bool = True, world_size: int = 1, overrides: dict | None = None,
-             predict_first: bool = False) -> int:
+             predict_first: bool = False, sft: bool = False) -> int:
     with tempfile.TemporaryDirectory() as directory:
-        args_path = Path(directory) / "training_args.json"
+        args_path = Path(directory) / ("sft_config.json" if sft else "training_args.json")
         args_path.write_text(json.dumps({**BASE, **fields}))
         command = [sys.executable, "-m", "llmsim.app.cli", "measure", "--model", model, "--seq-len", str(SEQ_LEN),
-                   "--training-args", str(args_path), "--dtype", dtype, "--out", str(out)]
+                   "--sft-config" if sft else "--training-args", str(args_path), "--dtype", dtype, "--out", str(out)]
         if world_size > 1:
             command += ["--world-size", str(world_size)]
         for key, value in (MODELS[model] if overrides is None else overrides).items():
@@ -262,7 +292,8 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="default: OUT (DDP_OUT for --cases ddp)")
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
     parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload", "moe",
-                                            "moe-qlora", "moe-deepspeed", "zero3", "llamafactory"], default="all",
+                                            "moe-qlora", "moe-deepspeed", "zero3", "llamafactory", "sft", "sft-ddp"],
+                        default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
                         "DDP_OUT / DEEPSPEED_OUT)")
     args = parser.parse_args()
@@ -270,7 +301,8 @@ def main() -> int:
                        "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT), "moe": (1, MOE_OUT), "moe-qlora": (1, MOE_OUT),
                        "moe-deepspeed": (DDP_WORLD_SIZE, MOE_DEEPSPEED_OUT),
                        "zero3": (DDP_WORLD_SIZE, ZERO3_OUT),
-                       "llamafactory": (DDP_WORLD_SIZE, LLAMA_FACTORY_OUT)}.get(args.cases, (1, OUT))
+                       "llamafactory": (DDP_WORLD_SIZE, LLAMA_FACTORY_OUT), "sft": (1, SFT_OUT),
+                       "sft-ddp": (DDP_WORLD_SIZE, SFT_DDP_OUT)}.get(args.cases, (1, OUT))
     out = args.out or out
     cases = ([(*case, None, True) for case in CASES] if args.cases in ("all", "plain") else []) + \
         (QLORA_CASES if args.cases in ("all", "qlora") else []) + \
@@ -278,7 +310,9 @@ def main() -> int:
         ([(*case, None, True) for case in DEEPSPEED_CASES] if args.cases == "deepspeed" else []) + \
         ([(*case, None, True) for case in OFFLOAD_CASES] if args.cases == "offload" else []) + \
         ([(*case, None, True) for case in ZERO3_CASES] if args.cases == "zero3" else []) + \
-        ([(*case, None, True) for case in LLAMA_FACTORY_CASES] if args.cases == "llamafactory" else [])
+        ([(*case, None, True) for case in LLAMA_FACTORY_CASES] if args.cases == "llamafactory" else []) + \
+        ([(*case, None, True) for case in SFT_CASES] if args.cases == "sft" else []) + \
+        ([(*case, None, True) for case in SFT_DDP_CASES] if args.cases == "sft-ddp" else [])
     models = {model: None for model in MODELS}
     if args.cases.startswith("moe"):
         models = moe_models()
@@ -289,7 +323,8 @@ def main() -> int:
     for model, overrides in models.items():
         for name, fields, peft, dtype, quantization, kbit_prep in cases[: args.only]:
             failures += run_case(model, fields, peft, dtype, Path(out), quantization, kbit_prep, world_size,
-                                 overrides, predict_first=args.cases == "llamafactory") != 0
+                                 overrides, predict_first=args.cases in ("llamafactory", "sft", "sft-ddp"),
+                                 sft=args.cases.startswith("sft")) != 0
     return 1 if failures else 0
 
 

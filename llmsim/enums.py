@@ -112,6 +112,14 @@ class Recipe(str, Enum):
     # transformers' Trainer itself: `Trainer(model, TrainingArguments(...)).train()` on a model as
     # `from_pretrained(dir, dtype=...)` returns it, optionally wrapped by `get_peft_model` (llmsim/model/trainer_trace.py)
     HF_TRAINER = "hf-trainer"
+    # TRL's SFTTrainer (a Trainer subclass) on the same model: `SFTTrainer(model, SFTConfig(...), train_dataset=...,
+    # peft_config=...).train()`, with TRL's fused LM head and collator (llmsim/model/trainer_trace.py)
+    TRL_SFT = "trl-sft"
+
+    @property
+    def trainer(self) -> bool:
+        """The loop is a library's Trainer (transformers' or TRL's), run on the user's arguments files."""
+        return self in (Recipe.HF_TRAINER, Recipe.TRL_SFT)
 
 
 class Device(str, Enum):

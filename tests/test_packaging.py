@@ -60,3 +60,17 @@ def test_a_prediction_names_the_torch_it_traced(capsys):
             "vocab_size=256"]
     assert main(["predict", *tiny, "--seq-len", "16", "--micro-batch", "1", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["torch"] == torch.__version__
+
+
+def test_the_constraints_hold_trl_to_the_one_the_sft_rows_were_measured_with():
+    """trl is an optional dependency (the trl-sft recipe); the tests install the release its rows name."""
+    from llmsim.inputs.hf import TRL_MEASURED
+
+    pins = {Requirement(line).name: Requirement(line) for line in (ROOT / "constraints.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")}
+    rows = pd.concat(pd.read_csv(path) for path in (ROOT / "data" / "measurements").glob("trainer_sft*.csv"))
+    assert set(rows["trl"].astype(str)) == {TRL_MEASURED} == {str(s.version) for s in pins["trl"].specifier}
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    extras = config["options.extras_require"]
+    assert any(Requirement(r).name == "trl" for r in extras["trl"].split() if r) and "trl" in extras["test"]

@@ -88,3 +88,16 @@ def test_an_excluded_tensor_is_never_counted():
         forced[:8].view(-1)
         torch.ones(4)
     assert list(tracker.timeline()["delta_bytes"]) == [16, -16]  # the ones alone
+
+
+def test_the_timeline_names_phases_whatever_pandas_infers_for_strings():
+    """pandas 3 with pyarrow (datasets pulls it in) stores a str-subclass Enum as a plain str: the phase column is
+    built from the tracker's own Phase members, so every trace works with and without pandas' string inference."""
+    import pandas as pd
+
+    for infer in (False, True):
+        with pd.option_context("future.infer_string", infer):
+            tracker = StorageTracker()
+            with tracker:
+                torch.empty(10)
+            assert set(tracker.timeline()["phase"]) == {"build"}

@@ -81,7 +81,7 @@ def suggestions(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuPro
 
 
 def candidates(model: ModelSpec, setup: TrainSetup, layout: Layout) -> list[Change]:
-    if setup.recipe is Recipe.HF_TRAINER:
+    if setup.recipe.trainer:
         return _trainer_changes(model, setup, layout)
     return _canonical_levers(model, setup, layout) + _canonical_layouts(model, setup, layout)
 

@@ -134,7 +134,7 @@ def cmd_measure(args) -> int:
     elif router or layout.ep > 1:
         raise InputError("expert parallelism is measured through transformers' own entry point: --recipe "
                          "from-pretrained")
-    elif setup.recipe is Recipe.HF_TRAINER:
+    elif setup.recipe.trainer:
         from llmsim.measure.runs import measure_trainer
 
         try:

@@ -8,7 +8,7 @@ import argparse
 import json
 import os
 
-from llmsim.enums import Attention, Loss, Optimizer, Precision, parse_enum
+from llmsim.enums import Attention, Loss, Optimizer, Precision, Recipe, parse_enum
 from llmsim.errors import InputError
 from llmsim.inputs.spec import LLM_INT8_THRESHOLD
 from llmsim.model.quiet import quiet_libraries
@@ -82,8 +82,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--training-args", default=None, metavar="FILE", help="JSON or YAML of transformers "
                    "TrainingArguments fields: predict the HF Trainer's own run (Trainer(...).train()), its batch size, "
                    "accumulation, bf16/fp16, optim, max_grad_norm and gradient checkpointing as the file sets them")
+    p.add_argument("--sft-config", default=None, metavar="FILE", help="JSON or YAML of TRL's SFTConfig fields (in "
+                   "place of --training-args): predict TRL's SFTTrainer(...).train(), with TRL's defaults (gradient "
+                   "checkpointing on, bf16 unless fp16, max_length 1024) and its fused LM head; needs trl installed")
     p.add_argument("--peft-config", default=None, metavar="FILE", help="with --training-args: a LoraConfig as JSON "
-                   "or YAML (an adapter_config.json), given to get_peft_model; target_modules \"all-linear\" too")
+                   "or YAML (an adapter_config.json), given to get_peft_model (with --sft-config, to SFTTrainer's "
+                   "peft_config); target_modules \"all-linear\" too")
     p.add_argument("--dtype", default=None, help="from_pretrained's dtype: auto (the config's dtype, as transformers "
                    "5 loads) | float32 | bfloat16 | float16. With --training-args the Trainer's model (default auto); "
                    "without, the canonical loop trains the weights as loaded, nothing cast after (default: the "
@@ -91,7 +95,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization-config", default=None, metavar="FILE", help="with --training-args: a "
                    "BitsAndBytesConfig as JSON or YAML, given to from_pretrained(quantization_config=...) (QLoRA: "
                    "load_in_4bit, bnb_4bit_quant_type nf4, ...); the script then calls peft's "
-                   "prepare_model_for_kbit_training, as TRL's SFTTrainer does")
+                   "prepare_model_for_kbit_training, as QLoRA scripts and older TRL SFTTrainers (0.13) do (trl 1.16's "
+                   "does not: --no-kbit-prep)")
     p.add_argument("--no-kbit-prep", action="store_true", help="with --quantization-config: the script does not call "
                    "prepare_model_for_kbit_training (the base's other weights stay in the loaded dtype)")
 
@@ -203,7 +208,13 @@ def _trainer_inputs(args):
                          "the Trainer) or of DeepSpeed ZeRO-1/2 (the TrainingArguments' deepspeed, or --ds-config)")
     spec = load_model_spec(args.model, dict(_override(t) for t in args.set))
     given = getattr(args, "given_mappings", {})  # dicts handed to llmsim.predict(...) instead of files
-    fields = dict(given.get("training_args") or read_mapping(args.training_args, "TrainingArguments"))
+    sft = getattr(args, "sft_config", None)
+    if sft and args.training_args:
+        raise InputError("--sft-config and --training-args both name the trainer's arguments: give one (an "
+                         "SFTConfig's fields for TRL's SFTTrainer, TrainingArguments' for transformers' Trainer)")
+    recipe, what = (Recipe.TRL_SFT, "SFTConfig") if sft else (Recipe.HF_TRAINER, "TrainingArguments")
+    fields = dict(given.get("sft_config" if sft else "training_args")
+                  or read_mapping(sft or args.training_args, what))
     for flag, field in TRAINING_ARGS_SHORTCUTS.items():
         value = getattr(args, flag, None)
         if value not in (None, False):
@@ -218,7 +229,7 @@ def _trainer_inputs(args):
     quantization = (given.get("quantization_config") or read_mapping(quantization_file, "BitsAndBytesConfig")
                     if quantization_file else None)
     setup = trainer_setup(spec, args.seq_len, fields, peft, args.dtype or "auto", quantization,
-                          kbit_prep=not getattr(args, "no_kbit_prep", False))
+                          kbit_prep=not getattr(args, "no_kbit_prep", False), recipe=recipe)
     setup, layout = trainer_layout(spec, setup, world_size, Strategy(args.strategy) if args.strategy else None)
     return spec, setup, layout
 
@@ -230,7 +241,7 @@ def inputs(args):
     from llmsim.model.pipelining import Schedule
     from llmsim.sim.strategies import Layout, Strategy
 
-    if args.training_args:
+    if args.training_args or getattr(args, "sft_config", None):
         if getattr(args, "accelerate_config", None):
             raise InputError("--accelerate-config with --training-args is not modelled yet (the Trainer under "
                              "accelerate launch takes its DeepSpeed plugin from the launcher); give the Trainer's "
@@ -443,7 +454,7 @@ def prediction_from_options(model, seq_len: int, micro_batch: int | None, option
         if value is None or value is False:
             continue
         flag = actions[key].option_strings[0]
-        if key in ("training_args", "peft_config", "quantization_config") and isinstance(value, dict):
+        if key in ("training_args", "sft_config", "peft_config", "quantization_config") and isinstance(value, dict):
             dicts[key] = value
             value = f"<{key}>"  # read back from `dicts` below
         if key == "set":

@@ -127,7 +127,9 @@ def _recipe_line(setup, deepspeed=None) -> str:
     clip = f", max_grad_norm {f['max_grad_norm']}" if f["max_grad_norm"] is not None else ""
     return (f"recipe {f['recipe']}: weights {f['load_dtype']}, mixed precision {f['mixed_precision']}, optimizer "
             f"{f['optimizer']}, accumulation {f['grad_accum']}{clip}, peft {f['peft']}"
-            + (f", quantization {f['quantization']}" if f["quantization"] != "none" else ""))
+            + (f", quantization {f['quantization']}" if f["quantization"] != "none" else "")
+            + (f", loss {f['loss']}" if "loss" in f else "")
+            + (f", max_length {f['max_length']}" if "max_length" in f else ""))
 
 
 def validation_table(results: pd.DataFrame) -> str:

@@ -44,6 +44,19 @@ NOT_MODELLED_FIELDS = {
     "fsdp": "the Trainer with FSDP",
     "torch_compile": "torch.compile",
 }
+# SFTConfig fields whose run is not modelled yet with TRL's SFTTrainer (the trace runs the trainer, but its rows
+# measure none of them)
+SFT_NOT_MODELLED_FIELDS = {
+    "packing": "packing (several rows per sequence, padding-free)",
+    "padding_free": "padding-free batches",
+    "use_liger_kernel": "Liger's kernels",
+    "model_init_kwargs": "a model the trainer loads itself",
+    "activation_offloading": "activation offloading",
+    "pad_to_multiple_of": "padding rows to a multiple (padded batches)",
+    "completion_only_loss": "a loss on completions only (a prompt-completion dataset)",
+    "assistant_only_loss": "a loss on assistant turns only (a conversational dataset)",
+    "chat_template_path": "a cloned chat template (added tokens)",
+}
 # Fields the run itself sets (llmsim/model/trainer_recipe.py, MEASUREMENT_ARGS): the CPU the trace plays, three steps,
 # nothing written; a user's value for them changes no byte of a step's memory
 FORCED_FIELDS = ("use_cpu", "max_steps", "report_to", "save_strategy", "disable_tqdm", "output_dir")
@@ -67,31 +80,57 @@ def read_mapping(path: str, what: str) -> dict[str, Any]:
     return fields
 
 
-def training_arguments(fields: dict[str, Any], **forced: Any):
-    """`TrainingArguments(**fields, **forced)` on this machine's CPU, the library's own validation and defaults; one
-    line when it refuses. `forced`: the run's own FORCED_FIELDS (the user's values for them are set aside)."""
+def arguments_class(recipe: Recipe = Recipe.HF_TRAINER):
+    """The arguments dataclass the recipe's Trainer reads: transformers' TrainingArguments, or TRL's SFTConfig (its
+    subclass, with TRL's own defaults: `gradient_checkpointing=True`, `bf16=True` unless `fp16`, `max_length=1024`,
+    `learning_rate=2e-5`). TRL is an optional dependency (`pip install "llmsim[trl]"`)."""
+    if recipe is not Recipe.TRL_SFT:
+        from transformers import TrainingArguments
+
+        return TrainingArguments
+    try:
+        from trl import SFTConfig
+    except ImportError:
+        raise InputError("--sft-config (TRL's SFTTrainer) needs trl installed: pip install \"llmsim[trl]\" "
+                         f"(measured with trl {TRL_MEASURED})") from None
+    return SFTConfig
+
+
+TRL_MEASURED = "1.16.0"  # the trl the committed trl-sft rows were measured with (constraints.txt pins it for CI)
+
+
+def training_arguments(fields: dict[str, Any], recipe: Recipe = Recipe.HF_TRAINER, **forced: Any):
+    """`TrainingArguments(**fields, **forced)` (with recipe trl-sft, `SFTConfig`) on this machine's CPU, the
+    library's own validation and defaults; one line when it refuses. `forced`: the run's own FORCED_FIELDS (the
+    user's values for them are set aside)."""
     import dataclasses
 
-    from transformers import TrainingArguments
-
-    valid = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
+    cls = arguments_class(recipe)
+    valid = [f.name for f in dataclasses.fields(cls) if f.init]
     unknown = [name for name in fields if name not in valid]
     if unknown:
         hints = {name: difflib.get_close_matches(name, valid, n=1) for name in unknown}
         said = ", ".join(f"{n!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for n, h in hints.items())
-        raise InputError(f"unknown TrainingArguments field {said}; see transformers.TrainingArguments for the "
+        module = "trl" if recipe is Recipe.TRL_SFT else "transformers"
+        raise InputError(f"unknown {cls.__name__} field {said}; see {module}.{cls.__name__} for the "
                          f"{len(valid)} valid fields")
-    for name, why in NOT_MODELLED_FIELDS.items():
-        if fields.get(name):
-            raise InputError(f"TrainingArguments {name}={fields[name]!r}: {why} is not modelled yet for the "
-                             "hf-trainer recipe; modelled: one process")
+    not_modelled = {**NOT_MODELLED_FIELDS, **(SFT_NOT_MODELLED_FIELDS if recipe is Recipe.TRL_SFT else {})}
+    for name, why in not_modelled.items():
+        if fields.get(name) and not (name == "pad_to_multiple_of" and fields[name] == "auto"):
+            raise InputError(f"{cls.__name__} {name}={fields[name]!r}: {why} is not modelled yet for the "
+                             f"{recipe.value} recipe")
+    # TRL's own fields state their choices in the field's metadata, which SFTConfig does not check itself
+    for field in dataclasses.fields(cls):
+        choices = field.metadata.get("choices")
+        if recipe is Recipe.TRL_SFT and choices and field.name in fields and fields[field.name] not in choices:
+            raise InputError(f"SFTConfig {field.name}={fields[field.name]!r}: valid choices: {', '.join(choices)}")
     # `deepspeed` (a JSON path or a dict) is read by llmsim.sim.strategies.trainer_layout: TrainingArguments would
     # start DeepSpeed's integration (and its process group) here
     settable = {k: v for k, v in fields.items() if k not in FORCED_FIELDS and k != "deepspeed"}
     try:
-        return TrainingArguments(**{"output_dir": "trainer_output", **settable, "use_cpu": True, **forced})
+        return cls(**{"output_dir": "trainer_output", **settable, "use_cpu": True, **forced})
     except (ValueError, TypeError) as exc:
-        raise InputError(f"invalid TrainingArguments: {one_line(exc)}") from None
+        raise InputError(f"invalid {cls.__name__}: {one_line(exc)}") from None
 
 
 def lora_config(fields: dict[str, Any]):
@@ -204,13 +243,22 @@ def _precision(load_dtype: str, args) -> Precision:
 
 def trainer_setup(spec: ModelSpec, seq_len: int, fields: dict[str, Any], peft_fields: dict[str, Any] | None = None,
                   dtype: str = "auto", quantization: dict[str, Any] | None = None,
-                  kbit_prep: bool = True) -> TrainSetup:
-    """The HF Trainer recipe's TrainSetup: the user's fields kept as given (the trace runs the Trainer on them), the
-    loop fields llmsim reports and checks derived from the arguments the Trainer would hold."""
+                  kbit_prep: bool = True, recipe: Recipe = Recipe.HF_TRAINER) -> TrainSetup:
+    """The HF Trainer recipe's TrainSetup (recipe trl-sft: TRL's SFTTrainer, `fields` an SFTConfig's): the user's
+    fields kept as given (the trace runs the Trainer on them), the loop fields llmsim reports and checks derived
+    from the arguments the Trainer would hold."""
     if spec.config_json is None:
-        raise InputError(f"the hf-trainer recipe loads {spec.name} with from_pretrained: it needs an HF config "
+        raise InputError(f"the {recipe.value} recipe loads {spec.name} with from_pretrained: it needs an HF config "
                          "(a zoo name or a config.json), not a module factory")
-    args = training_arguments(fields)
+    args = training_arguments(fields, recipe)
+    if recipe is Recipe.TRL_SFT and fields.get("deepspeed"):
+        raise InputError("TRL's SFTTrainer under DeepSpeed is not modelled yet (it changes get_peft_model's dtype "
+                         "under ZeRO-3; no row measures it); modelled with --sft-config: one process, or --world-size "
+                         "N ranks of DistributedDataParallel")
+    if recipe is Recipe.TRL_SFT and quantization is not None:
+        raise InputError("a BitsAndBytesConfig base with --sft-config is not modelled yet (SFTTrainer casts the "
+                         "adapters of a quantized model to bf16; no row measures it); modelled with TRL: full "
+                         "fine-tuning and LoRA on a bf16 or fp32 base")
     optim = _optim_name(args)
     if optim not in TRAINER_OPTIMS:
         raise InputError(f"TrainingArguments optim {optim!r} is not modelled yet; modelled: "
@@ -236,7 +284,7 @@ def trainer_setup(spec: ModelSpec, seq_len: int, fields: dict[str, Any], peft_fi
         micro_batch=args.per_device_train_batch_size, seq_len=seq_len, precision=precision,
         grad_ckpt=bool(args.gradient_checkpointing), grad_accum=args.gradient_accumulation_steps,
         optimizer=optimizer, fused=fused, build_bf16=load_dtype == "bfloat16", lora_rank=lora_rank,
-        recipe=Recipe.HF_TRAINER, training_args=json.dumps(fields, sort_keys=True),
+        recipe=recipe, training_args=json.dumps(fields, sort_keys=True),
         peft_config=json.dumps(peft_fields, sort_keys=True) if peft_fields is not None else None,
         load_dtype=load_dtype, quant=quant, double_quant=double_quant, int8_threshold=threshold,
         quantization_config=json.dumps(quantization, sort_keys=True) if quantization is not None else None,
@@ -246,15 +294,20 @@ def trainer_setup(spec: ModelSpec, seq_len: int, fields: dict[str, Any], peft_fi
 def recipe_facts(setup: TrainSetup, deepspeed=None) -> dict[str, Any]:
     """What is predicted, in the ecosystem's words: the recipe, the two precision axes, the optimizer, accumulation.
     `deepspeed` (the layout's DeepSpeedSetup): what steps when DeepSpeed builds or replaces the optimizer."""
-    if setup.recipe is Recipe.HF_TRAINER:
-        args = training_arguments(json.loads(setup.training_args))
+    if setup.recipe.trainer:
+        args = training_arguments(json.loads(setup.training_args), setup.recipe)
+        sft = {}
+        if setup.recipe is Recipe.TRL_SFT:  # its head and its truncation (SFTConfig.max_length), where it truncates
+            sft["loss"] = f"TRL's fused LM head ({args.loss_type})"
+            if args.max_length is not None and setup.seq_len > args.max_length:
+                sft["max_length"] = f"{args.max_length} (rows of {setup.seq_len} tokens truncated)"
         return {"recipe": setup.recipe.value, "load_dtype": setup.load_dtype,
                 "mixed_precision": _mixed_precision(args) or "no",
                 "optimizer": _deepspeed_optimizer(deepspeed, _optim_name(args)),
                 "grad_accum": setup.grad_accum,
                 "max_grad_norm": args.max_grad_norm,
                 "peft": "LoRA r=%d" % setup.lora_rank if setup.lora_rank else "none",
-                "quantization": _quantization_words(setup)}
+                "quantization": _quantization_words(setup), **sft}
     build = "bfloat16" if setup.build_bf16 else "float32"  # build_bf16 holds with precision bf16 only
     mixed = {Precision.BF16_AUTOCAST: "bf16", Precision.FP16_AUTOCAST: "fp16"}.get(setup.precision, "no")
     cast = {Precision.BF16: ", then cast to bfloat16", Precision.FP16: ", then cast to float16"}.get(setup.precision, "")
@@ -291,6 +344,6 @@ def _quantization_words(setup: TrainSetup) -> str:
         if setup.quantization_config is not None:
             compute = str(bitsandbytes_config(json.loads(setup.quantization_config)).bnb_4bit_compute_dtype)
         words += f", compute {compute.removeprefix('torch.')}"
-    if setup.recipe is Recipe.HF_TRAINER:
+    if setup.recipe.trainer:
         words += ", prepare_model_for_kbit_training" if setup.kbit_prep else ", no prepare_model_for_kbit_training"
     return words

@@ -184,11 +184,11 @@ class TrainSetup:
     # BitsAndBytesConfig(llm_int8_threshold=...) with quant int8: LLM.int8's outlier threshold (bitsandbytes' default
     # 6.0); a CPU training step never reads it (llmsim/model/quantized.py), so it changes no byte there
     int8_threshold: float = LLM_INT8_THRESHOLD
-    # The recipe (llmsim.enums.Recipe). With HF_TRAINER the fields below are the user's own inputs, as canonical
-    # JSON (llmsim/inputs/hf.py reads and validates them); the loop fields above are derived from them, for the
-    # report and the checks, while the trace runs the Trainer itself.
+    # The recipe (llmsim.enums.Recipe). With HF_TRAINER or TRL_SFT the fields below are the user's own inputs, as
+    # canonical JSON (llmsim/inputs/hf.py reads and validates them); the loop fields above are derived from them, for
+    # the report and the checks, while the trace runs the Trainer itself.
     recipe: Recipe = Recipe.CANONICAL
-    training_args: str | None = None  # TrainingArguments fields as the user's file gives them
+    training_args: str | None = None  # TrainingArguments (TRL_SFT: SFTConfig) fields as the user's file gives them
     peft_config: str | None = None  # LoraConfig fields (an adapter_config.json), or None: full fine-tuning
     # from_pretrained(dtype=...) resolved: "float32" | "bfloat16" | "float16". The build is then in that dtype and
     # the canonical loop casts nothing after it (the rotary tables transformers keeps in fp32 stay so)
@@ -221,10 +221,10 @@ class TrainSetup:
         self._check_peft_extras()
         if self.build_bf16 and self.precision is not Precision.BF16:
             raise InputError(f"build-dtype bf16 needs precision bf16, got {self.precision.value}")
-        if (self.recipe is Recipe.HF_TRAINER) != (self.training_args is not None) or \
-                (self.recipe is Recipe.HF_TRAINER and self.load_dtype is None):
-            raise InputError("recipe hf-trainer needs its TrainingArguments and load dtype (and only it takes "
-                             "TrainingArguments)")
+        if self.recipe.trainer != (self.training_args is not None) or \
+                (self.recipe.trainer and self.load_dtype is None):
+            raise InputError("the hf-trainer and trl-sft recipes need their TrainingArguments (SFTConfig) and load "
+                             "dtype (and only they take them)")
         if self.load_dtype is not None and self.load_dtype not in ("float32", "bfloat16", "float16"):
             raise InputError(f"load dtype {self.load_dtype!r}: float32, bfloat16 or float16")
         if self.load_dtype is not None and self.recipe is Recipe.CANONICAL:
@@ -233,7 +233,7 @@ class TrainSetup:
                 raise InputError(f"weights loaded in {self.load_dtype} train as "
                                  f"{', '.join(p.value for p in allowed)}, not {self.precision.value} (the canonical "
                                  "loop casts nothing after from_pretrained)")
-        if (self.quantization_config is not None or self.kbit_prep) and self.recipe is not Recipe.HF_TRAINER:
+        if (self.quantization_config is not None or self.kbit_prep) and not self.recipe.trainer:
             raise InputError("a BitsAndBytesConfig file is read with --training-args (the hf-trainer recipe); for "
                              "the canonical step use --quant")
         if (self.device is Device.CUDA) != (self.cuda_capability is not None):

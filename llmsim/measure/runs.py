@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from llmsim.enums import Loss, Optimizer, Precision
+from llmsim.enums import Loss, Optimizer, Precision, Recipe
 from llmsim.errors import InputError
 from llmsim.model.losses import check_loss
 from llmsim.measure.launch import DEFAULT_TIMEOUT_S, run_ranks, torchrun
@@ -112,7 +112,7 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
            "training_args": fields,
            "peft_config": json.loads(setup.peft_config) if setup.peft_config else None,
            "quantization_config": json.loads(setup.quantization_config) if setup.quantization_config else None,
-           "kbit_prep": setup.kbit_prep}
+           "kbit_prep": setup.kbit_prep, "trainer": setup.recipe.value}
     start = time.perf_counter()
     if layout.world_size == 1:
         results = [trainer.run(job)]  # its own bitsandbytes overrides (trainer_recipe.own_bitsandbytes_overrides)
@@ -144,6 +144,7 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
             "world_size": layout.world_size, "rank": rank, "peak_allocated_bytes": peak.allocated_bytes,
             "peak_host_bytes": host_peak_bytes(host), "peak_phase": peak.phase, "device": "cpu", **environment(),
             "peft": _version("peft"), "accelerate": _version("accelerate"), "bitsandbytes": _version("bitsandbytes"),
+            **({"trl": _version("trl")} if setup.recipe is Recipe.TRL_SFT else {}),
             "measured_at": stamp, "wall_s": round(wall_s, 2)})
     return rows
 

@@ -9,7 +9,7 @@ from typing import Iterable
 
 import pandas as pd
 
-from llmsim.enums import Attention, Loss, Optimizer, Precision
+from llmsim.enums import Attention, Loss, Optimizer, Precision, Recipe
 from llmsim.measure.runs import MEASUREMENTS_DIR
 from llmsim.model.quiet import quiet_libraries
 from llmsim.sim.pipeline import predict
@@ -26,7 +26,7 @@ from llmsim.measure.tolerances import DEVICE_TOTAL_TOLERANCE, PEAK_ALLOCATED_TOL
 def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
     overrides = json.loads(row["overrides"]) if isinstance(row["overrides"], str) else {}
     spec = load_model_spec(row["model"], overrides)
-    if row.get("recipe") == "hf-trainer":  # re-read as the CLI reads the user's files (llmsim/inputs/hf.py)
+    if row.get("recipe") in ("hf-trainer", "trl-sft"):  # re-read as the CLI reads the user's files (inputs/hf.py)
         seen = row.get("seq_lens_seen")
         if isinstance(seen, str) and "," in seen:
             raise InputError(f"{row['model']}: the job's batches had sequence lengths {seen}; llmsim predicts "
@@ -39,7 +39,7 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
         setup = trainer_setup(spec, int(row["seq_len"]), json.loads(row["training_args"]),
                               json.loads(peft) if isinstance(peft, str) and peft else None, row["dtype"],
                               json.loads(quantization) if quantized else None,
-                              kbit_prep=_flag(row, "kbit_prep") if quantized else True)
+                              kbit_prep=_flag(row, "kbit_prep") if quantized else True, recipe=Recipe(row["recipe"]))
         strategy = Strategy(row["strategy"]) if isinstance(row.get("strategy"), str) else None
         setup, layout = trainer_layout(spec, setup, _int(row, "world_size", 1), strategy)
         return spec, setup, layout

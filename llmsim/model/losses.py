@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from llmsim.enums import Device, Loss
+from llmsim.enums import Device, Loss, Recipe
 from llmsim.errors import InputError
 from llmsim.model.trl_chunked_logprob import ChunkedLogProbFunction
 
@@ -307,6 +307,9 @@ def compute_loss(model: nn.Module, batch: torch.Tensor, setup) -> torch.Tensor:
 
 def check_loss(spec, setup) -> None:
     """What is modelled: TRL's torch path (no Triton: the CPU), Liger on the model types it patches."""
+    if setup.recipe is Recipe.TRL_SFT and setup.device is Device.CUDA:
+        raise InputError("TRL's SFTTrainer on a GPU (--gpu) is not modelled yet: its fused LM head then scores only "
+                         "the valid positions with Triton kernels; modelled: its torch path (the CPU)")
     if setup.loss is Loss.CHUNKED_NLL and setup.device is Device.CUDA:
         raise InputError("loss chunked-nll on a GPU (--gpu) is not modelled yet: TRL then scores only the valid "
                          "positions with its Triton kernels; modelled: its torch path (the CPU)")

@@ -59,7 +59,7 @@ def check_quantized(spec, setup) -> None:
         raise InputError(f"quant {setup.quant} freezes a quantized base: it needs LoRA adapters (--lora-rank)")
     if spec.config_json is None:
         raise InputError("quantization needs an HF config (transformers loads the quantized checkpoint)")
-    trainer = setup.recipe is Recipe.HF_TRAINER  # the user's from_pretrained dtype: the loader and peft decide
+    trainer = setup.recipe.trainer  # the user's from_pretrained dtype: the loader and peft decide
     if not trainer and (setup.precision.value not in ("fp32", "bf16-autocast") or setup.build_bf16):
         raise InputError(f"quant {setup.quant} with precision {setup.precision.value} is not modelled; modelled: "
                          "fp32, bf16-autocast (a quantized model cannot be cast; prepare_model_for_kbit_training "
@@ -112,7 +112,7 @@ def load_checkpoint_quantized(directory: Path, setup):
     bnb_functional.name2qmap.clear()
     hf_logging.disable_progress_bar()  # a prediction loads a header-only checkpoint: no bar to show
     # the Trainer recipe's as its script calls it (llmsim/model/trainer_recipe.py); the canonical build's in fp32
-    loading = ({"dtype": getattr(torch, setup.load_dtype)} if setup.recipe is Recipe.HF_TRAINER
+    loading = ({"dtype": getattr(torch, setup.load_dtype)} if setup.recipe.trainer
                else {"dtype": torch.float32, "device_map": "cpu"})
     return AutoModelForCausalLM.from_pretrained(directory, quantization_config=quantization_config(setup),
                                                 attn_implementation=setup.attention.value, **loading)

@@ -79,7 +79,7 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
             raise InputError(f"tp({setup.tp}) needs an HF config with a TP plan; {spec.name} is a module factory")
         return spec.factory_callable()
     config = spec.hf_config(num_layers if setup.pp == 1 else None)  # a stage is cut from the full stack
-    if setup.quant is not None and setup.recipe is Recipe.HF_TRAINER:  # the hub checkpoint, quantized on load
+    if setup.quant is not None and setup.recipe.trainer:  # the hub checkpoint, quantized on load
         if not fake:
             raise InputError("the hf-trainer recipe is measured by llmsim/model/trainer_recipe.py, not built here")
         directory = header_checkpoint(spec.config_json, num_layers, checkpoint_dtype(config))
@@ -295,8 +295,10 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
         if setup.fsdp is not None and setup.fsdp.init == "meta":
             build = fsdp.meta_build(build, untied=setup.fsdp.wrap == "transformers")
         optimizer_class(setup.optimizer)  # imported for real: a module imported under the fake mode keeps fakes
-        if setup.recipe is Recipe.HF_TRAINER:
+        if setup.recipe.trainer:
             import transformers.trainer  # noqa: F401  (and accelerate with it)
+        if setup.recipe is Recipe.TRL_SFT:
+            import trl.trainer.sft_trainer  # noqa: F401  (datasets too)
         stack.enter_context(FakeTensorMode())
         if setup.tp > 1:  # functional collectives (DTensor): only with TP; a pipeline sends and receives
             stack.enter_context(WaitReturnsInput())
@@ -316,7 +318,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
             stack.enter_context(patch)
         if setup.pp > 1:
             info = run_pipeline_step(build, setup, tracker, mesh["pp"].get_group())
-        elif setup.recipe is Recipe.HF_TRAINER:
+        elif setup.recipe.trainer:
             info = run_trainer_step(build, setup, tracker, num_layers)
         else:
             info = run_canonical_step(build, setup, tracker, num_layers, wrap=wrap)

@@ -323,7 +323,8 @@ class StorageTracker(TorchDispatchMode):
         frame.loc[markers, "tensor"] = frame.loc[markers, "module"]
         for row, name in self._tied_rows.items():
             frame.loc[row, "tensor"] = name
-        frame["phase"] = [p.value for p in frame["phase"]]
+        # from the rows' Phase members, not the frame's column: pandas 3 with pyarrow stores a str subclass as str
+        frame["phase"] = [row[1].value for row in self._rows]
         return frame
 
     def _category(self, serial: int, free_rows: dict[int, int]) -> str:

@@ -1,5 +1,6 @@
 """The HF Trainer recipe, measured: `from_pretrained` (optionally with a BitsAndBytesConfig, then peft's
-`prepare_model_for_kbit_training`) -> optional `get_peft_model` -> `Trainer(...).train()`.
+`prepare_model_for_kbit_training`) -> optional `get_peft_model` -> `Trainer(...).train()`; or, for TRL's recipe,
+`SFTTrainer(model, SFTConfig(...), train_dataset=Dataset, processing_class=..., peft_config=...).train()`.
 
 What a user's script does, on this CPU (`use_cpu=True`), with the user's `TrainingArguments` fields and these
 measurement-only ones forced (`MEASUREMENT_ARGS`): three optimizer steps, no saving, logging or reporting.
@@ -53,6 +54,30 @@ def token_rows(vocab_size: int, seq_len: int, count: int) -> list[dict]:
         ids = [rng.randrange(vocab_size) for _ in range(seq_len)]
         rows.append({"input_ids": ids, "labels": list(ids)})
     return rows
+
+
+def sft_dataset(vocab_size: int, seq_len: int, count: int):
+    """The same token rows as TRL's SFTTrainer takes a tokenized language-modelling dataset: a `datasets.Dataset`
+    of `input_ids` (its collator, DataCollatorForLanguageModeling, makes the labels and the attention mask)."""
+    from datasets import Dataset, disable_progress_bars
+
+    disable_progress_bars()  # SFTTrainer's dataset preparation (truncation, dropping masked rows) stays silent
+    return Dataset.from_list([{"input_ids": row["input_ids"]} for row in token_rows(vocab_size, seq_len, count)])
+
+
+SFT_PAD, SFT_EOS = "<pad>", "<eos>"
+
+
+def sft_tokenizer():
+    """The processing class SFTTrainer requires, for a dataset already tokenized: a two-token word-level tokenizer
+    whose pad and eos tokens are all the trainer reads of it (the collator pads with the pad token's id; rows of
+    one length are never padded)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {SFT_PAD: 0, SFT_EOS: 1}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token=SFT_PAD)),
+                                   pad_token=SFT_PAD, eos_token=SFT_EOS)
 
 
 class _Phases:
@@ -120,17 +145,23 @@ def run(job: dict) -> dict:
     """Measure one Trainer run; `job`: config (the HF config dict), seq_len, load_dtype (from_pretrained's
     `dtype`), training_args (TrainingArguments fields), peft_config (LoraConfig fields or None),
     quantization_config (BitsAndBytesConfig fields or None) and kbit_prep (the script calls peft's
-    prepare_model_for_kbit_training on the quantized model)."""
+    prepare_model_for_kbit_training on the quantized model); trainer "trl-sft" for TRL's SFTTrainer (the
+    training_args are then an SFTConfig's fields, and peft_config goes to SFTTrainer)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
 
+    sft = job.get("trainer") == "trl-sft"  # TRL's SFTTrainer on an SFTConfig's fields
+    if sft:
+        from trl import SFTConfig, SFTTrainer
     with tempfile.TemporaryDirectory() as directory, own_bitsandbytes_overrides():
         write_checkpoint(job["config"], Path(directory) / "model")
         # the user's output_dir, like the other MEASUREMENT_ARGS, gives way to the measurement's own
-        args = TrainingArguments(**{**job["training_args"], **MEASUREMENT_ARGS,
-                                    "output_dir": str(Path(directory) / "out")})
+        args = (SFTConfig if sft else TrainingArguments)(**{**job["training_args"], **MEASUREMENT_ARGS,
+                                                            "output_dir": str(Path(directory) / "out")})
         # every rank's DistributedSampler share (under torchrun) holds the measured steps' batches
         count = MEASURED_STEPS * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-        dataset = token_rows(job["config"]["vocab_size"], job["seq_len"], count)
+        vocab_size = job["config"]["vocab_size"]
+        dataset = (sft_dataset(vocab_size, job["seq_len"], count) if sft else
+                   token_rows(vocab_size, job["seq_len"], count))
         peft_config = _peft_config(job.get("peft_config"))
         tracker = StorageTracker()
         phases = _Phases(tracker)
@@ -143,13 +174,17 @@ def run(job: dict) -> dict:
             loaded_dtype = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")  # never quantized
             if quantization and job.get("kbit_prep"):
                 model = prepare_kbit(model, args)
-            if peft_config is not None:
+            if peft_config is not None and not sft:
                 from peft import get_peft_model
 
                 model = get_peft_model(model, peft_config)
             model.register_forward_pre_hook(phases.forward)
             model.register_forward_hook(phases.backward)
-            trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[_callback(phases)])
+            if sft:  # SFTTrainer wraps the model with peft itself, as TRL's scripts pass the LoraConfig
+                trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=sft_tokenizer(),
+                                     peft_config=peft_config, callbacks=[_callback(phases)])
+            else:
+                trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[_callback(phases)])
             trainer.train()
             _label(tracker, trainer)
             tracker.finish()

@@ -12,12 +12,15 @@ library's, not a copy of them. Under FakeTensorMode (llmsim/model/trace.py) the 
 answered as a clean run reads them (`_CLEAN_RUN`).
 
 The data are the measured recipe's (llmsim/model/trainer_recipe.py): rows of `input_ids` and `labels` lists, collated
-by `default_data_collator`. Phases for the layer bookkeeping: forward from the model's forward, backward from its
+by `default_data_collator` (for TRL's SFTTrainer, recipe trl-sft: a `datasets.Dataset` of `input_ids`, collated by
+TRL's DataCollatorForLanguageModeling, the model's forward replaced by TRL's fused LM head; TRL's own code, run
+here as for the Trainer). Phases for the layer bookkeeping: forward from the model's forward, backward from its
 return, optimizer from the gradient clipping (which runs with no layer) to the end of the step.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import tempfile
 from unittest import mock
@@ -26,8 +29,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from llmsim.enums import Category, Device, Phase
-from llmsim.model.trainer_recipe import MEASURED_STEPS, MEASUREMENT_ARGS, prepare_kbit, token_rows
+from llmsim.enums import Category, Device, Phase, Recipe
+from llmsim.model.trainer_recipe import (MEASURED_STEPS, MEASUREMENT_ARGS, prepare_kbit, sft_dataset, sft_tokenizer,
+                                         token_rows)
 from llmsim.inputs.spec import TrainSetup
 from llmsim.model.step import LayerHooks, StepInfo, cast_parameters
 from llmsim.model.tracker import StorageTracker
@@ -36,6 +40,12 @@ from llmsim.model.tracker import StorageTracker
 # (`logging_nan_inf_filter`), the data loader's seeds and the sampler's order (any value: every row is alike),
 # the logged loss and gradient norm (floats that allocate nothing). (llmsim/model/optimizer_values.py, `_AnswerScalars`)
 CLEAN_RUN_NUMBER, CLEAN_RUN_FLAG = 0, False
+# transformers' mask builders ask whether the batch's attention mask has a padded position (where a collator makes
+# one: TRL's). They take a fake mask for a graph being traced and keep the mask; a real run reads the values. The
+# trace's rows are all of one length, so none is padded, and with SDPA or flash attention the causal mask is skipped
+# for `is_causal` as a real run skips it (masking_utils: `_ignore_causal_mask_sdpa`, `is_tracing`, `fast_all`)
+MASK_READERS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa", "flash_attention_mask")
+NO_PADDING = True
 
 
 class _Phases:
@@ -81,6 +91,30 @@ def _cuda_optimizer_defaults(setup: TrainSetup):
         yield
 
 
+@contextlib.contextmanager
+def _unpadded_batches():
+    """In the mask builders, the attention mask read as a real run reads it (not as a traced graph's), and every
+    read of its values answered as for rows of one length."""
+    from transformers import masking_utils
+
+    from llmsim.model.optimizer_values import _AnswerScalars
+
+    tracing = masking_utils.is_tracing
+
+    def as_a_real_run(fn):
+        @functools.wraps(fn)
+        def reader(*args, **kwargs):
+            with mock.patch.object(masking_utils, "is_tracing", lambda tensor=None: tracing()), \
+                    _AnswerScalars(CLEAN_RUN_NUMBER, NO_PADDING):
+                return fn(*args, **kwargs)
+        return reader
+
+    with contextlib.ExitStack() as stack:
+        for name in MASK_READERS:
+            stack.enter_context(mock.patch.object(masking_utils, name, as_a_real_run(getattr(masking_utils, name))))
+        yield
+
+
 def _callback(phases: _Phases):
     from transformers import TrainerCallback
 
@@ -116,22 +150,23 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
 
     # under ZeRO-3, from_pretrained's zero.Init replaces F.linear for the rest of the process (mem_efficient_linear)
     linear = zero3_hooks.linear_as_zero3() if setup.zero3_hooks else contextlib.nullcontext()
+    sft = setup.recipe is Recipe.TRL_SFT
     with tempfile.TemporaryDirectory() as directory, tracker, linear:
-        args = training_arguments(fields, **MEASUREMENT_ARGS, output_dir=directory)
+        args = training_arguments(fields, setup.recipe, **MEASUREMENT_ARGS, output_dir=directory)
         count = MEASURED_STEPS * args.per_device_train_batch_size * args.gradient_accumulation_steps
         model = build()
         if setup.quant is not None and setup.kbit_prep:
             model = prepare_kbit(model, args)
         hooks = LayerHooks(tracker, model, expected_blocks)
         vocab_size = model.get_input_embeddings().num_embeddings
-        if peft is not None:
+        if peft is not None and not sft:  # SFTTrainer calls get_peft_model itself (its peft_config)
             model = _peft_model(model, peft)
         if setup.trainer_under_deepspeed and not setup.zero3_hooks:  # deepspeed.initialize's cast, after
             hooks.label_model()  # get_peft_model (the adapters too); the fp32 adapters named before it frees them
             cast_parameters(model, setup.precision.cast_dtype)
         # (ZeRO-3 casts nothing: the base loaded in the config's dtype under zero.Init, peft's adapters stay fp32,
         # `autocast_adapter_dtype`, as in the canonical ZeRO-3 LoRA step: llmsim/sim/strategies/zero3.py)
-        if peft is not None or setup.trainer_under_deepspeed:
+        if (peft is not None and not sft) or setup.trainer_under_deepspeed:
             hooks.adopt_new_parameters()
         if setup.label_micro_grads:
             hooks.label_micro_grads()
@@ -142,15 +177,34 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
         phases = _Phases(tracker, hooks, setup.device is Device.CUDA)
         model.register_forward_pre_hook(phases.forward, with_kwargs=True, prepend=True)
         model.register_forward_hook(phases.backward)
-        trainer = Trainer(model=model, args=args, train_dataset=token_rows(vocab_size, setup.seq_len, count),
-                          callbacks=[_callback(phases)])
+        if sft:
+            trainer = _sft_trainer(model, args, sft_dataset(vocab_size, setup.seq_len, count), peft, phases)
+            if peft is not None:
+                hooks.adopt_new_parameters()
+        else:
+            trainer = Trainer(model=model, args=args, train_dataset=token_rows(vocab_size, setup.seq_len, count),
+                              callbacks=[_callback(phases)])
         trainer.remove_callback(PrinterCallback)  # its end-of-training print: library code stays silent
         trainer._clip_grad_norm = phases.optimizer(trainer._clip_grad_norm)
         trainer._get_grad_norm = phases.optimizer(trainer._get_grad_norm)
-        with _AnswerScalars(CLEAN_RUN_NUMBER, CLEAN_RUN_FLAG), _cuda_optimizer_defaults(setup):
+        with _AnswerScalars(CLEAN_RUN_NUMBER, CLEAN_RUN_FLAG), _unpadded_batches(), _cuda_optimizer_defaults(setup):
             trainer.train()
         tracker.finish()
     return hooks.info(vocab_size)
+
+
+def _sft_trainer(model, args, dataset, peft, phases: _Phases):
+    """`SFTTrainer(model, args, train_dataset=..., processing_class=..., peft_config=...)`, which adds TRL's fused LM
+    head to the model and wraps it with peft; what it or peft refuses is one line."""
+    from trl import SFTTrainer
+
+    from llmsim.errors import InputError, one_line
+
+    try:
+        return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=sft_tokenizer(),
+                          peft_config=peft, callbacks=[_callback(phases)])
+    except (ValueError, TypeError) as exc:
+        raise InputError(f"SFTTrainer: {one_line(exc)}") from exc
 
 
 def _peft_model(model, peft):

@@ -106,7 +106,7 @@ def traced_setup(setup, layout: Layout):
     backward's reduction) each micro-step's own gradients are named (TrainSetup.label_micro_grads)."""
     from llmsim.model.step import uses_peft
 
-    if setup.recipe is Recipe.HF_TRAINER and layout.deepspeed is not None:
+    if setup.recipe.trainer and layout.deepspeed is not None:
         setup = replace(setup, trainer_under_deepspeed=True)
     elif (uses_peft(setup) and layout.deepspeed is not None and setup.precision.cast_dtype is not None
             and (layout.deepspeed.stage in (0, 1, 2) or layout.deepspeed.offloads_params)):
