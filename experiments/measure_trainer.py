@@ -20,10 +20,14 @@ ranks, each predicted first (printed before the run), in data/measurements/train
 SFT_CASES run TRL's SFTTrainer (`llmsim measure --sft-config ...`: `SFTTrainer(model, SFTConfig(...),
 train_dataset=Dataset, processing_class=..., peft_config=...).train()`, TRL's defaults unless the case sets them:
 checkpointing, bf16, max_length 1024), each predicted first, in data/measurements/trainer_sft_cpu.csv; SFT_DDP_CASES
-the same on 2 ranks of DistributedDataParallel, in data/measurements/trainer_sft_ddp_cpu.csv. They need trl
-(pip install "llmsim[trl]"; measured with trl 1.16.0).
-Run: python experiments/measure_trainer.py [--out CSV] [--only N]
-     [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3|llamafactory|sft|sft-ddp]
+the same on 2 ranks of DistributedDataParallel, in data/measurements/trainer_sft_ddp_cpu.csv (both need trl: pip
+install "llmsim[trl]"; measured with trl 1.16.0). FSDP_CASES: the
+Trainer's FSDP2 from its TrainingArguments (fsdp, fsdp_config) on 2 ranks, accelerate's FSDP path on as on a GPU
+(llmsim/model/trainer_recipe.py, accelerate_fsdp_on_cpu), gloo's collectives settled, each predicted first, in
+data/measurements/trainer_fsdp_cpu.csv (the first two cases on 3 ranks too, where shards do not divide: `--cases fsdp
+--world-size 3 --models llama-2-7b,qwen2.5-0.5b --only 2`, experiments/measure_trainer_fsdp_3ranks.out).
+Run: python experiments/measure_trainer.py [--out CSV] [--only N] [--world-size N] [--models a,b]
+     [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3|llamafactory|sft|sft-ddp|fsdp]
 """
 from __future__ import annotations
 
@@ -240,6 +244,24 @@ SFT_CASES = [
     ("adafactor, reentrant checkpointing", {"optim": "adafactor",
                                             "gradient_checkpointing_kwargs": {"use_reentrant": True}}, None, "float32"),
 ]
+FSDP_OUT = OUT.with_name("trainer_fsdp_cpu.csv")
+# The Trainer's FSDP (TrainingArguments fsdp / fsdp_config -> accelerate's FSDP2 plugin), 2 ranks under torchrun
+FSDP_CASES = [
+    ("fsdp=True (FSDP2, reshard after forward, accelerate's wrap)", {"fsdp": True}, None, "float32"),
+    ("bf16 mixed precision (MixedPrecisionPolicy bf16/bf16)", {"fsdp": True, "bf16": True}, None, "float32"),
+    ("loaded in bf16, bf16=True (accelerate upcasts the trainable weights to fp32)", {"fsdp": True, "bf16": True},
+     None, "bfloat16"),
+    ("loaded in bf16, no mixed precision", {"fsdp": True}, None, "bfloat16"),
+    ("reshard_after_forward false", {"fsdp": True, "fsdp_config": {"reshard_after_forward": False}}, None,
+     "float32"),
+    ("legacy fsdp='shard_grad_op auto_wrap'", {"fsdp": "shard_grad_op auto_wrap"}, None, "float32"),
+    ("gradient checkpointing, bf16", {"fsdp": True, "bf16": True, "gradient_checkpointing": True}, None,
+     "float32"),
+    ("LoRA all-linear, bf16 weights, bf16=True", {"fsdp": True, "bf16": True}, LORA, "bfloat16"),
+    ("accumulation 2", {"fsdp": True, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 1}, None,
+     "float32"),
+    ("adamw_torch, no clipping", {"fsdp": True, "optim": "adamw_torch", "max_grad_norm": 0.0}, None, "float32"),
+]
 SFT_DDP_CASES = [case for case in SFT_CASES if case[0] in (
     "SFTConfig defaults (checkpointing, bf16, adamw_torch_fused)", "LoRA all-linear (peft_config)",
     "no checkpointing", "accumulation 2")]
@@ -292,18 +314,23 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="default: OUT (DDP_OUT for --cases ddp)")
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
     parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload", "moe",
-                                            "moe-qlora", "moe-deepspeed", "zero3", "llamafactory", "sft", "sft-ddp"],
+                                            "moe-qlora", "moe-deepspeed", "zero3", "llamafactory", "sft", "sft-ddp",
+                                            "fsdp"],
                         default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
                         "DDP_OUT / DEEPSPEED_OUT)")
+    parser.add_argument("--world-size", type=int, default=None, help="ranks under torchrun (default: the cases')")
+    parser.add_argument("--models", default=None, help="comma-separated zoo names (default: every model of MODELS)")
     args = parser.parse_args()
     world_size, out = {"ddp": (DDP_WORLD_SIZE, DDP_OUT), "deepspeed": (DDP_WORLD_SIZE, DEEPSPEED_OUT),
                        "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT), "moe": (1, MOE_OUT), "moe-qlora": (1, MOE_OUT),
                        "moe-deepspeed": (DDP_WORLD_SIZE, MOE_DEEPSPEED_OUT),
                        "zero3": (DDP_WORLD_SIZE, ZERO3_OUT),
                        "llamafactory": (DDP_WORLD_SIZE, LLAMA_FACTORY_OUT), "sft": (1, SFT_OUT),
-                       "sft-ddp": (DDP_WORLD_SIZE, SFT_DDP_OUT)}.get(args.cases, (1, OUT))
+                       "sft-ddp": (DDP_WORLD_SIZE, SFT_DDP_OUT),
+                       "fsdp": (DDP_WORLD_SIZE, FSDP_OUT)}.get(args.cases, (1, OUT))
     out = args.out or out
+    world_size = args.world_size or world_size
     cases = ([(*case, None, True) for case in CASES] if args.cases in ("all", "plain") else []) + \
         (QLORA_CASES if args.cases in ("all", "qlora") else []) + \
         ([(*case, None, True) for case in DDP_CASES] if args.cases == "ddp" else []) + \
@@ -312,8 +339,9 @@ def main() -> int:
         ([(*case, None, True) for case in ZERO3_CASES] if args.cases == "zero3" else []) + \
         ([(*case, None, True) for case in LLAMA_FACTORY_CASES] if args.cases == "llamafactory" else []) + \
         ([(*case, None, True) for case in SFT_CASES] if args.cases == "sft" else []) + \
-        ([(*case, None, True) for case in SFT_DDP_CASES] if args.cases == "sft-ddp" else [])
-    models = {model: None for model in MODELS}
+        ([(*case, None, True) for case in SFT_DDP_CASES] if args.cases == "sft-ddp" else []) + \
+        ([(*case, None, True) for case in FSDP_CASES] if args.cases == "fsdp" else [])
+    models = {model: None for model in (args.models.split(",") if args.models else MODELS)}
     if args.cases.startswith("moe"):
         models = moe_models()
         cases = {"moe": [(*case, None, True) for case in MOE_CASES],
@@ -323,7 +351,7 @@ def main() -> int:
     for model, overrides in models.items():
         for name, fields, peft, dtype, quantization, kbit_prep in cases[: args.only]:
             failures += run_case(model, fields, peft, dtype, Path(out), quantization, kbit_prep, world_size,
-                                 overrides, predict_first=args.cases in ("llamafactory", "sft", "sft-ddp"),
+                                 overrides, predict_first=args.cases in ("llamafactory", "sft", "sft-ddp", "fsdp"),
                                  sft=args.cases.startswith("sft")) != 0
     return 1 if failures else 0
 

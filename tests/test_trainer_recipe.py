@@ -216,8 +216,10 @@ def test_bad_trainer_inputs_are_one_line(tmp_path, capsys):
     assert "not modelled yet" in _error(capsys, *base, "--training-args", ok, "--attn", "eager")  # never dropped
     assert "valid choices" in _error(capsys, *base, "--training-args", ok, "--dtype", "float8")
     assert "--training-args" in _error(capsys, *base, "--micro-batch", "1", "--peft-config", lora)
-    fsdp = _file(tmp_path, "fsdp.json", {"fsdp": "full_shard"})
-    assert "not modelled yet" in _error(capsys, *base, "--training-args", fsdp)
+    fsdp = _file(tmp_path, "fsdp.json", {"fsdp": "full_shard"})  # FSDP shards over ranks (tests/test_trainer_fsdp.py)
+    assert "give --world-size N (2 or more)" in _error(capsys, *base, "--training-args", fsdp)
+    compiled = _file(tmp_path, "compile.json", {"torch_compile": True})
+    assert "torch.compile is not modelled yet" in _error(capsys, *base, "--training-args", compiled)
 
 
 def test_bad_quantization_configs_are_one_line(tmp_path, capsys):
@@ -328,7 +330,8 @@ def test_a_fake_quantized_load_leaves_bitsandbytes_code_books_as_it_found_them()
     assert bnb_functional.name2qmap.keys() == before.keys()
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+# full fine-tuning under -m slow (2 minutes on 2 cores); LoRA in the default run
+@pytest.mark.parametrize("lora", [pytest.param(False, marks=pytest.mark.slow), True], ids=["full", "lora"])
 def test_a_fresh_trainer_zero3_run_matches_its_prediction(tmp_path, lora):
     """The Trainer under ZeRO-3 (examples/ds_zero3.json's settings) on a model no row has, 2 ranks: from_pretrained
     under zero.Init (TrainingArguments first), the weights partitioned in the config's bf16; with LoRA, peft's

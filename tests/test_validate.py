@@ -86,16 +86,52 @@ def test_peft_extras_build_what_the_readme_says():
         assert not weight.requires_grad
 
 
-def test_every_measured_row_is_within_tolerance():
-    results = validate(load_measurements(), jobs=min(2, os.cpu_count() or 1))  # the CI machine's 2 cores
-    assert len(results) >= 40
+# The default run re-predicts every held-out row and, of every other file, every SAMPLE_EVERY-th measured run (a
+# run's ranks together, each file from its first run): all of them take ~45 CPU minutes on 2 cores, past the
+# default run's budget. The slow test re-predicts every row (`python -m pytest -m slow -k every_measured_row
+# tests/test_validate.py`, or `llmsim validate`), run before each landing.
+HELD_OUT = ("tier2_from_pretrained_heldout_cpu.csv", "tier2_moe_heldout_cpu.csv", "tier2_zero3_heldout_cpu.csv")
+SAMPLE_EVERY = 5
+MEASURED_FILES = sorted(path.name for path in MEASUREMENTS_DIR.glob("*.csv"))
+
+
+def _check(results: pd.DataFrame) -> None:
     exact, bound = results[results["check"] == "exact"], results[results["check"] == "bound"]
-    worst = exact.loc[exact["rel_error"].abs().idxmax()]
-    assert results["ok"].all(), f"worst row: {worst.to_dict()}"
+    if len(exact):
+        worst = exact.loc[exact["rel_error"].abs().idxmax()]
+        assert results["ok"].all(), f"worst row: {worst.to_dict()}"
     for tier, tolerance in PEAK_ALLOCATED_TOLERANCE.items():
         assert (exact[exact["tier"] == tier]["rel_error"].abs() <= tolerance).all()
     # expert-parallel ranks under the router's own routing (or left without tokens): at or under the worst routing
-    assert len(bound) >= 10 and (bound["measured_bytes"] <= bound["predicted_bytes"]).all()
+    assert (bound["measured_bytes"] <= bound["predicted_bytes"]).all()
+
+
+def sampled_runs(rows: pd.DataFrame, every: int) -> pd.DataFrame:
+    """Every `every`-th run of `rows` (a run: a rank-0 row and the ranks after it), from the first."""
+    run = (rows["rank"].astype(int) == 0).cumsum() - 1
+    return rows[run % every == 0]
+
+
+@pytest.mark.parametrize("name", MEASURED_FILES)
+def test_measured_rows_are_within_tolerance(name):
+    rows = load_measurements([MEASUREMENTS_DIR / name])
+    sample = rows if name in HELD_OUT else sampled_runs(rows, SAMPLE_EVERY)
+    assert len(sample) >= 1
+    _check(validate(sample))
+
+
+def test_the_sample_takes_whole_runs():
+    rows = pd.DataFrame({"rank": [0, 1, 0, 1, 0, 0, 1, 2, 0]})
+    assert list(sampled_runs(rows, 2).index) == [0, 1, 4, 8]
+    assert list(sampled_runs(rows, 1).index) == list(rows.index)
+
+
+@pytest.mark.slow
+def test_every_measured_row_is_within_tolerance():
+    results = validate(load_measurements(), jobs=min(2, os.cpu_count() or 1))  # the CI machine's 2 cores
+    assert len(results) >= 40
+    _check(results)
+    assert (results["check"] == "bound").sum() >= 10
 
 
 FRESH = [

@@ -27,6 +27,12 @@ def layout_text(layout) -> str:
         steps = "DeepSpeed's CPU Adam" if layout.deepspeed.optimizer_kind == "cpu_adam" else "AdamW"
         parts.append("optimizer" + (" and parameters" if layout.deepspeed.offloads_params else "")
                      + f" offloaded to the CPU, where {steps} steps")
+    if layout.fsdp is not None:  # FSDP2: its wrap, resharding and MixedPrecisionPolicy
+        fsdp = layout.fsdp
+        wrap = {"layers": "fully_shard per layer", "transformers": "transformers' FSDP plan",
+                "accelerate": "accelerate's wrap"}[fsdp.wrap]
+        parts.append(f"FSDP2, {wrap}, reshard_after_forward {fsdp.reshard_after_forward}, MixedPrecisionPolicy("
+                     f"param {fsdp.param_dtype or 'as loaded'}, reduce {fsdp.reduce_dtype or 'as param'})")
     if layout.tp > 1:
         parts.append(f"tp {layout.tp}")
     if layout.ep > 1:

@@ -41,8 +41,18 @@ TRAINER_OPTIMS = {
 }
 # Fields whose run is not one process of the Trainer on its own; refused until a strategy module models them
 NOT_MODELLED_FIELDS = {
-    "fsdp": "the Trainer with FSDP",
     "torch_compile": "torch.compile",
+}
+# The Trainer's FSDP as transformers hands it to accelerate (TrainingArguments.fsdp_plugin_args, made by
+# `_process_fsdp_args` from `fsdp` and `fsdp_config`): what is measured through Trainer.train() under torchrun
+# (data/measurements/trainer_fsdp_cpu.csv) is FSDP2 with accelerate's TRANSFORMER_BASED_WRAP, resharding after
+# the forward or not; the plugin's other switches are refused, one line each
+FSDP_PLUGIN_MODELLED = {
+    "fsdp_version": (2,),
+    "auto_wrap_policy": ("TRANSFORMER_BASED_WRAP",),
+    "cpu_offload": (False,),  # CPUOffloadPolicy: the host side of FSDP2 is not measured through the Trainer
+    "cpu_ram_efficient_loading": (False,),  # rank 0 loads, the others start on the meta device and receive shards
+    "activation_checkpointing": (False,),  # accelerate's checkpoint_wrapper (the Trainer's own checkpointing is)
 }
 # SFTConfig fields whose run is not modelled yet with TRL's SFTTrainer (the trace runs the trainer, but its rows
 # measure none of them)
@@ -131,6 +141,30 @@ def training_arguments(fields: dict[str, Any], recipe: Recipe = Recipe.HF_TRAINE
         return cls(**{"output_dir": "trainer_output", **settable, "use_cpu": True, **forced})
     except (ValueError, TypeError) as exc:
         raise InputError(f"invalid {cls.__name__}: {one_line(exc)}") from None
+
+
+def trainer_fsdp(args):
+    """The FsdpSetup of TrainingArguments `args` whose `fsdp` is on: the plugin transformers builds for accelerate,
+    read from `args.fsdp_plugin_args` (transformers' own translation of `fsdp` and `fsdp_config`, legacy strings
+    included), its dtypes as accelerate's `set_mixed_precision` sets them from bf16/fp16 (param and reduce dtype
+    both); None when FSDP is off."""
+    plugin = getattr(args, "fsdp_plugin_args", None)
+    if not plugin:
+        return None
+    from llmsim.inputs.spec import FsdpSetup
+
+    for name, modelled in FSDP_PLUGIN_MODELLED.items():
+        value = plugin.get(name, modelled[0])
+        if value not in modelled:
+            raise InputError(f"TrainingArguments fsdp_config: {name}={value!r} is not modelled yet; modelled: "
+                             f"{name}={modelled[0]!r} (FSDP2, accelerate's TRANSFORMER_BASED_WRAP, reshard_after_"
+                             "forward true or false)")
+    if args.fp16:
+        raise InputError("the Trainer with FSDP and fp16=True is not modelled yet (no run measures it); modelled: "
+                         "bf16 or fp32")
+    dtype = "bfloat16" if args.bf16 else None
+    return FsdpSetup(reshard_after_forward=bool(plugin.get("reshard_after_forward", True)), param_dtype=dtype,
+                     reduce_dtype=dtype, init="full", wrap="accelerate")
 
 
 def lora_config(fields: dict[str, Any]):

@@ -66,8 +66,10 @@ FSDP_INITS = ("meta", "full")
 # How the model is wrapped: "layers" (fully_shard on every decoder layer, then the root: accelerate's
 # TRANSFORMER_BASED_WRAP, torchtitan) or "transformers" (the model's own FSDP plan, as
 # from_pretrained(distributed_config=DistributedConfig(fsdp_size=N)) applies it: the embedding and every layer
-# resharded, the final norm and the LM head one group kept unsharded after the forward, then the root)
-FSDP_WRAPS = ("layers", "transformers")
+# resharded, the final norm and the LM head one group kept unsharded after the forward, then the root) or
+# "accelerate" (the HF Trainer's FSDP: accelerate's `fsdp2_prepare_model` with TRANSFORMER_BASED_WRAP, run by the
+# trace itself: every layer, the input embedding, the final norm with the LM head kept unsharded, then the root)
+FSDP_WRAPS = ("layers", "transformers", "accelerate")
 
 
 @dataclass(frozen=True)

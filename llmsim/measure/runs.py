@@ -145,6 +145,7 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
             "peak_host_bytes": host_peak_bytes(host), "peak_phase": peak.phase, "device": "cpu", **environment(),
             "peft": _version("peft"), "accelerate": _version("accelerate"), "bitsandbytes": _version("bitsandbytes"),
             **({"trl": _version("trl")} if setup.recipe is Recipe.TRL_SFT else {}),
+            **({"gloo_settle": True} if layout.fsdp is not None else {}),  # the recipe settles FSDP2's collectives
             "measured_at": stamp, "wall_s": round(wall_s, 2)})
     return rows
 

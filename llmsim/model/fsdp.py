@@ -142,6 +142,61 @@ def _meshes_made_for_real():
         yield
 
 
+@contextlib.contextmanager
+def accelerate_on_fake_ranks(world_size: int, rank: int, mesh):
+    """The HF Trainer's FSDP (FsdpSetup wrap "accelerate") traced as rank `rank` of `world_size`: the environment
+    torchrun gives each rank (which TrainingArguments and accelerate's PartialState read; the fake process group is
+    already initialised, so accelerate joins it), accelerate's FSDP turned on as on a GPU (the measured recipe's own
+    `accelerate_fsdp_on_cpu`), and `fully_shard`'s default mesh (accelerate passes none) the one built before the
+    fake mode. accelerate matches the optimizer's parameters to the sharded ones by data pointer
+    (`_get_parameter_id`), which a fake tensor does not have (every one reads 0, and all would map to one
+    parameter): the trace keys them by their storage and offset, which is what a real pointer tells apart.
+    accelerate names a rank's CPU `cpu:<index>`, which for a real tensor is the CPU itself (`.to` keeps
+    it) and for a fake one a device apart: the trace's ranks take `cpu`. accelerate's process-wide state is made
+    afresh for the trace and dropped after it."""
+    import os
+
+    from accelerate import accelerator
+    from accelerate.state import AcceleratorState, PartialState
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    from llmsim.model.trainer_recipe import accelerate_fsdp_on_cpu
+
+    ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+             "LOCAL_WORLD_SIZE": str(world_size),
+             # torchrun sets it for each rank; unset, accelerate would set this process's torch threads itself
+             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads()))}
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        with mock.patch.dict(os.environ, ranks), accelerate_fsdp_on_cpu(), \
+                mock.patch.object(_fully_shard, "_init_default_mesh", lambda *args, **kwargs: mesh), \
+                mock.patch.object(PartialState, "set_device", _the_cpu(PartialState.set_device)), \
+                mock.patch.object(accelerator, "_get_parameter_id", _parameter_key(accelerator._get_parameter_id)):
+            yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _parameter_key(get_parameter_id):
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import DTensor
+
+    def key(param):
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if isinstance(local, FakeTensor) and not param.is_meta:  # the pointer a real run reads: storage + offset
+            return local.untyped_storage()._cdata, local.storage_offset() * local.element_size()
+        return get_parameter_id(param)
+    return key
+
+
+def _the_cpu(set_device):
+    def on_the_cpu(state):
+        set_device(state)
+        if state.device.type == "cpu":
+            state.device = torch.device("cpu")
+    return on_the_cpu
+
+
 def mesh_2d(fsdp_size: int, tp: int):
     """FSDP2 x TP's mesh as transformers lays it out (`initialize_distributed_mesh`: TP innermost), outside any
     FakeTensorMode."""

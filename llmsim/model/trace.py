@@ -284,7 +284,10 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
             stack.enter_context(fake_process_group(setup.fsdp_world, rank=setup.fsdp_rank))
             mesh = (fsdp.mesh_1d(setup.fsdp_world) if setup.tp == 1 else  # FSDP2 x TP: a 2-D mesh, TP innermost
                     fsdp.mesh_2d(setup.fsdp_world // setup.tp, setup.tp))
-            wrap = functools.partial(fsdp.shard, fsdp=setup.fsdp, mesh=mesh)
+            if setup.fsdp.wrap == "accelerate":  # the Trainer's: accelerate shards the model in the trace
+                stack.enter_context(fsdp.accelerate_on_fake_ranks(setup.fsdp_world, setup.fsdp_rank, mesh))
+            else:
+                wrap = functools.partial(fsdp.shard, fsdp=setup.fsdp, mesh=mesh)
             if setup.device is Device.CPU:
                 stack.enter_context(fsdp.gloo_reduce_scatter_copy())
         elif setup.tp * setup.pp > 1:  # TP rank `tp_rank` (0 but for uneven shards) of the stage's group; the mesh

@@ -16,6 +16,7 @@ import random
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 from llmsim.enums import Phase
 from llmsim.model.tracker import StorageTracker
@@ -26,6 +27,7 @@ DATA_SEED = 0
 MEASUREMENT_ARGS = {"use_cpu": True, "max_steps": MEASURED_STEPS, "report_to": "none", "save_strategy": "no",
                     "disable_tqdm": True}
 DTYPES = {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+GLOO_SETTLE_S = 0.01  # what gloo's worker thread is given after each FSDP2 collective (llmsim/model/gloo.py)
 
 
 def checkpoint_dtype(config):
@@ -141,6 +143,58 @@ def own_bitsandbytes_overrides():
         reset()
 
 
+@contextlib.contextmanager
+def accelerate_fsdp_on_cpu():
+    """The Trainer's FSDP on this CPU as accelerate runs it on a GPU. TrainingArguments(fsdp=..., fsdp_config=...)
+    hands accelerate a FullyShardedDataParallelPlugin, and AcceleratorState turns FSDP on only for accelerator
+    devices (MULTI_GPU, MULTI_XPU, ...: accelerate/state.py); a CPU run (MULTI_CPU) drops the plugin silently and
+    runs DDP. Here the state is set as it is on a GPU once it is made (distributed type FSDP, the plugin and its
+    mixed precision); the rest is accelerate's own path (`fsdp2_prepare_model`, its wrap, its fp32 upcast)."""
+    from accelerate import state
+    from accelerate.utils import DistributedType
+
+    init = state.AcceleratorState.__init__
+
+    def as_on_a_gpu(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = fsdp_plugin
+            state.PartialState._shared_state["distributed_type"] = self.distributed_type
+
+    with mock.patch.object(state.AcceleratorState, "__init__", as_on_a_gpu):
+        yield
+
+
+def settled_fsdp_collectives():
+    """gloo's worker thread can hold a collective's buffers past the wait, NCCL's work drops them there: FSDP2's
+    asynchronous all-gathers and reduce-scatters waited for as issued, then given GLOO_SETTLE_S (FSDP2 keeps its
+    own references until its own wait), as llmsim/model/from_pretrained_recipe.py settles them."""
+    import torch.distributed as dist
+
+    from llmsim.model.gloo import settled
+
+    stack = contextlib.ExitStack()
+    for name, wait_async in (("all_reduce", False), ("all_gather_into_tensor", True),
+                             ("reduce_scatter_single", True)):
+        stack.enter_context(mock.patch.object(dist, name, settled(getattr(dist, name), GLOO_SETTLE_S, wait_async)))
+    return stack
+
+
+def _fsdp(job: dict):
+    """A job whose TrainingArguments ask for FSDP: accelerate's FSDP path on, and gloo settled unless the job says
+    `gloo_settle: false`; nothing otherwise."""
+    if not job["training_args"].get("fsdp"):
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(accelerate_fsdp_on_cpu())
+    if job.get("gloo_settle", True):
+        stack.enter_context(settled_fsdp_collectives())
+    return stack
+
+
 def run(job: dict) -> dict:
     """Measure one Trainer run; `job`: config (the HF config dict), seq_len, load_dtype (from_pretrained's
     `dtype`), training_args (TrainingArguments fields), peft_config (LoraConfig fields or None),
@@ -167,7 +221,7 @@ def run(job: dict) -> dict:
         phases = _Phases(tracker)
         quantization = job.get("quantization_config")
         loading = {"quantization_config": BitsAndBytesConfig(**quantization)} if quantization else {}
-        with tracker, _optimizer_offload(tracker, job["training_args"].get("deepspeed")):  # host and device apart
+        with tracker, _optimizer_offload(tracker, job["training_args"].get("deepspeed")), _fsdp(job):  # host, device apart
             model = AutoModelForCausalLM.from_pretrained(Path(directory) / "model", dtype=DTYPES[job["load_dtype"]],
                                                          **loading)
             tracker.adopt([*model.parameters(), *model.buffers()])  # what stayed memory-mapped (on a GPU: copied)

@@ -206,7 +206,7 @@ def _refuse_lever(lever: str, what: str, layout: Layout, note: str = "") -> None
 # Trainer's optimizer to deepspeed.initialize (zero12.plan on the Trainer's traced step, traced as the engine runs it:
 # `trainer_under_deepspeed`); under ZeRO-3 the same with ZeRO-3's module hooks in the trace (zero3.plan), the model
 # loaded partitioned under zero.Init in the config's dtype (trainer_zero3_cpu.csv)
-TRAINER_STRATEGIES = (Strategy.SINGLE, Strategy.DDP, Strategy.DEEPSPEED)
+TRAINER_STRATEGIES = (Strategy.SINGLE, Strategy.DDP, Strategy.DEEPSPEED, Strategy.FSDP)
 TRAINER_ZERO_STAGES = (1, 2, 3)
 # what steps under the Trainer with DeepSpeed (DeepSpeedSetup.optimizer_kind), measured through Trainer.train()
 # (trainer_deepspeed_cpu.csv, trainer_offload_cpu.csv, trainer_zero3_cpu.csv)
@@ -224,6 +224,15 @@ def trainer_layout(model, setup, world_size: int, strategy: "Strategy | None" = 
 
     fields = json.loads(setup.training_args)
     source = fields.get("deepspeed")
+    if not source and fields.get("fsdp"):  # accelerate's FSDP2 (TrainingArguments.fsdp_plugin_args)
+        from llmsim.inputs.hf import trainer_fsdp
+
+        if strategy not in (None, Strategy.FSDP):
+            raise InputError(f"--strategy {strategy.value} contradicts the TrainingArguments' fsdp (an FSDP run)")
+        if world_size < 2:
+            raise InputError("the TrainingArguments' fsdp shards over the ranks torchrun starts: give --world-size "
+                             "N (2 or more)")
+        return setup, Layout(Strategy.FSDP, world_size, fsdp=trainer_fsdp(training_arguments(fields)))
     if not source:
         if strategy is Strategy.DEEPSPEED:
             raise InputError("strategy deepspeed with --training-args needs the TrainingArguments' deepspeed (a JSON "
@@ -277,7 +286,7 @@ def check_supported(setup, layout: Layout) -> None:
             or (layout.deepspeed is not None and layout.deepspeed.stage not in TRAINER_ZERO_STAGES)):
         raise InputError(f"recipe {setup.recipe.value} with strategy {layout.strategy.value} (world size "
                          f"{layout.world_size}, tp {layout.tp}, pp {layout.pp}) is not modelled yet; modelled: one "
-                         "process, ddp (the Trainer under torchrun) and DeepSpeed ZeRO-1/2/3")
+                         "process, ddp (the Trainer under torchrun), DeepSpeed ZeRO-1/2/3 and the Trainer's FSDP2")
     if layout.deepspeed is not None:
         check_deepspeed_optimizer(setup, layout.deepspeed)
         if layout.deepspeed.offloads_optimizer:

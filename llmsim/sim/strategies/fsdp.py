@@ -20,10 +20,28 @@ PRECISIONS = (Precision.FP32, Precision.BF16, Precision.BF16_AUTOCAST)
 
 
 def check_supported(setup, layout) -> None:
-    if setup.recipe is not Recipe.CANONICAL:
-        raise InputError(f"recipe {setup.recipe.value} with strategy fsdp is not modelled yet (accelerate turns "
-                         "FSDP on only for GPU runs, so no CPU run of the Trainer with FSDP2 measures it); modelled: "
-                         "the canonical step with fully_shard")
+    if (layout.fsdp.wrap == "accelerate") != (setup.recipe is Recipe.HF_TRAINER):
+        if layout.fsdp.wrap == "accelerate":
+            raise InputError("fsdp-wrap(accelerate) is the HF Trainer's FSDP: give it as the TrainingArguments' fsdp "
+                             "and fsdp_config (--training-args), not as a flag")
+        raise InputError(f"recipe {setup.recipe.value} with strategy fsdp is not modelled yet; modelled: the "
+                         "canonical step with fully_shard, and the HF Trainer's FSDP2 from its TrainingArguments "
+                         "(fsdp, fsdp_config)")
+    if setup.recipe is Recipe.HF_TRAINER:
+        # the Trainer, accelerate and FSDP2 run in the trace; what the rows (trainer_fsdp_cpu.csv) do not measure:
+        if setup.quant is not None:
+            raise InputError("a quantized base with the Trainer's FSDP is not modelled yet; modelled: full "
+                             "fine-tuning and LoRA")
+        if setup.device is Device.CUDA:
+            # on a GPU the Trainer leaves the model on the host for accelerate, which upcasts it there and lets
+            # fully_shard move each unit to the device as it shards it: the build is host memory, then one unit at a
+            # time on the device, which a trace on one device does not tell apart (it would count the whole fp32
+            # upcast on the card)
+            raise InputError("the Trainer's FSDP on a GPU (--gpu) is not modelled yet (accelerate upcasts and "
+                             "shards the model on the host, then moves each unit's shards to the device); "
+                             "modelled: the Trainer's FSDP2 on the CPU, and --strategy fsdp (the canonical step) "
+                             "on a GPU")
+        return
     if setup.precision not in PRECISIONS:
         raise InputError(f"precision {setup.precision.value} with strategy fsdp is not modelled yet; modelled: "
                          f"{', '.join(p.value for p in PRECISIONS)} (and MixedPrecisionPolicy's dtypes)")
@@ -37,7 +55,6 @@ def check_supported(setup, layout) -> None:
                          "fine-tuning and LoRA")
 
 
-
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     """Every rank runs the traced timeline: the case of one rank class. llmsim.sim.pipeline traces one rank of each
     class (`rank_classes`) and gives it to that class's ranks."""
@@ -48,13 +65,15 @@ def rank_classes(model, setup, world_size: int) -> list[list[int]]:
     """The ranks in groups of equal local shards (llmsim/model/fsdp.py, `rank_classes`)."""
     from llmsim.model import fsdp
 
-    return fsdp.rank_classes(_dim0_sizes(model, setup.lora_rank, setup.lora_targets), world_size)
+    return fsdp.rank_classes(_dim0_sizes(model, setup.lora_rank, setup.lora_targets, setup.peft_config), world_size)
 
 
 @functools.lru_cache(maxsize=16)
-def _dim0_sizes(model, lora_rank: int, lora_targets) -> frozenset[int]:
+def _dim0_sizes(model, lora_rank: int, lora_targets, peft_config: str | None = None) -> frozenset[int]:
     """Every trained model's parameter's dim 0: the model built on the meta device (no memory), with peft's
-    adapters when LoRA is on (their rank and targets decide their shapes)."""
+    adapters when LoRA is on (their rank and targets decide their shapes; the Trainer's: its LoraConfig's)."""
+    import json
+
     import torch
 
     from llmsim.enums import Attention
@@ -66,6 +85,11 @@ def _dim0_sizes(model, lora_rank: int, lora_targets) -> frozenset[int]:
     setup = TrainSetup(1, 1, attention=Attention.EAGER, lora_rank=lora_rank, lora_targets=lora_targets)
     with torch.device("meta"):
         built = model.factory_callable() if model.factory is not None else hf_builder(model, setup, model.hf_config())()
-        if lora_rank:
+        if peft_config:
+            from llmsim.inputs.hf import lora_config
+            from llmsim.model.trainer_trace import _peft_model
+
+            built = _peft_model(built, lora_config(json.loads(peft_config)))
+        elif lora_rank:
             built = add_peft(built, setup)
     return frozenset(p.shape[0] if p.dim() else 1 for p in built.parameters())

@@ -1,0 +1,120 @@
+"""The HF Trainer's FSDP (TrainingArguments fsdp / fsdp_config): transformers' plugin arguments read with its own
+class, accelerate's FSDP2 path run by the trace on a fake process group, and real Trainer.train() runs under
+torchrun (llmsim/model/trainer_recipe.py) against it."""
+import json
+
+import pandas as pd
+import pytest
+
+from llmsim.app.cli import main
+
+from llmsim.errors import InputError
+from llmsim.inputs.hf import trainer_setup
+from llmsim.inputs.spec import load_model_spec
+from llmsim.measure.runs import MEASUREMENTS_DIR, measure_trainer
+from llmsim.measure.tolerances import PEAK_ALLOCATED_TOLERANCE
+from llmsim.sim.pipeline import predict
+from llmsim.sim.strategies import Strategy, trainer_layout
+
+FSDP_CSV = MEASUREMENTS_DIR / "trainer_fsdp_cpu.csv"
+LLAMA_TINY = {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4, "num_hidden_layers": 3,
+              "num_key_value_heads": 2, "vocab_size": 800}
+
+
+def _layout(fields, world_size=2, strategy=None, peft=None, dtype="float32", model="llama-2-7b",
+            overrides=LLAMA_TINY, quantization=None):
+    spec = load_model_spec(model, overrides)
+    setup = trainer_setup(spec, 48, {"per_device_train_batch_size": 2, **fields}, peft, dtype, quantization)
+    return spec, *trainer_layout(spec, setup, world_size, strategy)
+
+
+def test_the_trainers_fsdp_is_read_as_transformers_hands_it_to_accelerate():
+    _, _, layout = _layout({"fsdp": True, "bf16": True})
+    assert layout.strategy is Strategy.FSDP and layout.world_size == 2
+    assert (layout.fsdp.wrap, layout.fsdp.init, layout.fsdp.reshard_after_forward) == ("accelerate", "full", True)
+    assert (layout.fsdp.param_dtype, layout.fsdp.reduce_dtype) == ("bfloat16", "bfloat16")  # set_mixed_precision
+    _, _, legacy = _layout({"fsdp": "shard_grad_op auto_wrap"})  # transformers' legacy words, its translation
+    assert not legacy.fsdp.reshard_after_forward and legacy.fsdp.param_dtype is None
+
+
+@pytest.mark.parametrize("fields, world_size, strategy, says", [
+    ({"fsdp": True, "fsdp_config": {"cpu_offload": True}}, 2, None, "cpu_offload=True is not modelled yet"),
+    ({"fsdp": "full_shard offload"}, 2, None, "cpu_offload=True is not modelled yet"),
+    ({"fsdp": True, "fsdp_config": {"version": 1}}, 2, None, "fsdp_version=1 is not modelled yet"),
+    ({"fsdp": True, "fsdp_config": {"activation_checkpointing": True}}, 2, None, "activation_checkpointing=True"),
+    ({"fsdp": True, "fsdp_config": {"cpu_ram_efficient_loading": True}}, 2, None, "cpu_ram_efficient_loading"),
+    ({"fsdp": True, "fsdp_config": {"auto_wrap_policy": "SIZE_BASED_WRAP"}}, 2, None, "auto_wrap_policy"),
+    ({"fsdp": True, "fp16": True}, 2, None, "FSDP and fp16=True is not modelled yet"),
+    ({"fsdp": True}, 1, None, "give --world-size N (2 or more)"),
+    ({"fsdp": True}, 2, Strategy.DDP, "--strategy ddp contradicts the TrainingArguments' fsdp"),
+    ({"fsdp": "full_shard nope"}, 2, None, "Unknown `fsdp` option: nope"),
+])
+def test_what_the_trainers_fsdp_does_not_model_is_one_line(fields, world_size, strategy, says):
+    with pytest.raises(InputError) as raised:
+        _layout(fields, world_size, strategy)
+    assert says in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_fsdp_cli_errors_are_one_line(tmp_path, capsys):
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"per_device_train_batch_size": 2, "fsdp": True}))
+    sets = [arg for key, value in LLAMA_TINY.items() for arg in ("--set", f"{key}={value}")]
+    base = ["predict", "--model", "llama-2-7b", "--seq-len", "48", "--dtype", "float32", *sets]
+    quantization = tmp_path / "bnb.json"
+    quantization.write_text(json.dumps({"load_in_4bit": True}))
+    peft = tmp_path / "lora.json"
+    peft.write_text(json.dumps({"r": 4, "target_modules": "all-linear"}))
+    for extra, says in (
+            (["--training-args", str(args), "--world-size", "2", "--quantization-config", str(quantization),
+              "--peft-config", str(peft)], "a quantized base with the Trainer's FSDP is not modelled yet"),
+            (["--training-args", str(args), "--world-size", "2", "--gpu", "h100-80gb"],
+             "the Trainer's FSDP on a GPU (--gpu) is not modelled yet"),
+            (["--micro-batch", "2", "--strategy", "fsdp", "--world-size", "2", "--fsdp-wrap", "accelerate"],
+             "fsdp-wrap(accelerate) is the HF Trainer's FSDP")):
+        capsys.readouterr()
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_the_report_names_fsdp2_as_accelerate_runs_it(tmp_path, capsys):
+    args = tmp_path / "args.yaml"
+    args.write_text("per_device_train_batch_size: 2\nbf16: true\nfsdp: true\n")
+    sets = [arg for key, value in LLAMA_TINY.items() for arg in ("--set", f"{key}={value}")]
+    assert main(["predict", "--model", "llama-2-7b", "--seq-len", "48", "--dtype", "float32", *sets,
+                 "--training-args", str(args), "--world-size", "2"]) == 0
+    out = capsys.readouterr()
+    assert ("fsdp x 2 (FSDP2, accelerate's wrap, reshard_after_forward True, MixedPrecisionPolicy(param bfloat16, "
+            "reduce bfloat16))") in out.out
+    assert "Warning" not in out.err and "warn" not in out.err  # accelerate's thread notice and deprecations stay out
+
+
+FRESH = [  # a family and shape the committed rows do not hold, checkpointing and accumulation together
+    ("mistral-7b", {**LLAMA_TINY, "num_hidden_layers": 4},
+     {"fsdp": True, "bf16": True, "gradient_checkpointing": True, "gradient_accumulation_steps": 2}, "float32"),
+]
+
+
+@pytest.mark.parametrize("model, overrides, fields, dtype", FRESH, ids=["mistral-ckpt-accum"])
+def test_a_fresh_trainer_fsdp_run_matches_its_prediction(model, overrides, fields, dtype):
+    spec, setup, layout = _layout(fields, dtype=dtype, model=model, overrides=overrides)
+    measured = [row["peak_allocated_bytes"] for row in measure_trainer(spec, setup, dtype, layout)]
+    predicted = [rank.peak_allocated_bytes for rank in predict(spec, setup, layout).ranks]
+    for p, m in zip(predicted, measured, strict=True):
+        assert abs(p - m) / m <= PEAK_ALLOCATED_TOLERANCE[2], (predicted, measured)
+
+
+def test_committed_fsdp_rows_cover_the_trainers_fsdp():
+    rows = pd.read_csv(FSDP_CSV)
+    assert len(rows) >= 60 and (rows["strategy"] == "fsdp").all() and rows["gloo_settle"].all()
+    assert set(rows["rank"]) == {0, 1, 2} and (rows["recipe"] == "hf-trainer").all()  # 3 ranks: uneven shards
+    assert (rows.groupby("world_size")["rank"].count() > 0).all() and set(rows["world_size"]) == {2, 3}
+    fields = rows["training_args"].map(json.loads)
+    assert {load_model_spec(m).config_dict["model_type"] for m in rows["model"]} >= {"llama", "qwen2", "gpt2",
+                                                                                       "gpt_neox"}
+    assert fields.map(lambda f: f.get("fsdp") == "shard_grad_op auto_wrap").any()  # the legacy words
+    for field, value in (("bf16", True), ("gradient_checkpointing", True), ("gradient_accumulation_steps", 2),
+                         ("optim", "adamw_torch")):
+        assert fields.map(lambda f: f.get(field) == value).any(), field
+    assert fields.map(lambda f: f.get("fsdp_config", {}).get("reshard_after_forward") is False).any()
+    assert set(rows["load_dtype"]) == {"float32", "bfloat16"} and rows["peft_config"].notna().any()
