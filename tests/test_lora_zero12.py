@@ -44,7 +44,7 @@ def test_only_the_adapters_are_flattened_and_partitioned(stage, precision, elem)
 
 
 def test_lora_zero12_rows_cover_the_matrix():
-    """(Their errors: tests/test_validate.py re-predicts every committed row.)"""
+    """(Their errors: `llmsim validate` and the slow test of tests/test_validate.py re-predict every row.)"""
     rows = pd.read_csv(LORA_ZERO12_CSV)
     stages = rows["ds_config"].map(lambda c: json.loads(c)["zero_optimization"]["stage"])
     assert set(stages) == {1, 2} and set(rows["precision"]) == {"fp32", "bf16"}

@@ -96,7 +96,7 @@ def test_deepspeed_refuses_an_untested_optimizer_without_the_flag(optimizer):
 
 
 def test_optim_zero_rows_cover_the_matrix():
-    """(Their errors: tests/test_validate.py re-predicts every committed row.)"""
+    """(Their errors: `llmsim validate` and the slow test of tests/test_validate.py re-predict every row.)"""
     rows = pd.read_csv(OPTIM_ZERO_CSV)
     stages = rows["ds_config"].map(lambda c: json.loads(c)["zero_optimization"]["stage"])
     assert set(stages) == {1, 2, 3} and set(rows["precision"]) == {"fp32", "bf16"}

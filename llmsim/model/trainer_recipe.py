@@ -221,7 +221,8 @@ def run(job: dict) -> dict:
         phases = _Phases(tracker)
         quantization = job.get("quantization_config")
         loading = {"quantization_config": BitsAndBytesConfig(**quantization)} if quantization else {}
-        with tracker, _optimizer_offload(tracker, job["training_args"].get("deepspeed")), _fsdp(job):  # host, device apart
+        # ZeRO-Offload's host side apart; the Trainer's FSDP on as accelerate runs it on a GPU
+        with tracker, _optimizer_offload(tracker, job["training_args"].get("deepspeed")), _fsdp(job):
             model = AutoModelForCausalLM.from_pretrained(Path(directory) / "model", dtype=DTYPES[job["load_dtype"]],
                                                          **loading)
             tracker.adopt([*model.parameters(), *model.buffers()])  # what stayed memory-mapped (on a GPU: copied)
