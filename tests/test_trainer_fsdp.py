@@ -48,6 +48,7 @@ def test_the_trainers_fsdp_is_read_as_transformers_hands_it_to_accelerate():
     ({"fsdp": True}, 1, None, "give --world-size N (2 or more)"),
     ({"fsdp": True}, 2, Strategy.DDP, "--strategy ddp contradicts the TrainingArguments' fsdp"),
     ({"fsdp": "full_shard nope"}, 2, None, "Unknown `fsdp` option: nope"),
+    ({"fsdp": True, "fsdp_config": {"xla": True}}, 2, None, "xla=True (torch_xla's FSDP, on TPUs) is not modelled"),
 ])
 def test_what_the_trainers_fsdp_does_not_model_is_one_line(fields, world_size, strategy, says):
     with pytest.raises(InputError) as raised:

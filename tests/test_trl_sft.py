@@ -49,6 +49,7 @@ def test_an_sft_config_is_read_with_trls_defaults_not_the_trainers():
     ({"pad_to_multiple_of": 64}, None, None, "SFTConfig pad_to_multiple_of=64: padding rows"),
     ({"deepspeed": {"zero_optimization": {"stage": 2}}}, None, None, "TRL's SFTTrainer under DeepSpeed is not "
                                                                      "modelled yet"),
+    ({"fsdp": True}, None, None, "TRL's SFTTrainer with the SFTConfig's fsdp is not modelled yet"),
     ({}, {"r": 4, "target_modules": "all-linear"}, {"load_in_4bit": True}, "a BitsAndBytesConfig base with "
                                                                             "--sft-config is not modelled yet"),
 ])

@@ -12,7 +12,7 @@ accelerate's own classes: which layout the launch runs, on how many processes, i
   With the optimizer offloaded accelerate replaces a torch optimizer by DeepSpeed's CPU Adam
   (`map_pytorch_optim_to_deepspeed`) unless the JSON sets `"zero_force_ds_cpu_optimizer": false`
   (`DeepSpeedSetup.replaces_client_optimizer`, the setup made with `launcher="accelerate"`);
-- `FSDP` is refused: accelerate 1.15's `fsdp2_prepare_model` upcasts the trainable parameters to fp32 under mixed
+- `FSDP` is refused: accelerate 1.16's `fsdp2_prepare_model` upcasts the trainable parameters to fp32 under mixed
   precision and wraps the embedding and a tail group (final norm and LM head, never resharded) as units of their
   own, which is not the FSDP2 layout llmsim models (`fully_shard` on each decoder layer, then the root), and
   accelerate runs FSDP on GPUs only, so no CPU run measures it.

@@ -148,9 +148,12 @@ def trainer_fsdp(args):
     read from `args.fsdp_plugin_args` (transformers' own translation of `fsdp` and `fsdp_config`, legacy strings
     included), its dtypes as accelerate's `set_mixed_precision` sets them from bf16/fp16 (param and reduce dtype
     both); None when FSDP is off."""
-    plugin = getattr(args, "fsdp_plugin_args", None)
-    if not plugin:
+    if not args.fsdp:
         return None
+    plugin = getattr(args, "fsdp_plugin_args", None)
+    if not plugin:  # transformers builds no accelerate plugin for torch_xla's FSDP
+        raise InputError("TrainingArguments fsdp_config: xla=True (torch_xla's FSDP, on TPUs) is not modelled; "
+                         "modelled: accelerate's FSDP (xla false, its default)")
     from llmsim.inputs.spec import FsdpSetup
 
     for name, modelled in FSDP_PLUGIN_MODELLED.items():
@@ -289,6 +292,10 @@ def trainer_setup(spec: ModelSpec, seq_len: int, fields: dict[str, Any], peft_fi
         raise InputError("TRL's SFTTrainer under DeepSpeed is not modelled yet (it changes get_peft_model's dtype "
                          "under ZeRO-3; no row measures it); modelled with --sft-config: one process, or --world-size "
                          "N ranks of DistributedDataParallel")
+    if recipe is Recipe.TRL_SFT and args.fsdp:
+        raise InputError("TRL's SFTTrainer with the SFTConfig's fsdp is not modelled yet (no row measures it); "
+                         "modelled: the HF Trainer's FSDP (--training-args with fsdp), and with --sft-config one "
+                         "process or --world-size N ranks of DistributedDataParallel")
     if recipe is Recipe.TRL_SFT and quantization is not None:
         raise InputError("a BitsAndBytesConfig base with --sft-config is not modelled yet (SFTTrainer casts the "
                          "adapters of a quantized model to bf16; no row measures it); modelled with TRL: full "

@@ -35,15 +35,10 @@ import json
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 from llmsim.enums import Phase
-from llmsim.model.gloo import settled
+from llmsim.model.gloo import FSDP2_COLLECTIVES, SETTLE_S, settled_collectives
 from llmsim.model.tracker import StorageTracker
-
-GLOO_SETTLE_S = 0.01  # what gloo's worker thread is given after each wait to drop its buffers, as NCCL does;
-# 2 ms, enough with a core a process, was not always enough with 4 ranks on 2 cores (`_settled_waits`)
-
 
 def forced_routing(routing: str, tokens: int, top_k: int, experts: int):
     """`top_k_index` of `tokens` rows: balanced (pair i to expert i mod experts, so the k slots of a row are
@@ -61,15 +56,12 @@ def forced_routing(routing: str, tokens: int, top_k: int, experts: int):
 def _settled_waits():
     """gloo's worker thread can hold a collective's buffers past the wait; NCCL drops them there. Each wait of a
     functional collective (DTensor's, `all_to_all_single_autograd`) and each synchronous c10d collective is given
-    GLOO_SETTLE_S; FSDP2's asynchronous all-gathers and reduce-scatters are waited for as they are issued, then given
+    SETTLE_S; FSDP2's asynchronous all-gathers and reduce-scatters are waited for as they are issued, then given
     it (FSDP2 keeps its own references until its own wait). An OLMoE FSDP2 run on 2 ranks came out 218,688 B over
     on one rank in 2 of 4 runs with a 2 ms sleep alone (the first held-out run among them), in 2 of 5 with the
     reduce-scatters waited for, in none of 5 with the all-gathers waited for too; a 4-rank run on 2 cores was still
     256,288 B over on one rank until the sleep was 10 ms. So the rows are what a GPU run holds."""
-    import contextlib
-
     import torch
-    import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
 
     wait = torch.ops._c10d_functional.wait_tensor.default
@@ -78,20 +70,15 @@ def _settled_waits():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func is wait:
-                time.sleep(GLOO_SETTLE_S)
+                time.sleep(SETTLE_S)
             return out
 
-    stack = contextlib.ExitStack()
     from transformers.distributed import expert_parallel
 
-    # FSDP2's asynchronous all-gathers and reduce-scatters waited for as issued; the others slept after when
-    # synchronous (transformers' EP imports its collectives by name)
-    for name, wait_async in (("all_reduce", False), ("all_to_all_single", False), ("broadcast", False),
-                             ("all_gather_into_tensor", True), ("reduce_scatter_single", True)):
-        stack.enter_context(mock.patch.object(dist, name, settled(getattr(dist, name), GLOO_SETTLE_S, wait_async)))
-        if hasattr(expert_parallel, name):
-            stack.enter_context(mock.patch.object(
-                expert_parallel, name, settled(getattr(expert_parallel, name), GLOO_SETTLE_S, wait_async)))
+    # FSDP2's collectives as the Trainer's FSDP rows settle them, and the synchronous ones expert and tensor
+    # parallelism add (transformers' EP imports its collectives by name)
+    stack = settled_collectives((("all_to_all_single", False), ("broadcast", False), *FSDP2_COLLECTIVES),
+                                also_in=(expert_parallel,))
     stack.enter_context(SettledWaits())
     return stack
 

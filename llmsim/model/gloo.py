@@ -20,3 +20,28 @@ def settled(real, seconds: float, wait_async: bool = False):
         time.sleep(seconds)
         return out
     return call
+
+
+SETTLE_S = 0.01  # what the from-pretrained and Trainer recipes give gloo's worker thread after a collective: 2 ms,
+# enough with a core a process, was not always enough with 4 ranks on 2 cores (from_pretrained_recipe._settled_waits)
+
+# FSDP2's collectives: its asynchronous all-gathers and reduce-scatters waited for as issued (FSDP2 keeps its own
+# references until its own wait), the synchronous all-reduce (gradient clipping's norm, the loss) slept after
+FSDP2_COLLECTIVES = (("all_reduce", False), ("all_gather_into_tensor", True), ("reduce_scatter_single", True))
+
+
+def settled_collectives(collectives=FSDP2_COLLECTIVES, seconds: float = SETTLE_S, also_in=()):
+    """An ExitStack that patches each `(name, wait_async)` collective of torch.distributed with `settled`, and the
+    same name in each module of `also_in` that imported it by name (transformers' expert parallelism does)."""
+    import contextlib
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    stack = contextlib.ExitStack()
+    for name, wait_async in collectives:
+        for module in (dist, *also_in):
+            if hasattr(module, name):
+                stack.enter_context(mock.patch.object(module, name, settled(getattr(module, name), seconds,
+                                                                            wait_async)))
+    return stack

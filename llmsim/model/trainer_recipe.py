@@ -19,6 +19,7 @@ from pathlib import Path
 from unittest import mock
 
 from llmsim.enums import Phase
+from llmsim.model.gloo import settled_collectives
 from llmsim.model.tracker import StorageTracker
 
 MEASURED_STEPS = 3  # optimizer steps: the canonical three (the first builds the optimizer's states lazily)
@@ -27,7 +28,6 @@ DATA_SEED = 0
 MEASUREMENT_ARGS = {"use_cpu": True, "max_steps": MEASURED_STEPS, "report_to": "none", "save_strategy": "no",
                     "disable_tqdm": True}
 DTYPES = {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-GLOO_SETTLE_S = 0.01  # what gloo's worker thread is given after each FSDP2 collective (llmsim/model/gloo.py)
 
 
 def checkpoint_dtype(config):
@@ -168,21 +168,6 @@ def accelerate_fsdp_on_cpu():
         yield
 
 
-def settled_fsdp_collectives():
-    """gloo's worker thread can hold a collective's buffers past the wait, NCCL's work drops them there: FSDP2's
-    asynchronous all-gathers and reduce-scatters waited for as issued, then given GLOO_SETTLE_S (FSDP2 keeps its
-    own references until its own wait), as llmsim/model/from_pretrained_recipe.py settles them."""
-    import torch.distributed as dist
-
-    from llmsim.model.gloo import settled
-
-    stack = contextlib.ExitStack()
-    for name, wait_async in (("all_reduce", False), ("all_gather_into_tensor", True),
-                             ("reduce_scatter_single", True)):
-        stack.enter_context(mock.patch.object(dist, name, settled(getattr(dist, name), GLOO_SETTLE_S, wait_async)))
-    return stack
-
-
 def _fsdp(job: dict):
     """A job whose TrainingArguments ask for FSDP: accelerate's FSDP path on, and gloo settled unless the job says
     `gloo_settle: false`; nothing otherwise."""
@@ -191,7 +176,7 @@ def _fsdp(job: dict):
     stack = contextlib.ExitStack()
     stack.enter_context(accelerate_fsdp_on_cpu())
     if job.get("gloo_settle", True):
-        stack.enter_context(settled_fsdp_collectives())
+        stack.enter_context(settled_collectives())  # FSDP2's, as the from-pretrained rows settle them
     return stack
 
 
