@@ -34,7 +34,9 @@ def test_size_table_ranks_fitting_layouts_first():
     frame = size(spec, TrainSetup(1, 128), TINY_GPU, max_gpus=2, max_micro_batch=8)
     assert set(frame["layout"]) == {"single", "ddp", "zero1", "zero2", "zero3"}
     fsdp = size(spec, TrainSetup(1, 128), TINY_GPU, max_gpus=2, max_micro_batch=8, families=("fsdp",))
-    assert list(fsdp["layout"]) == ["fsdp"]
+    assert set(fsdp["layout"]) == {"fsdp", "fsdp-offload"}  # CPUOffloadPolicy: the host takes the model states
+    needs = fsdp.set_index("layout")["needed_bytes"]
+    assert needs["fsdp-offload"] < needs["fsdp"]
     assert list(frame["fits"]) == sorted(frame["fits"], reverse=True)
 
 

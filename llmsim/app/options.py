@@ -142,7 +142,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    "decoder layer, then the root, as accelerate and torchtitan wrap) | transformers (the model's own "
                    "FSDP plan, as from_pretrained(distributed_config=DistributedConfig(fsdp_size=N)) applies it)")
     p.add_argument("--fsdp-offload", action="store_true", help="with --strategy fsdp: fully_shard(offload_policy="
-                   "CPUOffloadPolicy()) (not modelled yet: refused)")
+                   "CPUOffloadPolicy()): each parameter's shard, its gradient and AdamW's states on the host, reported apart "
+                   "from the device peak")
     p.add_argument("--fsdp-no-reshard", action="store_true", help="with --strategy fsdp: fully_shard("
                    "reshard_after_forward=False): each layer's parameters stay gathered from its forward to its "
                    "backward")
@@ -343,10 +344,6 @@ def _fsdp_setup(args, strategy):
         if given:
             raise InputError(f"{given[0]} needs --strategy fsdp")
         return None
-    if getattr(args, "fsdp_offload", False):
-        raise InputError("--fsdp-offload (fully_shard(offload_policy=CPUOffloadPolicy())) is not modelled yet; "
-                         "modelled: FSDP2 with its parameters, gradients and optimizer states on the device "
-                         "(ZeRO-1/2 with offload_optimizer to the CPU is modelled: --ds-config)")
 
     def dtype(flag: str, value: str | None) -> str | None:
         if value is None:
@@ -357,7 +354,8 @@ def _fsdp_setup(args, strategy):
     return FsdpSetup(reshard_after_forward=not args.fsdp_no_reshard, init=args.fsdp_init or "meta",
                      param_dtype=dtype("fsdp-param-dtype", args.fsdp_param_dtype),
                      reduce_dtype=dtype("fsdp-reduce-dtype", args.fsdp_reduce_dtype),
-                     wrap=getattr(args, "fsdp_wrap", None) or "layers")
+                     wrap=getattr(args, "fsdp_wrap", None) or "layers",
+                     offload=bool(getattr(args, "fsdp_offload", False)))
 
 
 def _names(text: str | None) -> tuple[str, ...] | None:
@@ -505,8 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-micro-batch", type=int, default=64)
     p.add_argument("--layouts", default=None, help="layout families to try, comma-separated (default all but "
                    "offload and fsdp): single, ddp, zero, offload (ZeRO-1/2 with the optimizer offloaded to the CPU, "
-                   "pinned, the client AdamW), fsdp (FSDP2 built on the meta device, no mixed-precision policy; its "
-                   "GPU trace runs every layer, about a minute at 70B), tp, pp, tpxpp")
+                   "pinned, the client AdamW), fsdp (FSDP2 built on the meta device, no mixed-precision policy, without "
+                   "and with CPUOffloadPolicy; its GPU trace runs every layer, about a minute at 70B), tp, pp, tpxpp")
     p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step each layout must "
                    "make up (DDP/ZeRO replicas split it, one process accumulates, a pipeline splits it into "
                    "micro-batches)")

@@ -32,7 +32,8 @@ def layout_text(layout) -> str:
         wrap = {"layers": "fully_shard per layer", "transformers": "transformers' FSDP plan",
                 "accelerate": "accelerate's wrap"}[fsdp.wrap]
         parts.append(f"FSDP2, {wrap}, reshard_after_forward {fsdp.reshard_after_forward}, MixedPrecisionPolicy("
-                     f"param {fsdp.param_dtype or 'as loaded'}, reduce {fsdp.reduce_dtype or 'as param'})")
+                     f"param {fsdp.param_dtype or 'as loaded'}, reduce {fsdp.reduce_dtype or 'as param'})"
+                     + (", CPUOffloadPolicy: shards, gradients and AdamW on the host" if fsdp.offload else ""))
     if layout.tp > 1:
         parts.append(f"tp {layout.tp}")
     if layout.ep > 1:

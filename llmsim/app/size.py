@@ -87,6 +87,8 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
                                  lambda mb, w=world: _zero(spec, setup, w, 3, mb, offload=True, offload_params=True)))
         if "fsdp" in families and _fsdp_refusal(spec, setup, world) is None:  # FSDP2 as the tutorial sets it up
             out.append(Candidate("fsdp", world, lambda mb, w=world: Layout(Strategy.FSDP, w, fsdp=FsdpSetup())))
+            out.append(Candidate("fsdp-offload", world,  # CPUOffloadPolicy: shards, gradients and states on the host
+                                 lambda mb, w=world: Layout(Strategy.FSDP, w, fsdp=FsdpSetup(offload=True))))
         splits = ([(world, 1)] if "tp" in families else []) + ([(1, world)] if "pp" in families else []) + \
             ([(t, world // t) for t in (2, 4, 8) if t < world and world % t == 0] if "tpxpp" in families else [])
         for tp, pp in splits:

@@ -36,7 +36,8 @@ OPTIONS = {"model": "--model", "seq_len": "--seq-len", "micro_batch": "--micro-b
            "fsdp_param_dtype": "--fsdp-param-dtype", "fsdp_reduce_dtype": "--fsdp-reduce-dtype",
            "fsdp_init": "--fsdp-init"}
 FLAGS = {"grad_ckpt": "--grad-ckpt", "double_quant": "--double-quant", "ckpt_offload": "--ckpt-offload",
-         "foreach": "--foreach", "fused": "--fused", "fsdp_no_reshard": "--fsdp-no-reshard"}
+         "foreach": "--foreach", "fused": "--fused", "fsdp_no_reshard": "--fsdp-no-reshard",
+         "fsdp_offload": "--fsdp-offload"}
 
 
 def load_grid(path: str | Path) -> list[dict]:

@@ -79,13 +79,16 @@ class FsdpSetup:
     The dtypes are torch's names ("bfloat16"); None is MixedPrecisionPolicy's own default (no cast). `init`: how the
     script builds the model: "meta" as PyTorch's FSDP2 tutorial and torchtitan do (built on the meta device,
     sharded, then `to_empty` and initialised: no rank ever holds the whole model), or "full" (every rank builds the
-    whole model, which fully_shard then shards in place)."""
+    whole model, which fully_shard then shards in place). `offload`: `offload_policy=CPUOffloadPolicy()` (each
+    parameter's shard, its gradient and AdamW's states and step on the host; each unit's shards copied to the
+    device for its all-gather)."""
 
     reshard_after_forward: bool = True
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     init: str = "meta"
     wrap: str = "layers"  # FSDP_WRAPS
+    offload: bool = False
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -107,16 +110,20 @@ class FsdpSetup:
             if not self.reshard_after_forward or self.init != "meta":
                 raise InputError("transformers' FSDP plan decides the resharding itself and builds on the meta "
                                  "device: --fsdp-no-reshard and --fsdp-init full do not apply to it")
+        if self.offload and self.wrap != "layers":
+            raise InputError(f"fsdp-offload with fsdp-wrap({self.wrap}) is not modelled yet; modelled: CPUOffloadPolicy "
+                             "with fully_shard on every decoder layer, then the root (fsdp-wrap layers)")
 
     def as_json(self) -> str:
         return json.dumps({"reshard_after_forward": self.reshard_after_forward, "param_dtype": self.param_dtype,
-                           "reduce_dtype": self.reduce_dtype, "init": self.init, "wrap": self.wrap}, sort_keys=True)
+                           "reduce_dtype": self.reduce_dtype, "init": self.init, "wrap": self.wrap,
+                           "offload": self.offload}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "FsdpSetup":
         """A row's `fsdp_config`: every field stated (a row says how it was built, never a default)."""
         fields = json.loads(text)
-        names = ["init", "param_dtype", "reduce_dtype", "reshard_after_forward", "wrap"]
+        names = ["init", "offload", "param_dtype", "reduce_dtype", "reshard_after_forward", "wrap"]
         unknown, missing = sorted(set(fields) - set(names)), sorted(set(names) - set(fields))
         if unknown or missing:
             raise InputError(f"fsdp_config {'has unknown field ' + unknown[0] if unknown else 'lacks ' + missing[0]}"

@@ -46,6 +46,24 @@ def mixed_precision(fsdp: FsdpSetup):
         reduce_dtype=getattr(torch, fsdp.reduce_dtype) if fsdp.reduce_dtype else None)
 
 
+def offload_policy():
+    """`CPUOffloadPolicy(pin_memory=False)`: on a GPU torch's default pins the host shards and gradients, which
+    changes where their bytes live (page-locked), not how many; a CPU without an accelerator cannot pin."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=False)
+
+
+def host_memory(tracker, fsdp: FsdpSetup | None):
+    """The step's context for `fsdp`: with offload, the CPU standing in for the host and the device
+    (llmsim/model/host_memory.py, `HostMemory.active_fsdp`), in a measured run and in the trace alike; else nothing."""
+    if fsdp is None or not fsdp.offload:
+        return contextlib.nullcontext()
+    from llmsim.model.host_memory import HostMemory
+
+    return HostMemory(tracker).active_fsdp()
+
+
 def local_rows(rows: int, world_size: int, rank: int) -> int:
     """Rank `rank`'s rows of a dim 0 of `rows` split as FSDP2 splits it (`_chunk_with_empty`: torch.chunk's
     chunks of ceil(rows / W), the last ranks' shorter or empty)."""
@@ -85,12 +103,26 @@ def shard(model: nn.Module, fsdp: FsdpSetup, mesh) -> nn.Module:
     if fsdp.wrap == "transformers":
         _shard_as_transformers(model, fsdp, mesh)
     else:
-        policy = mixed_precision(fsdp)
+        kwargs = {"mesh": mesh, "reshard_after_forward": fsdp.reshard_after_forward, "mp_policy": mixed_precision(fsdp)}
+        if fsdp.offload:
+            kwargs["offload_policy"] = offload_policy()
         _, blocks = find_blocks(model, None)
         for layer in blocks:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy)
-        fully_shard(model, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy)
-    if fsdp.init == "meta":
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+    if fsdp.init == "meta" and fsdp.offload:
+        # CPUOffloadPolicy wants the shards materialised on the host (FSDPParamGroup._validate_cpu_offload_params:
+        # `to_empty(device="cpu")`) and the buffers where the compute is, as torchtitan's `init_weights(
+        # buffer_device=...)` puts them
+        from llmsim.model.host_memory import HOST
+
+        model.to_empty(device=HOST)
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to("cpu")  # the device: a copy across (host_memory._Place)
+        model.apply(model._init_weights)
+    elif fsdp.init == "meta":
         model.to_empty(device="cpu")
         model.apply(model._init_weights)
     if fsdp.wrap == "transformers":  # from_pretrained's `_finalize_model_loading`: a tied head tied after the load
@@ -195,6 +227,38 @@ def _the_cpu(set_device):
         if state.device.type == "cpu":
             state.device = torch.device("cpu")
     return on_the_cpu
+
+
+@contextlib.contextmanager
+def storages_told_apart():
+    """The trace: `FSDPParam.reset_sharded_param`, which FSDP2's lazy init calls on every parameter at the first
+    forward, re-pads a rank's local shard unless it already is the padded shard's storage, which it tells only for
+    a plain tensor (`type(...) is torch.Tensor`) by its storage's data pointer: in a trace every shard is a fake
+    tensor, so a rank with shorter local shards re-padded every one of them (a new padded copy each, the old one
+    freed: 32 KB over on a host peak) where a real run keeps them. Here a fake shard that is that storage (the same
+    `_cdata`, not empty) is kept as the real run keeps it: the call made with the padded size set to the local
+    one (no re-pad), the padded shard restored after it."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    real_reset = FSDPParam.reset_sharded_param
+
+    def reset_sharded_param(self):
+        info = self._module_info
+        local = getattr(info.module, info.param_name)._local_tensor
+        data = self._sharded_param_data
+        storage = data.untyped_storage() if isinstance(data, FakeTensor) else None
+        if storage is None or storage.nbytes() == 0 or storage._cdata != local.untyped_storage()._cdata:
+            return real_reset(self)
+        padded = self.padded_sharded_param_size
+        self.padded_sharded_param_size = local.size()
+        try:
+            return real_reset(self)
+        finally:
+            self.padded_sharded_param_size, self._sharded_param_data = padded, data
+
+    with mock.patch.object(FSDPParam, "reset_sharded_param", reset_sharded_param):
+        yield
 
 
 def mesh_2d(fsdp_size: int, tp: int):

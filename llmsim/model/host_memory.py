@@ -147,6 +147,31 @@ class HostMemory:
         patches.append(mock.patch.object(torch.Tensor, "register_post_accumulate_grad_hook",
                                          self._placing_hooks(torch.Tensor.register_post_accumulate_grad_hook)))
         patches.append(mock.patch.object(DeepSpeedCPUAdam, "step", self._plain_devices(DeepSpeedCPUAdam.step)))
+        with self._modes(patches):
+            yield self
+
+    @contextlib.contextmanager
+    def active_fsdp(self):
+        """`active` for FSDP2's `CPUOffloadPolicy` (torch/distributed/fsdp/_fully_shard). What it names:
+        - the host: each parameter's padded shard, `.cpu()` in `FSDPParam._init_sharded_param` (and what
+          `to_empty(device=HOST)` materialises on a meta-built model), and each sharded gradient, which
+          `foreach_reduce` copies there with `.to(torch.device("cpu"))` -- on this CPU the mesh's device is "cpu"
+          too, so `_fsdp_collectives` is given a `torch` whose `device("cpu")` is `HOST_DEVICE`;
+        - the device: each all-gather's input, `sharded_param_data.to(self.device)` (a copy across);
+        - AdamW then steps host parameters with host gradients: its states and temporaries are the host's.
+        FSDP2's pre- and post-backward run from the autograd engine, without the caller's torch function modes:
+        they run under `_Place` here, as DeepSpeed's gradient hooks do."""
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        patches = [mock.patch.object(_fsdp_collectives, "torch", _TorchNamingTheHost()),
+                   mock.patch.object(FSDPParamGroup, "pre_backward", _placed(self, FSDPParamGroup.pre_backward)),
+                   mock.patch.object(FSDPParamGroup, "post_backward", _placed(self, FSDPParamGroup.post_backward))]
+        with self._modes(patches):
+            yield self
+
+    @contextlib.contextmanager
+    def _modes(self, patches):
         with contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
@@ -228,6 +253,20 @@ class HostMemory:
     def label(self) -> None:
         for serial in self.host:
             self.tracker._labels[serial] = Category.HOST_OFFLOAD
+
+
+class _TorchNamingTheHost:
+    """`torch` for a module whose `torch.device("cpu")` names the host (FSDP2's gradient offload): that call is
+    `HOST_DEVICE`; everything else is torch's."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def device(*args, **kwargs):
+        if args == ("cpu",) and not kwargs:
+            return HOST_DEVICE
+        return torch.device(*args, **kwargs)
 
 
 def _placed(memory: HostMemory, function):

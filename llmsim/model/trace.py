@@ -288,6 +288,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
                 stack.enter_context(fsdp.accelerate_on_fake_ranks(setup.fsdp_world, setup.fsdp_rank, mesh))
             else:
                 wrap = functools.partial(fsdp.shard, fsdp=setup.fsdp, mesh=mesh)
+            stack.enter_context(fsdp.storages_told_apart())
             if setup.device is Device.CPU:
                 stack.enter_context(fsdp.gloo_reduce_scatter_copy())
         elif setup.tp * setup.pp > 1:  # TP rank `tp_rank` (0 but for uneven shards) of the stage's group; the mesh
@@ -338,9 +339,9 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     lead, period = layer_structure(spec, setup, start, end)
     depth = trace_depth(num_layers, period, lead)
     if setup.fsdp is not None and (setup.fsdp_rank != 0 or setup.device is Device.CUDA):
-        # A rank with shorter FSDP2 shards than rank 0 (llmsim.sim.strategies.fsdp.rank_classes): FSDP2 copies its
-        # shards into the padded buffers at its first forward, all layers at once from the root's lazy init, where
-        # no layer runs; such events would not be replicated with the template layer, so it is traced whole. On a
+        # A rank with shorter FSDP2 shards than rank 0 (llmsim.sim.strategies.fsdp.rank_classes): traced whole, as
+        # when the trace re-padded its shards at the root's lazy init, all layers at once where no layer runs
+        # (a trace artefact since mended: fsdp.storages_told_apart; a real run keeps its shards there). On a
         # GPU too: the expansion keeps every byte of FSDP2's unsharded parameters, resized up and back to 0 several
         # times a step, but not which layer's storage each resize acts on, which the caching-allocator model
         # needs (a Llama-shaped 8-layer model: 394 MB reserved at full depth, 1.59 GB expanded).

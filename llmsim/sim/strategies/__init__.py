@@ -13,7 +13,7 @@ import pandas as pd
 
 from llmsim.inputs.dsconfig import DEEPSPEED_OPTIMIZER_NAMES, DeepSpeedSetup
 from llmsim.inputs.spec import FsdpSetup
-from llmsim.enums import Optimizer, Precision, Recipe
+from llmsim.enums import Device, Optimizer, Precision, Recipe
 from llmsim.errors import InputError
 from llmsim.model.pipelining import Schedule
 from llmsim.sim.strategies import ddp, fsdp, single
@@ -117,6 +117,10 @@ def traced_setup(setup, layout: Layout):
         setup = replace(setup, label_micro_grads=True)
     if layout.fsdp is not None:  # FSDP2 runs in the trace itself (llmsim/model/fsdp.py)
         setup = replace(setup, fsdp=layout.fsdp, fsdp_world=layout.world_size)
+        if layout.fsdp.offload and setup.device is Device.CUDA and setup.foreach:
+            # CPUOffloadPolicy: AdamW's parameters are host tensors, for which torch takes the for-loop path
+            # (`_default_to_fused_or_foreach` picks foreach for CUDA parameters only)
+            setup = replace(setup, foreach=False)
     return setup
 
 

@@ -53,6 +53,9 @@ def check_supported(setup, layout) -> None:
     if setup.quant is not None:
         raise InputError("a quantized base with strategy fsdp is not modelled yet; modelled with FSDP2: full "
                          "fine-tuning and LoRA")
+    if layout.fsdp.offload and setup.tp > 1:
+        raise InputError("--fsdp-offload with --tp is not modelled yet (no row measures CPUOffloadPolicy on a 2-D "
+                         "mesh); modelled: CPUOffloadPolicy over a 1-D mesh (--strategy fsdp --world-size N)")
 
 
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
