@@ -339,9 +339,10 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     lead, period = layer_structure(spec, setup, start, end)
     depth = trace_depth(num_layers, period, lead)
     if setup.fsdp is not None and (setup.fsdp_rank != 0 or setup.device is Device.CUDA):
-        # A rank with shorter FSDP2 shards than rank 0 (llmsim.sim.strategies.fsdp.rank_classes): traced whole, as
-        # when the trace re-padded its shards at the root's lazy init, all layers at once where no layer runs
-        # (a trace artefact since mended: fsdp.storages_told_apart; a real run keeps its shards there). On a
+        # A rank with shorter FSDP2 shards than rank 0 (llmsim.sim.strategies.fsdp.rank_classes): traced whole. It
+        # was for the trace's re-padding of every shard at the root's lazy init (an artefact since mended:
+        # fsdp.storages_told_apart); its reduced-depth trace still expands short of the full one by build events
+        # outside any layer (102 on a 6-layer LoRA Llama, rank 2 of 3, the same peaks), not traced down. On a
         # GPU too: the expansion keeps every byte of FSDP2's unsharded parameters, resized up and back to 0 several
         # times a step, but not which layer's storage each resize acts on, which the caching-allocator model
         # needs (a Llama-shaped 8-layer model: 394 MB reserved at full depth, 1.59 GB expanded).
