@@ -1,8 +1,8 @@
 """FSDP2 with `CPUOffloadPolicy` measured on this CPU: torchrun, gloo, `fully_shard(..., offload_policy=
-CPUOffloadPolicy(pin_memory=False))` on every decoder layer and then the root (llmsim/model/fsdp.py), the storage
-tracker in every rank, the canonical step around it, and the CPU standing in for both memories
-(llmsim/model/host_memory.py, `HostMemory.active_fsdp`: each shard, gradient and AdamW state the host's, each
-all-gather input copied to the device).
+CPUOffloadPolicy())` on every decoder layer and then the root (llmsim/model/fsdp.py), the storage tracker in every
+rank, the canonical step around it, and the CPU standing in for both memories (llmsim/model/host_memory.py,
+`HostMemory.active_fsdp`: each shard, gradient and AdamW state the host's, each all-gather input copied to the
+device, each `pin_memory()` a host copy known as pinned, as this CPU cannot pin).
 
 Every run is predicted first (the line `predicted`), then measured (`measured`), device and host peak per rank.
 Writes data/measurements/tier2_fsdp_offload_cpu.csv (one row per rank, gloo settled after each reduce-scatter as

@@ -262,6 +262,18 @@ FSDP_CASES = [
      "float32"),
     ("adamw_torch, no clipping", {"fsdp": True, "optim": "adamw_torch", "max_grad_norm": 0.0}, None, "float32"),
 ]
+# The Trainer's FSDP with fsdp_config cpu_offload (accelerate's CPUOffloadPolicy()), 2 ranks, into FSDP_OUT
+FSDP_OFFLOAD_CASES = [
+    ("cpu_offload (CPUOffloadPolicy, pinned)", {"fsdp": True, "fsdp_config": {"cpu_offload": True}}, None, "float32"),
+    ("cpu_offload, loaded in bf16, bf16=True", {"fsdp": True, "bf16": True, "fsdp_config": {"cpu_offload": True}},
+     None, "bfloat16"),
+    ("legacy fsdp='full_shard offload auto_wrap'", {"fsdp": "full_shard offload auto_wrap"}, None, "float32"),
+    ("cpu_offload, LoRA all-linear, bf16 weights, bf16=True", {"fsdp": True, "bf16": True,
+                                                              "fsdp_config": {"cpu_offload": True}}, LORA, "bfloat16"),
+    ("cpu_offload, checkpointing, accumulation 2", {"fsdp": True, "fsdp_config": {"cpu_offload": True},
+                                                   "gradient_checkpointing": True, "gradient_accumulation_steps": 2,
+                                                   "per_device_train_batch_size": 1}, None, "float32"),
+]
 SFT_DDP_CASES = [case for case in SFT_CASES if case[0] in (
     "SFTConfig defaults (checkpointing, bf16, adamw_torch_fused)", "LoRA all-linear (peft_config)",
     "no checkpointing", "accumulation 2")]
@@ -315,7 +327,7 @@ def main() -> int:
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
     parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload", "moe",
                                             "moe-qlora", "moe-deepspeed", "zero3", "llamafactory", "sft", "sft-ddp",
-                                            "fsdp"],
+                                            "fsdp", "fsdp-offload"],
                         default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
                         "DDP_OUT / DEEPSPEED_OUT)")
@@ -328,7 +340,8 @@ def main() -> int:
                        "zero3": (DDP_WORLD_SIZE, ZERO3_OUT),
                        "llamafactory": (DDP_WORLD_SIZE, LLAMA_FACTORY_OUT), "sft": (1, SFT_OUT),
                        "sft-ddp": (DDP_WORLD_SIZE, SFT_DDP_OUT),
-                       "fsdp": (DDP_WORLD_SIZE, FSDP_OUT)}.get(args.cases, (1, OUT))
+                       "fsdp": (DDP_WORLD_SIZE, FSDP_OUT),
+                       "fsdp-offload": (DDP_WORLD_SIZE, FSDP_OUT)}.get(args.cases, (1, OUT))
     out = args.out or out
     world_size = args.world_size or world_size
     cases = ([(*case, None, True) for case in CASES] if args.cases in ("all", "plain") else []) + \
@@ -340,7 +353,8 @@ def main() -> int:
         ([(*case, None, True) for case in LLAMA_FACTORY_CASES] if args.cases == "llamafactory" else []) + \
         ([(*case, None, True) for case in SFT_CASES] if args.cases == "sft" else []) + \
         ([(*case, None, True) for case in SFT_DDP_CASES] if args.cases == "sft-ddp" else []) + \
-        ([(*case, None, True) for case in FSDP_CASES] if args.cases == "fsdp" else [])
+        ([(*case, None, True) for case in FSDP_CASES] if args.cases == "fsdp" else []) + \
+        ([(*case, None, True) for case in FSDP_OFFLOAD_CASES] if args.cases == "fsdp-offload" else [])
     models = {model: None for model in (args.models.split(",") if args.models else MODELS)}
     if args.cases.startswith("moe"):
         models = moe_models()
@@ -351,7 +365,8 @@ def main() -> int:
     for model, overrides in models.items():
         for name, fields, peft, dtype, quantization, kbit_prep in cases[: args.only]:
             failures += run_case(model, fields, peft, dtype, Path(out), quantization, kbit_prep, world_size,
-                                 overrides, predict_first=args.cases in ("llamafactory", "sft", "sft-ddp", "fsdp"),
+                                 overrides, predict_first=args.cases in ("llamafactory", "sft", "sft-ddp", "fsdp",
+                                                                             "fsdp-offload"),
                                  sft=args.cases.startswith("sft")) != 0
     return 1 if failures else 0
 

@@ -35,11 +35,12 @@ def test_the_trainers_fsdp_is_read_as_transformers_hands_it_to_accelerate():
     assert (layout.fsdp.param_dtype, layout.fsdp.reduce_dtype) == ("bfloat16", "bfloat16")  # set_mixed_precision
     _, _, legacy = _layout({"fsdp": "shard_grad_op auto_wrap"})  # transformers' legacy words, its translation
     assert not legacy.fsdp.reshard_after_forward and legacy.fsdp.param_dtype is None
+    assert not legacy.fsdp.offload
+    for fields in ({"fsdp": True, "fsdp_config": {"cpu_offload": True}}, {"fsdp": "full_shard offload auto_wrap"}):
+        assert _layout(fields)[2].fsdp.offload  # accelerate's CPUOffloadPolicy()
 
 
 @pytest.mark.parametrize("fields, world_size, strategy, says", [
-    ({"fsdp": True, "fsdp_config": {"cpu_offload": True}}, 2, None, "cpu_offload=True is not modelled yet"),
-    ({"fsdp": "full_shard offload"}, 2, None, "cpu_offload=True is not modelled yet"),
     ({"fsdp": True, "fsdp_config": {"version": 1}}, 2, None, "fsdp_version=1 is not modelled yet"),
     ({"fsdp": True, "fsdp_config": {"activation_checkpointing": True}}, 2, None, "activation_checkpointing=True"),
     ({"fsdp": True, "fsdp_config": {"cpu_ram_efficient_loading": True}}, 2, None, "cpu_ram_efficient_loading"),
@@ -119,3 +120,6 @@ def test_committed_fsdp_rows_cover_the_trainers_fsdp():
         assert fields.map(lambda f: f.get(field) == value).any(), field
     assert fields.map(lambda f: f.get("fsdp_config", {}).get("reshard_after_forward") is False).any()
     assert set(rows["load_dtype"]) == {"float32", "bfloat16"} and rows["peft_config"].notna().any()
+    offload = fields.map(lambda f: f.get("fsdp_config", {}).get("cpu_offload") is True or "offload" in str(f["fsdp"]))
+    assert offload.sum() >= 10 and (rows.loc[offload, "peak_host_bytes"] > 0).all()
+    assert (rows.loc[~offload, "peak_host_bytes"] == 0).all()

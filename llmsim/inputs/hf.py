@@ -50,7 +50,7 @@ NOT_MODELLED_FIELDS = {
 FSDP_PLUGIN_MODELLED = {
     "fsdp_version": (2,),
     "auto_wrap_policy": ("TRANSFORMER_BASED_WRAP",),
-    "cpu_offload": (False,),  # CPUOffloadPolicy: the host side of FSDP2 is not measured through the Trainer
+    "cpu_offload": (False, True),  # CPUOffloadPolicy(): shards, gradients and AdamW on the host (host_memory.py)
     "cpu_ram_efficient_loading": (False,),  # rank 0 loads, the others start on the meta device and receive shards
     "activation_checkpointing": (False,),  # accelerate's checkpoint_wrapper (the Trainer's own checkpointing is)
 }
@@ -167,7 +167,7 @@ def trainer_fsdp(args):
                          "bf16 or fp32")
     dtype = "bfloat16" if args.bf16 else None
     return FsdpSetup(reshard_after_forward=bool(plugin.get("reshard_after_forward", True)), param_dtype=dtype,
-                     reduce_dtype=dtype, init="full", wrap="accelerate")
+                     reduce_dtype=dtype, init="full", wrap="accelerate", offload=bool(plugin.get("cpu_offload")))
 
 
 def lora_config(fields: dict[str, Any]):

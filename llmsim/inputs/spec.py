@@ -110,9 +110,10 @@ class FsdpSetup:
             if not self.reshard_after_forward or self.init != "meta":
                 raise InputError("transformers' FSDP plan decides the resharding itself and builds on the meta "
                                  "device: --fsdp-no-reshard and --fsdp-init full do not apply to it")
-        if self.offload and self.wrap != "layers":
-            raise InputError(f"fsdp-offload with fsdp-wrap({self.wrap}) is not modelled yet; modelled: CPUOffloadPolicy "
-                             "with fully_shard on every decoder layer, then the root (fsdp-wrap layers)")
+        if self.offload and self.wrap == "transformers":
+            raise InputError("fsdp-offload with fsdp-wrap(transformers) is not modelled yet; modelled: CPUOffloadPolicy "
+                             "with fully_shard on every decoder layer, then the root (fsdp-wrap layers), and the HF "
+                             "Trainer's fsdp_config cpu_offload")
 
     def as_json(self) -> str:
         return json.dumps({"reshard_after_forward": self.reshard_after_forward, "param_dtype": self.param_dtype,

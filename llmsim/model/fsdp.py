@@ -47,11 +47,11 @@ def mixed_precision(fsdp: FsdpSetup):
 
 
 def offload_policy():
-    """`CPUOffloadPolicy(pin_memory=False)`: on a GPU torch's default pins the host shards and gradients, which
-    changes where their bytes live (page-locked), not how many; a CPU without an accelerator cannot pin."""
+    """`CPUOffloadPolicy()`, torch's default: the host shards pinned (`pin_memory=True`: each shard's `.cpu()` copy
+    copied again into page-locked memory, which host_memory.py follows as a host copy on a CPU that cannot pin)."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    return CPUOffloadPolicy(pin_memory=False)
+    return CPUOffloadPolicy()
 
 
 def host_memory(tracker, fsdp: FsdpSetup | None):

@@ -41,6 +41,7 @@ from llmsim.model.tracker import StorageTracker, _storages
 
 _TO = {torch.Tensor.to}
 _CPU = {torch.Tensor.cpu}
+_PIN, _IS_PINNED = torch.Tensor.pin_memory, torch.Tensor.is_pinned
 
 
 class HostDevice(str):
@@ -100,6 +101,7 @@ class HostMemory:
         self.tracker = tracker
         self.host: set[int] = set()  # serials of host storages
         self.plain_devices = 0  # inside DeepSpeedCPUAdam.step (`_plain_devices`): host tensors answer "cpu"
+        self.pinned: set[int] | None = None  # serials of page-locked host storages, where pinning is followed
 
     # ---- storages ---------------------------------------------------------------------------------------
     def _serials(self, value) -> list[int]:
@@ -160,7 +162,11 @@ class HostMemory:
         - the device: each all-gather's input, `sharded_param_data.to(self.device)` (a copy across);
         - AdamW then steps host parameters with host gradients: its states and temporaries are the host's.
         FSDP2's pre- and post-backward run from the autograd engine, without the caller's torch function modes:
-        they run under `_Place` here, as DeepSpeed's gradient hooks do."""
+        they run under `_Place` here, as DeepSpeed's gradient hooks do. Pinning is followed as on a GPU
+        (CPUOffloadPolicy's default `pin_memory=True`): `t.pin_memory()` of a host tensor is a new page-locked copy
+        (the CPU without an accelerator cannot pin: here a host copy, known as pinned), `t.is_pinned()` answers
+        for it, so FSDP2's lazy init keeps a pinned shard as it does on a GPU."""
+        self.pinned = set()
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
@@ -327,6 +333,18 @@ class _Place(TorchFunctionMode):
             host = out.type == "cpu" and not self.memory.plain_devices and self.memory.is_host(args[0])
             return HOST_DEVICE if host else out
         since = self.memory.tracker._next_serial
+        if self.memory.pinned is not None and (func is _PIN or func is _IS_PINNED):
+            source = args[0]
+            serials = self.memory._serials(source)
+            pinned = bool(serials) and all(s in self.memory.pinned for s in serials)
+            if func is _IS_PINNED:
+                return pinned
+            if pinned:  # already page-locked: torch returns the tensor itself
+                return source
+            out = source.clone()
+            self.memory._place(out, since, True)
+            self.memory.pinned.update(s for s in self.memory._serials(out) if s >= since)
+            return out
         if func in _TO or func in _CPU:
             source = args[0]
             target = HOST if func in _CPU else _to_target(args, kwargs)

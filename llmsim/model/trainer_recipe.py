@@ -180,6 +180,16 @@ def _fsdp(job: dict):
     return stack
 
 
+def _fsdp_offload(tracker: StorageTracker, args):
+    """The Trainer's FSDP with `fsdp_config` cpu_offload (accelerate's CPUOffloadPolicy()): the CPU standing in for
+    the host and the device (llmsim/model/host_memory.py), as the trace runs it; nothing otherwise."""
+    if not (getattr(args, "fsdp_plugin_args", None) or {}).get("cpu_offload"):
+        return contextlib.nullcontext()
+    from llmsim.model.host_memory import HostMemory
+
+    return HostMemory(tracker).active_fsdp()
+
+
 def run(job: dict) -> dict:
     """Measure one Trainer run; `job`: config (the HF config dict), seq_len, load_dtype (from_pretrained's
     `dtype`), training_args (TrainingArguments fields), peft_config (LoraConfig fields or None),
@@ -207,7 +217,8 @@ def run(job: dict) -> dict:
         quantization = job.get("quantization_config")
         loading = {"quantization_config": BitsAndBytesConfig(**quantization)} if quantization else {}
         # ZeRO-Offload's host side apart; the Trainer's FSDP on as accelerate runs it on a GPU
-        with tracker, _optimizer_offload(tracker, job["training_args"].get("deepspeed")), _fsdp(job):
+        with tracker, _optimizer_offload(tracker, job["training_args"].get("deepspeed")), _fsdp(job), \
+                _fsdp_offload(tracker, args):
             model = AutoModelForCausalLM.from_pretrained(Path(directory) / "model", dtype=DTYPES[job["load_dtype"]],
                                                          **loading)
             tracker.adopt([*model.parameters(), *model.buffers()])  # what stayed memory-mapped (on a GPU: copied)
