@@ -338,14 +338,16 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     num_layers = end - start
     lead, period = layer_structure(spec, setup, start, end)
     depth = trace_depth(num_layers, period, lead)
-    if setup.fsdp is not None and (setup.fsdp_rank != 0 or setup.device is Device.CUDA):
+    if setup.fsdp is not None and (setup.fsdp_rank != 0 or setup.device is Device.CUDA or setup.fsdp.offload):
         # A rank with shorter FSDP2 shards than rank 0 (llmsim.sim.strategies.fsdp.rank_classes): traced whole. It
         # was for the trace's re-padding of every shard at the root's lazy init (an artefact since mended:
         # fsdp.storages_told_apart); its reduced-depth trace still expands short of the full one by build events
         # outside any layer (102 on a 6-layer LoRA Llama, rank 2 of 3, the same peaks), not traced down. On a
         # GPU too: the expansion keeps every byte of FSDP2's unsharded parameters, resized up and back to 0 several
         # times a step, but not which layer's storage each resize acts on, which the caching-allocator model
-        # needs (a Llama-shaped 8-layer model: 394 MB reserved at full depth, 1.59 GB expanded).
+        # needs (a Llama-shaped 8-layer model: 394 MB reserved at full depth, 1.59 GB expanded). With CPUOffloadPolicy
+        # too: FSDP2's lazy init pins every shard that is not yet pinned (a meta build's, `to_empty` on the host) from
+        # the root, all layers at once where no layer runs: events the template layer would not replicate.
         depth = num_layers
     if getattr(spec.hf_config(), "output_router_logits", False):
         # The MoE load-balancing loss walks every layer's router logits after the decoder stack, at the model's
