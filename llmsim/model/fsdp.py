@@ -54,16 +54,6 @@ def offload_policy():
     return CPUOffloadPolicy()
 
 
-def host_memory(tracker, fsdp: FsdpSetup | None):
-    """The step's context for `fsdp`: with offload, the CPU standing in for the host and the device
-    (llmsim/model/host_memory.py, `HostMemory.active_fsdp`), in a measured run and in the trace alike; else nothing."""
-    if fsdp is None or not fsdp.offload:
-        return contextlib.nullcontext()
-    from llmsim.model.host_memory import HostMemory
-
-    return HostMemory(tracker).active_fsdp()
-
-
 def local_rows(rows: int, world_size: int, rank: int) -> int:
     """Rank `rank`'s rows of a dim 0 of `rows` split as FSDP2 splits it (`_chunk_with_empty`: torch.chunk's
     chunks of ceil(rows / W), the last ranks' shorter or empty)."""

@@ -94,6 +94,15 @@ def optimizer_offload(tracker: StorageTracker, ds_config: dict | str | None):
     return HostMemory(tracker).active((DeepSpeedZeroOptimizer,))
 
 
+def fsdp_offload(tracker: StorageTracker, fsdp):
+    """The step's context for FSDP2 settings `fsdp` (llmsim.inputs.spec.FsdpSetup or None): with offload
+    (CPUOffloadPolicy) the CPU standing in for the host and the device (`HostMemory.active_fsdp`), in a measured
+    run and in the trace alike; else nothing."""
+    if fsdp is None or not fsdp.offload:
+        return contextlib.nullcontext()
+    return HostMemory(tracker).active_fsdp()
+
+
 class HostMemory:
     """Tracks which of the tracker's storages a GPU run would hold on the host (see the module docstring)."""
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from llmsim.model import zero3_hooks
-from llmsim.model.fsdp import host_memory as fsdp_host_memory
+from llmsim.model.host_memory import fsdp_offload
 from llmsim.model.offload import offloading
 from llmsim.model.losses import compute_loss, install_loss
 from llmsim.enums import Category, Device, Optimizer, Phase, Precision, Recipe
@@ -478,7 +478,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
     import_peft(setup)
     optimizer_class(setup.optimizer)  # imported before the step, as a training script does
     linear = zero3_hooks.linear_as_zero3() if setup.zero3_hooks else contextlib.nullcontext()
-    with tracker, linear, offloading(tracker, setup.ckpt_offload), fsdp_host_memory(tracker, setup.fsdp):
+    with tracker, linear, offloading(tracker, setup.ckpt_offload), fsdp_offload(tracker, setup.fsdp):
         model, hooks = _build_for_training(build, setup, tracker, expected_blocks)
         base = model
         vocab_size = base.get_input_embeddings().num_embeddings  # before peft wraps the embedding

@@ -33,7 +33,7 @@ from llmsim.enums import Category, Device, Phase, Recipe
 from llmsim.model.trainer_recipe import (MEASURED_STEPS, MEASUREMENT_ARGS, prepare_kbit, sft_dataset, sft_tokenizer,
                                          token_rows)
 from llmsim.inputs.spec import TrainSetup
-from llmsim.model import fsdp
+from llmsim.model.host_memory import fsdp_offload
 from llmsim.model.step import LayerHooks, StepInfo, cast_parameters
 from llmsim.model.tracker import StorageTracker
 
@@ -152,7 +152,7 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
     # under ZeRO-3, from_pretrained's zero.Init replaces F.linear for the rest of the process (mem_efficient_linear)
     linear = zero3_hooks.linear_as_zero3() if setup.zero3_hooks else contextlib.nullcontext()
     sft = setup.recipe is Recipe.TRL_SFT
-    with tempfile.TemporaryDirectory() as directory, tracker, linear, fsdp.host_memory(tracker, setup.fsdp):
+    with tempfile.TemporaryDirectory() as directory, tracker, linear, fsdp_offload(tracker, setup.fsdp):
         args = training_arguments(fields, setup.recipe, **MEASUREMENT_ARGS, output_dir=directory)
         count = MEASURED_STEPS * args.per_device_train_batch_size * args.gradient_accumulation_steps
         model = build()
