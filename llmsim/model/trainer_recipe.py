@@ -19,7 +19,6 @@ from pathlib import Path
 from unittest import mock
 
 from llmsim.enums import Phase
-from llmsim.model.gloo import settled_collectives
 from llmsim.model.tracker import StorageTracker
 
 MEASURED_STEPS = 3  # optimizer steps: the canonical three (the first builds the optimizer's states lazily)
@@ -176,6 +175,8 @@ def _fsdp(job: dict):
     stack = contextlib.ExitStack()
     stack.enter_context(accelerate_fsdp_on_cpu())
     if job.get("gloo_settle", True):
+        from llmsim.model.gloo import settled_collectives
+
         stack.enter_context(settled_collectives())  # FSDP2's, as the from-pretrained rows settle them
     return stack
 
