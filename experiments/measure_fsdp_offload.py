@@ -13,22 +13,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from llmsim.enums import Attention, Precision
-from llmsim.inputs.spec import FsdpSetup, TrainSetup, load_model_spec
-from llmsim.inputs.zoo import shrink
 from llmsim.measure.launch import LaunchFailure
 from llmsim.measure.runs import MEASUREMENTS_DIR, append_rows, measure_distributed
 from llmsim.sim.pipeline import predict
-from llmsim.sim.strategies import Layout, Strategy
+
+from measure_fsdp import BF16, FP32, inputs as fsdp_inputs  # the same shapes and run tuple (this folder)
 
 OFFLOAD_CSV = MEASUREMENTS_DIR / "tier2_fsdp_offload_cpu.csv"
-SHAPES = {  # (hidden, layers, vocab, heads), as experiments/measure_fsdp.py
-    "llama-2-7b": (128, 4, 2000, 4), "gpt2": (128, 3, 1024, 4), "mistral-7b": (128, 3, 1500, 4),
-    "llama-3.1-8b": (96, 3, 1536, 4), "pythia-160m": (96, 3, 1536, 4), "qwen2.5-0.5b": (112, 3, 3000, 7),
-}
-BF16, FP32 = "bfloat16", "float32"
 # (model, world size, precision, grad_ckpt, micro_batch, seq_len, reshard_after_forward, param_dtype, reduce_dtype,
 # init[, TrainSetup fields])
 RUNS = [
@@ -61,11 +55,9 @@ RUNS = [
 
 
 def inputs(run: tuple):
-    model, world, precision, ckpt, mb, seq, reshard, param_dtype, reduce_dtype, init = run[:10]
-    spec = load_model_spec(model, shrink(model, *SHAPES[model]))
-    setup = TrainSetup(mb, seq, Precision(precision), Attention.SDPA, ckpt, **(run[10] if len(run) > 10 else {}))
-    layout = Layout(Strategy.FSDP, world, fsdp=FsdpSetup(reshard, param_dtype, reduce_dtype, init, offload=True))
-    return spec, setup, layout
+    """experiments/measure_fsdp.py's run tuple, with `offload_policy=CPUOffloadPolicy()`."""
+    spec, setup, layout = fsdp_inputs(run)
+    return spec, setup, replace(layout, fsdp=replace(layout.fsdp, offload=True))
 
 
 def main() -> int:
