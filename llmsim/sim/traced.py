@@ -73,7 +73,38 @@ def stage_ranks(layout: Layout, stage: int) -> list[int]:
 
 def stage_timeline(model: ModelSpec, setup: TrainSetup, layout: Layout,
                     stage: int) -> tuple[pd.DataFrame, Callable[[], nx.DiGraph]]:
-    return _stage_planned(expanded(model, _stage_setup(setup, layout, stage)), layout, setup)
+    return _stage_planned(expanded(model, _stage_setup(setup, layout, traced_stage(model, layout, stage))),
+                          layout, setup)
+
+
+def traced_stage(model: ModelSpec, layout: Layout, stage: int) -> int:
+    """The stage whose trace stands for `stage`'s: itself, or under GPipe the first stage of its kind. ScheduleGPipe
+    runs the same actions on every stage (each micro-batch's receive, forward and send, then each one's receive,
+    backward and send), so two stages that hold equal layers and neither the first stage's embedding and missing
+    receives nor the last stage's head, loss and missing sends run the same events (the fake process group's rank
+    names no event); `tests/test_pipeline_stages.py` traces both and compares. Under 1F1B a stage's warm-up
+    (`num_stages - stage_index` forwards) sets its own order: each stage is traced."""
+    from llmsim.model.pipelining import Schedule
+
+    if layout.schedule is not Schedule.GPIPE or stage in (0, layout.pp - 1):
+        return stage
+    kind = stage_kind(model, layout, stage)
+    return next(other for other in range(1, stage + 1) if stage_kind(model, layout, other) == kind)
+
+
+def stage_kind(model: ModelSpec, layout: Layout, stage: int) -> tuple:
+    """What a middle stage's events depend on: its layers, one description each (the attention type, and in a
+    mixture-of-experts model the layer's modules and shapes: moe.layer_signatures), as `layer_structure` tells
+    layers apart for the reduced-depth trace."""
+    from llmsim.inputs.spec import num_experts
+    from llmsim.model import moe
+    from llmsim.model.pipelining import layer_range
+
+    start, end = layer_range(stage, layout.pp, model.num_layers, layout.pp_split)
+    if num_experts(model.hf_config()):
+        return moe.layer_signatures(model.config_json)[start:end]
+    types = getattr(model.hf_config(), "layer_types", None)
+    return tuple(types[start:end]) if types else (end - start,)
 
 
 def stage_timelines(model: ModelSpec, setup: TrainSetup, layout: Layout, progress: bool = False,
@@ -82,9 +113,9 @@ def stage_timelines(model: ModelSpec, setup: TrainSetup, layout: Layout, progres
     (the traces are independent), then cached here as if traced here."""
     from tqdm import tqdm
 
-    keys = [(model, _stage_setup(setup, layout, stage)) for stage in range(layout.pp)]
+    keys = [(model, _stage_setup(setup, layout, traced_stage(model, layout, stage))) for stage in range(layout.pp)]
     found = {key: _EXPANDED[key] for key in keys if key in _EXPANDED}
-    missing = [key for key in keys if key not in found]
+    missing = list(dict.fromkeys(key for key in keys if key not in found))  # a GPipe kind's stages share one
     if jobs > 1 and len(missing) > 1:
         # the bar is in_processes' (a stage a tick, as its trace comes back), left on screen like sweep's
         for key, result in zip(missing, in_processes(_expand_key, missing, min(jobs, len(missing)), progress,
