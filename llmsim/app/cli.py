@@ -92,7 +92,7 @@ def cmd_size(args) -> int:
         raise InputError(f"unknown layout families {unknown}; valid choices: {', '.join(FAMILIES)}")
     allow = tuple(name for name in (args.allow or "").split(",") if name)
     frame = size(spec, setup, gpu, args.max_gpus, args.max_micro_batch, alloc_conf(args), families,
-                 args.global_batch, allow, args.jobs, not args.quiet)
+                 args.global_batch, allow, args.jobs, not args.quiet, args.cluster)
     title = (f"{spec.name} on {gpu.name} ({human_bytes(gpu.capacity_bytes)}, margin "
              f"{human_bytes(gpu.margin_bytes)}), seq {setup.seq_len}, "
              f"{setup.precision.value}{', checkpointing' if setup.grad_ckpt else ''}")
@@ -193,7 +193,7 @@ def cmd_sweep(args) -> int:
     from llmsim.app.sweep import load_grid, sweep, write
 
     configs = load_grid(args.file)
-    frame = sweep(configs, args.jobs, progress=not args.quiet)
+    frame = sweep(configs, args.jobs, progress=not args.quiet, cluster=args.cluster)
     path = write(frame, args.out)
     failed = int((frame["error"] != "").sum())
     print(f"{len(frame)} configurations ({failed} rejected, see the error column) -> {path}")

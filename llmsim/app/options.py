@@ -29,6 +29,13 @@ def _override(text: str) -> tuple[str, object]:
         return key, value
 
 
+def _add_cluster_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--cluster", metavar="ADDRESS", default=None,
+                   help=f"a running Dask scheduler's address (tcp://HOST:8786): its workers, each with the llmsim, "
+                   f"torch and transformers installed here, predict the {what} instead of --jobs local processes "
+                   "(pip install 'llmsim[cluster]')")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """What defines the model and its training step (every command that predicts)."""
     p.add_argument("--model", required=True, help="zoo name (llmsim models), path to an HF config.json, "
@@ -514,6 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="also draw the answer as a heatmap: layout x GPUs -> largest "
                    "micro-batch")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="local processes (layouts in parallel)")
+    _add_cluster_arg(p, "layouts")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(strategy=None, world_size=None, ds_config=None, tp=1, ep=1, routing="balanced", pp=1,
                    schedule="gpipe",
@@ -522,6 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="YAML or JSON: option -> value or list of values (llmsim/app/sweep.py)")
     p.add_argument("--out", default="llmsim-sweep.csv", help=".csv or .parquet")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="local processes")
+    _add_cluster_arg(p, "configurations")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p = sub.add_parser("measure", help="run the step for real on this CPU (the canonical loop, or the Trainer with --training-args) and append its rows")
     _add_model_args(p)

@@ -296,14 +296,15 @@ def with_levers(setup: TrainSetup, levers: tuple[str, ...]) -> TrainSetup:
 def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
          max_micro_batch: int = 64, alloc_conf: AllocatorConfig = AllocatorConfig(),
          families: tuple[str, ...] = DEFAULT_FAMILIES, global_batch: int | None = None,
-         allow: tuple[str, ...] = (), jobs: int = 1, progress: bool = False) -> pd.DataFrame:
+         allow: tuple[str, ...] = (), jobs: int = 1, progress: bool = False,
+         cluster: str | None = None) -> pd.DataFrame:
     """One row per layout (and GPU count): whether it fits, with which of the allowed levers (the fewest that
     make it fit), its micro-batch (the largest that fits; with `global_batch`, the one that makes up the batch),
     and why it does not fit when it does not. A layout other than a pipeline is evaluated on its GPU counts in
     turn, fewest first (`_layout_rows`: the answer on fewer GPUs starts the search on more); a pipeline on each
     GPU count apart (its traces are per stage, and on few GPUs a large model's pipelines fit nothing to start
     from). They are evaluated in `jobs` local processes (each traces what its layouts need), the pipelines first
-    (they take longest), the most stages first."""
+    (they take longest), the most stages first; with `cluster` (a Dask scheduler's address) on its workers."""
     if global_batch is not None and global_batch < 1:
         raise InputError(f"global-batch must be a positive integer, got {global_batch}")
     combos = lever_sets(allow)
@@ -325,7 +326,8 @@ def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
             chains.setdefault(key[0], []).append((key, keys[key]))
     items = [[(key, keys[key])] for key in pipelines] + \
         [chains[name] for name in sorted(chains, key=lambda name: (name != "zero3", -len(chains[name])))]
-    rows = {row_key: row for chain in in_processes(work, items, jobs, progress, "layout") for row_key, row in chain}
+    rows = {row_key: row for chain in in_processes(work, items, jobs, progress, "layout",
+                                                                         cluster=cluster) for row_key, row in chain}
     frame = pd.DataFrame([rows[key] for key in keys])
     return frame.sort_values(["fits", "gpus", "largest_micro_batch"], ascending=[False, True, False],
                              kind="stable").reset_index(drop=True)

@@ -107,9 +107,11 @@ def predict_row(config: dict) -> dict:
             "peak_host_bytes": worst.peak_host_bytes, "error": ""}
 
 
-def sweep(configs: list[dict], jobs: int = 1, progress: bool = True) -> pd.DataFrame:
+def sweep(configs: list[dict], jobs: int = 1, progress: bool = True, cluster: str | None = None) -> pd.DataFrame:
+    """One row per configuration, in `jobs` local processes or on the workers of the Dask cluster at `cluster`
+    (a scheduler's address: llmsim/sim/processes.py)."""
     frame = pd.DataFrame(in_processes(predict_row, configs, jobs, progress, "config",
-                                      chunksize=max(1, len(configs) // (4 * max(jobs, 1)))))
+                                      chunksize=max(1, len(configs) // (4 * max(jobs, 1))), cluster=cluster))
     for column in ("ranks", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "peak_rank",
                    "peak_host_bytes"):
         if column in frame:  # rejected combinations leave them empty: keep the others integers
