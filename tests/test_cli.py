@@ -338,3 +338,12 @@ def test_dtype_for_the_canonical_loop_is_the_load_and_levers_keep_it(capsys):
         assert len(error.splitlines()) == 1 and message in error, (flags, error)
     loaded = as_loaded(TrainSetup(1, 8, load_dtype="float32"), precision=Precision.BF16, build_bf16=True)
     assert (loaded.load_dtype, loaded.precision, loaded.build_bf16) == ("bfloat16", Precision.BF16, True)
+
+
+def test_output_cut_short_by_its_reader_is_no_traceback():
+    """`llmsim models | head -1`: the pipe closes after the first line; llmsim stops quietly."""
+    import subprocess
+
+    done = subprocess.run(f"{sys.executable} -m llmsim.app.cli models | head -1", shell=True, capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.startswith("name") and done.stderr == ""

@@ -22,6 +22,9 @@ def quiet_libraries() -> None:
     # FSDP2's meta-device build initialises its sharded DTensors on a CPU mesh (the trace's): DTensor warns that
     # its random ops may not be complete there; the values are never read, the bytes are the same
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+    # FSDP2 warns (torch 2.13, _fsdp_state.py) when a wrapped module returns a view, for scripts that would then
+    # change it in place; transformers' FSDP plan (--fsdp-wrap transformers) wraps modules that do: 4 lines a trace
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

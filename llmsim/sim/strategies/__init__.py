@@ -61,6 +61,14 @@ class Layout:
             raise InputError(f"strategy fsdp shards over the ranks: world-size({self.world_size}) must be at least 2")
         fsdp_x_tp = (self.strategy is Strategy.FSDP and self.pp == 1 and self.fsdp is not None
                      and self.fsdp.wrap == "transformers")  # DistributedConfig(tp_size, fsdp_size): a 2-D mesh
+        if self.strategy is Strategy.DDP and self.tp > 1:
+            # DistributedDataParallel over DTensor parameters stops at construction (`c10d.broadcast_` has no
+            # sharding strategy; torch 2.13, gloo); accelerate does not wrap a TP model in DDP and documents
+            # dp_replicate x tp without dp_shard as unsupported (ParallelismConfig, accelerate 1.16)
+            raise InputError(f"tp({self.tp}) with strategy ddp is not a layout the libraries run: torch's "
+                             "DistributedDataParallel does not take DTensor parameters and accelerate composes TP "
+                             "with sharded data parallelism only; modelled instead: --strategy fsdp --fsdp-wrap "
+                             f"transformers --tp {self.tp} (FSDP2 x TP), or tp alone (--strategy single)")
         if self.tp * self.pp > 1 and not (self.strategy is Strategy.SINGLE or fsdp_x_tp or
                                           (self.strategy is Strategy.DDP and self.pp > 1 and self.tp == 1)):
             raise InputError(f"pp({self.pp}) x tp({self.tp}) with strategy {self.strategy.value} is not modelled "
