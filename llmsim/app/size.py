@@ -326,8 +326,8 @@ def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
             chains.setdefault(key[0], []).append((key, keys[key]))
     items = [[(key, keys[key])] for key in pipelines] + \
         [chains[name] for name in sorted(chains, key=lambda name: (name != "zero3", -len(chains[name])))]
-    rows = {row_key: row for chain in in_processes(work, items, jobs, progress, "layout",
-                                                                         cluster=cluster) for row_key, row in chain}
+    chains_done = in_processes(work, items, jobs, progress, "layout", cluster=cluster)
+    rows = {row_key: row for chain in chains_done for row_key, row in chain}
     frame = pd.DataFrame([rows[key] for key in keys])
     return frame.sort_values(["fits", "gpus", "largest_micro_batch"], ascending=[False, True, False],
                              kind="stable").reset_index(drop=True)

@@ -45,9 +45,9 @@ def in_processes(function, items: list, jobs: int, progress: bool, unit: str, ch
 
 def on_cluster(function, items: list, address: str, progress: bool, unit: str, chunksize: int = 1) -> list:
     """`[function(item) for item in items]` on the workers of the Dask cluster whose scheduler is at `address`
-    (`tcp://HOST:8786`), `chunksize` items a task, in order, with a progress bar. Every worker
-    must run this llmsim (its version is checked first); a worker with several threads runs one item at a time
-    (`_alone`: a trace patches modules of transformers and torch for its duration)."""
+    (`tcp://HOST:8786`), `chunksize` items a task, in order, with a progress bar. Every worker must have the
+    TRACED_PACKAGES installed here, at the same versions (checked first); a worker with several threads runs one
+    item at a time (`_alone`: a trace patches modules of transformers and torch for its duration)."""
     import functools
 
     from tqdm import tqdm

@@ -68,7 +68,8 @@ class Layout:
             raise InputError(f"tp({self.tp}) with strategy ddp is not a layout the libraries run: torch's "
                              "DistributedDataParallel does not take DTensor parameters and accelerate composes TP "
                              "with sharded data parallelism only; modelled instead: --strategy fsdp --fsdp-wrap "
-                             f"transformers --tp {self.tp} (FSDP2 x TP), or tp alone (--strategy single)")
+                             f"transformers --tp {self.tp} (FSDP2 x TP, pp 1), tp and pp over one replica "
+                             "(--strategy single), or pp with ddp (tp 1)")
         if self.tp * self.pp > 1 and not (self.strategy is Strategy.SINGLE or fsdp_x_tp or
                                           (self.strategy is Strategy.DDP and self.pp > 1 and self.tp == 1)):
             raise InputError(f"pp({self.pp}) x tp({self.tp}) with strategy {self.strategy.value} is not modelled "
