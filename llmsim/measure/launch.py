@@ -5,6 +5,7 @@ is killed as a process group and reported as a failure; it never leaves processe
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -39,6 +40,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _kill_with_descendants(pid: int) -> None:
+    """SIGKILL `pid`'s process group and each descendant's: torch's elastic agent starts every rank in a session of
+    its own (SubprocessHandler, `start_new_session=True`), which killing torchrun's group alone leaves running."""
+    groups, todo, seen = {pid}, [pid], set()
+    while todo:  # the process tree as it is now, from /proc (every thread's children)
+        parent = todo.pop()
+        seen.add(parent)
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(child) for child in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            todo += [child for child in children if child not in seen]
+    for child in seen:
+        with contextlib.suppress(OSError):
+            groups.add(os.getpgid(child))
+    for group in groups - {os.getpgrp()}:  # never this process's own
+        with contextlib.suppress(OSError):
+            os.killpg(group, signal.SIGKILL)
+
+
 def torchrun(module: str, job: dict, world_size: int, out: Path, timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
     """`torchrun --nproc_per_node world_size -m module JOB OUT`: every rank reads the job and writes its results under
     `out`. A crash or a timeout kills the process group and raises LaunchFailure."""
@@ -53,7 +75,7 @@ def torchrun(module: str, job: dict, world_size: int, out: Path, timeout_s: int 
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_with_descendants(proc.pid)
         proc.communicate()
         raise LaunchFailure(f"measured run timed out after {timeout_s} s") from None
     if proc.returncode != 0:

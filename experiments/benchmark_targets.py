@@ -1,11 +1,11 @@
-"""Issue 23's two speed targets, cold, on this machine, each in a fresh process beside the time of importing torch
+"""The two speed targets set for pipelines and sizing at scale, cold, on this machine, each in a fresh process beside the time of importing torch
 and transformers in one (the unit the targets are given in):
 - Llama-2-70B, bf16, checkpointing, seq 4096, H100s, PP 16 x TP 8 x DP 8 (1,024 GPUs): <= 3x the import time;
 - `llmsim size --model llama-2-70b --seq-len 4096 --gpu h100-80gb --precision bf16 --grad-ckpt --max-gpus 64`
   (every family): <= 15x the import time.
 Beside them, the PP 16 x DDP 64 layout on the same 1,024 GPUs under 1F1B and GPipe (16 micro-batches), which
 llmsim predicts.
-Run: python experiments/benchmark_issue23.py  (output in experiments/benchmark_issue23.out)"""
+Run: python experiments/benchmark_targets.py  (output in experiments/benchmark_targets.out)"""
 from __future__ import annotations
 
 import subprocess
