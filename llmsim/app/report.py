@@ -161,4 +161,9 @@ def validation_table(results: pd.DataFrame) -> str:
     if len(host):  # rows with offloaded activations: their host peak is checked too
         summary += (f"; host peak of {len(host)} offload rows: worst |error| "
                     f"{100 * host['host_rel_error'].abs().max():.3f} %")
+    other = results["other_releases"].fillna("") if "other_releases" in results else pd.Series("", index=results.index)
+    if (other != "").any():  # a library's new release can change what a run allocates: say which rows it concerns
+        releases = sorted({part for text in other[other != ""] for part in text.split(", ")})
+        summary += (f"\n{int((other != '').sum())} rows were measured under other releases than this run's: "
+                    f"{'; '.join(releases)}; their error includes any change between the releases")
     return shown[columns].to_string(index=False) + "\n" + summary

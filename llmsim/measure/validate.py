@@ -141,8 +141,34 @@ def _validate_rows(measurements: pd.DataFrame) -> pd.DataFrame:
                         "measured_host_bytes": measured_host, "predicted_host_bytes": predicted_host,
                         "host_rel_error": host_error, "tolerance": tolerance,
                         "check": "bound" if row.get("routing_check") == "bound" else "exact",
-                        "ok": _within(row, error, tolerance) and abs(host_error) <= tolerance and device_ok})
+                        "ok": _within(row, error, tolerance) and abs(host_error) <= tolerance and device_ok,
+                        "other_releases": other_releases(row)})
     return pd.DataFrame(results)
+
+
+# The libraries whose releases decide what a row's run allocated, as its columns name them: a row measured under
+# another release than the one this process predicts with may differ by that release's change (transformers 5.25.0
+# took the experts out of Mixtral's TP plan: experiments/check_transformers_drift.py), which validate still counts
+MEASURED_WITH = ("torch", "transformers", "deepspeed", "peft", "bitsandbytes", "accelerate")
+
+
+def other_releases(row: pd.Series) -> str:
+    """The libraries this row was measured under at another release than this process runs, as
+    "transformers 5.24.0 (here 5.25.0)", comma-separated; "" where every release the row names is the same."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    differ = []
+    for package in MEASURED_WITH:
+        measured = row.get(package)
+        if not isinstance(measured, str) or not measured:
+            continue
+        try:
+            here = version(package)
+        except PackageNotFoundError:
+            here = "not installed"
+        if here != measured:
+            differ.append(f"{package} {measured} (here {here})")
+    return ", ".join(differ)
 
 
 def _routing(row: pd.Series) -> str:
