@@ -28,3 +28,22 @@ def test_a_timed_out_run_leaves_no_rank_running(tmp_path, monkeypatch):
 
 def _state(pid: int) -> str:
     return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_run_waiting_on_a_stale_jit_build_lock_names_it(tmp_path, monkeypatch):
+    """A DeepSpeed op build killed midway leaves torch's FileBaton lock behind; a later run that loads the op waits
+    on it (FileBaton.wait) until the timeout, which then names the lock."""
+    extensions = tmp_path / "extensions"
+    (extensions / "async_io").mkdir(parents=True)
+    (extensions / "async_io" / "lock").touch()  # what a killed build leaves
+    (tmp_path / "waiter.py").write_text("import os\nfrom torch.utils.file_baton import FileBaton\n"
+                                        "baton = FileBaton(os.path.join(os.environ['TORCH_EXTENSIONS_DIR'], "
+                                        "'async_io', 'lock'))\n"
+                                        "baton.try_acquire() or baton.wait()\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
+    with pytest.raises(launch.LaunchFailure, match=f"lock {extensions / 'async_io' / 'lock'} is there"):
+        launch.torchrun("waiter", {}, 1, tmp_path / "out", timeout_s=12)
+    assert launch.jit_build_locks() == [extensions / "async_io" / "lock"]
+    (extensions / "async_io" / "lock").unlink()
+    assert launch.jit_build_locks() == []

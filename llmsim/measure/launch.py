@@ -61,6 +61,18 @@ def _kill_with_descendants(pid: int) -> None:
             os.killpg(group, signal.SIGKILL)
 
 
+def jit_build_locks() -> list[Path]:
+    """The `lock` files in torch's JIT extension folders (torch.utils.cpp_extension._get_build_directory's root:
+    $TORCH_EXTENSIONS_DIR, else torch's cache folder's torch_extensions/<python>_<accelerator>/<op>). torch's
+    FileBaton holds one while an op (DeepSpeed's CPU Adam, shm comm, async_io) builds and waits while one exists:
+    a build killed midway leaves it, and every later run that loads the op waits on it until its timeout."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    folders = [Path(root)] if root else list(Path(get_default_build_root()).glob("*"))
+    return sorted(lock for folder in folders for lock in folder.glob("*/lock"))
+
+
 def torchrun(module: str, job: dict, world_size: int, out: Path, timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
     """`torchrun --nproc_per_node world_size -m module JOB OUT`: every rank reads the job and writes its results under
     `out`. A crash or a timeout kills the process group and raises LaunchFailure."""
@@ -77,7 +89,11 @@ def torchrun(module: str, job: dict, world_size: int, out: Path, timeout_s: int 
     except subprocess.TimeoutExpired:
         _kill_with_descendants(proc.pid)
         proc.communicate()
-        raise LaunchFailure(f"measured run timed out after {timeout_s} s") from None
+        locks = jit_build_locks()
+        raise LaunchFailure(f"measured run timed out after {timeout_s} s" + (
+            f"; torch's JIT build lock {', '.join(map(str, locks))} is there: a build killed while it held it (an "
+            "interrupted DeepSpeed op build) leaves it, and every later build of that op waits on it for good; "
+            "remove it if no build is running" if locks else "")) from None
     if proc.returncode != 0:
         lines = output.strip().splitlines()
         ranks = [line for line in lines if line.startswith("[rank")]  # a rank's traceback says why, torchrun's not
