@@ -74,3 +74,18 @@ def test_predict_traces_a_gpipe_kind_once():
     assert trace.cache_info().currsize == 3  # the first stage, one of the four middle ones, the last
     assert len({rank.peak_allocated_bytes for rank in ranks}) == 3
     assert len(ranks) == 12
+
+
+def test_a_stage_names_its_layers_as_the_model_does():
+    """A stage's model keeps its slice of the layers as a new ModuleList, so its trace counts them from 0; each
+    rank's peak and timeline name them as the whole model does (the user-given split: layers 1-2 on stage 1,
+    3-4 on stage 2, 5-7 on stage 3)."""
+    name, shape, setup, layout = CASES[-1]
+    spec = load_model_spec(name, shrink(name, *shape))
+    prediction = predict(spec, setup, layout)
+    for rank, layers in zip(prediction.ranks[1:4], ({1, 2}, {3, 4}, {5, 6, 7})):
+        timeline = rank.timeline
+        named = {int(m.split(".")[2]) for m in timeline["module"].dropna().unique() if m.startswith("model.layers.")}
+        assert named == layers
+        assert set(timeline.loc[timeline["block"] >= 0, "block"]) == layers
+        assert int(rank.peak.layer.split(".")[2]) in layers

@@ -43,9 +43,19 @@ def layout_text(layout) -> str:
     return f"{layout.strategy.value} x {layout.world_size}" + (f" ({', '.join(parts)})" if parts else "")
 
 
+def offloads(prediction: Prediction) -> bool:
+    """Whether the job puts memory on the host on purpose (offloaded checkpoint inputs, ZeRO-Offload, FSDP2's
+    CPUOffloadPolicy): the table then shows each rank's host peak and a node's. Without a lever the host holds only
+    a few scalars (AdamW's `step` counters, kept on the CPU for a CUDA parameter unless fused or capturable:
+    torch/optim/adam.py `_init_group`), left to `--format json`'s peak_host_bytes."""
+    layout = prediction.layout
+    return (prediction.setup.ckpt_offload or (layout.deepspeed is not None and layout.deepspeed.offloads_optimizer)
+            or (layout.fsdp is not None and layout.fsdp.offload))
+
+
 def prediction_table(prediction: Prediction, gpus_per_node: int = 8) -> str:
     s = prediction.setup
-    on_host = prediction.peak_host_bytes > 0  # offloaded checkpoint inputs, ZeRO-Offload's host side
+    on_host = offloads(prediction) and prediction.peak_host_bytes > 0
     ckpt = f"checkpointing every {s.ckpt_every} layer(s)" if s.grad_ckpt else "no checkpointing"
     if s.ckpt_offload:
         ckpt += " (inputs offloaded to the host)"

@@ -112,6 +112,15 @@ def cut(model: nn.Module, stage: int, num_stages: int, keep: int | None = None,
             model.all_tied_weights_keys = {}
 
 
+def layers_prefix(config) -> str:
+    """The FQN of the decoder layers that `cut` slices (`<base_model_prefix>.layers`, e.g. "model.layers"). A
+    stage's model keeps its slice as a new ModuleList, so its trace names the stage's layers from 0: layer i of
+    stage s is the model's layer `layer_range(s, ...)[0] + i`."""
+    from transformers import AutoModelForCausalLM
+
+    return f"{AutoModelForCausalLM._model_mapping[type(config)].base_model_prefix}.layers"
+
+
 def stage_forward(model: nn.Module, stage: int, num_stages: int):
     """The forward torch's PipelineStage calls: one tensor in, one tensor out."""
     base = getattr(model, model.base_model_prefix)

@@ -10,13 +10,13 @@ from llmsim.errors import InputError
 from llmsim.inputs.gpus import GpuProfile, on_gpu
 from llmsim.inputs.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
 from llmsim.model.losses import check_loss
-from llmsim.model.pipelining import check_pipeline
+from llmsim.model.pipelining import check_pipeline, layer_range, layers_prefix
 from llmsim.model.quantized import check_quantized
 from llmsim.model.tensor_parallel import UNEVEN_SIZES, check_expert_parallel, check_tensor_parallel, tp_rank_classes
 from llmsim.sim.allocator import AllocatorConfig
-from llmsim.sim.prediction import Prediction, RankPrediction
+from llmsim.sim.prediction import Prediction, RankPrediction, renamed_layers
 from llmsim.sim.processes import collector_paused
-from llmsim.sim.replay import replay_ranks
+from llmsim.sim.replay import as_rank, replay_ranks
 from llmsim.sim.strategies import Layout, check_supported, traced_setup
 from llmsim.sim.traced import expanded, plan, stage_ranks, stage_timeline, stage_timelines
 
@@ -51,6 +51,8 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
             timeline, graph = expanded(model, setup)
             rank_timelines = plan(timeline, layout, setup)
         ranks = replay_ranks(rank_timelines, gpu, alloc_conf, jobs)  # peak, reserved and device total per rank
+        if layout.pp > 1:
+            ranks = _in_model_names(ranks, model, layout)
         bound = None
         if setup.ep > 1 and setup.routing != "collapsed":  # the routing's worst case beside the stated one
             worst = replace(setup, routing="collapsed")
@@ -111,4 +113,22 @@ def predict_stage(model: ModelSpec, setup: TrainSetup, layout: Layout, stage: in
     with collector_paused():
         setup = checked(model, setup, layout, gpu)
         timeline = stage_timeline(model, setup, layout, stage)[0]
-        return replay_ranks(dict.fromkeys(stage_ranks(layout, stage), timeline), gpu, alloc_conf)
+        return _in_model_names(replay_ranks(dict.fromkeys(stage_ranks(layout, stage), timeline), gpu, alloc_conf),
+                               model, layout)
+
+
+def _in_model_names(ranks: list[RankPrediction], model: ModelSpec, layout: Layout) -> list[RankPrediction]:
+    """Pipeline ranks with their stage's layers named as the model names them (a stage's trace counts them from 0:
+    `renamed_layers`); the ranks of one stage (its TP ranks, every replica) share one renamed prediction."""
+    config = model.hf_config()
+    prefix = layers_prefix(config)
+    renamed: dict[tuple[int, int], RankPrediction] = {}
+    out = []
+    for rank in ranks:
+        stage = rank.rank // layout.tp % layout.pp  # stage_ranks: replica * pp * tp + stage * tp + tp rank
+        start = layer_range(stage, layout.pp, int(config.num_hidden_layers), layout.pp_split)[0]
+        key = (id(rank.peak), stage)
+        if key not in renamed:
+            renamed[key] = renamed_layers(rank, prefix, start)
+        out.append(as_rank(renamed[key], rank.rank))
+    return out

@@ -2,14 +2,17 @@
 (`Prediction`), with the inputs it was made from and the torch it traced."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import pandas as pd
 
 from llmsim.inputs.gpus import GpuProfile
 from llmsim.inputs.hf import recipe_facts
 from llmsim.inputs.spec import ModelSpec, TrainSetup
+from llmsim.model.tracker import NO_BLOCK
 from llmsim.sim.allocator import AllocatorConfig
 from llmsim.sim.peaks import Peak
 from llmsim.sim.strategies import Layout
@@ -60,6 +63,32 @@ class RankPrediction:
                                    if self.capacity_bytes is not None else None),
                 "fits": self.fits, "verdict": self.verdict, "needed_bytes": self.needed_bytes,
                 "margin_bytes": self.margin_bytes, "peak_host_bytes": self.peak_host_bytes}
+
+
+def renamed_layers(prediction: RankPrediction, prefix: str, offset: int) -> RankPrediction:
+    """`prediction` with the layers under `prefix` (`prefix.<i>`) named `prefix.<i + offset>`: a pipeline stage's
+    trace names its layers from 0 (llmsim.model.pipelining.layers_prefix), the report names them as the model
+    does. The peak's layer at once; the timeline's module and tensor names when the timeline is asked for."""
+    if offset == 0:
+        return prediction
+    pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)(?=\.|$)")
+
+    def rename(name):
+        return pattern.sub(lambda match: f"{prefix}.{int(match.group(1)) + offset}", name) if isinstance(
+            name, str) else name
+
+    def timeline() -> pd.DataFrame:
+        frame = prediction.timeline.copy()
+        for column in ("module", "tensor"):  # a few thousand distinct names over the events
+            names = frame[column].astype(object)
+            renamed = {name: rename(name) for name in names.unique()}
+            frame[column] = names.map(renamed)
+        blocks = frame["block"].to_numpy()
+        frame["block"] = np.where(blocks == NO_BLOCK, NO_BLOCK, blocks + offset)
+        return frame
+
+    peak = replace(prediction.peak, layer=rename(prediction.peak.layer))
+    return replace(prediction, peak=peak, frame=timeline)
 
 
 @dataclass(frozen=True)

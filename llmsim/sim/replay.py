@@ -33,11 +33,11 @@ def replay_ranks(rank_timelines: dict[int, pd.DataFrame] | LazyRanks, gpu: GpuPr
         timeline = rank_timelines[rank]
         if id(timeline) not in replayed:
             replayed[id(timeline)] = _shared_prediction(timeline, gpu, alloc_conf)
-        ranks.append(_as_rank(replayed[id(timeline)], rank))
+        ranks.append(as_rank(replayed[id(timeline)], rank))
     return ranks
 
 
-def _as_rank(prediction: RankPrediction, rank: int) -> RankPrediction:
+def as_rank(prediction: RankPrediction, rank: int) -> RankPrediction:
     """`replace(prediction, rank=rank)` at a fraction of its cost: 1,024 ranks share one DDP prediction."""
     clone = object.__new__(RankPrediction)
     clone.__dict__.update(prediction.__dict__)
@@ -54,7 +54,7 @@ def _predict_rank(rank: int, timeline: pd.DataFrame, gpu: GpuProfile | None,
 
 @per_timeline(maxsize=32)
 def _shared_prediction(timeline: pd.DataFrame, gpu: GpuProfile | None, alloc_conf: AllocatorConfig) -> RankPrediction:
-    """The prediction of a timeline that ranks share (DDP's, TP's, a pipeline stage's), as rank 0 (`_as_rank`
+    """The prediction of a timeline that ranks share (DDP's, TP's, a pipeline stage's), as rank 0 (`as_rank`
     gives the others), kept for the next prediction of it on the same GPU and allocator setting (a pipeline's
     stages, `size`'s screens). Its frame keeps the timeline alive: as many as `traced.plan` keeps."""
     return _predict_rank(0, timeline, gpu, alloc_conf)
