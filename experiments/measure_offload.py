@@ -16,7 +16,7 @@ Run: python experiments/measure_offload.py [--only I ...] [--both-ways] (about 1
 experiments/measure_offload.out holds the outputs that made the rows, in order: the ZeRO-1/2 runs, then the ZeRO-3
 ones by `--only 23 ... 34`, `--only 35 ... 44`, the default-bucket run's repeats, `--only 45 46 47` and
 `--only 48 49`, then DeepSpeed's CPU Adam by `--only 50 ... 61`
-and round_robin_gradients by `--only 62 63 64 65`.
+and round_robin_gradients by `--only 62 63 64 65`, then "device": "nvme" under ZeRO-1/2 by `--only 66 ... 70`.
 """
 from __future__ import annotations
 
@@ -44,10 +44,16 @@ HOST_PARAMS = {"device": "cpu", "pin_memory": True}  # ZeRO-3's offload_param, a
 HOST_PARAMS_UNPINNED = {"device": "cpu", "pin_memory": False}
 
 
-def offload(stage: int, bf16: bool, pin: bool = True, ga: int = 1, clip: float = 1.0, **zero) -> dict:
-    """A DeepSpeed JSON as LLaMA-Factory's and axolotl's offload configs write it, with a client optimizer."""
+NVME = {"device": "nvme", "nvme_path": "/local_nvme"}  # DeepSpeed's tutorials' path; ZeRO-1/2 never touch it
+
+
+def offload(stage: int, bf16: bool, pin: bool = True, ga: int = 1, clip: float = 1.0, nvme: bool = False,
+            **zero) -> dict:
+    """A DeepSpeed JSON as LLaMA-Factory's and axolotl's offload configs write it, with a client optimizer
+    (`nvme`: the optimizer offloaded to "nvme", which ZeRO-1/2 run as "cpu")."""
+    device = NVME if nvme else {"device": "cpu"}
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga, "gradient_clipping": clip,
-              "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": pin},
+              "zero_optimization": {"stage": stage, "offload_optimizer": {**device, "pin_memory": pin},
                                     "reduce_bucket_size": B, **zero},
               "zero_force_ds_cpu_optimizer": False}
     if bf16:
@@ -148,6 +154,13 @@ RUNS = [
     ("mistral-7b", 3, offload(2, False, round_robin_gradients=True), True, 64, {}),
     ("qwen2.5-0.5b", 4, cpu_adam(offload(1, True, round_robin_gradients=True, overlap_comm=True)), False, 64, {}),
     ("gpt2", 3, cpu_adam(offload(2, True, ga=2, round_robin_gradients=True)), False, 64, {"grad_accum": 2}),
+    # "device": "nvme" under ZeRO-1/2, which DeepSpeed runs as "cpu" (stage_1_and_2.py: cpu_offload for any device
+    # but none; no swapper, nothing written to nvme_path): predicted before measured
+    ("llama-2-7b", 2, offload(2, True, nvme=True), False, 64, {}),
+    ("mistral-7b", 2, offload(1, False, nvme=True, overlap_comm=True), True, 64, {}),
+    ("qwen2.5-0.5b", 3, cpu_adam(offload(2, True, nvme=True)), False, 64, {}),
+    ("gpt2", 2, offload(2, False, pin=False, ga=2, nvme=True), False, 64, {"grad_accum": 2}),
+    ("llama-2-7b", 2, offload(1, True, nvme=True), True, 64, {"lora_rank": 8}),
 ]
 
 

@@ -43,9 +43,12 @@ BAD = [
      [], "offload_optimizer.device"),  # DeepSpeed's own validation names the valid devices
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
      [], 'device "nvme" needs "nvme_path"'),
-    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+    ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}}, [],
+     'offload_optimizer.device "nvme" with stage 3'),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {  # ZeRO-2's nvme is DeepSpeed's cpu offload
         "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}}, [],
-     "offload_optimizer.device 'nvme' is not modelled yet"),
+     '"zero_force_ds_cpu_optimizer": false'),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
      [], '"zero_force_ds_cpu_optimizer": false'),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
@@ -137,6 +140,21 @@ def test_grad_accum_and_the_json_predict_alike(tmp_path, capsys):
         assert rank0["peak_phase"] == "backward"
         peaks.append(rank0["peak_allocated_bytes"])
     assert peaks[0] == peaks[1] == peaks[2] + (16384 + 41088 + 4096) * 4
+
+
+def test_zero12_nvme_offload_is_deepspeeds_cpu_offload(tmp_path, capsys):
+    """ZeRO-1/2 take any offload_optimizer device but none as their CPU offload (stage_1_and_2.py: cpu_offload):
+    "nvme" predicts what "cpu" does, device and host, and says so."""
+    figures = []
+    for stage in (1, 2):
+        for device in ({"device": "cpu"}, {"device": "nvme", "nvme_path": "/local_nvme"}):
+            path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 1, "zero_force_ds_cpu_optimizer": False,
+                                     "zero_optimization": {"stage": stage, "offload_optimizer": device}})
+            assert main(["predict", *TINY, "--seq-len", "64", "--ds-config", path, "--world-size", "2",
+                         "--format", "json"]) == 0
+            ranks = json.loads(capsys.readouterr().out)["ranks"]
+            figures.append([(r["peak_allocated_bytes"], r["peak_host_bytes"]) for r in ranks])
+    assert figures[0] == figures[1] and figures[2] == figures[3] and figures[0][0][1] > 0
 
 
 def test_single_strategy_needs_one_rank(capsys):

@@ -88,9 +88,11 @@ class DeepSpeedSetup:
     @property
     def offloads_optimizer(self) -> bool:
         """ZeRO-Offload: `zero_optimization.offload_optimizer.device` is "cpu" (the master weights, their gradient
-        and the optimizer's states and step on the host)."""
+        and the optimizer's states and step on the host), or under ZeRO-1/2 "nvme", which DeepSpeed runs as "cpu"
+        (stage_1_and_2.py: `cpu_offload = True` for any device but none; no swapper, nothing written to the path).
+        ZeRO-3's NVMe swapper is refused (`ds_setup`)."""
         offload = self.config.get("zero_optimization", {}).get("offload_optimizer") or {}
-        return offload.get("device", "none") == "cpu"
+        return offload.get("device", "none") in ("cpu", "nvme")
 
     @property
     def offloads_params(self) -> bool:
@@ -225,9 +227,16 @@ def _validate(config: dict, launcher: str = "deepspeed") -> None:
         if section.get("device") == "nvme" and not section.get("nvme_path"):
             raise InputError(f"DeepSpeed config zero_optimization.{key}: device \"nvme\" needs \"nvme_path\" "
                              "(the NVMe mount DeepSpeed swaps to; it fails at initialize without one)")
+    if device == "nvme" and stage == 3:
+        raise InputError("DeepSpeed config zero_optimization.offload_optimizer.device \"nvme\" with stage 3 "
+                         "(ZeRO-Infinity's swapper: pinned swap buffers, states in files) is not modelled yet "
+                         "(docs/nvme-offload.md); modelled: \"cpu\" with stage 3, \"nvme\" with stages 1 and 2 "
+                         "(which DeepSpeed runs as \"cpu\")")
+    if device == "nvme":  # ZeRO-1/2: DeepSpeed's CPU offload (DeepSpeedSetup.offloads_optimizer)
+        device = "cpu"
     if device not in ("none", "cpu"):
         raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer.device {device!r} is not modelled "
-                         "yet; modelled: \"cpu\", \"none\"")
+                         "yet; modelled: \"cpu\", \"none\", \"nvme\" with stages 1 and 2")
     if device == "cpu" and stage not in (1, 2, 3):
         raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer with stage {stage} is not modelled "
                          "yet; modelled: stages 1, 2 and 3")
