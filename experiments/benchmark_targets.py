@@ -5,7 +5,7 @@ and transformers in one (the unit the targets are given in):
   (every family): <= 15x the import time.
 Beside them, the PP 16 x DDP 64 layout on the same 1,024 GPUs under 1F1B and GPipe (16 micro-batches), which
 llmsim predicts.
-Run: python experiments/benchmark_targets.py  (output in experiments/benchmark_targets.out)"""
+Run: python experiments/benchmark_targets.py [--skip-size]  (output in experiments/benchmark_targets.out)"""
 from __future__ import annotations
 
 import subprocess
@@ -44,6 +44,9 @@ def main() -> None:
                             schedule, "--microbatches", "16", "--jobs", "2"])
         print(f"PP 16 x DDP 64 on 1,024 H100s, {schedule}, 2 processes: {took:.1f} s = {took / imports:.1f}x the "
               f"import, exit status {done.returncode}")
+    if "--skip-size" in sys.argv[1:]:
+        print("size --max-gpus 64, every family: not run (--skip-size)")
+        return
     took, done = timed(["llmsim", "size", "--model", "llama-2-70b", "--seq-len", "4096", "--gpu", "h100-80gb",
                         "--precision", "bf16", "--grad-ckpt", "--max-gpus", "64", "--layouts",
                         "single,ddp,zero,offload,fsdp,tp,pp,tpxpp", "--jobs", "2", "--quiet"], SIZE_LIMIT_S)

@@ -1,6 +1,6 @@
 """Where a 1F1B stage's events fall between torch's chunk calls: the ground for issue 23's composition of stage
-timelines from templates (not built yet). For a committed PP row and the stages given, traces each stage at full
-depth with a mark at every `forward_one_chunk` / `backward_one_chunk` entry and exit, and prints step 1's segments
+timelines from templates (llmsim/sim/compose_1f1b.py). For a committed PP row and the stages given, traces each
+stage at full depth with a mark at every `forward_one_chunk` / `backward_one_chunk` entry and exit, and prints step 1's segments
 (events, net bytes, allocations) between marks.
 Run: python experiments/explore_1f1b_chunks.py ROW STAGE [STAGE ...]   (ROW: a row of tier2_pp_cpu.csv; e.g. 8 1 2)
 Seen on row 8 (Llama-shaped, pp 4, 1F1B, 8 micro-batches), stages 1 and 2 (warm-ups of 3 and 2): every forward

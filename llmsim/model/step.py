@@ -590,14 +590,19 @@ def _track_chunks(stage, tracker: StorageTracker, hooks: LayerHooks, autocast) -
     transformers computes in fp32 anyway, and the backward outside it, as torch's AMP recipe has it)."""
     forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
 
-    def forward_one_chunk(*args, **kwargs):
+    def forward_one_chunk(chunk, *args, **kwargs):
         tracker.set_phase(tracker.step, Phase.FORWARD)
+        begin = len(tracker._rows)
         with autocast:
-            return forward(*args, **kwargs)
+            output = forward(chunk, *args, **kwargs)
+        tracker.chunks.append(("F", chunk, tracker.step, begin, len(tracker._rows)))
+        return output
 
-    def backward_one_chunk(*args, **kwargs):
+    def backward_one_chunk(chunk, *args, **kwargs):
         tracker.set_phase(tracker.step, Phase.BACKWARD)
         hooks.enter_backward()
-        return backward(*args, **kwargs)
+        begin = len(tracker._rows)
+        backward(chunk, *args, **kwargs)
+        tracker.chunks.append(("B", chunk, tracker.step, begin, len(tracker._rows)))
 
     stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk

@@ -36,6 +36,8 @@ MODULE_MARKERS = (FORWARD_PRE, FORWARD_POST, BACKWARD_PRE, BACKWARD_POST)
 TIED = -6  # serial of a zero-byte build row: parameter `module` is the same Parameter as `tensor` (tied weights)
 # `tensor`: the labelled name of what the storage holds (a parameter's FQN, also for its gradient), or "".
 TIMELINE_COLUMNS = ["step", "phase", "block", "module", "serial", "delta_bytes", "category", "tensor"]
+# A pipeline stage's timeline attrs: its schedule's chunk calls, (kind "F"/"B", micro-batch, step, first row, end row)
+CHUNKS = "chunks"
 
 
 @dataclass
@@ -93,6 +95,7 @@ class StorageTracker(TorchDispatchMode):
         self._loading = False  # inside `loading_checkpoint`
         self._copied: set[int] = set()  # serials counted by `adopt_loaded` at their tensors' bytes
         self._excluded: list[torch.UntypedStorage] = []  # the instrument's own tensors (`exclude`)
+        self.chunks: list[tuple[str, int, int, int, int]] = []  # a pipeline stage's chunk calls (CHUNKS)
 
     # ---- the context ---------------------------------------------------------------------------------
     def set_phase(self, step: int, phase: Phase) -> None:
@@ -325,6 +328,8 @@ class StorageTracker(TorchDispatchMode):
             frame.loc[row, "tensor"] = name
         # from the rows' Phase members, not the frame's column: pandas 3 with pyarrow stores a str subclass as str
         frame["phase"] = [row[1].value for row in self._rows]
+        if self.chunks:
+            frame.attrs[CHUNKS] = tuple(self.chunks)
         return frame
 
     def _category(self, serial: int, free_rows: dict[int, int]) -> str:

@@ -1,6 +1,7 @@
 """Each traced process's timeline at full depth, kept for the next prediction with the same inputs (`expanded`);
-a pipeline's stages, traced in local processes when several are missing (`stage_timelines`); and the strategy's
-per-rank timelines planned from a traced one (`plan`)."""
+a pipeline's stages, traced in local processes when several are missing (`stage_timelines`), a 1F1B middle stage
+composed from another's trace (`_traced`); and the strategy's per-rank timelines planned from a traced one
+(`plan`)."""
 from __future__ import annotations
 
 import functools
@@ -11,7 +12,8 @@ import pandas as pd
 
 from llmsim.inputs.spec import ModelSpec, TrainSetup
 from llmsim.model.step import StepInfo
-from llmsim.model.trace import no_decay_names, trace
+from llmsim.model.trace import Trace, no_decay_names, trace
+from llmsim.model.tracker import CHUNKS
 from llmsim.sim.processes import in_processes
 from llmsim.sim.strategies import STRATEGIES, Layout, Strategy
 from llmsim.sim.strategies.events import per_timeline
@@ -37,14 +39,59 @@ def _expand_key(key: tuple[ModelSpec, TrainSetup]) -> tuple[pd.DataFrame, StepIn
     """Trace and expand to full depth (what `expanded` keeps). Two steps are traced and the steady second one
     repeated (`repeat_last_step`)."""
     model, setup = key
-    traced = trace(model, replace(setup, steps=min(setup.steps, TRACED_STEPS)))
+    traced = _traced(model, replace(setup, steps=min(setup.steps, TRACED_STEPS)))
     timeline = repeat_last_step(expand(traced), setup.steps)
     if timeline is None:  # the last traced step is not steady: trace every step
-        traced = trace(model, setup)
+        traced = _traced(model, setup)
         timeline = expand(traced)
+    timeline.attrs.pop(CHUNKS, None)  # rows of the trace, not of the expanded timeline
     if setup.trainer_under_deepspeed:  # the Trainer's optimizer has two param groups, which DeepSpeed keeps apart
         timeline.attrs[NO_DECAY] = no_decay_names(model, setup)
     return timeline, traced.info
+
+
+def _traced(model: ModelSpec, setup: TrainSetup) -> Trace:
+    """`trace`, or for a 1F1B middle stage other than the first of its kind, the first one's trace composed into
+    this stage's schedule (llmsim/sim/compose_1f1b.py; traced where the composition declines)."""
+    from llmsim.sim import compose_1f1b
+
+    template = _template_stage(model, setup)
+    if template is not None:
+        source = _TEMPLATES.get((model, replace(setup, pp_stage=template))) or trace(
+            model, replace(setup, pp_stage=template))
+        warmup = functools.partial(compose_1f1b.warmup, setup.n_microbatches, setup.pp)
+        timeline = compose_1f1b.composed(source.timeline, warmup(template), warmup(setup.pp_stage),
+                                         setup.n_microbatches)
+        if timeline is not None:
+            return replace(source, timeline=timeline)
+    return trace(model, setup)
+
+
+def _template_stage(model: ModelSpec, setup: TrainSetup) -> int | None:
+    """The stage whose 1F1B trace `_traced` composes `setup`'s stage from: the first middle stage of its kind,
+    where that is another stage."""
+    from llmsim.model.pipelining import Schedule
+
+    stage = setup.pp_stage
+    if setup.pp < 3 or setup.schedule != Schedule.ONE_F_ONE_B.value or stage in (0, setup.pp - 1):
+        return None
+    layout = Layout(world_size=setup.pp, pp=setup.pp, pp_split=setup.pp_split)  # what stage_kind reads
+    kind = stage_kind(model, layout, stage)
+    first = next(other for other in range(1, stage + 1) if stage_kind(model, layout, other) == kind)
+    return first if first != stage else None
+
+
+def _expand_keeping_template(key: tuple[ModelSpec, TrainSetup]):
+    """`_expand_key` in a worker process, with the trace itself where another stage is composed from it."""
+    timeline, info = _expand_key(key)
+    model, setup = key
+    steps = replace(setup, steps=min(setup.steps, TRACED_STEPS))
+    return timeline, info, trace(model, steps) if _is_template(model, setup) else None
+
+
+def _is_template(model: ModelSpec, setup: TrainSetup) -> bool:
+    return any(_template_stage(model, replace(setup, pp_stage=other)) == setup.pp_stage
+               for other in range(setup.pp_stage + 1, setup.pp - 1))
 
 
 def _remember(key: tuple[ModelSpec, TrainSetup], timeline: pd.DataFrame,
@@ -63,6 +110,8 @@ def _layer_graph(timeline: pd.DataFrame, info: StepInfo) -> nx.DiGraph:
 
 _MAX_EXPANDED = 16
 _EXPANDED: dict[tuple[ModelSpec, TrainSetup], tuple[pd.DataFrame, Callable[[], nx.DiGraph]]] = {}
+_TEMPLATES: dict[tuple[ModelSpec, TrainSetup], Trace] = {}  # traced in a worker, for `_traced` (the latest few)
+_MAX_TEMPLATES = 4
 
 
 def stage_ranks(layout: Layout, stage: int) -> list[int]:
@@ -83,7 +132,8 @@ def traced_stage(model: ModelSpec, layout: Layout, stage: int) -> int:
     backward and send), so two stages that hold equal layers and neither the first stage's embedding and missing
     receives nor the last stage's head, loss and missing sends run the same events (the fake process group's rank
     names no event); `tests/test_pipeline_stages.py` traces both and compares. Under 1F1B a stage's warm-up
-    (`num_stages - stage_index` forwards) sets its own order: each stage is traced."""
+    (`num_stages - stage_index` forwards) sets its own order: each stage is its own, and `_traced` composes a
+    middle one from the trace of the first of its kind."""
     from llmsim.model.pipelining import Schedule
 
     if layout.schedule is not Schedule.GPIPE or stage in (0, layout.pp - 1):
@@ -116,11 +166,15 @@ def stage_timelines(model: ModelSpec, setup: TrainSetup, layout: Layout, progres
     keys = [(model, _stage_setup(setup, layout, traced_stage(model, layout, stage))) for stage in range(layout.pp)]
     found = {key: _EXPANDED[key] for key in keys if key in _EXPANDED}
     missing = list(dict.fromkeys(key for key in keys if key not in found))  # a GPipe kind's stages share one
-    if jobs > 1 and len(missing) > 1:
+    # a 1F1B stage composed from another's trace is composed here, once that trace is back
+    traced_apart = [key for key in missing if _template_stage(*key) is None]
+    if jobs > 1 and len(traced_apart) > 1:
         # the bar is in_processes' (a stage a tick, as its trace comes back), left on screen like sweep's
-        for key, result in zip(missing, in_processes(_expand_key, missing, min(jobs, len(missing)), progress,
-                                                     "stage")):
-            found[key] = _remember(key, *result)
+        for key, (timeline, info, template) in zip(traced_apart, in_processes(
+                _expand_keeping_template, traced_apart, min(jobs, len(traced_apart)), progress, "stage")):
+            found[key] = _remember(key, timeline, info)
+            if template is not None:
+                _keep_template(key, template)
         progress = False
     stages = []
     with tqdm(total=layout.pp, disable=not progress, unit="stage", leave=False) as bar:  # cleared at the end
@@ -128,6 +182,13 @@ def stage_timelines(model: ModelSpec, setup: TrainSetup, layout: Layout, progres
             stages.append(_stage_planned(found[key] if key in found else expanded(*key), layout, setup))
             bar.update()
     return stages
+
+
+def _keep_template(key: tuple[ModelSpec, TrainSetup], template: Trace) -> None:
+    model, setup = key
+    if len(_TEMPLATES) >= _MAX_TEMPLATES:
+        _TEMPLATES.pop(next(iter(_TEMPLATES)))
+    _TEMPLATES[(model, replace(setup, steps=min(setup.steps, TRACED_STEPS)))] = template
 
 
 def _stage_setup(setup: TrainSetup, layout: Layout, stage: int) -> TrainSetup:
