@@ -27,7 +27,6 @@ each class is traced.
 from __future__ import annotations
 
 import contextlib
-import time
 from unittest import mock
 
 import torch
@@ -283,22 +282,11 @@ def gloo_reduce_scatter_copy():
         yield
 
 
-@contextlib.contextmanager
 def settled_collectives(settle: bool = True):
-    """Measured runs: after each reduce-scatter FSDP2 makes, gloo's worker thread is given GLOO_SETTLE_S to drop
-    its copy of the input, as NCCL would have none (see the module's docstring). `settle=False` measures gloo's
-    own timing."""
-    import torch.distributed as dist
+    """Measured runs: each of FSDP2's collectives waited for and held until gloo's worker thread has let its tensors
+    go (llmsim/model/gloo.py: the reduce-scatter's copy of the input, the all-gather's buffer), then GLOO_SETTLE_S,
+    as NCCL would hold none of them past the wait (see the module's docstring). `settle=False` measures gloo's own
+    timing."""
+    from llmsim.model.gloo import FSDP2_COLLECTIVES, settled_collectives as settled
 
-    if not settle:
-        yield
-        return
-    real = dist.reduce_scatter_single
-
-    def reduce_scatter_single(*args, **kwargs):
-        work = real(*args, **kwargs)
-        time.sleep(GLOO_SETTLE_S)
-        return work
-
-    with mock.patch.object(dist, "reduce_scatter_single", reduce_scatter_single):
-        yield
+    return settled(FSDP2_COLLECTIVES, GLOO_SETTLE_S) if settle else contextlib.nullcontext()
