@@ -172,8 +172,9 @@ def accelerate_on_fake_ranks(world_size: int, rank: int, mesh):
     fake mode. accelerate matches the optimizer's parameters to the sharded ones by data pointer
     (`_get_parameter_id`), which a fake tensor does not have (every one reads 0, and all would map to one
     parameter): the trace keys them by their storage and offset, which is what a real pointer tells apart.
-    accelerate names a rank's CPU `cpu:<index>`, which for a real tensor is the CPU itself (`.to` keeps
-    it) and for a fake one a device apart: the trace's ranks take `cpu`. accelerate's process-wide state is made
+    accelerate names a rank's CPU `cpu:<index>`, which a CPU tensor does not report (it says `cpu`), so a real
+    CPU run's `.to(cpu:0)` copies each batch once more (experiments/explain_trainer_fsdp_residual.out) and a fake
+    tensor would be a device apart: the trace's ranks take `cpu`, as a GPU run's batch is already on its device. accelerate's process-wide state is made
     afresh for the trace and dropped after it."""
     import os
 
