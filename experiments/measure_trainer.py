@@ -26,8 +26,12 @@ Trainer's FSDP2 from its TrainingArguments (fsdp, fsdp_config) on 2 ranks, accel
 (llmsim/model/trainer_recipe.py, accelerate_fsdp_on_cpu), gloo's collectives settled, each predicted first, in
 data/measurements/trainer_fsdp_cpu.csv (the first two cases on 3 ranks too, where shards do not divide: `--cases fsdp
 --world-size 3 --models llama-2-7b,qwen2.5-0.5b --only 2`, experiments/measure_trainer_fsdp_3ranks.out).
+FSDP_HOST_CASES (`--cases fsdp-host`): the same measured as on a GPU (`--fsdp-init host`: the model loaded on the
+host, fully_shard copying each unit to the device), device and host peaks, each predicted first, into the same file
+(experiments/measure_trainer_fsdp_host.out).
 Run: python experiments/measure_trainer.py [--out CSV] [--only N] [--world-size N] [--models a,b]
-     [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3|llamafactory|sft|sft-ddp|fsdp]
+     [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3|llamafactory|sft|sft-ddp|fsdp|
+      fsdp-offload|fsdp-host]
 """
 from __future__ import annotations
 
@@ -274,6 +278,29 @@ FSDP_OFFLOAD_CASES = [
                                                    "gradient_checkpointing": True, "gradient_accumulation_steps": 2,
                                                    "per_device_train_batch_size": 1}, None, "float32"),
 ]
+# The Trainer's FSDP measured as on a GPU (`--fsdp-init host`: the model loaded on the host, accelerate's upcast
+# there, fully_shard copying each unit to the device; llmsim/model/host_memory.py, HostMemory.active_fsdp), 2 ranks,
+# into FSDP_OUT; what `--gpu` predicts of the Trainer's FSDP, here with the CPU's kernels
+FSDP_HOST_CASES = [
+    ("host: fsdp=True", {"fsdp": True}, None, "float32"),
+    ("host: bf16 mixed precision", {"fsdp": True, "bf16": True}, None, "float32"),
+    ("host: loaded in bf16, bf16=True (the upcast on the host)", {"fsdp": True, "bf16": True}, None, "bfloat16"),
+    ("host: loaded in bf16, no mixed precision", {"fsdp": True}, None, "bfloat16"),
+    ("host: reshard_after_forward false", {"fsdp": True, "fsdp_config": {"reshard_after_forward": False}}, None,
+     "float32"),
+    ("host: LoRA all-linear, bf16 weights, bf16=True", {"fsdp": True, "bf16": True}, LORA, "bfloat16"),
+    ("host: checkpointing, accumulation 2, bf16", {"fsdp": True, "bf16": True, "gradient_checkpointing": True,
+                                                   "gradient_accumulation_steps": 2,
+                                                   "per_device_train_batch_size": 1}, None, "float32"),
+    ("host: cpu_offload", {"fsdp": True, "fsdp_config": {"cpu_offload": True}}, None, "float32"),
+]
+# ... and one shape where it matters on the device: LoRA on a deep, narrow model with short sequences, whose whole
+# model on the device (--fsdp-init full, a CPU run) is its peak (13,505,472 B predicted) and whose host-loaded run
+# peaks in the forward instead (9,229,482 B predicted)
+FSDP_HOST_DEEP = ("llama-2-7b", {"hidden_size": 128, "intermediate_size": 1024, "num_attention_heads": 4,
+                                 "num_hidden_layers": 8, "num_key_value_heads": 4, "vocab_size": 1000}, 8,
+                  ("host: LoRA all-linear, deep and narrow, seq 8, micro-batch 1",
+                   {"fsdp": True, "bf16": True, "per_device_train_batch_size": 1}, LORA, "bfloat16"))
 SFT_DDP_CASES = [case for case in SFT_CASES if case[0] in (
     "SFTConfig defaults (checkpointing, bf16, adamw_torch_fused)", "LoRA all-linear (peft_config)",
     "no checkpointing", "accumulation 2")]
@@ -287,14 +314,16 @@ def moe_models() -> dict[str, dict]:
 
 def run_case(model: str, fields: dict, peft: dict | None, dtype: str, out: Path, quantization: dict | None = None,
              kbit_prep: bool = True, world_size: int = 1, overrides: dict | None = None,
-             predict_first: bool = False, sft: bool = False) -> int:
+             predict_first: bool = False, sft: bool = False, extra: tuple[str, ...] = (),
+             seq_len: int = SEQ_LEN) -> int:
     with tempfile.TemporaryDirectory() as directory:
         args_path = Path(directory) / ("sft_config.json" if sft else "training_args.json")
         args_path.write_text(json.dumps({**BASE, **fields}))
-        command = [sys.executable, "-m", "llmsim.app.cli", "measure", "--model", model, "--seq-len", str(SEQ_LEN),
+        command = [sys.executable, "-m", "llmsim.app.cli", "measure", "--model", model, "--seq-len", str(seq_len),
                    "--sft-config" if sft else "--training-args", str(args_path), "--dtype", dtype, "--out", str(out)]
         if world_size > 1:
             command += ["--world-size", str(world_size)]
+        command += list(extra)
         for key, value in (MODELS[model] if overrides is None else overrides).items():
             command += ["--set", f"{key}={json.dumps(value)}"]
         if peft is not None:
@@ -327,7 +356,7 @@ def main() -> int:
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
     parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload", "moe",
                                             "moe-qlora", "moe-deepspeed", "zero3", "llamafactory", "sft", "sft-ddp",
-                                            "fsdp", "fsdp-offload"],
+                                            "fsdp", "fsdp-offload", "fsdp-host"],
                         default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
                         "DDP_OUT / DEEPSPEED_OUT)")
@@ -341,7 +370,8 @@ def main() -> int:
                        "llamafactory": (DDP_WORLD_SIZE, LLAMA_FACTORY_OUT), "sft": (1, SFT_OUT),
                        "sft-ddp": (DDP_WORLD_SIZE, SFT_DDP_OUT),
                        "fsdp": (DDP_WORLD_SIZE, FSDP_OUT),
-                       "fsdp-offload": (DDP_WORLD_SIZE, FSDP_OUT)}.get(args.cases, (1, OUT))
+                       "fsdp-offload": (DDP_WORLD_SIZE, FSDP_OUT),
+                       "fsdp-host": (DDP_WORLD_SIZE, FSDP_OUT)}.get(args.cases, (1, OUT))
     out = args.out or out
     world_size = args.world_size or world_size
     cases = ([(*case, None, True) for case in CASES] if args.cases in ("all", "plain") else []) + \
@@ -354,7 +384,8 @@ def main() -> int:
         ([(*case, None, True) for case in SFT_CASES] if args.cases == "sft" else []) + \
         ([(*case, None, True) for case in SFT_DDP_CASES] if args.cases == "sft-ddp" else []) + \
         ([(*case, None, True) for case in FSDP_CASES] if args.cases == "fsdp" else []) + \
-        ([(*case, None, True) for case in FSDP_OFFLOAD_CASES] if args.cases == "fsdp-offload" else [])
+        ([(*case, None, True) for case in FSDP_OFFLOAD_CASES] if args.cases == "fsdp-offload" else []) + \
+        ([(*case, None, True) for case in FSDP_HOST_CASES] if args.cases == "fsdp-host" else [])
     models = {model: None for model in (args.models.split(",") if args.models else MODELS)}
     if args.cases.startswith("moe"):
         models = moe_models()
@@ -366,8 +397,13 @@ def main() -> int:
         for name, fields, peft, dtype, quantization, kbit_prep in cases[: args.only]:
             failures += run_case(model, fields, peft, dtype, Path(out), quantization, kbit_prep, world_size,
                                  overrides, predict_first=args.cases in ("llamafactory", "sft", "sft-ddp", "fsdp",
-                                                                             "fsdp-offload"),
-                                 sft=args.cases.startswith("sft")) != 0
+                                                                             "fsdp-offload", "fsdp-host"),
+                                 sft=args.cases.startswith("sft"),
+                                 extra=("--fsdp-init", "host") if args.cases == "fsdp-host" else ()) != 0
+    if args.cases == "fsdp-host" and args.only is None:
+        model, overrides, seq_len, (name, fields, peft, dtype) = FSDP_HOST_DEEP
+        failures += run_case(model, fields, peft, dtype, Path(out), world_size=world_size, overrides=overrides,
+                             predict_first=True, extra=("--fsdp-init", "host"), seq_len=seq_len) != 0
     return 1 if failures else 0
 
 

@@ -2,6 +2,7 @@
 class, accelerate's FSDP2 path run by the trace on a fake process group, and real Trainer.train() runs under
 torchrun (llmsim/model/trainer_recipe.py) against it."""
 import json
+from dataclasses import replace
 
 import pandas as pd
 import pytest
@@ -69,8 +70,12 @@ def test_fsdp_cli_errors_are_one_line(tmp_path, capsys):
     for extra, says in (
             (["--training-args", str(args), "--world-size", "2", "--quantization-config", str(quantization),
               "--peft-config", str(peft)], "a quantized base with the Trainer's FSDP is not modelled yet"),
-            (["--training-args", str(args), "--world-size", "2", "--gpu", "h100-80gb"],
-             "the Trainer's FSDP on a GPU (--gpu) is not modelled yet"),
+            (["--training-args", str(args), "--world-size", "2", "--fsdp-no-reshard"],
+             "--fsdp-no-reshard with --training-args: the Trainer's files decide it (reshard_after_forward"),
+            (["--training-args", str(args), "--world-size", "2", "--fsdp-init", "meta"],
+             "fsdp-init(meta) is not where the Trainer's FSDP finds the model; choose full"),
+            (["--training-args", str(args), "--world-size", "2", "--fsdp-init", "full", "--gpu", "h100-80gb"],
+             "--fsdp-init full with --gpu: on a GPU the Trainer leaves the model where from_pretrained loaded it"),
             (["--micro-batch", "2", "--strategy", "fsdp", "--world-size", "2", "--fsdp-wrap", "accelerate"],
              "fsdp-wrap(accelerate) is the HF Trainer's FSDP")):
         capsys.readouterr()
@@ -106,6 +111,25 @@ def test_a_fresh_trainer_fsdp_run_matches_its_prediction(model, overrides, field
         assert abs(p - m) / m <= PEAK_ALLOCATED_TOLERANCE[2], (predicted, measured)
 
 
+def test_a_fresh_host_loaded_trainer_fsdp_run_matches_its_prediction():
+    """The Trainer's FSDP measured as on a GPU (init "host"): a shape whose whole model on the device would be its
+    peak, LoRA on a bf16 load; device and host peaks of each rank against the prediction."""
+    deep = {**LLAMA_TINY, "hidden_size": 128, "intermediate_size": 1024, "num_hidden_layers": 8,
+            "num_key_value_heads": 4, "vocab_size": 1000}
+    spec = load_model_spec("qwen2.5-0.5b", {**deep, "max_window_layers": 8})
+    setup = trainer_setup(spec, 8, {"per_device_train_batch_size": 1, "fsdp": True, "bf16": True},
+                          {"r": 4, "target_modules": "all-linear"}, "bfloat16", None)
+    setup, layout = trainer_layout(spec, setup, 2, None)
+    layout = replace(layout, fsdp=replace(layout.fsdp, init="host"))
+    measured = measure_trainer(spec, setup, "bfloat16", layout)
+    predicted = predict(spec, setup, layout).ranks
+    for p, m in zip(predicted, measured, strict=True):
+        assert m["fsdp_init"] == "host" and m["peak_host_bytes"] > 0
+        for ours, theirs in ((p.peak_allocated_bytes, m["peak_allocated_bytes"]),
+                             (p.peak_host_bytes, m["peak_host_bytes"])):
+            assert abs(ours - theirs) / theirs <= PEAK_ALLOCATED_TOLERANCE[2], (predicted, measured)
+
+
 def test_committed_fsdp_rows_cover_the_trainers_fsdp():
     rows = pd.read_csv(FSDP_CSV)
     assert len(rows) >= 60 and (rows["strategy"] == "fsdp").all() and rows["gloo_settle"].all()
@@ -122,4 +146,43 @@ def test_committed_fsdp_rows_cover_the_trainers_fsdp():
     assert set(rows["load_dtype"]) == {"float32", "bfloat16"} and rows["peft_config"].notna().any()
     offload = fields.map(lambda f: f.get("fsdp_config", {}).get("cpu_offload") is True or "offload" in str(f["fsdp"]))
     assert offload.sum() >= 10 and (rows.loc[offload, "peak_host_bytes"] > 0).all()
-    assert (rows.loc[~offload, "peak_host_bytes"] == 0).all()
+    loaded_on_the_host = rows["fsdp_init"].fillna("") == "host"  # measured as on a GPU: the model loads there
+    assert (rows.loc[~offload & ~loaded_on_the_host, "peak_host_bytes"] == 0).all()
+
+
+def test_on_a_gpu_the_trainers_fsdp_loads_on_the_host(tmp_path, capsys):
+    """--gpu: each rank loads the whole model on the host and accelerate upcasts it there (init "host"); the device
+    holds one unit at a time until it is sharded. The table shows the host peak and a node's. LoRA on a deep, narrow
+    model with short sequences: the whole model on the device would be its peak."""
+    args = tmp_path / "args.yaml"
+    args.write_text("per_device_train_batch_size: 1\nbf16: true\nfsdp: true\n")
+    deep = {**LLAMA_TINY, "hidden_size": 128, "intermediate_size": 1024, "num_hidden_layers": 8,
+            "num_key_value_heads": 4, "vocab_size": 1000}
+    sets = [arg for key, value in deep.items() for arg in ("--set", f"{key}={value}")]
+    lora = tmp_path / "adapter_config.json"
+    lora.write_text(json.dumps({"r": 8, "target_modules": "all-linear"}))
+    base = ["predict", "--model", "llama-2-7b", "--seq-len", "8", "--dtype", "bfloat16", *sets, "--training-args",
+            str(args), "--peft-config", str(lora), "--world-size", "2", "--format", "json"]
+    peaks = {}
+    for extra in ([], ["--fsdp-init", "host"], ["--gpu", "h100-80gb"]):
+        assert main(base + extra) == 0
+        rank = json.loads(capsys.readouterr().out)["ranks"][0]
+        peaks[" ".join(extra)] = rank["peak_allocated_bytes"], rank["peak_host_bytes"], rank["peak_phase"]
+    whole, host, gpu = peaks[""], peaks["--fsdp-init host"], peaks["--gpu h100-80gb"]
+    # the CPU run holds the whole loaded model on its one memory while it shards it: its peak is the build's
+    assert whole[2] == "build" and whole[1] == 0
+    # loaded on the host: the bf16 model there (8 layers of 128 x 1024 MLPs and attention, 1000-token vocabulary)
+    assert host[2] == "forward" and host[0] < whole[0] and host[1] > 8_000_000
+    assert gpu[1] == host[1] and gpu[2] != "build"  # a GPU run loads as the host-loaded CPU run does
+    assert main(base[:-2] + ["--gpu", "h100-80gb"]) == 0
+    assert "host memory per node (2 rank(s) per node" in capsys.readouterr().out
+
+
+def test_committed_host_loaded_rows_cover_the_trainers_fsdp_on_a_gpu():
+    rows = pd.read_csv(FSDP_CSV)
+    host = rows[rows["fsdp_init"].fillna("") == "host"]
+    assert len(host) >= 34 and (host["peak_host_bytes"] > 0).all() and set(host["world_size"]) == {2}
+    fields = host["training_args"].map(json.loads)
+    assert fields.map(lambda f: f.get("fsdp_config", {}).get("cpu_offload") is True).any()
+    assert set(host["load_dtype"]) == {"float32", "bfloat16"} and host["peft_config"].notna().any()
+    assert {load_model_spec(m).config_dict["model_type"] for m in host["model"]} >= {"llama", "qwen2"}

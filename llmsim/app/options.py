@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 
 from llmsim.enums import Attention, Loss, Optimizer, Precision, Recipe, parse_enum
 from llmsim.errors import InputError
@@ -144,7 +145,9 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fsdp-init", default=None, help="with --strategy fsdp: how the script builds the model: meta "
                    "(default; PyTorch's FSDP2 tutorial, torchtitan: on the meta device, sharded, then to_empty and "
                    "initialised, so no rank holds the whole model) | full (every rank builds it whole, fully_shard "
-                   "shards it in place)")
+                   "shards it in place); with --training-args, where the Trainer's FSDP finds the model: full (the "
+                   "CPU's one memory, the default without --gpu) | host (a GPU run's: loaded on the host, each unit "
+                   "copied to the device by fully_shard; the default with --gpu)")
     p.add_argument("--fsdp-wrap", default=None, help="with --strategy fsdp: layers (default: fully_shard on every "
                    "decoder layer, then the root, as accelerate and torchtitan wrap) | transformers (the model's own "
                    "FSDP plan, as from_pretrained(distributed_config=DistributedConfig(fsdp_size=N)) applies it)")
@@ -192,6 +195,12 @@ TRAINER_DECIDES = (("precision", None, "bf16 / fp16 in the TrainingArguments, --
                    ("quant", None, "--quantization-config, a BitsAndBytesConfig"),
                    ("double_quant", False, "bnb_4bit_use_double_quant in --quantization-config"),
                    ("int8_threshold", LLM_INT8_THRESHOLD, "llm_int8_threshold in --quantization-config"),
+                   ("fsdp_param_dtype", None, "bf16 in the TrainingArguments: accelerate's MixedPrecisionPolicy"),
+                   ("fsdp_reduce_dtype", None, "bf16 in the TrainingArguments: accelerate's MixedPrecisionPolicy"),
+                   ("fsdp_no_reshard", False, "reshard_after_forward in the TrainingArguments' fsdp_config"),
+                   ("fsdp_wrap", None, "accelerate wraps every decoder layer, the embedding, the final norm with "
+                    "the LM head, then the root"),
+                   ("fsdp_offload", False, "cpu_offload in the TrainingArguments' fsdp_config"),
                    *((flag, default, None) for flag, default in (  # None: not modelled yet with the Trainer
                        ("attn", None), ("ckpt_every", 1), ("ckpt_offload", False),
                        ("loss", "hf"), ("loss_chunk", None))))
@@ -209,7 +218,7 @@ def _trainer_inputs(args):
             raise InputError(f"{name} with --training-args: the Trainer's files decide it ({where})" if where else
                              f"{name} with --training-args is not modelled yet (the hf-trainer recipe)")
     world_size = args.world_size or args.dp or 1
-    if args.tp * args.pp > 1 or args.strategy not in (None, "single", "ddp", "deepspeed") or \
+    if args.tp * args.pp > 1 or args.strategy not in (None, "single", "ddp", "deepspeed", "fsdp") or \
             (args.strategy == "single" and world_size > 1):
         raise InputError("--training-args with tp, pp or strategy single on several ranks is not modelled yet; "
                          "modelled: one process, or --world-size N ranks of DistributedDataParallel (torchrun with "
@@ -239,6 +248,18 @@ def _trainer_inputs(args):
     setup = trainer_setup(spec, args.seq_len, fields, peft, args.dtype or "auto", quantization,
                           kbit_prep=not getattr(args, "no_kbit_prep", False), recipe=recipe)
     setup, layout = trainer_layout(spec, setup, world_size, Strategy(args.strategy) if args.strategy else None)
+    init = getattr(args, "fsdp_init", None)
+    if init is not None:  # where the Trainer's FSDP finds the model: the CPU's one memory, or a GPU run's host
+        if layout.fsdp is None:
+            raise InputError("--fsdp-init with --training-args needs the TrainingArguments' fsdp (the Trainer's FSDP)")
+        if init not in ("full", "host"):
+            raise InputError(f"fsdp-init({init}) is not where the Trainer's FSDP finds the model; choose full (the "
+                             "CPU: loaded in the one memory) or host (a GPU run: loaded on the host, fully_shard "
+                             "copying each unit to the device; what --gpu predicts)")
+        if init == "full" and getattr(args, "gpu", None):
+            raise InputError("--fsdp-init full with --gpu: on a GPU the Trainer leaves the model where "
+                             "from_pretrained loaded it, on the host (host is what --gpu predicts)")
+        layout = replace(layout, fsdp=replace(layout.fsdp, init=init))
     return spec, setup, layout
 
 

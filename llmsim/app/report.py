@@ -46,13 +46,14 @@ def layout_text(layout) -> str:
 
 
 def offloads(prediction: Prediction) -> bool:
-    """Whether the job puts memory on the host on purpose (offloaded checkpoint inputs, ZeRO-Offload, FSDP2's
-    CPUOffloadPolicy): the table then shows each rank's host peak and a node's. Without a lever the host holds only
-    a few scalars (AdamW's `step` counters, kept on the CPU for a CUDA parameter unless fused or capturable:
-    torch/optim/adam.py `_init_group`), left to `--format json`'s peak_host_bytes."""
-    layout = prediction.layout
+    """Whether the job puts memory on the host (offloaded checkpoint inputs, ZeRO-Offload, FSDP2's
+    CPUOffloadPolicy; the HF Trainer's FSDP on a GPU, whose ranks each load the whole model on the host and upcast
+    it there before fully_shard copies it across): the table then shows each rank's host peak and a node's.
+    Otherwise the host holds only a few scalars (AdamW's `step` counters, kept on the CPU for a CUDA parameter unless
+    fused or capturable: torch/optim/adam.py `_init_group`), left to `--format json`'s peak_host_bytes."""
+    layout, fsdp = prediction.layout, prediction.setup.fsdp
     return (prediction.setup.ckpt_offload or (layout.deepspeed is not None and layout.deepspeed.offloads_optimizer)
-            or (layout.fsdp is not None and layout.fsdp.offload))
+            or (fsdp is not None and (fsdp.offload or fsdp.init == "host")))
 
 
 def prediction_table(prediction: Prediction, gpus_per_node: int = 8) -> str:

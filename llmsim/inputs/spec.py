@@ -62,7 +62,10 @@ def as_loaded(setup: "TrainSetup", **changes) -> "TrainSetup":
     precision = changes.get("precision", setup.precision)
     load_dtype = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}.get(precision, "float32")
     return replace(setup, **{**changes, "load_dtype": load_dtype, "build_bf16": load_dtype == "bfloat16"})
-FSDP_INITS = ("meta", "full")
+# "host": loaded on the host, each unit's parameters and buffers copied to the device by `fully_shard` as it shards
+# them (FSDP2's `_move_states_to_device`): the HF Trainer's FSDP on a GPU, which leaves an FSDP model where
+# from_pretrained loaded it (Trainer.place_model_on_device False) for accelerate to upcast and shard
+FSDP_INITS = ("meta", "full", "host")
 # How the model is wrapped: "layers" (fully_shard on every decoder layer, then the root: accelerate's
 # TRANSFORMER_BASED_WRAP, torchtitan) or "transformers" (the model's own FSDP plan, as
 # from_pretrained(distributed_config=DistributedConfig(fsdp_size=N)) applies it: the embedding and every layer
@@ -79,7 +82,8 @@ class FsdpSetup:
     The dtypes are torch's names ("bfloat16"); None is MixedPrecisionPolicy's own default (no cast). `init`: how the
     script builds the model: "meta" as PyTorch's FSDP2 tutorial and torchtitan do (built on the meta device,
     sharded, then `to_empty` and initialised: no rank ever holds the whole model), or "full" (every rank builds the
-    whole model, which fully_shard then shards in place). `offload`: `offload_policy=CPUOffloadPolicy()` (each
+    whole model, which fully_shard then shards in place), or "host" (the HF Trainer's on a GPU: loaded on the host,
+    each unit copied to the device by fully_shard as it shards it). `offload`: `offload_policy=CPUOffloadPolicy()` (each
     parameter's shard, its gradient and AdamW's states and step on the host; each unit's shards copied to the
     device for its all-gather)."""
 
@@ -110,6 +114,10 @@ class FsdpSetup:
             if not self.reshard_after_forward or self.init != "meta":
                 raise InputError("transformers' FSDP plan decides the resharding itself and builds on the meta "
                                  "device: --fsdp-no-reshard and --fsdp-init full do not apply to it")
+        if self.init == "host" and self.wrap != "accelerate":
+            raise InputError("fsdp-init(host) is how the HF Trainer's FSDP builds on a GPU (from_pretrained on the "
+                             "host, fully_shard moving each unit to the device); with --strategy fsdp choose meta or "
+                             "full")
         if self.offload and self.wrap == "transformers":
             raise InputError("fsdp-offload with fsdp-wrap(transformers) is not modelled yet; modelled: CPUOffloadPolicy "
                              "with fully_shard on every decoder layer, then the root (fsdp-wrap layers), and the HF "

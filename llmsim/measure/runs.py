@@ -99,12 +99,15 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
     """The HF Trainer recipe run for real through the entry points (llmsim/model/trainer_recipe.py: nothing of the
     predictor's loop); returns one row per rank. `dtype`: from_pretrained's word as the user gave it (resolved in
     `setup`). With several ranks, `torchrun` launches the recipe's script as a user launches theirs and the Trainer
-    runs DistributedDataParallel over gloo (tier 2)."""
+    runs DistributedDataParallel over gloo (tier 2). With the Trainer's FSDP and `layout.fsdp.init` "host" the run is
+    measured as on a GPU (the loaded model the host's until fully_shard copies each unit across; the rows say
+    `fsdp_init`)."""
     from llmsim.model import trainer_recipe as trainer
     from llmsim.inputs.hf import DTYPE_ALIASES
 
     check_fits_positions(spec, setup)
     check_supported(setup, layout)
+    host_build = layout.fsdp is not None and layout.fsdp.init == "host"
     fields = json.loads(setup.training_args)
     if isinstance(fields.get("deepspeed"), str):  # the JSON itself travels with the job and the row, not its path
         fields["deepspeed"] = json.loads(Path(fields["deepspeed"]).read_text())
@@ -112,7 +115,9 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
            "training_args": fields,
            "peft_config": json.loads(setup.peft_config) if setup.peft_config else None,
            "quantization_config": json.loads(setup.quantization_config) if setup.quantization_config else None,
-           "kbit_prep": setup.kbit_prep, "trainer": setup.recipe.value}
+           "kbit_prep": setup.kbit_prep, "trainer": setup.recipe.value,
+           # the Trainer's FSDP measured as on a GPU: the model on the host until fully_shard copies it across
+           **({"fsdp_init": "host"} if host_build else {})}
     start = time.perf_counter()
     if layout.world_size == 1:
         results = [trainer.run(job)]  # its own bitsandbytes overrides (trainer_recipe.own_bitsandbytes_overrides)
@@ -146,6 +151,7 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
             "peft": _version("peft"), "accelerate": _version("accelerate"), "bitsandbytes": _version("bitsandbytes"),
             **({"trl": _version("trl")} if setup.recipe is Recipe.TRL_SFT else {}),
             **({"gloo_settle": True} if layout.fsdp is not None else {}),  # the recipe settles FSDP2's collectives
+            **({"fsdp_init": "host"} if host_build else {}),
             "measured_at": stamp, "wall_s": round(wall_s, 2)})
     return rows
 

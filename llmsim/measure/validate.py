@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
 
@@ -42,6 +43,11 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
                               kbit_prep=_flag(row, "kbit_prep") if quantized else True, recipe=Recipe(row["recipe"]))
         strategy = Strategy(row["strategy"]) if isinstance(row.get("strategy"), str) else None
         setup, layout = trainer_layout(spec, setup, _int(row, "world_size", 1), strategy)
+        init = row.get("fsdp_init")
+        if isinstance(init, str) and init:  # the Trainer's FSDP measured as on a GPU (init "host")
+            if layout.fsdp is None:
+                raise InputError(f"{row['model']}: fsdp_init({init}) on a row whose TrainingArguments ask for no FSDP")
+            layout = replace(layout, fsdp=replace(layout.fsdp, init=init))
         return spec, setup, layout
     setup = TrainSetup(micro_batch=int(row["micro_batch"]), seq_len=int(row["seq_len"]),
                        precision=Precision(row["precision"]), attention=Attention(row["attention"]),

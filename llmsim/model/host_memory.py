@@ -96,11 +96,12 @@ def optimizer_offload(tracker: StorageTracker, ds_config: dict | str | None):
 
 def fsdp_offload(tracker: StorageTracker, fsdp):
     """The step's context for FSDP2 settings `fsdp` (llmsim.inputs.spec.FsdpSetup or None): with offload
-    (CPUOffloadPolicy) the CPU standing in for the host and the device (`HostMemory.active_fsdp`), in a measured
-    run and in the trace alike; else nothing."""
-    if fsdp is None or not fsdp.offload:
+    (CPUOffloadPolicy) or a model loaded on the host (init "host": the HF Trainer's FSDP on a GPU) the CPU standing
+    in for the host and the device (`HostMemory.active_fsdp`), in a measured run and in the trace alike; else
+    nothing."""
+    if fsdp is None or not (fsdp.offload or fsdp.init == "host"):
         return contextlib.nullcontext()
-    return HostMemory(tracker).active_fsdp()
+    return HostMemory(tracker).active_fsdp(offload=fsdp.offload, host_build=fsdp.init == "host")
 
 
 class HostMemory:
@@ -162,8 +163,13 @@ class HostMemory:
             yield self
 
     @contextlib.contextmanager
-    def active_fsdp(self):
-        """`active` for FSDP2's `CPUOffloadPolicy` (torch/distributed/fsdp/_fully_shard). What it names:
+    def active_fsdp(self, offload: bool = True, host_build: bool = False):
+        """`active` for FSDP2's `CPUOffloadPolicy` (torch/distributed/fsdp/_fully_shard; `offload`) and for a model
+        loaded on the host (`host_build`: the HF Trainer's FSDP on a GPU, which leaves the model where
+        from_pretrained loaded it): when accelerate's `fsdp2_prepare_model` starts, every storage then live is the
+        host's (the loaded model, the dataset), accelerate's fp32 upcast is made from host tensors (the host's), and
+        `fully_shard`'s `_move_states_to_device` copies each unit's parameters and buffers to the device
+        (`tensor.to(device)` of a host tensor: a crossing), where FSDP2 shards them. What `offload` names:
         - the host: each parameter's padded shard, `.cpu()` in `FSDPParam._init_sharded_param` (and what
           `to_empty(device=HOST)` materialises on a meta-built model), and each sharded gradient, which
           `foreach_reduce` copies there with `.to(torch.device("cpu"))` -- on this CPU the mesh's device is "cpu"
@@ -175,13 +181,39 @@ class HostMemory:
         (CPUOffloadPolicy's default `pin_memory=True`): `t.pin_memory()` of a host tensor is a new page-locked copy
         (the CPU without an accelerator cannot pin: here a host copy, known as pinned), `t.is_pinned()` answers
         for it, so FSDP2's lazy init keeps a pinned shard as it does on a GPU."""
-        self.pinned = set()
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-        patches = [mock.patch.object(_fsdp_collectives, "torch", _TorchNamingTheHost()),
-                   mock.patch.object(FSDPParamGroup, "pre_backward", _placed(self, FSDPParamGroup.pre_backward)),
+        patches = [mock.patch.object(FSDPParamGroup, "pre_backward", _placed(self, FSDPParamGroup.pre_backward)),
                    mock.patch.object(FSDPParamGroup, "post_backward", _placed(self, FSDPParamGroup.post_backward))]
+        if offload:
+            self.pinned = set()
+            patches.append(mock.patch.object(_fsdp_collectives, "torch", _TorchNamingTheHost()))
+        if host_build:
+            from accelerate import accelerator
+            from accelerate.utils import fsdp_utils
+
+            from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+            prepare, move = fsdp_utils.fsdp2_prepare_model, _fsdp_init._move_states_to_device
+            memory = self
+
+            def from_the_host(*args, **kwargs):
+                memory.host.update(live.serial for live in memory.tracker._live.values())
+                return prepare(*args, **kwargs)
+
+            def to_the_device(params, buffers, device):
+                # what `_move_states_to_device` does for a tensor not on the mesh's device, decided here by where
+                # the storage is (a fake tensor's `.device` is its own property, out of the torch function mode's
+                # reach): a host tensor's `.to(device)` is a crossing, a copy on the device
+                for tensor in (*params, *buffers):
+                    if memory.is_host(tensor):
+                        tensor.data = tensor.to(device)
+                return move(params, buffers, device)
+
+            patches += [mock.patch.object(module, "fsdp2_prepare_model", from_the_host)
+                        for module in (fsdp_utils, accelerator)]
+            patches.append(mock.patch.object(_fsdp_init, "_move_states_to_device", to_the_device))
         with self._modes(patches):
             yield self
 

@@ -181,14 +181,18 @@ def _fsdp(job: dict):
     return stack
 
 
-def _fsdp_offload(tracker: StorageTracker, args):
-    """The Trainer's FSDP with `fsdp_config` cpu_offload (accelerate's CPUOffloadPolicy()): the CPU standing in for
-    the host and the device (llmsim/model/host_memory.py), as the trace runs it; nothing otherwise."""
-    if not (getattr(args, "fsdp_plugin_args", None) or {}).get("cpu_offload"):
+def _fsdp_offload(tracker: StorageTracker, args, job: dict):
+    """The Trainer's FSDP with `fsdp_config` cpu_offload (accelerate's CPUOffloadPolicy()), or measured as on a GPU
+    (the job's `fsdp_init` "host": the model loaded on the host, each unit copied to the device by fully_shard): the
+    CPU standing in for the host and the device (llmsim/model/host_memory.py), as the trace runs it; nothing
+    otherwise."""
+    offload = bool((getattr(args, "fsdp_plugin_args", None) or {}).get("cpu_offload"))
+    host_build = job.get("fsdp_init") == "host"
+    if not (offload or host_build):
         return contextlib.nullcontext()
     from llmsim.model.host_memory import HostMemory
 
-    return HostMemory(tracker).active_fsdp()
+    return HostMemory(tracker).active_fsdp(offload=offload, host_build=host_build)
 
 
 def run(job: dict) -> dict:
@@ -219,7 +223,7 @@ def run(job: dict) -> dict:
         loading = {"quantization_config": BitsAndBytesConfig(**quantization)} if quantization else {}
         # ZeRO-Offload's host side apart; the Trainer's FSDP on as accelerate runs it on a GPU
         with tracker, _optimizer_offload(tracker, job["training_args"].get("deepspeed")), _fsdp(job), \
-                _fsdp_offload(tracker, args):
+                _fsdp_offload(tracker, args, job):
             model = AutoModelForCausalLM.from_pretrained(Path(directory) / "model", dtype=DTYPES[job["load_dtype"]],
                                                          **loading)
             tracker.adopt([*model.parameters(), *model.buffers()])  # what stayed memory-mapped (on a GPU: copied)

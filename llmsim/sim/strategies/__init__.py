@@ -125,7 +125,12 @@ def traced_setup(setup, layout: Layout):
     if setup.grad_accum > 1 and layout.deepspeed is not None and layout.deepspeed.stage in (2, 3):
         setup = replace(setup, label_micro_grads=True)
     if layout.fsdp is not None:  # FSDP2 runs in the trace itself (llmsim/model/fsdp.py)
-        setup = replace(setup, fsdp=layout.fsdp, fsdp_world=layout.world_size)
+        fsdp = layout.fsdp
+        if fsdp.wrap == "accelerate" and setup.device is Device.CUDA:
+            # the Trainer leaves an FSDP model where from_pretrained loaded it, on the host; accelerate upcasts it
+            # there and fully_shard copies each unit to the GPU as it shards it (FsdpSetup init "host")
+            fsdp = replace(fsdp, init="host")
+        setup = replace(setup, fsdp=fsdp, fsdp_world=layout.world_size)
         if layout.fsdp.offload and setup.device is Device.CUDA and setup.foreach:
             # CPUOffloadPolicy: AdamW's parameters are host tensors, for which torch takes the for-loop path
             # (`_default_to_fused_or_foreach` picks foreach for CUDA parameters only)

@@ -32,15 +32,6 @@ def check_supported(setup, layout) -> None:
         if setup.quant is not None:
             raise InputError("a quantized base with the Trainer's FSDP is not modelled yet; modelled: full "
                              "fine-tuning and LoRA")
-        if setup.device is Device.CUDA:
-            # on a GPU the Trainer leaves the model on the host for accelerate, which upcasts it there and lets
-            # fully_shard move each unit to the device as it shards it: the build is host memory, then one unit at a
-            # time on the device, which a trace on one device does not tell apart (it would count the whole fp32
-            # upcast on the card)
-            raise InputError("the Trainer's FSDP on a GPU (--gpu) is not modelled yet (accelerate upcasts and "
-                             "shards the model on the host, then moves each unit's shards to the device); "
-                             "modelled: the Trainer's FSDP2 on the CPU, and --strategy fsdp (the canonical step) "
-                             "on a GPU")
         return
     if setup.precision not in PRECISIONS:
         raise InputError(f"precision {setup.precision.value} with strategy fsdp is not modelled yet; modelled: "
