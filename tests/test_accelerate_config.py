@@ -76,7 +76,7 @@ def test_multi_gpu_launch_is_ddp_under_autocast(tmp_path, capsys):
 
 @pytest.mark.parametrize("text,extra,needle", [
     ("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n", [],
-     "distributed_type FSDP is not modelled yet: accelerate's fsdp2_prepare_model"),
+     "distributed_type FSDP is not modelled yet: the launcher hands its fsdp_config to the script as FSDP_*"),
     ("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precison: bf16\n", [], "unknown keys (['mixed_precison'])"),
     ("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\n", [], "mixed_precision 'fp8'"),
     ("distributed_type: MULTI_GPU\nnum_processes: 2\n", ["--world-size", "4"], "--world-size 4 contradicts"),

@@ -12,10 +12,10 @@ accelerate's own classes: which layout the launch runs, on how many processes, i
   With the optimizer offloaded accelerate replaces a torch optimizer by DeepSpeed's CPU Adam
   (`map_pytorch_optim_to_deepspeed`) unless the JSON sets `"zero_force_ds_cpu_optimizer": false`
   (`DeepSpeedSetup.replaces_client_optimizer`, the setup made with `launcher="accelerate"`);
-- `FSDP` is refused: accelerate 1.16's `fsdp2_prepare_model` upcasts the trainable parameters to fp32 under mixed
-  precision and wraps the embedding and a tail group (final norm and LM head, never resharded) as units of their
-  own, which is not the FSDP2 layout llmsim models (`fully_shard` on each decoder layer, then the root), and
-  accelerate runs FSDP on GPUs only, so no CPU run measures it.
+- `FSDP` is refused: `accelerate launch` hands the file's `fsdp_config` to the script as `FSDP_*` environment
+  variables, from which `AcceleratorState` builds the plugin; llmsim does not read them yet. The same run given as
+  the TrainingArguments' `fsdp` and `fsdp_config` is modelled (accelerate's `fsdp2_prepare_model`, llmsim/inputs/hf.py
+  `trainer_fsdp`), as is `--strategy fsdp` (`fully_shard` on each decoder layer, then the root).
 """
 from __future__ import annotations
 
@@ -85,10 +85,10 @@ def read_accelerate_config(path: str | Path) -> AccelerateLaunch:
     if kind == "DEEPSPEED":
         return AccelerateLaunch("deepspeed", world, None, _deepspeed_json(config.deepspeed_config or {}, mixed))
     if kind == "FSDP":
-        raise InputError("accelerate config distributed_type FSDP is not modelled yet: accelerate's fsdp2_prepare_model "
-                         "upcasts the trainable parameters to fp32 and wraps the embedding and a tail group of its "
-                         "own, not the FSDP2 layout llmsim models (use --strategy fsdp for fully_shard per layer, "
-                         f"then the root); {MODELLED}")
+        raise InputError("accelerate config distributed_type FSDP is not modelled yet: the launcher hands its "
+                         "fsdp_config to the script as FSDP_* variables, which llmsim does not read; the same FSDP2 "
+                         "run given as the TrainingArguments' fsdp and fsdp_config (--training-args) is modelled, and "
+                         f"--strategy fsdp for fully_shard per layer, then the root; {MODELLED}")
     raise InputError(f"accelerate config distributed_type {kind} is not modelled; {MODELLED}")
 
 
