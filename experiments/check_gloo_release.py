@@ -78,8 +78,8 @@ def main() -> int:
             for repeat in range(args.repeats):
                 measured = [row["peak_allocated_bytes"] for row in measure()]
                 over += any(m - p > 1024 for m, p in zip(measured, predicted))
-                print(f"  {repeat}: measured {measured}, minus predicted {[m - p for m, p in zip(measured, predicted)]}",
-                      flush=True)
+                minus = [m - p for m, p in zip(measured, predicted)]
+                print(f"  {repeat}: measured {measured}, minus predicted {minus}", flush=True)
         print(f"  {over} of {args.repeats} runs with a rank more than 1 KiB over", flush=True)
     return 0
 

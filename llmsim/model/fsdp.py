@@ -174,8 +174,8 @@ def accelerate_on_fake_ranks(world_size: int, rank: int, mesh):
     parameter): the trace keys them by their storage and offset, which is what a real pointer tells apart.
     accelerate names a rank's CPU `cpu:<index>`, which a CPU tensor does not report (it says `cpu`), so a real
     CPU run's `.to(cpu:0)` copies each batch once more (experiments/explain_trainer_fsdp_residual.out) and a fake
-    tensor would be a device apart: the trace's ranks take `cpu`, as a GPU run's batch is already on its device. accelerate's process-wide state is made
-    afresh for the trace and dropped after it."""
+    tensor would be a device apart: the trace's ranks take `cpu`, as a GPU run's batch is already on its device.
+    accelerate's process-wide state is made afresh for the trace and dropped after it."""
     import os
 
     from accelerate import accelerator

@@ -20,7 +20,7 @@ def settled(real, seconds: float, wait_async: bool = False):
             return real(*args, **kwargs)
         tensors = _tensors(args, kwargs)
         before = _use_counts(tensors)
-        work = real(*args, **{**kwargs, "async_op": True}) if asynchronous else real(*args, **kwargs)
+        work = real(*args, **kwargs)
         if work is not None:
             work.wait()
         del work
@@ -47,13 +47,12 @@ def _tensors(args, kwargs) -> list:
     """The distinct storages' tensors among a collective's arguments (lists of tensors flattened)."""
     import torch
 
-    seen, tensors = set(), []
+    tensors = {}
     for value in (*args, *kwargs.values()):
         for tensor in (value if isinstance(value, (list, tuple)) else (value,)):
-            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in seen:
-                seen.add(tensor.untyped_storage()._cdata)
-                tensors.append(tensor)
-    return tensors
+            if isinstance(tensor, torch.Tensor):
+                tensors.setdefault(tensor.untyped_storage()._cdata, tensor)
+    return list(tensors.values())
 
 
 def _use_counts(tensors) -> list[int]:

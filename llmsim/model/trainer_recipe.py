@@ -188,7 +188,7 @@ def _fsdp_offload(tracker: StorageTracker, args, job: dict):
     otherwise."""
     offload = bool((getattr(args, "fsdp_plugin_args", None) or {}).get("cpu_offload"))
     host_build = job.get("fsdp_init") == "host"
-    if not (offload or host_build):
+    if not (offload or host_build):  # decided here, not by host_memory.fsdp_offload: a plain run imports none of it
         return contextlib.nullcontext()
     from llmsim.model.host_memory import HostMemory
 
