@@ -90,9 +90,24 @@ class DeepSpeedSetup:
         """ZeRO-Offload: `zero_optimization.offload_optimizer.device` is "cpu" (the master weights, their gradient
         and the optimizer's states and step on the host), or under ZeRO-1/2 "nvme", which DeepSpeed runs as "cpu"
         (stage_1_and_2.py: `cpu_offload = True` for any device but none; no swapper, nothing written to the path).
-        ZeRO-3's NVMe swapper is refused (`ds_setup`)."""
+        Under ZeRO-3 "nvme" is CPU offload too, with the optimizer swapper on top (`swaps_optimizer`)."""
         offload = self.config.get("zero_optimization", {}).get("offload_optimizer") or {}
         return offload.get("device", "none") in ("cpu", "nvme")
+
+    @property
+    def swaps_optimizer(self) -> bool:
+        """ZeRO-Infinity's optimizer swapper (stage3.py `swap_optimizer`): ZeRO-3 with `offload_optimizer.device`
+        "nvme". Each sub-group whose fp32 partition reaches the swap threshold keeps its master and states in
+        files under nvme_path and comes into pinned host buffers for its step (strategies/zero3.py)."""
+        zero = self.config.get("zero_optimization", {})
+        offload = zero.get("offload_optimizer") or {}
+        return int(zero.get("stage", 0)) == 3 and offload.get("device", "none") == "nvme"
+
+    def aio(self) -> dict:
+        """DeepSpeed's parsed "aio" section, its defaults where absent (swap_tensor/aio_config.py)."""
+        from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
+
+        return get_aio_config(self.config)
 
     @property
     def offloads_params(self) -> bool:
@@ -203,6 +218,27 @@ def _resolve_hidden_size_autos(config: dict, hidden_size: int) -> None:
             zero[key] = value
 
 
+def _validate_swapper(config: dict, offload: dict) -> None:
+    """ZeRO-3's optimizer swapper as modelled: PartitionedOptimizerSwapper, AIO through libaio."""
+    from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
+
+    for key in ("pipeline_read", "pipeline_write"):
+        if offload.get(key):
+            raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer.{key} (the pipelined swapper, "
+                             "which swaps the next sub-group in while one steps) is not modelled yet; modelled: "
+                             "false (DeepSpeed's default)")
+    try:
+        aio = get_aio_config(config)
+    except AssertionError as exc:  # use_gds off CUDA
+        raise InputError(f"DeepSpeed config aio: {one_line(exc)}") from None
+    if aio["use_gds"]:
+        raise InputError("DeepSpeed config aio.use_gds (GPUDirect Storage: the swapper's buffers on the device) "
+                         "is not modelled yet; modelled: false (DeepSpeed's default)")
+    for key in ("block_size", "intra_op_parallelism"):
+        if not isinstance(aio[key], int) or isinstance(aio[key], bool) or aio[key] < 1:
+            raise InputError(f"DeepSpeed config aio.{key}({aio[key]!r}) must be a positive integer")
+
+
 def _validate(config: dict, launcher: str = "deepspeed") -> None:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -228,15 +264,12 @@ def _validate(config: dict, launcher: str = "deepspeed") -> None:
             raise InputError(f"DeepSpeed config zero_optimization.{key}: device \"nvme\" needs \"nvme_path\" "
                              "(the NVMe mount DeepSpeed swaps to; it fails at initialize without one)")
     if device == "nvme" and stage == 3:
-        raise InputError("DeepSpeed config zero_optimization.offload_optimizer.device \"nvme\" with stage 3 "
-                         "(ZeRO-Infinity's swapper: pinned swap buffers, states in files) is not modelled yet "
-                         "(docs/nvme-offload.md); modelled: \"cpu\" with stage 3, \"nvme\" with stages 1 and 2 "
-                         "(which DeepSpeed runs as \"cpu\")")
-    if device == "nvme":  # ZeRO-1/2: DeepSpeed's CPU offload (DeepSpeedSetup.offloads_optimizer)
+        _validate_swapper(config, optimizer_offload)
+    if device == "nvme":  # DeepSpeed's CPU offload (DeepSpeedSetup.offloads_optimizer), ZeRO-3 with its swapper
         device = "cpu"
     if device not in ("none", "cpu"):
-        raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer.device {device!r} is not modelled "
-                         "yet; modelled: \"cpu\", \"none\", \"nvme\" with stages 1 and 2")
+        raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer.device {device!r} is not valid; "
+                         "valid: \"cpu\", \"none\", \"nvme\"")
     if device == "cpu" and stage not in (1, 2, 3):
         raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer with stage {stage} is not modelled "
                          "yet; modelled: stages 1, 2 and 3")
@@ -254,9 +287,13 @@ def _validate(config: dict, launcher: str = "deepspeed") -> None:
                          "to 16 bytes in the flat buffer) is not modelled yet; modelled: false (DeepSpeed's default)")
     param_offload = zero.get("offload_param") if isinstance(zero.get("offload_param"), dict) else {}
     param_device = param_offload.get("device", "none")
+    if param_device == "nvme":
+        raise InputError("DeepSpeed config zero_optimization.offload_param.device \"nvme\" (ZeRO-Infinity's "
+                         "parameter swapper) is not modelled yet (docs/nvme-offload.md); modelled: \"cpu\", "
+                         "\"none\" (the optimizer to \"nvme\" is)")
     if param_device not in ("none", "cpu"):
-        raise InputError(f"DeepSpeed config zero_optimization.offload_param.device {param_device!r} is not modelled "
-                         "yet; modelled: \"cpu\", \"none\"")
+        raise InputError(f"DeepSpeed config zero_optimization.offload_param.device {param_device!r} is not valid; "
+                         "valid: \"cpu\", \"none\", \"nvme\"")
     if param_device == "cpu" and stage != 3:
         raise InputError(f"DeepSpeed config zero_optimization.offload_param is ZeRO-3's (stage {stage} has no "
                          "parameter partitions to offload); modelled: stage 3")

@@ -88,7 +88,7 @@ def optimizer_offload(tracker: StorageTracker, ds_config: dict | str | None):
         return contextlib.nullcontext()
     if int(zero.get("stage", 0)) == 3:
         params = (zero.get("offload_param") or {}).get("device", "none") != "none"
-        return HostMemory(tracker).active_stage3(params)
+        return HostMemory(tracker).active_stage3(params, swap=offload.get("device") == "nvme")
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     return HostMemory(tracker).active((DeepSpeedZeroOptimizer,))
@@ -228,7 +228,7 @@ class HostMemory:
         self.label()
 
     @contextlib.contextmanager
-    def active_stage3(self, params: bool = False):
+    def active_stage3(self, params: bool = False, swap: bool = False):
         """`active` for ZeRO-3's optimizer offload (deepspeed/runtime/zero/stage3.py): its host name is
         `self.device` (set to `OffloadDeviceEnum.cpu` when `offload_optimizer`), and `subgroup_to_device` names
         the host with a literal 'cpu' (the fp32 master partitions and their gradients); the accelerator's
@@ -238,7 +238,11 @@ class HostMemory:
         With `params` (offload_param): zero.Init's `remote_device` names the host (each parameter's partition),
         the trainable partitions' flat buffer (`_create_param_groups_fp16_flat_cpu_memory`, a `torch.empty` with
         no device) is the host's, and the coordinator's fetches and releases run under `_Place` too (in the
-        backward the autograd engine runs them), so each all-gather copies its host input to the device."""
+        backward the autograd engine runs them), so each all-gather copies its host input to the device.
+        With `swap` (offload_optimizer "nvme": ZeRO-Infinity's optimizer swapper) the swapper's page-locked buffers
+        are the host's: `aio_handle.new_cpu_locked_tensor` allocates them in C++ (posix_memalign + mlock) and hands
+        them to torch with `from_blob`, which no op makes; what DeepSpeed then computes on views of them (the master
+        partition, AdamW's states and temporaries) follows them to the host."""
         from deepspeed.accelerator import get_accelerator
         from deepspeed.runtime.zero.partition_parameters import Init
         from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
@@ -269,6 +273,10 @@ class HostMemory:
                         mock.patch.object(Coordinator, "fetch_sub_module", _placed(self, Coordinator.fetch_sub_module)),
                         mock.patch.object(Coordinator, "release_sub_module",
                                           _placed(self, Coordinator.release_sub_module))]
+        if swap:
+            from deepspeed.runtime.swap_tensor import partitioned_optimizer_swapper, pipelined_optimizer_swapper
+            patches += [mock.patch.object(module, "AsyncIOBuilder", _LockedOnHost(self, module.AsyncIOBuilder))
+                        for module in (partitioned_optimizer_swapper, pipelined_optimizer_swapper)]
         with contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
@@ -300,6 +308,51 @@ class HostMemory:
     def label(self) -> None:
         for serial in self.host:
             self.tracker._labels[serial] = Category.HOST_OFFLOAD
+
+
+class _LockedOnHost:
+    """DeepSpeed's `AsyncIOBuilder` whose aio handles' `new_cpu_locked_tensor` buffers are counted from the call on
+    (`StorageTracker.adopt`) and are the host's; the rest of the handle is DeepSpeed's (the reads and writes go to
+    the files under nvme_path)."""
+
+    def __init__(self, memory: HostMemory, builder) -> None:
+        self.memory, self.builder = memory, builder
+
+    def __call__(self, *args, **kwargs):
+        memory, builder = self.memory, self.builder(*args, **kwargs)
+
+        class Op:
+            def __init__(self, op) -> None:
+                self.op = op
+
+            def __getattr__(self, name):
+                return getattr(self.op, name)
+
+            def aio_handle(self, *args, **kwargs):
+                return _Handle(memory, self.op.aio_handle(*args, **kwargs))
+
+        class Builder:
+            def __getattr__(self, name):
+                return getattr(builder, name)
+
+            def load(self, *args, **kwargs):
+                return Op(builder.load(*args, **kwargs))
+
+        return Builder()
+
+
+class _Handle:
+    def __init__(self, memory: HostMemory, handle) -> None:
+        self.memory, self.handle = memory, handle
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+    def new_cpu_locked_tensor(self, numel, example):
+        tensor = self.handle.new_cpu_locked_tensor(numel, example)
+        self.memory.tracker.adopt([tensor])
+        self.memory.host.update(self.memory._serials(tensor))
+        return tensor
 
 
 class _TorchNamingTheHost:

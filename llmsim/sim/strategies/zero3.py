@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from llmsim.enums import Category, Device, Optimizer, Phase, Precision
+from llmsim.errors import InputError
 from llmsim.model.step import ROOT_MODULE
 from llmsim.sim.strategies.events import per_timeline, trainable_names
 from llmsim.sim.strategies.flat_optimizer import FlatOptimizer
@@ -108,6 +109,19 @@ class _Rank:
         self.host_params = layout.deepspeed.offloads_params
         self.param_pins = self.host_params and self.cuda and bool(self.zero.offload_param.pin_memory)
         self.partition_category = Category.HOST_OFFLOAD if self.host_params else Category.PARAMETER
+        self.swap = layout.deepspeed.swaps_optimizer  # offload_optimizer "nvme": the optimizer swapper
+        if self.swap:
+            from deepspeed.runtime.swap_tensor.utils import AIO_ALIGNED_BYTES, MIN_AIO_BYTES
+
+            aio = layout.deepspeed.aio()
+            self.min_aio_bytes = max(MIN_AIO_BYTES, aio["block_size"])  # optimizer_utils.py, OptimizerSwapper
+            self.alignment = AIO_ALIGNED_BYTES * aio["intra_op_parallelism"] // FP32_BYTES  # numel_alignment
+            self.buffer_count = self.zero.offload_optimizer.buffer_count
+        self.zeros: tuple[int, int] | None = None  # swapper: initialize's zero gradient, held by views of it
+        self.zeros_views: set[int] = set()  # the swappable sub-groups whose fp32 `.grad` still views it
+        self.retained: list[tuple[int, int, int]] = []  # swapper: this partition_grads' fp32 gradients, (serial,
+        # bytes, sub-group)
+        self.unswapped: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # kept to the step
         self.norms: list[int] = []  # offload: each gradient partition's 0-d fp64 norm (device), kept to the step
         self.global_norm: int | None = None  # offload: `_global_grad_norm` (0-d fp32, host), kept to the next step
         self.world = World(layout.world_size) if self.recording else layout.world_size
@@ -132,6 +146,9 @@ class _Rank:
         for p in self.params:
             self.module_params[_module_of(p.name)].append(p)
         self.sub_groups = self._sub_groups()
+        self.group_of = {p: index for index, group in enumerate(self.sub_groups) for p in group}
+        self.swapped = frozenset(index for index, group in enumerate(self.sub_groups)  # `_swappable`
+                                 if self.swap and int(self._psum(group)) * FP32_BYTES >= self.min_aio_bytes)
         # another client optimizer: its own step on each sub-group's fp32 partition (strategies/flat_optimizer.py)
         self.client = (FlatOptimizer(setup.optimizer, [self._psum(group) for group in self.sub_groups],
                                      setup.steps, self.foreach, self.fused)
@@ -210,6 +227,30 @@ class _Rank:
             return Sized(max(int(n) for n in sums), (MAX_TERMS, tuple(n.formula[0] for n in sums)))
         return max(sums)
 
+    def _swappable(self, index: int) -> bool:
+        """stage3.py `_swappable_optimizer_subgroup`: the sub-group's fp32 partition reaches the swapper's
+        `min_aio_bytes` (1 MiB, or aio.block_size if larger)."""
+        return index in self.swapped
+
+    def _swap_pool(self) -> None:
+        """`_configure_tensor_swapping`: PartitionedOptimizerSwapper's SwapBufferManager, `buffer_count` page-locked
+        fp32 buffers of the largest sub-group's partition rounded up to the I/O alignment, zero-filled, for the
+        whole run (swap_tensor/utils.py; `new_cpu_locked_tensor`: posix_memalign + mlock on the host, not torch's
+        pinned allocator), made while a 1-element fp32 example lives."""
+        numel = int(self._largest())
+        numel += -numel % self.alignment
+        example = self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
+        for _ in range(self.buffer_count):
+            self.w.alloc(numel * FP32_BYTES, Category.HOST_OFFLOAD)
+        self.w.free(example, SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
+        # what the step's swap-in takes (`swap_in_optimizer_state` asserts it gets them): the master and AdamW's
+        # two states, plus the gradient
+        if self.buffer_count < 4 and self.swapped:
+            raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer.buffer_count "
+                             f"({self.buffer_count}) < 4: a swapped sub-group's step takes 4 swap buffers (the fp32 "
+                             "master, exp_avg, exp_avg_sq and the gradient) and DeepSpeed fails at the second step; "
+                             "valid: 4 or more")
+
     def build(self) -> None:
         """`zero.Init`: each parameter of the base model allocated whole, partitioned, the whole freed."""
         self.built = True
@@ -249,8 +290,12 @@ class _Rank:
         if self.offload:  # inf_or_nan_tracker: one bool, on the optimizer's device (the host)
             self.w.alloc(1, Category.HOST_OFFLOAD)
         self._defragment()
-        for group in self.sub_groups:  # fp32 master: flat.to(fp32).clone()
+        if self.swap:
+            self._swap_pool()
+        for index, group in enumerate(self.sub_groups):  # fp32 master: flat.to(fp32).clone()
             numel = self._psum(group)
+            if self._swappable(index):  # `torch.empty(0)`: the master is in its file
+                continue
             if self.offload:
                 self._host_master(numel, group[0].elem)
             elif group[0].elem != FP32_BYTES:
@@ -259,15 +304,23 @@ class _Rank:
                 self.w.free(upcast, numel * FP32_BYTES, Category.TEMPORARY)
             else:
                 self.w.alloc(numel * FP32_BYTES, Category.MASTER_WEIGHTS)
+        swapped = [index for index in range(len(self.sub_groups)) if self._swappable(index)]
+        for index in swapped:  # `initialize_parameters`: each swappable master written through the pool
+            self._to_pinned(self._psum(self.sub_groups[index]), self.sub_groups[index][0].elem)
         largest = self._largest() * FP32_BYTES
         # initialize_optimizer_states: a zero gradient of the largest sub-group, dropped; with offload on the host,
-        # and each sub-group's fp32 gradient a host buffer of its own, kept
+        # and each sub-group's fp32 gradient a host buffer of its own, kept; a swapped sub-group's `.grad` is a view
+        # of the zero gradient instead, which keeps it until the step's swap-in replaces that `.grad`
         where = Category.HOST_OFFLOAD if self.offload else Category.TEMPORARY
         zeros = self.w.alloc(largest, where)
         if self.offload:
-            for group in self.sub_groups:
-                host_buffer(self.w, self._psum(group) * FP32_BYTES, self.pins)
-        self.w.free(zeros, largest, where)
+            for index, group in enumerate(self.sub_groups):
+                if index not in swapped:
+                    host_buffer(self.w, self._psum(group) * FP32_BYTES, self.pins)
+        if swapped:
+            self.zeros, self.zeros_views = (zeros, largest), set(swapped)
+        else:
+            self.w.free(zeros, largest, where)
         if self.zero.contiguous_gradients:
             self.w.alloc(self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
         if self.offload:  # grad_partitions_flat_buffer
@@ -313,6 +366,14 @@ class _Rank:
             self.w.free(staging, numel * elem, Category.HOST_OFFLOAD)
         self.w.alloc(numel * FP32_BYTES, Category.HOST_OFFLOAD)
         self.w.free(converted, numel * FP32_BYTES, Category.HOST_OFFLOAD)
+
+    def _to_pinned(self, numel, elem: int) -> None:
+        """A partition of `elem`-byte elements copied into a page-locked fp32 swap buffer (`dst.copy_(src)`): on a
+        GPU a copy to the host that changes the dtype goes through a host copy in the source dtype (ATen's
+        `copy_kernel_cuda`); from the host (parameter offload) or on the CPU it converts in place."""
+        if self.cuda and elem != FP32_BYTES and not self.host_params:
+            staging = self.w.alloc(int(numel) * elem, Category.HOST_OFFLOAD)
+            self.w.free(staging, int(numel) * elem, Category.HOST_OFFLOAD)
 
     # ---- gathering ---------------------------------------------------------------------------------------
     def _all_gather(self, params: list[_Param]) -> None:
@@ -528,7 +589,9 @@ class _Rank:
             elif p.name in self.grads:
                 self._free_grad(p.name)
         if copy is not None:  # partition_grads returns
-            self.w.free(*copy, Category.TEMPORARY)
+            self._drop(copy)
+        if self.retained:
+            self._swap_out_gradients()
         if cat is not None:
             self.w.free(*cat, Category.TEMPORARY)
         self.bucket, self.bucket_elements = [], 0
@@ -540,21 +603,44 @@ class _Rank:
         its norm (a float64 copy, a 0-d kept to the step) and its fp32 copy into the host master's gradient.
         Returns the device copy, (serial, bytes)."""
         if previous is not None and self.micro == 0:  # `grad_buffer` rebound to the next host partition
-            self.w.free(*previous, Category.TEMPORARY)
+            self._drop(previous)
             previous = None
         nbytes = int(p.partition) * self.elem
         copy = (self.w.alloc(nbytes, Category.TEMPORARY), nbytes)
         if previous is not None:  # `cuda_grad_buffer` rebound after the next copy is made
-            self.w.free(*previous, Category.TEMPORARY)
+            self._drop(previous)
         if self.micro == self.grad_accum - 1:  # _offload_grad_partition_at_boundary
             chunk = min(int(p.partition), NORM_CHUNK) * FP64_BYTES  # _constant_buffered_norm2
             upcast = self.w.alloc(chunk, Category.TEMPORARY)
             self.w.free(upcast, chunk, Category.TEMPORARY)
             self.norms.append(self.w.alloc(FP64_BYTES, Category.GRADIENT))
-            if self.elem != FP32_BYTES:
-                fp32 = self.w.alloc(int(p.partition) * FP32_BYTES, Category.TEMPORARY)
-                self.w.free(fp32, int(p.partition) * FP32_BYTES, Category.TEMPORARY)
+            fp32_bytes = int(p.partition) * FP32_BYTES
+            if self._swappable(self.group_of[p]):  # `grad_buffer.to(fp32)` collected for the swapper: the copy
+                # itself in fp32 (`.to` of its own dtype returns it), else an fp32 copy of it
+                fp32 = copy if self.elem == FP32_BYTES else (self.w.alloc(fp32_bytes, Category.TEMPORARY), fp32_bytes)
+                self.retained.append((*fp32, self.group_of[p]))
+            elif self.elem != FP32_BYTES:
+                fp32 = self.w.alloc(fp32_bytes, Category.TEMPORARY)
+                self.w.free(fp32, fp32_bytes, Category.TEMPORARY)
         return copy
+
+    def _drop(self, copy: tuple[int, int]) -> None:
+        """A device copy of a gradient partition let go, unless the swapper's list still holds it."""
+        if not any(copy[0] == serial for serial, _, _ in self.retained):
+            self.w.free(*copy, Category.TEMPORARY)
+
+    def _swap_out_gradients(self) -> None:
+        """`_swap_out_offload_fp32_gradients` as partition_grads returns (optimizer_utils.py `_swap_out_gradients`):
+        a gradient partition the swapper will write (>= min_aio_bytes) is copied into the pinned buffers and let go;
+        a smaller one is kept in memory (`unswapped_gradients`) to the sub-group's step, and so is one whose length
+        is not a multiple of the I/O alignment, whose remainder (`narrow`, a view) is kept the same way."""
+        for serial, nbytes, index in self.retained:
+            numel = nbytes // FP32_BYTES
+            if numel * FP32_BYTES < self.min_aio_bytes or numel % self.alignment:
+                self.unswapped[index].append((serial, nbytes))
+            else:
+                self.w.free(serial, nbytes, Category.TEMPORARY)
+        self.retained = []
 
     def _paddings(self, params: list[_Param]):
         """(rank, index, bytes) of each zero padding `__avg_scatter_grads` allocates, rank by rank and parameter by
@@ -604,12 +690,25 @@ class _Rank:
         scalars = [self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD) for _ in self.sub_groups]
         scalars.append(self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD))  # combine_grad_norm_groups
         kept = self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
-        for group in self.sub_groups:
+        for index, group in enumerate(self.sub_groups):
             numel = self._psum(group)
-            step_optimizer(self.w, [numel], step == 0, False, self.optimizer, self.fused, on_host=True)
+            swapped = self._swappable(index)
+            if swapped and index in self.zeros_views and any(p.partition * self.rank < p.numel for p in group):
+                # `_swap_in_gradients`: `.grad` now views a swap buffer (the sub-group has gradients to read)
+                self.zeros_views.discard(index)
+                if not self.zeros_views:
+                    self.w.free(*self.zeros, Category.HOST_OFFLOAD)
+            states: list[tuple[int, int]] = []
+            step_optimizer(self.w, [numel], step == 0, False, self.optimizer, self.fused, on_host=True,
+                           states=states)
             if self.cuda and self.elem != FP32_BYTES:  # _reassign_or_swap_out_partitioned_parameters
                 staging = self.w.alloc(numel * self.elem, Category.HOST_OFFLOAD)
                 self.w.free(staging, numel * self.elem, Category.HOST_OFFLOAD)
+            if swapped:  # `swap_out_optimizer_state`: step 0's states, made unpinned, written through the pool
+                for state in states:  # and released (`.data = torch.Tensor()`); the kept gradients dropped
+                    self.w.free(*state, Category.HOST_OFFLOAD)
+                for gradient in self.unswapped.pop(index, []):
+                    self.w.free(*gradient, Category.TEMPORARY)
         for serial in scalars:
             self.w.free(serial, SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
         if self.global_norm is not None:  # the engine's copy of the last step's, replaced once the step returns

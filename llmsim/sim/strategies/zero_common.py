@@ -138,7 +138,7 @@ def host_buffer(w: EventWriter, nbytes, pinned: bool) -> int:
 
 
 def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool, fused: bool = False,
-          on_host: bool = False) -> None:
+          on_host: bool = False, states: list | None = None) -> None:
     """torch.optim.AdamW's step over fp32 parameters of `numels` elements (torch/optim/adam.py):
     `_init_group` creates `step`, `exp_avg` and `exp_avg_sq` for every parameter at the first step; then
     `_single_tensor_adam` (CPU default) makes `sqrt` and `denom` per parameter, the previous `denom` freed when
@@ -148,7 +148,8 @@ def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool, fused: 
     the parameters' device, 4 bytes as well; the other paths' on the host, which a GPU rank's writer marks,
     `EventWriter.steps_on_host`). Scalar temporaries are left out. `on_host`: the parameters are on the host
     (ZeRO-Offload), and so are the states and temporaries (`step` is where it always is: `device="cpu"`, the
-    CPU standing in for the device in a CPU run, the host on a GPU)."""
+    CPU standing in for the device in a CPU run, the host on a GPU). `states`: a list the (serial, bytes) of each
+    `exp_avg` and `exp_avg_sq` made are appended to."""
     step_category = Category.HOST_OPTIMIZER_STATE if w.steps_on_host and not fused else Category.OPTIMIZER_STATE
     if on_host and fused:  # the fused path's `step` is on the parameters' device: the host
         step_category = Category.HOST_OFFLOAD
@@ -157,8 +158,9 @@ def adamw(w: EventWriter, numels: list[int], first: bool, foreach: bool, fused: 
     if first:
         for numel in numels:
             w.alloc(ADAM_STEP_BYTES, step_category)
-            w.alloc(numel * FP32_BYTES, state)
-            w.alloc(numel * FP32_BYTES, state)
+            made = [(w.alloc(numel * FP32_BYTES, state), numel * FP32_BYTES) for _ in ("exp_avg", "exp_avg_sq")]
+            if states is not None:
+                states.extend(made)
     if fused:
         return
     if foreach:
@@ -182,7 +184,7 @@ FUSED_ADAM_OVERFLOW_BUF_BYTES = 4  # FusedAdam.__init__: `_dummy_overflow_buf = 
 
 
 def step_optimizer(w: EventWriter, numels: list[int], first: bool, foreach: bool, kind: str,
-                   fused: bool = False, on_host: bool = False) -> None:
+                   fused: bool = False, on_host: bool = False, states: list | None = None) -> None:
     """The optimizer step a ZeRO stage runs on its fp32 partitions: a torch AdamW (the client's, or `torch_adam`),
     DeepSpeed's FusedAdam (deepspeed/ops/adam/fused_adam.py) or, with the optimizer offloaded, its CPU Adam
     (deepspeed/ops/adam/cpu_adam.py, `DeepSpeedCPUAdam.step`). Both DeepSpeed optimizers create `exp_avg` and
@@ -190,15 +192,16 @@ def step_optimizer(w: EventWriter, numels: list[int], first: bool, foreach: bool
     only matters for a master that is not fp32), keep `step` as a Python int and update parameters and states
     in place in compiled code (FusedAdam's multi-tensor kernel; CPU Adam's `ds_opt_adam.adam_update`, SIMD tiles
     over the tensors themselves): no tensor temporaries. CPU Adam steps the host partition, so its states are
-    host memory."""
+    host memory. `states`: as adamw's."""
     if kind not in ("fused", "cpu_adam"):
-        adamw(w, numels, first, foreach, fused, on_host)
+        adamw(w, numels, first, foreach, fused, on_host, states)
         return
     state = Category.HOST_OFFLOAD if on_host else Category.OPTIMIZER_STATE
     if first:
         for numel in numels:
-            w.alloc(numel * FP32_BYTES, state)
-            w.alloc(numel * FP32_BYTES, state)
+            made = [(w.alloc(numel * FP32_BYTES, state), numel * FP32_BYTES) for _ in ("exp_avg", "exp_avg_sq")]
+            if states is not None:
+                states.extend(made)
 
 
 def optimizer_of(deepspeed, setup) -> tuple[str, bool]:
