@@ -16,11 +16,15 @@ Run: python experiments/measure_offload.py [--only I ...] [--both-ways] (about 1
 experiments/measure_offload.out holds the outputs that made the rows, in order: the ZeRO-1/2 runs, then the ZeRO-3
 ones by `--only 23 ... 34`, `--only 35 ... 44`, the default-bucket run's repeats, `--only 45 46 47` and
 `--only 48 49`, then DeepSpeed's CPU Adam by `--only 50 ... 61`
-and round_robin_gradients by `--only 62 63 64 65`, then "device": "nvme" under ZeRO-1/2 by `--only 66 ... 70`.
+and round_robin_gradients by `--only 62 63 64 65`, then "device": "nvme" under ZeRO-1/2 by `--only 66 ... 70`,
+then ZeRO-3 on one rank and ZeRO-3's optimizer swapper by `--only 71 ... 87` and `--only 85 85` (the rows of runs 74
+and 85 left out of the CSV, see RUNS). The swapper's files go to SWAP_DIR, emptied
+before each run.
 """
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -45,6 +49,20 @@ HOST_PARAMS_UNPINNED = {"device": "cpu", "pin_memory": False}
 
 
 NVME = {"device": "nvme", "nvme_path": "/local_nvme"}  # DeepSpeed's tutorials' path; ZeRO-1/2 never touch it
+SWAP_DIR = "/tmp/llmsim-nvme"  # ZeRO-3's swapper writes its files there (emptied before each run)
+BIG = (128, 3, 4099, 4)  # the embedding's and LM head's partitions over 2 ranks: 262,336 fp32, over 1 MiB and not a
+# multiple of the 256-element I/O alignment (the swapper writes 262,144 and keeps the rest in memory)
+
+
+def swapped(stage: int, bf16: bool, pin: bool = True, ga: int = 1, buffers: dict | None = None,
+            aio: dict | None = None, **zero) -> dict:
+    """ZeRO-3's optimizer offloaded to "nvme" (ZeRO-Infinity's swapper) under SWAP_DIR, otherwise `offload`'s."""
+    config = offload(stage, bf16, pin, ga, **zero)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": SWAP_DIR, "pin_memory": pin,
+                                                        **(buffers or {})}
+    if aio:
+        config["aio"] = aio
+    return config
 
 
 def offload(stage: int, bf16: bool, pin: bool = True, ga: int = 1, clip: float = 1.0, nvme: bool = False,
@@ -161,6 +179,36 @@ RUNS = [
     ("qwen2.5-0.5b", 3, cpu_adam(offload(2, True, nvme=True)), False, 64, {}),
     ("gpt2", 2, offload(2, False, pin=False, ga=2, nvme=True), False, 64, {"grad_accum": 2}),
     ("llama-2-7b", 2, offload(1, True, nvme=True), True, 64, {"lora_rank": 8}),
+    # ZeRO-3 on one rank, where DeepSpeed gathers nothing (`_no_gather_coalesced`): the first two were measured
+    # when the walk was mended (before, optimizer offload was predicted 3,399,152 B over), the rest predicted first
+    ("llama-2-7b", 1, offload(3, False), False, 64, {}),
+    ("llama-2-7b", 1, offload(3, True, offload_param=HOST_PARAMS), True, 64, {}),
+    ("mistral-7b", 1, cpu_adam(offload(3, True)), False, 64, {}),
+    # left out of the CSV: host 524,284 B over (1.9 %). The tied LM head's own partition, which zero.Init made before
+    # `tie_weights` replaced the parameter (512 KiB on the host under parameter offload), lives in this one-rank run
+    # until the second step's forward, where the walk frees it in the build; the two-rank tied runs above agree
+    ("gpt2", 1, offload(3, False, ga=2, offload_param=HOST_PARAMS_UNPINNED), False, 64, {"grad_accum": 2}),
+    # ZeRO-3's optimizer swapped to "nvme" (ZeRO-Infinity): the first eight measured while the swapper was modelled
+    # in llmsim/sim/strategies/zero3.py (all eight within the CPU-offload rows' residual of the same shape: 8 B
+    # device in fp32, 72-144 B in bf16, host to the byte), the rest predicted before measured
+    ("llama-2-7b", 2, swapped(3, False), False, 64, {}),
+    ("llama-2-7b", 2, swapped(3, True), False, 64, {}),
+    ("llama-2-7b", 1, swapped(3, False, sub_group_size=300_000), False, 64, {"shape": BIG}),
+    ("llama-2-7b", 2, cpu_adam(swapped(3, False)), False, 64, {}),
+    ("llama-2-7b", 2, swapped(3, False), False, 64, {"shape": BIG}),  # gradients written, remainders kept
+    ("llama-2-7b", 2, swapped(3, True, ga=2, sub_group_size=300_000), True, 64, {"shape": BIG, "grad_accum": 2}),
+    ("llama-2-7b", 3, swapped(3, False, buffers={"buffer_count": 5},
+                              aio={"block_size": 2097152, "intra_op_parallelism": 2}), False, 64,
+     {"shape": (128, 3, 8000, 4)}),
+    ("llama-2-7b", 2, swapped(3, True, ga=2), False, 8, {"shape": (256, 3, 8001, 4), "grad_accum": 2}),
+    ("qwen2.5-0.5b", 3, cpu_adam(swapped(3, True, sub_group_size=200_000)), True, 64, {"shape": (112, 3, 9000, 7)}),
+    ("mistral-7b", 2, swapped(3, False, offload_param=HOST_PARAMS), False, 64, {"shape": (128, 3, 6000, 4)}),
+    # left out of the CSV: measured four times, each time one or both ranks 2,665,004 B over on the device, in the
+    # tied embedding's reduction (a 2,304,000 B partition-sized storage alive one collective longer), the others to
+    # 8 B; its CPU-offload twin does the same (1,909,572 B over in one run of two): gloo's timing, not the swapper
+    ("gpt2", 2, swapped(3, False, pin=False, ga=2), True, 64, {"shape": (128, 3, 9000, 4), "grad_accum": 2}),
+    ("pythia-160m", 4, swapped(3, True, buffers={"buffer_count": 6}), False, 32, {"shape": (96, 3, 12000, 4)}),
+    ("llama-2-7b", 2, swapped(3, True, sub_group_size=100_000), True, 64, {"shape": BIG, "lora_rank": 8}),
 ]
 
 
@@ -170,8 +218,10 @@ REPEATS = 3
 
 def inputs(run: tuple):
     model, world, config, ckpt, seq, fields = run
-    spec = load_model_spec(model, shrink(model, *SHAPES[model]))
-    deepspeed = ds_setup(config, world, SHAPES[model][0], None, None, fields.get("grad_accum"))
+    fields = dict(fields)
+    shape = fields.pop("shape", SHAPES[model])  # (hidden, layers, vocab, heads)
+    spec = load_model_spec(model, shrink(model, *shape))
+    deepspeed = ds_setup(config, world, shape[0], None, None, fields.get("grad_accum"))
     setup = TrainSetup(config["train_micro_batch_size_per_gpu"], seq, deepspeed.precision, Attention.SDPA, ckpt,
                        **fields)
     return spec, setup, Layout(Strategy.DEEPSPEED, world, deepspeed=deepspeed)
@@ -194,6 +244,7 @@ def main() -> int:
             continue
         before = [(r.peak_allocated_bytes, r.peak_host_bytes) for r in predicted.ranks]
         print(index, RUNS[index], "predicted (device, host) per rank:", before, flush=True)
+        shutil.rmtree(SWAP_DIR, ignore_errors=True)
         try:
             rows = measure_distributed(spec, setup, layout, args.timeout, ds_gloo_settle=True)
         except LaunchFailure as exc:

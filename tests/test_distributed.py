@@ -44,8 +44,17 @@ BAD = [
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
      [], 'device "nvme" needs "nvme_path"'),
     ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pipeline_read": True}}}, [],
+     "offload_optimizer.pipeline_read (the pipelined swapper"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "aio": {"use_gds": True},
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}}, [],
+     "aio: GDS currently only supported for CUDA"),  # DeepSpeed's own assert, on the CPU llmsim runs on
+    ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "aio": {"block_size": 0},
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}}, [],
+     "aio.block_size(0) must be a positive integer"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}}, [],
-     'offload_optimizer.device "nvme" with stage 3'),
+     '"zero_force_ds_cpu_optimizer": false'),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {  # ZeRO-2's nvme is DeepSpeed's cpu offload
         "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}}, [],
      '"zero_force_ds_cpu_optimizer": false'),
@@ -61,7 +70,7 @@ BAD = [
      [], "offload_param is ZeRO-3's"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
-     [], "offload_param.device 'nvme' is not modelled yet"),
+     [], 'offload_param.device "nvme" (ZeRO-Infinity\'s parameter swapper) is not modelled yet'),
     ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, [], "offload_optimizer.ratio 0.3"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "parameter_alignment": True}}, [],

@@ -25,10 +25,15 @@ def layout_text(layout) -> str:
     parts = [f"ZeRO-{layout.deepspeed.stage}"] if layout.deepspeed is not None else []
     if layout.deepspeed is not None and layout.deepspeed.offloads_optimizer:  # the step then runs on the host
         steps = "DeepSpeed's CPU Adam" if layout.deepspeed.optimizer_kind == "cpu_adam" else "AdamW"
-        nvme = (layout.deepspeed.config["zero_optimization"]["offload_optimizer"].get("device") == "nvme")
+        offload = layout.deepspeed.config["zero_optimization"]["offload_optimizer"]
+        nvme = offload.get("device") == "nvme"
+        swap = (f" (device nvme: sub-groups of 1 MiB or more swapped to {offload.get('nvme_path')} through "
+                f"{layout.deepspeed.zero().offload_optimizer.buffer_count} pinned host buffers, the rest held "
+                "in host memory)")
         parts.append("optimizer" + (" and parameters" if layout.deepspeed.offloads_params else "")
                      + f" offloaded to the CPU, where {steps} steps"
-                     + (" (device nvme: ZeRO-1/2 hold it in host memory, nothing swapped)" if nvme else ""))
+                     + (swap if layout.deepspeed.swaps_optimizer
+                        else " (device nvme: ZeRO-1/2 hold it in host memory, nothing swapped)" if nvme else ""))
     if layout.fsdp is not None:  # FSDP2: its wrap, resharding and MixedPrecisionPolicy
         fsdp = layout.fsdp
         wrap = {"layers": "fully_shard per layer", "transformers": "transformers' FSDP plan",

@@ -117,8 +117,6 @@ class _Rank:
             self.min_aio_bytes = max(MIN_AIO_BYTES, aio["block_size"])  # optimizer_utils.py, OptimizerSwapper
             self.alignment = AIO_ALIGNED_BYTES * aio["intra_op_parallelism"] // FP32_BYTES  # numel_alignment
             self.buffer_count = self.zero.offload_optimizer.buffer_count
-        self.zeros: tuple[int, int] | None = None  # swapper: initialize's zero gradient, held by views of it
-        self.zeros_views: set[int] = set()  # the swappable sub-groups whose fp32 `.grad` still views it
         self.retained: list[tuple[int, int, int]] = []  # swapper: this partition_grads' fp32 gradients, (serial,
         # bytes, sub-group)
         self.unswapped: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # kept to the step
@@ -246,7 +244,7 @@ class _Rank:
         # what the step's swap-in takes (`swap_in_optimizer_state` asserts it gets them): the master and AdamW's
         # two states, plus the gradient
         if self.buffer_count < 4 and self.swapped:
-            raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer.buffer_count "
+            raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer.buffer_count"
                              f"({self.buffer_count}) < 4: a swapped sub-group's step takes 4 swap buffers (the fp32 "
                              "master, exp_avg, exp_avg_sq and the gradient) and DeepSpeed fails at the second step; "
                              "valid: 4 or more")
@@ -309,18 +307,15 @@ class _Rank:
             self._to_pinned(self._psum(self.sub_groups[index]), self.sub_groups[index][0].elem)
         largest = self._largest() * FP32_BYTES
         # initialize_optimizer_states: a zero gradient of the largest sub-group, dropped; with offload on the host,
-        # and each sub-group's fp32 gradient a host buffer of its own, kept; a swapped sub-group's `.grad` is a view
-        # of the zero gradient instead, which keeps it until the step's swap-in replaces that `.grad`
+        # and each sub-group's fp32 gradient a host buffer of its own, kept; a swapped sub-group's `.grad` views the
+        # zero gradient only until its swap-out sets it to None
         where = Category.HOST_OFFLOAD if self.offload else Category.TEMPORARY
         zeros = self.w.alloc(largest, where)
         if self.offload:
             for index, group in enumerate(self.sub_groups):
                 if index not in swapped:
                     host_buffer(self.w, self._psum(group) * FP32_BYTES, self.pins)
-        if swapped:
-            self.zeros, self.zeros_views = (zeros, largest), set(swapped)
-        else:
-            self.w.free(zeros, largest, where)
+        self.w.free(zeros, largest, where)
         if self.zero.contiguous_gradients:
             self.w.alloc(self.zero.reduce_bucket_size * self.elem, Category.REDUCE_BUCKET)
         if self.offload:  # grad_partitions_flat_buffer
@@ -382,6 +377,9 @@ class _Rank:
         if not params:
             return
         self.n_available += sum(p.numel for p in params)
+        if self._alone():
+            self._no_gather(params)
+            return
         if len(params) == 1:  # _all_gather_sequential: the buffer is the parameter's data
             p = params[0]
             nbytes = p.partition * self.world * p.elem
@@ -397,6 +395,23 @@ class _Rank:
                 handle.flats.append((self.w.alloc(nbytes, GATHERED), nbytes))
                 self._from_host(group)  # `torch.cat([p.ds_tensor.to(device) ...], out=...)`: copies for the cat
         for p in params:
+            p.status = INFLIGHT
+            self.inflight[p] = handle
+
+    def _alone(self) -> bool:
+        """One rank: `all_gather_coalesced` and `_allgather_params_coalesced` gather nothing (`_no_gather_coalesced`);
+        a walk at W = 1 is never recorded for other world sizes (`_resized`)."""
+        return not self.recording and self.world == 1
+
+    def _no_gather(self, params: list[_Param]) -> None:
+        """`_no_gather_coalesced` (partition_parameters.py, NoGatherHandle/NoGatherCoalescedHandle): each parameter's
+        data is its partition moved to the device, `ds_tensor.data.to(device)`: the partition itself, or with
+        parameter offload a device copy of the host partition, the parameter's data until it is released."""
+        handle = _Handle(params)
+        for p in sorted(params, key=lambda q: q.ds_id):
+            if self.host_params:
+                nbytes = p.numel * p.elem
+                p.storage = (self.w.alloc(nbytes, GATHERED), nbytes)
             p.status = INFLIGHT
             self.inflight[p] = handle
 
@@ -434,7 +449,8 @@ class _Rank:
 
     def _release_param(self, p: _Param) -> None:
         if p.status == AVAILABLE and not p.active:
-            self.w.free(*p.storage, GATHERED)
+            if p.storage is not None:  # one rank's no-gather: the partition itself, nothing to free
+                self.w.free(*p.storage, GATHERED)
             p.storage = None
             p.status = NOT_AVAILABLE
             self.n_available -= p.numel
@@ -693,11 +709,6 @@ class _Rank:
         for index, group in enumerate(self.sub_groups):
             numel = self._psum(group)
             swapped = self._swappable(index)
-            if swapped and index in self.zeros_views and any(p.partition * self.rank < p.numel for p in group):
-                # `_swap_in_gradients`: `.grad` now views a swap buffer (the sub-group has gradients to read)
-                self.zeros_views.discard(index)
-                if not self.zeros_views:
-                    self.w.free(*self.zeros, Category.HOST_OFFLOAD)
             states: list[tuple[int, int]] = []
             step_optimizer(self.w, [numel], step == 0, False, self.optimizer, self.fused, on_host=True,
                            states=states)
@@ -722,6 +733,11 @@ class _Rank:
             self.w.free(serial, FP64_BYTES, Category.GRADIENT)
         self.norms = []
         persistent = [p for p in self.params if p.persist]  # _post_step: one buffer each
+        if len(persistent) > 1 and self._alone():  # `_allgather_params_coalesced` at one rank gathers nothing
+            self._no_gather(persistent)
+            for p in persistent:
+                self._wait(p)
+            return
         # with parameter offload, several are gathered by `_allgather_params_coalesced`: every input's device copy
         # first, the buffers, the copies freed as it returns; one alone by `_allgather_params_sequential`
         copies = self._from_host(persistent, keep=True) if len(persistent) > 1 else []
@@ -832,7 +848,9 @@ def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     client optimizer other than AdamW is walked every time."""
     if layout.deepspeed.offloads_optimizer:
         return _offload_plan(timeline, layout, setup)
-    shared = None if uses_flat_optimizer(layout, setup) else _resized(timeline, layout, setup)
+    # one rank gathers nothing (`_Rank._alone`): walked, never resized from a program of other world sizes
+    alone = layout.world_size == 1
+    shared = None if uses_flat_optimizer(layout, setup) or alone else _resized(timeline, layout, setup)
     if shared is None:
         shared = walk(timeline, layout, setup)
     return {rank: shared for rank in range(layout.world_size)}

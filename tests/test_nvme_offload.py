@@ -1,0 +1,177 @@
+"""ZeRO-3's optimizer swapped to NVMe (`offload_optimizer: {"device": "nvme"}`, ZeRO-Infinity's swapper), modelled in
+llmsim/sim/strategies/zero3.py and measured through deepspeed.initialize with the files really written
+(experiments/measure_offload.py, data/measurements/tier2_offload_cpu.csv)."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from llmsim.app.cli import main
+from llmsim.enums import Attention, Category, Precision
+from llmsim.inputs.dsconfig import ds_setup
+from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.inputs.zoo import shrink
+from llmsim.measure.runs import MEASUREMENTS_DIR
+from llmsim.sim.pipeline import predict
+from llmsim.sim.strategies import Layout, Strategy
+
+OFFLOAD_CSV = MEASUREMENTS_DIR / "tier2_offload_cpu.csv"
+BIG = (128, 3, 4099, 4)  # 1,108,864 trainable parameters: a partition over 1 MiB at 1 and 2 ranks
+MIB = 1 << 20
+
+
+def _config(bf16: bool = False, **zero) -> dict:
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "zero_force_ds_cpu_optimizer": False,
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": 300_000,
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}, **zero}}
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _inputs(config: dict, world: int = 2, shape=BIG, **fields):
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", *shape))
+    deepspeed = ds_setup(config, world, shape[0], None, None, fields.get("grad_accum"))
+    setup = TrainSetup(2, 64, deepspeed.precision, Attention.SDPA, False, **fields)
+    return spec, setup, Layout(Strategy.DEEPSPEED, world, deepspeed=deepspeed)
+
+
+def _frame(config: dict, world: int = 2, **fields) -> pd.DataFrame:
+    """Rank 0's timeline, device and host (the prediction keeps the host's apart)."""
+    from llmsim.sim.pipeline import checked
+    from llmsim.sim.strategies import zero3
+    from llmsim.sim.traced import expanded
+
+    spec, setup, layout = _inputs(config, world, **fields)
+    setup = checked(spec, setup, layout, None)
+    return zero3.plan(expanded(spec, setup)[0], layout, setup)[0]
+
+
+def _host(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame[frame["category"] == Category.HOST_OFFLOAD.value]
+
+
+def test_committed_rows_cover_the_swapper():
+    rows = pd.read_csv(OFFLOAD_CSV)
+    configs = [json.loads(c) for c in rows["ds_config"]]
+    swapped = rows[[c["zero_optimization"]["stage"] == 3
+                    and c["zero_optimization"]["offload_optimizer"]["device"] == "nvme" for c in configs]]
+    configs = [json.loads(c) for c in swapped["ds_config"]]
+    zero = [c["zero_optimization"] for c in configs]
+    assert len(swapped) >= 20 and set(swapped["world_size"]) >= {1, 2, 3, 4}
+    assert {bool(c.get("bf16", {}).get("enabled")) for c in configs} == {True, False}
+    assert any("optimizer" in c for c in configs) and any("aio" in c for c in configs)  # CPU Adam; aio section
+    assert any(z.get("offload_param") for z in zero) and any(z.get("sub_group_size") for z in zero)
+    assert {z["offload_optimizer"].get("buffer_count", 4) for z in zero} >= {4, 5, 6}
+    assert {z["offload_optimizer"]["pin_memory"] for z in zero} == {True, False}
+    assert (swapped["grad_accum"] > 1).any() and (swapped["lora_rank"] > 0).any() and swapped["grad_ckpt"].any()
+
+
+def test_the_pool_replaces_the_master_and_states_in_host_memory():
+    """One sub-group over 1 MiB: the host holds `buffer_count` buffers of its partition rounded up to 256 elements
+    from the build on, no fp32 master and, after each step, no AdamW state (step 0 makes them and the swapper
+    writes and drops them)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    frame = _frame(_config())
+    cpu = _frame({**_config(), "zero_optimization": {**_config()["zero_optimization"],
+                                                      "offload_optimizer": {"device": "cpu"}}})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_inputs(_config())[0].hf_config())
+    partition = sum(-(-p.numel() // 2) for p in model.parameters())  # every partition, one sub-group
+    pool = (partition + -partition % 256) * 4
+    host, cpu_host = _host(frame), _host(cpu)
+    built = host[host["phase"] == "build"]
+    assert (built["delta_bytes"] == pool).sum() == 4
+    # CPU offload's master and the sub-group's fp32 gradient are not made (the zero gradient, dropped, and the
+    # gradient partitions' flat buffer are, under both)
+    def kept(deltas):
+        return (deltas == partition * 4).sum() - (deltas == -partition * 4).sum()
+
+    assert kept(built["delta_bytes"]) == kept(cpu_host[cpu_host["phase"] == "build"]["delta_bytes"]) - 2 == 1
+    made = []  # per step: the sub-group's partitions AdamW makes (step 0: the states; every step: sqrt, denom)
+    for step in (0, 1, 2):
+        deltas = host[(host["step"] == step) & (host["phase"] == "optimizer")]["delta_bytes"]
+        made.append((deltas == partition * 4).sum())
+        assert kept(deltas) == 0  # each dropped within the step
+    assert made == [4, 2, 2]
+    # what the host holds after the run: the pool in place of CPU offload's master, states and fp32 gradient
+    assert host["delta_bytes"].sum() - cpu_host["delta_bytes"].sum() == 4 * pool - 4 * partition * 4
+
+
+def test_a_partition_under_the_threshold_is_not_swapped():
+    """Sub-groups of under 1 MiB (sub_group_size 100,000 at 2 ranks over a 2,000-word vocabulary) stay in host
+    memory as under "cpu", yet the pool is allocated: the host holds more than CPU offload does."""
+    zero = {"sub_group_size": 100_000}
+    nvme, cpu = _config(**zero), _config(**zero)
+    cpu["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    shape = (128, 3, 2000, 4)
+    swapped = predict(*_inputs(nvme, shape=shape)).ranks[0]
+    offloaded = predict(*_inputs(cpu, shape=shape)).ranks[0]
+    assert swapped.peak_allocated_bytes == offloaded.peak_allocated_bytes
+    assert swapped.peak_host_bytes > offloaded.peak_host_bytes
+
+
+def test_too_few_swap_buffers_are_refused_where_deepspeed_fails(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    config = _config()
+    config["zero_optimization"]["offload_optimizer"]["buffer_count"] = 3
+    path.write_text(json.dumps(config))
+    args = ["predict", "--model", "llama-2-7b", "--set", "hidden_size=128", "--set", "num_hidden_layers=3",
+            "--set", "vocab_size=4099", "--set", "intermediate_size=344", "--set", "num_attention_heads=4",
+            "--set", "num_key_value_heads=4", "--seq-len", "64", "--ds-config", str(path), "--world-size", "2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "buffer_count(3) < 4" in err and "valid: 4 or more" in err and len(err.splitlines()) == 1
+    # no sub-group reaches the swap threshold: nothing is swapped and DeepSpeed runs with 3 buffers
+    small = [{"vocab_size=4099": "vocab_size=256", "num_hidden_layers=3": "num_hidden_layers=1"}.get(a, a)
+             for a in args]
+    assert main(small) == 0
+
+
+def test_the_table_says_what_is_swapped():
+    from llmsim.app.report import layout_text
+
+    text = layout_text(_inputs(_config())[2])
+    assert "device nvme: sub-groups of 1 MiB or more swapped to /local_nvme through 4 pinned host buffers" in text
+
+
+def test_one_rank_gathers_nothing():
+    """ZeRO-3 on one rank (`_no_gather_coalesced`): the forward's parameters are their partitions, no all-gather
+    buffer; with parameter offload each is a device copy of its host partition."""
+    config = _config()
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    frame = _frame(config, world=1)
+    forward = frame[(frame["phase"] == "forward") & (frame["category"] == Category.ALLGATHER_BUFFER.value)]
+    assert forward.empty
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    frame = _frame(config, world=1)
+    forward = frame[(frame["phase"] == "forward") & (frame["category"] == Category.ALLGATHER_BUFFER.value)]
+    assert (forward["delta_bytes"] > 0).sum() > 0
+
+
+@pytest.mark.slow
+def test_a_fresh_swapped_run_matches_its_prediction():
+    """A held-out run (gradients written to files, remainders kept in memory; bf16, two sub-groups, 2 ranks)."""
+    import tempfile
+    from pathlib import Path
+
+    from llmsim.measure.runs import measure_distributed
+    from llmsim.measure.tolerances import PEAK_ALLOCATED_TOLERANCE
+
+    with tempfile.TemporaryDirectory(prefix="llmsim-nvme-") as swap:
+        config = _config(bf16=True, sub_group_size=400_000)
+        config["zero_optimization"]["offload_optimizer"]["nvme_path"] = swap
+        spec, setup, layout = _inputs(config, 2, shape=(128, 2, 4500, 4))
+        predicted = predict(spec, setup, layout)
+        measured = measure_distributed(spec, setup, layout, ds_gloo_settle=True)
+        files = sorted(path.name for path in Path(swap).rglob("*.swp"))
+    assert any("_gradient_" in name for name in files)  # the swapper wrote masters, states and gradients
+    tolerance = PEAK_ALLOCATED_TOLERANCE[2]
+    for row in measured:
+        rank = predicted.ranks[row["rank"]]
+        assert abs(rank.peak_allocated_bytes - row["peak_allocated_bytes"]) <= tolerance * row["peak_allocated_bytes"]
+        assert rank.peak_host_bytes == row["peak_host_bytes"]
