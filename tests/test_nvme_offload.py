@@ -131,11 +131,36 @@ def test_too_few_swap_buffers_are_refused_where_deepspeed_fails(tmp_path, capsys
     assert main(small) == 0
 
 
+def test_the_files_are_the_masters_states_and_written_gradients():
+    """Over 2 ranks the 4,099-word embedding and LM head have 262,336-element partitions: each is written in its
+    262,144 aligned elements (the 192 left stay in memory); the one sub-group's master and two states in files of
+    its partition rounded up to 256 elements. Checked against the files DeepSpeed writes by the fresh run below and
+    by experiments/check_nvme_files.py (every swapper run of experiments/measure_offload.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec, setup, layout = _inputs(_config())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(spec.hf_config())
+    partition = sum(-(-p.numel() // 2) for p in model.parameters())
+    expected = 3 * (partition + -partition % 256) * 4 + 2 * 262_144 * 4
+    prediction = predict(spec, setup, layout)
+    assert prediction.nvme_bytes == [expected, expected]
+    cpu = _config()
+    cpu["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    assert predict(*_inputs(cpu)).nvme_bytes is None
+
+
 def test_the_table_says_what_is_swapped():
     from llmsim.app.report import layout_text
 
-    text = layout_text(_inputs(_config())[2])
-    assert "device nvme: sub-groups of 1 MiB or more swapped to /local_nvme through 4 pinned host buffers" in text
+    from llmsim.app.report import prediction_table
+
+    spec, setup, layout = _inputs(_config())
+    assert "device nvme: sub-groups of 1 MiB or more swapped to /local_nvme through 4 pinned host buffers" in \
+        layout_text(layout)
+    table = prediction_table(predict(spec, setup, layout))
+    assert "NVMe under /local_nvme: 11.40 MiB a rank at most, 22.81 MiB a node" in table
 
 
 def test_one_rank_gathers_nothing():
@@ -167,8 +192,10 @@ def test_a_fresh_swapped_run_matches_its_prediction():
         spec, setup, layout = _inputs(config, 2, shape=(128, 2, 4500, 4))
         predicted = predict(spec, setup, layout)
         measured = measure_distributed(spec, setup, layout, ds_gloo_settle=True)
-        files = sorted(path.name for path in Path(swap).rglob("*.swp"))
-    assert any("_gradient_" in name for name in files)  # the swapper wrote masters, states and gradients
+        files = sorted(Path(swap).rglob("*.swp"))
+        written = [sum(f.stat().st_size for f in files if f.parent.name == f"rank{rank}") for rank in range(2)]
+    assert any("_gradient_" in f.name for f in files)  # the swapper wrote masters, states and gradients
+    assert written == predicted.nvme_bytes
     tolerance = PEAK_ALLOCATED_TOLERANCE[2]
     for row in measured:
         rank = predicted.ranks[row["rank"]]

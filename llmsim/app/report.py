@@ -87,6 +87,13 @@ def prediction_table(prediction: Prediction, gpus_per_node: int = 8) -> str:
         lines += ["", f"host memory per node ({per_node} rank(s) per node, --gpus-per-node): "
                       f"{human_bytes(prediction.host_per_node_bytes(gpus_per_node))}, the sum of its ranks' host peaks "
                       "(live tensor bytes; not the pinned pool's rounding)"]
+    if prediction.nvme_bytes is not None:
+        nvme = prediction.layout.deepspeed.config["zero_optimization"]["offload_optimizer"]["nvme_path"]
+        per_node = [sum(prediction.nvme_bytes[i:i + gpus_per_node])
+                    for i in range(0, len(prediction.nvme_bytes), gpus_per_node)]
+        lines += ["", f"NVMe under {nvme}: {human_bytes(max(prediction.nvme_bytes))} a rank at most, "
+                      f"{human_bytes(max(per_node))} a node (the swapped sub-groups' fp32 masters and AdamW states, "
+                      "and the gradient partitions written)"]
     lines += _routing_lines(prediction)
     worst = prediction.deciding_rank
     if prediction.gpu is not None:

@@ -31,6 +31,7 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     traced and for ZeRO-1/2's rank replays on a GPU. Python's cyclic collector is paused meanwhile."""
     if jobs < 1:
         raise InputError(f"jobs({jobs}) must be >= 1")
+    nvme = None
     with collector_paused():
         setup = checked(model, setup, layout, gpu)  # what is refused, one line each; the setup the trace runs
         if layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks in every replica
@@ -50,6 +51,10 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
         else:  # one trace, at full depth; the strategy plans each rank's timeline from it
             timeline, graph = expanded(model, setup)
             rank_timelines = plan(timeline, layout, setup)
+            if layout.deepspeed is not None and layout.deepspeed.swaps_optimizer:
+                from llmsim.sim.strategies.zero3 import nvme_bytes
+
+                nvme = nvme_bytes(timeline, layout, setup)
         ranks = replay_ranks(rank_timelines, gpu, alloc_conf, jobs)  # peak, reserved and device total per rank
         if layout.pp > 1:
             ranks = _in_model_names(ranks, model, layout)
@@ -57,7 +62,7 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
         if setup.ep > 1 and setup.routing != "collapsed":  # the routing's worst case beside the stated one
             worst = replace(setup, routing="collapsed")
             bound = replay_ranks(plan(expanded(model, worst)[0], layout, worst), gpu, alloc_conf, jobs)
-        return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf, routing_bound=bound)
+        return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf, routing_bound=bound, nvme_bytes=nvme)
 
 
 def _traced_per_class(model: ModelSpec, setup: TrainSetup, classes: list[list[int]], rank_field: str):

@@ -103,6 +103,8 @@ class Prediction:
     # With expert parallelism under a stated balanced routing: every rank as the worst routing leaves it (every
     # token's top-k onto its experts; llmsim/model/moe.py, `split_sizes`), the bound of any routing
     routing_bound: list[RankPrediction] | None = None
+    # ZeRO-3's optimizer swapper (offload_optimizer "nvme"): the bytes each rank's files take under nvme_path
+    nvme_bytes: list[int] | None = None
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -158,6 +160,7 @@ class Prediction:
                 "expandable_segments": self.alloc_conf.expandable_segments,
                 "peak_allocated_bytes": self.peak_allocated_bytes, "peak_host_bytes": self.peak_host_bytes,
                 "gpus_per_node": gpus_per_node, "host_per_node_bytes": self.host_per_node_bytes(gpus_per_node),
+                "nvme_bytes": self.nvme_bytes,
                 **({"verdict": self.verdict, "verdict_rank": self.deciding_rank.rank,
                     "needed_bytes": self.deciding_rank.needed_bytes, "margin": self.gpu.margin,
                     "margin_bytes": self.gpu.margin_bytes, "verdict_why": verdict_why(self)}

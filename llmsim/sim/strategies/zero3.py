@@ -874,6 +874,30 @@ def _offload_plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFra
     return dict(sorted(ranks.items()))
 
 
+SWAPPED_STATES = 2  # AdamW's and CPU Adam's exp_avg and exp_avg_sq (their `step` is too small to swap)
+
+
+def nvme_bytes(timeline: pd.DataFrame, layout, setup) -> list[int]:
+    """What each rank's optimizer swapper writes under nvme_path/zero_stage_3/optimizer/rank<r>: per swapped sub-group
+    its fp32 master and AdamW's two states, each its partition rounded up to the I/O alignment; and each gradient
+    partition of 1 MiB or more of a parameter with data on that rank, its aligned part (the rest stays in memory)
+    -- `<id>.tensor.swp`, `exp_avg-<id>...`, `<id>_gradient_<offset>_<length>...` (swap_tensor/optimizer_utils.py)."""
+    rank = _Rank(timeline, [], layout, setup)
+    per_group = 0
+    for index in sorted(rank.swapped):
+        numel = int(rank._psum(rank.sub_groups[index]))
+        per_group += (numel + -numel % rank.alignment) * FP32_BYTES * (1 + SWAPPED_STATES)
+    nbytes = [per_group] * layout.world_size
+    for index in rank.swapped:
+        for p in rank.sub_groups[index]:
+            if p.partition * FP32_BYTES < rank.min_aio_bytes:
+                continue
+            written = (p.partition - p.partition % rank.alignment) * FP32_BYTES
+            for r in range(min(layout.world_size, math.ceil(p.numel / p.partition))):  # ranks with real data
+                nbytes[r] += written
+    return nbytes
+
+
 def walk(timeline: pd.DataFrame, layout, setup) -> pd.DataFrame:
     """A rank's timeline, walked event by event: the reference the recorded programs are checked against
     (tests/test_zero3_resize.py)."""

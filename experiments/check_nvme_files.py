@@ -1,0 +1,45 @@
+"""What ZeRO-3's optimizer swapper writes to nvme_path, predicted (`Prediction.nvme_bytes`,
+llmsim/sim/strategies/zero3.py `nvme_bytes`) against the files a real run leaves: every swapper run of
+experiments/measure_offload.py re-run through deepspeed.initialize (torchrun, gloo), the files under
+nvme_path/zero_stage_3/optimizer/rank<r> summed per rank. No rows are written (the memory rows are
+measure_offload.py's). Run: python experiments/check_nvme_files.py (about 3 minutes on 2 cores); output:
+experiments/check_nvme_files.out."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from measure_offload import RUNS, SWAP_DIR, inputs  # noqa: E402
+
+from llmsim.measure.runs import measure_distributed  # noqa: E402
+from llmsim.sim.pipeline import predict  # noqa: E402
+
+
+def main() -> int:
+    misses = 0
+    for index, run in enumerate(RUNS):
+        zero = run[2]["zero_optimization"]
+        if zero["stage"] != 3 or zero["offload_optimizer"]["device"] != "nvme":
+            continue
+        spec, setup, layout = inputs(run)
+        predicted = predict(spec, setup, layout).nvme_bytes
+        shutil.rmtree(SWAP_DIR, ignore_errors=True)
+        measure_distributed(spec, setup, layout, ds_gloo_settle=True)
+        root = Path(SWAP_DIR) / "zero_stage_3" / "optimizer"
+        written = [sum(f.stat().st_size for f in (root / f"rank{rank}").glob("*.swp"))
+                   for rank in range(layout.world_size)]
+        files = sorted(f.name for f in (root / "rank0").glob("*.swp"))
+        misses += written != predicted
+        print(index, run[0], layout.world_size, json.dumps(zero["offload_optimizer"]), "predicted", predicted,
+              "written", written, "rank 0's files:", files, flush=True)
+    shutil.rmtree(SWAP_DIR, ignore_errors=True)
+    print(f"{misses} run(s) where the files differ from the prediction")
+    return 1 if misses else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
