@@ -15,7 +15,8 @@ MOE_CASES run the same entry points on mixture-of-experts models of seven famili
 configs from `llmsim.inputs.zoo.shrink`: 8 experts, top-2, each family's layout kept), transformers' default experts
 implementation (grouped_mm), in data/measurements/trainer_moe_cpu.csv (MOE_QLORA_CASES too); MOE_DEEPSPEED_CASES on 2 ranks with ZeRO-2,
 in data/measurements/trainer_moe_deepspeed_cpu.csv. ZERO3_CASES: the Trainer under ZeRO-3 on 2 ranks, in
-data/measurements/trainer_zero3_cpu.csv. LLAMA_FACTORY_CASES: LLaMA-Factory's DeepSpeed configs as it ships them, on 2
+data/measurements/trainer_zero3_cpu.csv; NVME_CASES the same JSON with the optimizer offloaded to "nvme"
+(ZeRO-Infinity's swapper), each predicted first, in data/measurements/trainer_offload_cpu.csv. LLAMA_FACTORY_CASES: LLaMA-Factory's DeepSpeed configs as it ships them, on 2
 ranks, each predicted first (printed before the run), in data/measurements/trainer_llamafactory_cpu.csv.
 SFT_CASES run TRL's SFTTrainer (`llmsim measure --sft-config ...`: `SFTTrainer(model, SFTConfig(...),
 train_dataset=Dataset, processing_class=..., peft_config=...).train()`, TRL's defaults unless the case sets them:
@@ -31,7 +32,7 @@ host, fully_shard copying each unit to the device), device and host peaks, each 
 (experiments/measure_trainer_fsdp_host.out).
 Run: python experiments/measure_trainer.py [--out CSV] [--only N] [--world-size N] [--models a,b]
      [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3|llamafactory|sft|sft-ddp|fsdp|
-      fsdp-offload|fsdp-host]
+      fsdp-offload|fsdp-host|nvme]
 """
 from __future__ import annotations
 
@@ -189,6 +190,22 @@ ZERO3_CASES = [
     ("ZeRO-3, bf16, LoRA all-linear", {"bf16": True, "deepspeed": ZERO3}, LORA, "float32"),
     ("ZeRO-3, bf16, accumulation 2", {"bf16": True, "gradient_accumulation_steps": 2, "deepspeed": ZERO3}, None,
      "float32"),
+]
+# ZeRO-Infinity: the same ZeRO-3 JSON with the optimizer offloaded to "nvme" (DeepSpeed's swapper; the files go to
+# a scratch folder, as nvme_path names one), as DeepSpeed's ZeRO-Infinity tutorial writes it; without
+# "zero_force_ds_cpu_optimizer" accelerate hands DeepSpeed its CPU Adam, with it false the Trainer's AdamW steps.
+# Every case predicted before measured, into OFFLOAD_OUT
+ZERO3_NVME = {**ZERO3, "zero_optimization": {**ZERO3["zero_optimization"], "offload_optimizer": {
+    "device": "nvme", "nvme_path": "/tmp/llmsim-nvme", "pin_memory": True, "buffer_count": 4}}}
+NVME_CASES = [
+    ("ZeRO-3 optimizer to nvme, bf16, default optim (CPU Adam)", {"bf16": True, "deepspeed": ZERO3_NVME}, None,
+     "float32"),
+    ("ZeRO-3 optimizer to nvme, fp32, adamw_torch", {"optim": "adamw_torch", "deepspeed": {
+        **ZERO3_NVME, "zero_force_ds_cpu_optimizer": False}}, None, "float32"),
+    ("ZeRO-3 optimizer to nvme, bf16, checkpointing, accumulation 2", {
+        "bf16": True, "gradient_checkpointing": True, "gradient_accumulation_steps": 2, "deepspeed": ZERO3_NVME},
+     None, "float32"),
+    ("ZeRO-3 optimizer to nvme, bf16, LoRA all-linear", {"bf16": True, "deepspeed": ZERO3_NVME}, LORA, "float32"),
 ]
 
 
@@ -356,7 +373,7 @@ def main() -> int:
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
     parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload", "moe",
                                             "moe-qlora", "moe-deepspeed", "zero3", "llamafactory", "sft", "sft-ddp",
-                                            "fsdp", "fsdp-offload", "fsdp-host"],
+                                            "fsdp", "fsdp-offload", "fsdp-host", "nvme"],
                         default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
                         "DDP_OUT / DEEPSPEED_OUT)")
@@ -364,7 +381,7 @@ def main() -> int:
     parser.add_argument("--models", default=None, help="comma-separated zoo names (default: every model of MODELS)")
     args = parser.parse_args()
     world_size, out = {"ddp": (DDP_WORLD_SIZE, DDP_OUT), "deepspeed": (DDP_WORLD_SIZE, DEEPSPEED_OUT),
-                       "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT), "moe": (1, MOE_OUT), "moe-qlora": (1, MOE_OUT),
+                       "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT), "nvme": (DDP_WORLD_SIZE, OFFLOAD_OUT), "moe": (1, MOE_OUT), "moe-qlora": (1, MOE_OUT),
                        "moe-deepspeed": (DDP_WORLD_SIZE, MOE_DEEPSPEED_OUT),
                        "zero3": (DDP_WORLD_SIZE, ZERO3_OUT),
                        "llamafactory": (DDP_WORLD_SIZE, LLAMA_FACTORY_OUT), "sft": (1, SFT_OUT),
@@ -380,6 +397,7 @@ def main() -> int:
         ([(*case, None, True) for case in DEEPSPEED_CASES] if args.cases == "deepspeed" else []) + \
         ([(*case, None, True) for case in OFFLOAD_CASES] if args.cases == "offload" else []) + \
         ([(*case, None, True) for case in ZERO3_CASES] if args.cases == "zero3" else []) + \
+        ([(*case, None, True) for case in NVME_CASES] if args.cases == "nvme" else []) + \
         ([(*case, None, True) for case in LLAMA_FACTORY_CASES] if args.cases == "llamafactory" else []) + \
         ([(*case, None, True) for case in SFT_CASES] if args.cases == "sft" else []) + \
         ([(*case, None, True) for case in SFT_DDP_CASES] if args.cases == "sft-ddp" else []) + \
@@ -397,7 +415,7 @@ def main() -> int:
         for name, fields, peft, dtype, quantization, kbit_prep in cases[: args.only]:
             failures += run_case(model, fields, peft, dtype, Path(out), quantization, kbit_prep, world_size,
                                  overrides, predict_first=args.cases in ("llamafactory", "sft", "sft-ddp", "fsdp",
-                                                                             "fsdp-offload", "fsdp-host"),
+                                                                             "fsdp-offload", "fsdp-host", "nvme"),
                                  sft=args.cases.startswith("sft"),
                                  extra=("--fsdp-init", "host") if args.cases == "fsdp-host" else ()) != 0
     if args.cases == "fsdp-host" and args.only is None:
