@@ -65,7 +65,10 @@ def test_committed_trainer_rows_cover_offload_as_recipes_write_it():
     rows = pd.read_csv(MEASUREMENTS_DIR / "trainer_offload_cpu.csv")
     fields = [json.loads(a) for a in rows["training_args"]]
     assert len(rows) >= 24 and (rows["peak_host_bytes"] > 0).all()
-    assert {f["deepspeed"]["zero_optimization"]["stage"] for f in fields} == {1, 2}
+    assert {f["deepspeed"]["zero_optimization"]["stage"] for f in fields} == {1, 2, 3}
+    nvme = [f for f in fields if f["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "nvme"]
+    assert len(nvme) >= 16 and {f["deepspeed"]["zero_optimization"]["stage"] for f in nvme} == {3}  # ZeRO-Infinity
+    assert {"zero_force_ds_cpu_optimizer" in f["deepspeed"] for f in nvme} == {True, False}  # CPU Adam or AdamW
     assert {f.get("optim", "adamw_torch_fused") for f in fields} == {"adamw_torch_fused", "adamw_torch"}
     assert {f.get("gradient_accumulation_steps", 1) for f in fields} == {1, 2} and rows["grad_ckpt"].any()
     assert rows["model"].nunique() == 4
