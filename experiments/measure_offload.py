@@ -185,8 +185,12 @@ RUNS = [
     ("llama-2-7b", 1, offload(3, True, offload_param=HOST_PARAMS), True, 64, {}),
     ("mistral-7b", 1, cpu_adam(offload(3, True)), False, 64, {}),
     # left out of the CSV: host 524,284 B over (1.9 %). The tied LM head's own partition, which zero.Init made before
-    # `tie_weights` replaced the parameter (512 KiB on the host under parameter offload), lives in this one-rank run
-    # until the second step's forward, where the walk frees it in the build; the two-rank tied runs above agree
+    # `tie_weights` replaced the parameter (512 KiB on the host under parameter offload), lives until Python's cyclic
+    # collector runs: a ZeRO-3 parameter is in a reference cycle with its own method closures (DeepSpeed says so,
+    # engine.py), and with parameter offload nothing calls gc.collect() (without it `defragment` does, at
+    # initialize). Here it lived to the second step's forward; the walk frees it when it is replaced. The same run
+    # on 2 ranks (not kept) was 262,140 B over, freed in the first step; the committed two-rank tied runs were
+    # collected before their host peak. When the collector runs is not modelled (docs/deepspeed-memory.md)
     ("gpt2", 1, offload(3, False, ga=2, offload_param=HOST_PARAMS_UNPINNED), False, 64, {"grad_accum": 2}),
     # ZeRO-3's optimizer swapped to "nvme" (ZeRO-Infinity): the first eight measured while the swapper was modelled
     # in llmsim/sim/strategies/zero3.py (all eight within the CPU-offload rows' residual of the same shape: 8 B
