@@ -31,6 +31,10 @@ Gradient accumulation (gradient_accumulation_steps n): every micro-step's backwa
 gradient-partition buffer (`partition_grads`: copied at the first micro-step, added into in place after it) and
 sets `.grad` to None, so each later backward makes its gradients anew, as the first does (the trace names them,
 TrainSetup.label_micro_grads); the coordinator's `reset_step` runs at every forward; the step runs at the n-th.
+With the optimizer offloaded to "nvme" (ZeRO-Infinity's optimizer swapper, docs/nvme-offload.md) the CPU offload
+walk holds, besides, the swapper's pinned pool, leaves out the swapped sub-groups' masters and fp32 gradients, keeps
+the backward's fp32 gradient partitions the swapper does not write until the step, and drops step 0's states once
+written. On one rank DeepSpeed gathers nothing (`_no_gather_coalesced`): the parameters are their partitions.
 """
 from __future__ import annotations
 
@@ -642,7 +646,7 @@ class _Rank:
 
     def _drop(self, copy: tuple[int, int]) -> None:
         """A device copy of a gradient partition let go, unless the swapper's list still holds it."""
-        if not any(copy[0] == serial for serial, _, _ in self.retained):
+        if not self.retained or copy[0] != self.retained[-1][0]:  # the list holds at most the latest copy
             self.w.free(*copy, Category.TEMPORARY)
 
     def _swap_out_gradients(self) -> None:
