@@ -16,7 +16,9 @@ configs from `llmsim.inputs.zoo.shrink`: 8 experts, top-2, each family's layout 
 implementation (grouped_mm), in data/measurements/trainer_moe_cpu.csv (MOE_QLORA_CASES too); MOE_DEEPSPEED_CASES on 2 ranks with ZeRO-2,
 in data/measurements/trainer_moe_deepspeed_cpu.csv. ZERO3_CASES: the Trainer under ZeRO-3 on 2 ranks, in
 data/measurements/trainer_zero3_cpu.csv; NVME_CASES the same JSON with the optimizer offloaded to "nvme"
-(ZeRO-Infinity's swapper), each predicted first, in data/measurements/trainer_offload_cpu.csv. LLAMA_FACTORY_CASES: LLaMA-Factory's DeepSpeed configs as it ships them, on 2
+(ZeRO-Infinity's swapper), each predicted first, in data/measurements/trainer_offload_cpu.csv. ACCELERATE_FSDP_CASES
+(`--cases accelerate-fsdp`): the Trainer launched by `accelerate launch --config_file` with distributed_type FSDP,
+each predicted first, in data/measurements/trainer_fsdp_cpu.csv. LLAMA_FACTORY_CASES: LLaMA-Factory's DeepSpeed configs as it ships them, on 2
 ranks, each predicted first (printed before the run), in data/measurements/trainer_llamafactory_cpu.csv.
 SFT_CASES run TRL's SFTTrainer (`llmsim measure --sft-config ...`: `SFTTrainer(model, SFTConfig(...),
 train_dataset=Dataset, processing_class=..., peft_config=...).train()`, TRL's defaults unless the case sets them:
@@ -32,7 +34,7 @@ host, fully_shard copying each unit to the device), device and host peaks, each 
 (experiments/measure_trainer_fsdp_host.out).
 Run: python experiments/measure_trainer.py [--out CSV] [--only N] [--world-size N] [--models a,b]
      [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3|llamafactory|sft|sft-ddp|fsdp|
-      fsdp-offload|fsdp-host|nvme]
+      fsdp-offload|fsdp-host|nvme|accelerate-fsdp]
 """
 from __future__ import annotations
 
@@ -283,6 +285,27 @@ FSDP_CASES = [
      "float32"),
     ("adamw_torch, no clipping", {"fsdp": True, "optim": "adamw_torch", "max_grad_norm": 0.0}, None, "float32"),
 ]
+# The Trainer under `accelerate launch --config_file FILE` with distributed_type FSDP (the plugin from the variables the
+# launcher sets, the TrainingArguments without fsdp), launched by accelerate's launcher itself, 2 ranks, into
+# FSDP_OUT; each predicted first (llmsim reads the file with accelerate's own launcher code:
+# llmsim/inputs/accelerate_config.py `trainer_fsdp_launch`). The file as `accelerate config` writes one for FSDP2
+ACCELERATE_FSDP = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "mixed_precision": "bf16",
+                   "num_machines": 1, "num_processes": 2, "machine_rank": 0, "main_training_function": "main",
+                   "rdzv_backend": "static", "same_network": True, "use_cpu": False,
+                   "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                   "fsdp_cpu_ram_efficient_loading": False, "fsdp_offload_params": False,
+                                   "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                                   "fsdp_activation_checkpointing": False}}
+ACCELERATE_FSDP_CASES = [  # (name, TrainingArguments fields, peft, dtype, the accelerate config)
+    ("bf16 (the launch's mixed_precision), checkpointing", {"gradient_checkpointing": True}, None, "float32",
+     ACCELERATE_FSDP),
+    ("mixed_precision no, reshard_after_forward false", {}, None, "float32",
+     {**ACCELERATE_FSDP, "mixed_precision": "no",
+      "fsdp_config": {**ACCELERATE_FSDP["fsdp_config"], "fsdp_reshard_after_forward": False}}),
+    ("offload_params (CPUOffloadPolicy)", {}, None, "float32",
+     {**ACCELERATE_FSDP, "fsdp_config": {**ACCELERATE_FSDP["fsdp_config"], "fsdp_offload_params": True}}),
+    ("LoRA all-linear, bf16 weights", {}, LORA, "bfloat16", ACCELERATE_FSDP),
+]
 # The Trainer's FSDP with fsdp_config cpu_offload (accelerate's CPUOffloadPolicy()), 2 ranks, into FSDP_OUT
 FSDP_OFFLOAD_CASES = [
     ("cpu_offload (CPUOffloadPolicy, pinned)", {"fsdp": True, "fsdp_config": {"cpu_offload": True}}, None, "float32"),
@@ -373,7 +396,7 @@ def main() -> int:
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
     parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload", "moe",
                                             "moe-qlora", "moe-deepspeed", "zero3", "llamafactory", "sft", "sft-ddp",
-                                            "fsdp", "fsdp-offload", "fsdp-host", "nvme"],
+                                            "fsdp", "fsdp-offload", "fsdp-host", "nvme", "accelerate-fsdp"],
                         default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
                         "DDP_OUT / DEEPSPEED_OUT)")
@@ -388,7 +411,8 @@ def main() -> int:
                        "sft-ddp": (DDP_WORLD_SIZE, SFT_DDP_OUT),
                        "fsdp": (DDP_WORLD_SIZE, FSDP_OUT),
                        "fsdp-offload": (DDP_WORLD_SIZE, FSDP_OUT),
-                       "fsdp-host": (DDP_WORLD_SIZE, FSDP_OUT)}.get(args.cases, (1, OUT))
+                       "fsdp-host": (DDP_WORLD_SIZE, FSDP_OUT),
+                       "accelerate-fsdp": (DDP_WORLD_SIZE, FSDP_OUT)}.get(args.cases, (1, OUT))
     out = args.out or out
     world_size = args.world_size or world_size
     cases = ([(*case, None, True) for case in CASES] if args.cases in ("all", "plain") else []) + \
@@ -418,6 +442,14 @@ def main() -> int:
                                                                              "fsdp-offload", "fsdp-host", "nvme"),
                                  sft=args.cases.startswith("sft"),
                                  extra=("--fsdp-init", "host") if args.cases == "fsdp-host" else ()) != 0
+    if args.cases == "accelerate-fsdp":
+        with tempfile.TemporaryDirectory() as directory:
+            for model in models:
+                for index, (name, fields, peft, dtype, config) in enumerate(ACCELERATE_FSDP_CASES[: args.only]):
+                    launch = Path(directory) / f"accelerate{index}.json"
+                    launch.write_text(json.dumps(config))
+                    failures += run_case(model, fields, peft, dtype, Path(out), world_size=world_size,
+                                         predict_first=True, extra=("--accelerate-config", str(launch))) != 0
     if args.cases == "fsdp-host" and args.only is None:
         model, overrides, seq_len, (name, fields, peft, dtype) = FSDP_HOST_DEEP
         failures += run_case(model, fields, peft, dtype, Path(out), world_size=world_size, overrides=overrides,

@@ -76,7 +76,7 @@ def test_multi_gpu_launch_is_ddp_under_autocast(tmp_path, capsys):
 
 @pytest.mark.parametrize("text,extra,needle", [
     ("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n", [],
-     "distributed_type FSDP is not modelled yet: the launcher hands its fsdp_config to the script as FSDP_*"),
+     "distributed_type FSDP is modelled with the HF Trainer (--training-args"),
     ("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precison: bf16\n", [], "unknown keys (['mixed_precison'])"),
     ("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\n", [], "mixed_precision 'fp8'"),
     ("distributed_type: MULTI_GPU\nnum_processes: 2\n", ["--world-size", "4"], "--world-size 4 contradicts"),
@@ -92,5 +92,52 @@ def test_multi_gpu_launch_is_ddp_under_autocast(tmp_path, capsys):
 def test_what_accelerate_does_and_llmsim_does_not_model_is_one_line(tmp_path, capsys, text, extra, needle):
     config = _write(tmp_path, "bad.yaml", text)
     assert main(["predict", *TINY, "--accelerate-config", config, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+FSDP_YAML = ("distributed_type: FSDP\nnum_processes: 2\nmixed_precision: {mixed}\nfsdp_config:\n"
+             "  fsdp_version: {version}\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+             "  fsdp_reshard_after_forward: {reshard}\n  fsdp_offload_params: {offload}\n"
+             "  fsdp_cpu_ram_efficient_loading: {ram}\n")
+TRAINER = ["--model", "llama-2-7b", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
+           "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+           "--set", "vocab_size=256", "--seq-len", "16", "--dtype", "float32"]
+
+
+def _trainer_peaks(capsys, *args) -> list[tuple[int, int]]:
+    assert main(["predict", *TRAINER, *args, "--format", "json"]) == 0
+    return [(r["peak_allocated_bytes"], r["peak_host_bytes"]) for r in json.loads(capsys.readouterr().out)["ranks"]]
+
+
+@pytest.mark.parametrize("mixed,reshard,offload", [("bf16", "true", "false"), ("'no'", "false", "true")])
+def test_an_fsdp_launch_gives_the_trainer_the_plugin_its_variables_build(tmp_path, capsys, mixed, reshard, offload):
+    """`accelerate launch --config_file` with FSDP under the Trainer predicts what the TrainingArguments' fsdp,
+    fsdp_config and bf16 that build the same plugin predict (measured through accelerate's launcher itself:
+    trainer_fsdp_cpu.csv, the rows with accelerate_config)."""
+    launch = _write(tmp_path, "fsdp.yaml", FSDP_YAML.format(mixed=mixed, version=2, reshard=reshard,
+                                                            offload=offload, ram="false"))
+    args = _write(tmp_path, "args.yaml", "per_device_train_batch_size: 2\n")
+    same = {"per_device_train_batch_size": 2, "fsdp": True, "bf16": mixed == "bf16",
+            "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": reshard == "true",
+                            "cpu_offload": offload == "true"}}
+    direct = _write(tmp_path, "direct.json", json.dumps(same))
+    launched = _trainer_peaks(capsys, "--training-args", args, "--accelerate-config", launch)
+    assert launched == _trainer_peaks(capsys, "--training-args", direct, "--world-size", "2")
+    assert len(launched) == 2 and (launched[0][1] > 0) == (offload == "true")
+
+
+@pytest.mark.parametrize("version,ram,fields,needle", [
+    (1, "false", "", "fsdp_config fsdp_version: 1 is not modelled yet; modelled: 2"),
+    (2, "true", "", "fsdp_config fsdp_cpu_ram_efficient_loading: True is not modelled yet; modelled: False"),
+    (2, "false", "fsdp: true\n", "the TrainingArguments' fsdp with --accelerate-config"),
+    (2, "false", "fp16: true\n", "fp16=True contradicts --accelerate-config"),
+])
+def test_what_an_fsdp_launch_does_and_llmsim_does_not_model_is_one_line(tmp_path, capsys, version, ram, fields,
+                                                                          needle):
+    launch = _write(tmp_path, "fsdp.yaml", FSDP_YAML.format(mixed="bf16", version=version, reshard="true",
+                                                            offload="false", ram=ram))
+    args = _write(tmp_path, "args.yaml", "per_device_train_batch_size: 2\n" + fields)
+    assert main(["predict", *TRAINER, "--training-args", args, "--accelerate-config", launch]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err

@@ -139,7 +139,9 @@ def cmd_measure(args) -> int:
         from llmsim.measure.runs import measure_trainer
 
         try:
-            rows = measure_trainer(spec, setup, args.dtype or "auto", layout, args.timeout)
+            launch = getattr(args, "accelerate_config", None)
+            rows = measure_trainer(spec, setup, args.dtype or "auto", layout, args.timeout, launch,
+                                   args.user_training_args if launch else None)
         except LaunchFailure as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_RUN_FAILED

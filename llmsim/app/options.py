@@ -236,6 +236,18 @@ def _trainer_inputs(args):
         value = getattr(args, flag, None)
         if value not in (None, False):
             fields[field] = value
+    args.user_training_args = dict(fields)  # what the user's script passes, before an accelerate launch's FSDP
+    launch = getattr(args, "accelerate_config", None)
+    if launch:  # `accelerate launch --config_file FILE train.py`: the Trainer's plugin from the launcher's variables
+        from llmsim.inputs.accelerate_config import trainer_fsdp_launch
+
+        if getattr(args, "ds_config", None):
+            raise InputError(f"--ds-config with --accelerate-config {launch}: the accelerate config sets the launch")
+        launched, fields = trainer_fsdp_launch(launch, fields)
+        if args.world_size not in (None, launched):
+            raise InputError(f"--world-size {args.world_size} contradicts --accelerate-config {launch} "
+                             f"(num_processes {launched})")
+        world_size = launched
     if getattr(args, "ds_config", None):  # TrainingArguments(deepspeed=path), as `--deepspeed ds.json` sets it
         if fields.get("deepspeed") not in (None, args.ds_config):
             raise InputError(f"--ds-config {args.ds_config} contradicts the TrainingArguments' deepspeed "
@@ -271,10 +283,9 @@ def inputs(args):
     from llmsim.sim.strategies import Layout, Strategy
 
     if args.training_args or getattr(args, "sft_config", None):
-        if getattr(args, "accelerate_config", None):
-            raise InputError("--accelerate-config with --training-args is not modelled yet (the Trainer under "
-                             "accelerate launch takes its DeepSpeed plugin from the launcher); give the Trainer's "
-                             "deepspeed= or --ds-config")
+        if getattr(args, "accelerate_config", None) and getattr(args, "sft_config", None):
+            raise InputError("--accelerate-config with --sft-config is not modelled yet; modelled: with "
+                             "--training-args (the HF Trainer under accelerate launch, distributed_type FSDP)")
         return _trainer_inputs(args)
     accelerate_ds = _apply_accelerate_config(args) if getattr(args, "accelerate_config", None) else None
     for flag, what in (("peft_config", "--peft-config"),

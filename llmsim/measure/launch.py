@@ -73,14 +73,20 @@ def jit_build_locks() -> list[Path]:
     return sorted(lock for folder in folders for lock in folder.glob("*/lock"))
 
 
-def torchrun(module: str, job: dict, world_size: int, out: Path, timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
+def torchrun(module: str, job: dict, world_size: int, out: Path, timeout_s: int = DEFAULT_TIMEOUT_S,
+             accelerate_config: Path | None = None) -> None:
     """`torchrun --nproc_per_node world_size -m module JOB OUT`: every rank reads the job and writes its results under
-    `out`. A crash or a timeout kills the process group and raises LaunchFailure."""
+    `out`. A crash or a timeout kills the process group and raises LaunchFailure. `accelerate_config`: launched as
+    `accelerate launch --config_file FILE -m module JOB OUT` instead (its num_processes ranks, through torchrun, with
+    the variables accelerate's launcher sets)."""
     out.mkdir(parents=True, exist_ok=True)
     job_path = out / "job.json"
     job_path.write_text(json.dumps(job))
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
-               f"--master_port={_free_port()}", "-m", module, str(job_path), str(out)]
+    launcher = ([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config),
+                 "--main_process_port", str(_free_port())] if accelerate_config is not None else
+                [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
+                 f"--master_port={_free_port()}"])
+    command = [*launcher, "-m", module, str(job_path), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)

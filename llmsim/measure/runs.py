@@ -95,20 +95,24 @@ def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> di
 
 
 def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layout = Layout(),
-                    timeout_s: int = DEFAULT_TIMEOUT_S) -> list[dict]:
+                    timeout_s: int = DEFAULT_TIMEOUT_S, accelerate_config: str | None = None,
+                    user_fields: dict | None = None) -> list[dict]:
     """The HF Trainer recipe run for real through the entry points (llmsim/model/trainer_recipe.py: nothing of the
     predictor's loop); returns one row per rank. `dtype`: from_pretrained's word as the user gave it (resolved in
     `setup`). With several ranks, `torchrun` launches the recipe's script as a user launches theirs and the Trainer
     runs DistributedDataParallel over gloo (tier 2). With the Trainer's FSDP and `layout.fsdp.init` "host" the run is
     measured as on a GPU (the loaded model the host's until fully_shard copies each unit across; the rows say
-    `fsdp_init`)."""
+    `fsdp_init`). `accelerate_config` (with the script's own TrainingArguments `user_fields`): launched by
+    `accelerate launch --config_file` itself, the Trainer taking its FSDP plugin from the launcher's variables; the
+    rows carry the file's mapping (`accelerate_config`) and the script's fields."""
     from llmsim.model import trainer_recipe as trainer
     from llmsim.inputs.hf import DTYPE_ALIASES
+    from llmsim.inputs.hf import read_mapping as _read_mapping
 
     check_fits_positions(spec, setup)
     check_supported(setup, layout)
     host_build = layout.fsdp is not None and layout.fsdp.init == "host"
-    fields = json.loads(setup.training_args)
+    fields = dict(user_fields) if accelerate_config else json.loads(setup.training_args)
     if isinstance(fields.get("deepspeed"), str):  # the JSON itself travels with the job and the row, not its path
         fields["deepspeed"] = json.loads(Path(fields["deepspeed"]).read_text())
     job = {"config": spec.config_dict, "seq_len": setup.seq_len, "load_dtype": DTYPE_ALIASES.get(dtype, dtype),
@@ -123,7 +127,8 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
         results = [trainer.run(job)]  # its own bitsandbytes overrides (trainer_recipe.own_bitsandbytes_overrides)
     else:
         with tempfile.TemporaryDirectory(prefix="llmsim-trainer-") as out:
-            torchrun("llmsim.model.trainer_recipe", job, layout.world_size, Path(out), timeout_s)
+            torchrun("llmsim.model.trainer_recipe", job, layout.world_size, Path(out), timeout_s,
+                     Path(accelerate_config) if accelerate_config else None)
             results = [{**json.loads((Path(out) / f"rank{rank}.json").read_text()),
                         "timeline": pd.read_pickle(Path(out) / f"rank{rank}.timeline.pkl")}
                        for rank in range(layout.world_size)]
@@ -152,6 +157,8 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
             **({"trl": _version("trl")} if setup.recipe is Recipe.TRL_SFT else {}),
             **({"gloo_settle": True} if layout.fsdp is not None else {}),  # the recipe settles FSDP2's collectives
             **({"fsdp_init": "host"} if host_build else {}),
+            **({"accelerate_config": json.dumps(_read_mapping(accelerate_config, "accelerate config"),
+                                                sort_keys=True)} if accelerate_config else {}),
             "measured_at": stamp, "wall_s": round(wall_s, 2)})
     return rows
 

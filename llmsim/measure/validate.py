@@ -37,7 +37,11 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
         if quantized and (pd.isna(row.get("kbit_prep")) or str(row.get("kbit_prep")) == ""):
             raise InputError(f"{row['model']}: a quantized Trainer row that does not say whether the script called "
                              "prepare_model_for_kbit_training (MemoryRecorder(kbit_prep=True or False))")
-        setup = trainer_setup(spec, int(row["seq_len"]), json.loads(row["training_args"]),
+        fields = json.loads(row["training_args"])
+        launch = row.get("accelerate_config")
+        if isinstance(launch, str) and launch:  # `accelerate launch --config_file` ran the script: as the CLI reads it
+            fields = _launched(launch, fields)
+        setup = trainer_setup(spec, int(row["seq_len"]), fields,
                               json.loads(peft) if isinstance(peft, str) and peft else None, row["dtype"],
                               json.loads(quantization) if quantized else None,
                               kbit_prep=_flag(row, "kbit_prep") if quantized else True, recipe=Recipe(row["recipe"]))
@@ -245,3 +249,17 @@ def _float(row: pd.Series, column: str, default: float) -> float:
 def _flag(row: pd.Series, column: str) -> bool:
     value = row.get(column)
     return bool(value) and not pd.isna(value) and str(value) != "False"
+
+
+def _launched(config: str, fields: dict) -> dict:
+    """A row's TrainingArguments as the Trainer ran them under `accelerate launch` with the row's accelerate config
+    (its mapping, re-read from a file as the CLI reads the user's: llmsim/inputs/accelerate_config.py)."""
+    import tempfile
+    from pathlib import Path
+
+    from llmsim.inputs.accelerate_config import trainer_fsdp_launch
+
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "accelerate.json"
+        path.write_text(config)
+        return trainer_fsdp_launch(path, fields)[1]

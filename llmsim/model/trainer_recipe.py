@@ -12,6 +12,7 @@ a hub checkpoint is stored. Peak = the most live tensor bytes from `from_pretrai
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import sys
 import tempfile
@@ -168,9 +169,10 @@ def accelerate_fsdp_on_cpu():
 
 
 def _fsdp(job: dict):
-    """A job whose TrainingArguments ask for FSDP: accelerate's FSDP path on, and gloo settled unless the job says
-    `gloo_settle: false`; nothing otherwise."""
-    if not job["training_args"].get("fsdp"):
+    """A job whose TrainingArguments ask for FSDP, or launched by `accelerate launch` with FSDP (the variables it
+    sets, from which the Trainer's Accelerator builds the plugin): accelerate's FSDP path on, and gloo settled unless
+    the job says `gloo_settle: false`; nothing otherwise."""
+    if not (job["training_args"].get("fsdp") or _launched_with_fsdp()):
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     stack.enter_context(accelerate_fsdp_on_cpu())
@@ -181,12 +183,18 @@ def _fsdp(job: dict):
     return stack
 
 
+def _launched_with_fsdp() -> bool:
+    """`accelerate launch` with distributed_type FSDP started this process (accelerate's own test of it)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def _fsdp_offload(tracker: StorageTracker, args, job: dict):
     """The Trainer's FSDP with `fsdp_config` cpu_offload (accelerate's CPUOffloadPolicy()), or measured as on a GPU
     (the job's `fsdp_init` "host": the model loaded on the host, each unit copied to the device by fully_shard): the
     CPU standing in for the host and the device (llmsim/model/host_memory.py), as the trace runs it; nothing
     otherwise."""
-    offload = bool((getattr(args, "fsdp_plugin_args", None) or {}).get("cpu_offload"))
+    offload = bool((getattr(args, "fsdp_plugin_args", None) or {}).get("cpu_offload")) or \
+        (_launched_with_fsdp() and os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true")
     host_build = job.get("fsdp_init") == "host"
     if not (offload or host_build):  # decided here, not by host_memory.fsdp_offload: a plain run imports none of it
         return contextlib.nullcontext()
@@ -253,7 +261,6 @@ def main() -> int:
     accelerate's PartialState: DistributedDataParallel over gloo on the CPU), as a user's `torchrun train.py` does.
     Each rank writes its timeline (a pickled DataFrame) and what it loaded under OUT."""
     import json
-    import os
 
     job, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     result = run(job)
