@@ -129,7 +129,7 @@ def test_an_fsdp_launch_gives_the_trainer_the_plugin_its_variables_build(tmp_pat
 
 @pytest.mark.parametrize("version,ram,fields,needle", [
     (1, "false", "", "fsdp_config fsdp_version: 1 is not modelled yet; modelled: 2"),
-    (2, "true", "", "fsdp_config fsdp_cpu_ram_efficient_loading: True is not modelled yet; modelled: False"),
+    (2, "true", "", "fsdp_config fsdp_cpu_ram_efficient_loading: True (accelerate launch's default"),
     (2, "false", "fsdp: true\n", "the TrainingArguments' fsdp with --accelerate-config"),
     (2, "false", "fp16: true\n", "fp16=True contradicts --accelerate-config"),
 ])

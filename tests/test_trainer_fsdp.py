@@ -130,6 +130,30 @@ def test_a_fresh_host_loaded_trainer_fsdp_run_matches_its_prediction():
             assert abs(ours - theirs) / theirs <= PEAK_ALLOCATED_TOLERANCE[2], (predicted, measured)
 
 
+def test_a_fresh_accelerate_launch_matches_its_prediction(tmp_path):
+    """The Trainer started by `accelerate launch --config_file` (distributed_type FSDP, the plugin from the launcher's
+    variables, CPU offload, mixed precision no): a held-out Mistral shape, device and host peaks of each rank
+    against the prediction from the file (llmsim/inputs/accelerate_config.py `trainer_fsdp_launch`)."""
+    from llmsim.inputs.accelerate_config import trainer_fsdp_launch
+
+    launch = tmp_path / "fsdp.yaml"
+    launch.write_text("distributed_type: FSDP\nnum_processes: 2\nmixed_precision: 'no'\nfsdp_config:\n"
+                      "  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                      "  fsdp_offload_params: true\n  fsdp_reshard_after_forward: false\n"
+                      "  fsdp_cpu_ram_efficient_loading: false\n")
+    user = {"per_device_train_batch_size": 2, "gradient_checkpointing": True}
+    spec = load_model_spec("mistral-7b", {**LLAMA_TINY, "num_hidden_layers": 3})
+    world, fields = trainer_fsdp_launch(launch, user)
+    setup, layout = trainer_layout(spec, trainer_setup(spec, 16, fields, None, "float32", None), world, None)
+    measured = measure_trainer(spec, setup, "float32", layout, accelerate_config=str(launch), user_fields=user)
+    predicted = predict(spec, setup, layout).ranks
+    for p, m in zip(predicted, measured, strict=True):
+        assert json.loads(m["accelerate_config"])["distributed_type"] == "FSDP" and m["peak_host_bytes"] > 0
+        for ours, theirs in ((p.peak_allocated_bytes, m["peak_allocated_bytes"]),
+                             (p.peak_host_bytes, m["peak_host_bytes"])):
+            assert abs(ours - theirs) / theirs <= PEAK_ALLOCATED_TOLERANCE[2], (predicted, measured)
+
+
 def test_committed_fsdp_rows_cover_the_trainers_fsdp():
     rows = pd.read_csv(FSDP_CSV)
     assert len(rows) >= 60 and (rows["strategy"] == "fsdp").all() and rows["gloo_settle"].all()
@@ -144,8 +168,16 @@ def test_committed_fsdp_rows_cover_the_trainers_fsdp():
         assert fields.map(lambda f: f.get(field) == value).any(), field
     assert fields.map(lambda f: f.get("fsdp_config", {}).get("reshard_after_forward") is False).any()
     assert set(rows["load_dtype"]) == {"float32", "bfloat16"} and rows["peft_config"].notna().any()
-    offload = fields.map(lambda f: f.get("fsdp_config", {}).get("cpu_offload") is True or "offload" in str(f["fsdp"]))
+    # launched by `accelerate launch --config_file` (the TrainingArguments without fsdp: the file's variables)
+    launches = rows["accelerate_config"].map(lambda c: json.loads(c) if isinstance(c, str) and c else None)
+    launched = launches.notna()
+    assert launched.sum() >= 24 and not fields[launched].map(lambda f: "fsdp" in f).any()
+    assert {c["mixed_precision"] for c in launches[launched]} == {"no", "bf16"}
+    offload = fields.map(lambda f: f.get("fsdp_config", {}).get("cpu_offload") is True
+                         or "offload" in str(f.get("fsdp"))) | \
+        launches.map(lambda c: bool(c and c["fsdp_config"].get("fsdp_offload_params")))
     assert offload.sum() >= 10 and (rows.loc[offload, "peak_host_bytes"] > 0).all()
+    assert (offload & launched).sum() >= 6
     loaded_on_the_host = rows["fsdp_init"].fillna("") == "host"  # measured as on a GPU: the model loads there
     assert (rows.loc[~offload & ~loaded_on_the_host, "peak_host_bytes"] == 0).all()
 

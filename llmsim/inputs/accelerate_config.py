@@ -170,9 +170,12 @@ def trainer_fsdp_launch(path: str | Path, fields: dict[str, Any]) -> tuple[int, 
 
     for name, value in found.items():
         if value not in FSDP_PLUGIN_MODELLED[name]:
-            raise InputError(f"accelerate config fsdp_config {FSDP_YAML_KEYS[name]}: {value!r} is not modelled yet; "
-                             f"modelled: {FSDP_PLUGIN_MODELLED[name][0]!r} (FSDP2, TRANSFORMER_BASED_WRAP, the "
-                             "model loaded on every rank, the Trainer's gradient_checkpointing)")
+            default = (" (accelerate launch's default where the file leaves it out)"
+                       if name == "cpu_ram_efficient_loading" else "")
+            raise InputError(f"accelerate config fsdp_config {FSDP_YAML_KEYS[name]}: {value!r}{default} is not "
+                             f"modelled yet; modelled: {FSDP_PLUGIN_MODELLED[name][0]!r} (FSDP2, "
+                             "TRANSFORMER_BASED_WRAP, the model loaded on every rank, the Trainer's "
+                             "gradient_checkpointing)")
     offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
     added = {"fsdp": True, "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": bool(plugin.reshard_after_forward),
                                            "cpu_offload": offload}}
