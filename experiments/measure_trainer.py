@@ -18,7 +18,8 @@ in data/measurements/trainer_moe_deepspeed_cpu.csv. ZERO3_CASES: the Trainer und
 data/measurements/trainer_zero3_cpu.csv; NVME_CASES the same JSON with the optimizer offloaded to "nvme"
 (ZeRO-Infinity's swapper), each predicted first, in data/measurements/trainer_offload_cpu.csv. ACCELERATE_FSDP_CASES
 (`--cases accelerate-fsdp`): the Trainer launched by `accelerate launch --config_file` with distributed_type FSDP,
-each predicted first, in data/measurements/trainer_fsdp_cpu.csv. LLAMA_FACTORY_CASES: LLaMA-Factory's DeepSpeed configs as it ships them, on 2
+each predicted first, in data/measurements/trainer_fsdp_cpu.csv.
+LLAMA_FACTORY_CASES: LLaMA-Factory's DeepSpeed configs as it ships them, on 2
 ranks, each predicted first (printed before the run), in data/measurements/trainer_llamafactory_cpu.csv.
 SFT_CASES run TRL's SFTTrainer (`llmsim measure --sft-config ...`: `SFTTrainer(model, SFTConfig(...),
 train_dataset=Dataset, processing_class=..., peft_config=...).train()`, TRL's defaults unless the case sets them:
@@ -404,7 +405,8 @@ def main() -> int:
     parser.add_argument("--models", default=None, help="comma-separated zoo names (default: every model of MODELS)")
     args = parser.parse_args()
     world_size, out = {"ddp": (DDP_WORLD_SIZE, DDP_OUT), "deepspeed": (DDP_WORLD_SIZE, DEEPSPEED_OUT),
-                       "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT), "nvme": (DDP_WORLD_SIZE, OFFLOAD_OUT), "moe": (1, MOE_OUT), "moe-qlora": (1, MOE_OUT),
+                       "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT), "nvme": (DDP_WORLD_SIZE, OFFLOAD_OUT),
+                       "moe": (1, MOE_OUT), "moe-qlora": (1, MOE_OUT),
                        "moe-deepspeed": (DDP_WORLD_SIZE, MOE_DEEPSPEED_OUT),
                        "zero3": (DDP_WORLD_SIZE, ZERO3_OUT),
                        "llamafactory": (DDP_WORLD_SIZE, LLAMA_FACTORY_OUT), "sft": (1, SFT_OUT),

@@ -16,8 +16,9 @@ accelerate's own classes: which layout the launch runs, on how many processes, i
   `mixed_precision` to the script as `FSDP_*`/`ACCELERATE_*` environment variables (accelerate's own
   `prepare_multi_gpu_env`, run here on the file), from which the Trainer's `Accelerator` builds its
   `FullyShardedDataParallelPlugin`; `trainer_fsdp_launch` builds that plugin the same way and gives the Trainer the
-  TrainingArguments `fsdp`/`fsdp_config`/`bf16` that build the same plugin (transformers' path, modelled: llmsim/inputs/hf.py
-  `trainer_fsdp`). Measured through `accelerate launch --config_file FILE` itself (experiments/measure_trainer.py).
+  TrainingArguments `fsdp`/`fsdp_config`/`bf16` that build the same plugin (transformers' path, modelled:
+  llmsim/inputs/hf.py `trainer_fsdp`). Measured through `accelerate launch --config_file FILE` itself
+  (experiments/measure_trainer.py).
   Without the Trainer (a script's own loop under accelerate's FSDP) it is refused; `--strategy fsdp` models
   `fully_shard` on each decoder layer, then the root.
 """
@@ -134,6 +135,8 @@ def trainer_fsdp_launch(path: str | Path, fields: dict[str, Any]) -> tuple[int, 
     from accelerate.utils.environment import patch_environment
     from torch.distributed.fsdp import CPUOffloadPolicy
 
+    from llmsim.inputs.hf import FSDP_PLUGIN_MODELLED
+
     launch = _read(path)
     kind = getattr(launch.distributed_type, "value", launch.distributed_type)
     if kind != "FSDP":
@@ -166,8 +169,6 @@ def trainer_fsdp_launch(path: str | Path, fields: dict[str, Any]) -> tuple[int, 
              "auto_wrap_policy": "TRANSFORMER_BASED_WRAP" if wrap == "transformer_auto_wrap_policy" else wrap,
              "cpu_ram_efficient_loading": plugin.cpu_ram_efficient_loading,
              "activation_checkpointing": plugin.activation_checkpointing}
-    from llmsim.inputs.hf import FSDP_PLUGIN_MODELLED
-
     for name, value in found.items():
         if value not in FSDP_PLUGIN_MODELLED[name]:
             default = (" (accelerate launch's default where the file leaves it out)"
@@ -176,9 +177,11 @@ def trainer_fsdp_launch(path: str | Path, fields: dict[str, Any]) -> tuple[int, 
                              f"modelled yet; modelled: {FSDP_PLUGIN_MODELLED[name][0]!r} (FSDP2, "
                              "TRANSFORMER_BASED_WRAP, the model loaded on every rank, the Trainer's "
                              "gradient_checkpointing)")
-    offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
-    added = {"fsdp": True, "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": bool(plugin.reshard_after_forward),
-                                           "cpu_offload": offload}}
+    fsdp_config = {"fsdp_version": 2, "reshard_after_forward": bool(plugin.reshard_after_forward),
+                   "cpu_offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy)}
+    if plugin.transformer_cls_names_to_wrap:  # the file's fsdp_transformer_layer_cls_to_wrap, as the Trainer takes it
+        fsdp_config["transformer_layer_cls_to_wrap"] = list(plugin.transformer_cls_names_to_wrap)
+    added = {"fsdp": True, "fsdp_config": fsdp_config}
     if mixed == "bf16":
         if fields.get("fp16"):
             raise InputError(f"TrainingArguments fp16=True contradicts --accelerate-config {path} (mixed_precision: "
