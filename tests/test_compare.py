@@ -65,6 +65,25 @@ def test_levers_modelled_under_ddp_are_compared_there():
         assert prediction.peak_allocated_bytes > predict(spec, setup).peak_allocated_bytes  # DDP's buckets on top
 
 
+def test_a_deepspeed_optimizer_section_leaves_the_fused_lever_out(tmp_path, capsys):
+    """A DeepSpeed JSON with an "optimizer" section steps DeepSpeed's optimizer (here CPU Adam under ZeRO-Infinity),
+    so the lever that sets the client AdamW's fused path is not that run's: it is left out, the others compared
+    (compare stopped at it with the --fused refusal before)."""
+    import json
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+                                  "zero_optimization": {"stage": 3, "offload_optimizer": {
+                                      "device": "nvme", "nvme_path": "/local_nvme"}}}))
+    argv = ["compare", "--model", "llama-2-7b", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
+            "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+            "--set", "vocab_size=512", "--seq-len", "32", "--ds-config", str(config), "--world-size", "2",
+            "--out", str(tmp_path / "levers.png")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fused AdamW" not in out and "LoRA r=16" in out and "baseline" in out
+
+
 @pytest.mark.slow  # local processes (multi-process); the one-process table is checked by default
 def test_levers_in_processes_are_the_same_table():
     """`compare --jobs 2`: the lever sets predicted in two processes give the table one process gives."""

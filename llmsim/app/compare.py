@@ -92,6 +92,10 @@ def _lever_modelled(model: ModelSpec, setup: TrainSetup, overrides: dict, layout
         return False  # DeepSpeed is modelled with AdamW only
     if overrides.get("fused") and layout.tp * layout.pp > 1:
         return False  # the fused kernels are modelled for tp = pp = 1
+    deepspeed = layout.deepspeed
+    if overrides.get("fused") and deepspeed is not None and deepspeed.optimizer_kind != "client" and \
+            not deepspeed.replaces_client_optimizer:
+        return False  # the JSON's "optimizer" section steps, not the client AdamW whose fused path the lever sets
     if overrides.get("quant") and model.config_json is None:
         return False  # a module factory has no checkpoint to quantize
     if "loss" in overrides and not _loss_modelled(model, setup, layout, gpu):
