@@ -111,6 +111,7 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
 
     check_fits_positions(spec, setup)
     check_supported(setup, layout)
+    check_swapper_measurable(layout.deepspeed)
     host_build = layout.fsdp is not None and layout.fsdp.init == "host"
     fields = dict(user_fields) if accelerate_config else json.loads(setup.training_args)
     if isinstance(fields.get("deepspeed"), str):  # the JSON itself travels with the job and the row, not its path
@@ -245,6 +246,18 @@ def append_rows(rows: list[dict], path: Path = TIER1_CSV) -> None:
     frame.to_csv(path, index=False)
 
 
+def check_swapper_measurable(deepspeed) -> None:
+    """A measured run with ZeRO-3's optimizer swapper ("nvme") loads DeepSpeed's async_io op, which builds only
+    against libaio: one line before any process starts where it cannot (predicting needs none of it)."""
+    if deepspeed is None or not deepspeed.swaps_optimizer:
+        return
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise InputError("measuring offload_optimizer \"nvme\" loads DeepSpeed's async_io op, which needs libaio "
+                         "(apt-get install libaio-dev) on this machine; predicting it does not")
+
+
 def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
                         timeout_s: int = DEFAULT_TIMEOUT_S, gloo_settle: bool = True,
                         ds_gloo_settle: bool = False) -> list[dict]:
@@ -256,6 +269,7 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     setup = resolve_attention(spec, setup)
     check_fits_positions(spec, setup)
     check_supported(setup, layout)  # what is not modelled (e.g. ckpt-offload with ZeRO) is not measured either
+    check_swapper_measurable(layout.deepspeed)
     if layout.fsdp is not None and layout.fsdp.wrap != "layers":  # llmsim/measure/dist_worker.py wraps per layer
         raise InputError("FSDP2 as transformers applies it is measured through transformers' own entry point: "
                          "llmsim measure --recipe from-pretrained")
