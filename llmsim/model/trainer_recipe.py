@@ -184,8 +184,10 @@ def _fsdp(job: dict):
 
 
 def _launched_with_fsdp() -> bool:
-    """`accelerate launch` with distributed_type FSDP started this process (accelerate's own test of it)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    """`accelerate launch` with distributed_type FSDP started this process (accelerate's own reading of it)."""
+    from accelerate.utils.environment import parse_flag_from_env
+
+    return parse_flag_from_env("ACCELERATE_USE_FSDP")
 
 
 def _fsdp_offload(tracker: StorageTracker, args, job: dict):
@@ -193,8 +195,10 @@ def _fsdp_offload(tracker: StorageTracker, args, job: dict):
     (the job's `fsdp_init` "host": the model loaded on the host, each unit copied to the device by fully_shard): the
     CPU standing in for the host and the device (llmsim/model/host_memory.py), as the trace runs it; nothing
     otherwise."""
+    from accelerate.utils.environment import parse_flag_from_env
+
     offload = bool((getattr(args, "fsdp_plugin_args", None) or {}).get("cpu_offload")) or \
-        (_launched_with_fsdp() and os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true")
+        (_launched_with_fsdp() and parse_flag_from_env("FSDP_OFFLOAD_PARAMS"))
     host_build = job.get("fsdp_init") == "host"
     if not (offload or host_build):  # decided here, not by host_memory.fsdp_offload: a plain run imports none of it
         return contextlib.nullcontext()

@@ -306,9 +306,8 @@ class _Rank:
                 self.w.free(upcast, numel * FP32_BYTES, Category.TEMPORARY)
             else:
                 self.w.alloc(numel * FP32_BYTES, Category.MASTER_WEIGHTS)
-        swapped = [index for index in range(len(self.sub_groups)) if self._swappable(index)]
-        for index in swapped:  # `initialize_parameters`: each swappable master written through the pool
-            self._to_pinned(self._psum(self.sub_groups[index]), self.sub_groups[index][0].elem)
+        for index in sorted(self.swapped):  # `initialize_parameters`: each swappable master written through the pool
+            self._host_staging(self._psum(self.sub_groups[index]), self.sub_groups[index][0].elem)
         largest = self._largest() * FP32_BYTES
         # initialize_optimizer_states: a zero gradient of the largest sub-group, dropped; with offload on the host,
         # and each sub-group's fp32 gradient a host buffer of its own, kept; a swapped sub-group's `.grad` views the
@@ -317,7 +316,7 @@ class _Rank:
         zeros = self.w.alloc(largest, where)
         if self.offload:
             for index, group in enumerate(self.sub_groups):
-                if index not in swapped:
+                if not self._swappable(index):
                     host_buffer(self.w, self._psum(group) * FP32_BYTES, self.pins)
         self.w.free(zeros, largest, where)
         if self.zero.contiguous_gradients:
@@ -360,16 +359,15 @@ class _Rank:
         copy that changes the dtype across devices converts on the host, from a host copy in the source dtype
         (none when the partitions are on the host already)."""
         converted = self.w.alloc(numel * FP32_BYTES, Category.HOST_OFFLOAD)
-        if self.cuda and elem != FP32_BYTES and not self.host_params:
-            staging = self.w.alloc(numel * elem, Category.HOST_OFFLOAD)
-            self.w.free(staging, numel * elem, Category.HOST_OFFLOAD)
+        self._host_staging(numel, elem)
         self.w.alloc(numel * FP32_BYTES, Category.HOST_OFFLOAD)
         self.w.free(converted, numel * FP32_BYTES, Category.HOST_OFFLOAD)
 
-    def _to_pinned(self, numel, elem: int) -> None:
-        """A partition of `elem`-byte elements copied into a page-locked fp32 swap buffer (`dst.copy_(src)`): on a
-        GPU a copy to the host that changes the dtype goes through a host copy in the source dtype (ATen's
-        `copy_kernel_cuda`); from the host (parameter offload) or on the CPU it converts in place."""
+    def _host_staging(self, numel, elem: int) -> None:
+        """A device partition of `elem`-byte elements copied into an fp32 host tensor (the offload master, a swap
+        buffer): on a GPU a copy to the host that changes the dtype goes through a host copy in the source dtype
+        (ATen's `copy_kernel_cuda`), made and dropped; from the host (parameter offload) or on the CPU it converts
+        in place."""
         if self.cuda and elem != FP32_BYTES and not self.host_params:
             staging = self.w.alloc(int(numel) * elem, Category.HOST_OFFLOAD)
             self.w.free(staging, int(numel) * elem, Category.HOST_OFFLOAD)
