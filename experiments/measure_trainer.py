@@ -18,7 +18,8 @@ in data/measurements/trainer_moe_deepspeed_cpu.csv. ZERO3_CASES: the Trainer und
 data/measurements/trainer_zero3_cpu.csv; NVME_CASES the same JSON with the optimizer offloaded to "nvme"
 (ZeRO-Infinity's swapper), each predicted first, in data/measurements/trainer_offload_cpu.csv. ACCELERATE_FSDP_CASES
 (`--cases accelerate-fsdp`): the Trainer launched by `accelerate launch --config_file` with distributed_type FSDP,
-each predicted first, in data/measurements/trainer_fsdp_cpu.csv.
+each predicted first, in data/measurements/trainer_fsdp_cpu.csv; ACCELERATE_FSDP_RAM_CASES (`--cases
+accelerate-fsdp-ram`) the same with fsdp_cpu_ram_efficient_loading on (the launch's default), into the same file.
 LLAMA_FACTORY_CASES: LLaMA-Factory's DeepSpeed configs as it ships them, on 2
 ranks, each predicted first (printed before the run), in data/measurements/trainer_llamafactory_cpu.csv.
 SFT_CASES run TRL's SFTTrainer (`llmsim measure --sft-config ...`: `SFTTrainer(model, SFTConfig(...),
@@ -35,7 +36,7 @@ host, fully_shard copying each unit to the device), device and host peaks, each 
 (experiments/measure_trainer_fsdp_host.out).
 Run: python experiments/measure_trainer.py [--out CSV] [--only N] [--world-size N] [--models a,b]
      [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3|llamafactory|sft|sft-ddp|fsdp|
-      fsdp-offload|fsdp-host|nvme|accelerate-fsdp]
+      fsdp-offload|fsdp-host|nvme|accelerate-fsdp|accelerate-fsdp-ram]
 """
 from __future__ import annotations
 
@@ -307,6 +308,32 @@ ACCELERATE_FSDP_CASES = [  # (name, TrainingArguments fields, peft, dtype, the a
      {**ACCELERATE_FSDP, "fsdp_config": {**ACCELERATE_FSDP["fsdp_config"], "fsdp_offload_params": True}}),
     ("LoRA all-linear, bf16 weights", {}, LORA, "bfloat16", ACCELERATE_FSDP),
 ]
+# The same launch with `fsdp_cpu_ram_efficient_loading` on (accelerate launch's default where the file leaves the key
+# out; `accelerate config` writes true): the model moved to the meta device before sharding (the other ranks before
+# the upcast) and rank 0's state dict broadcast into every rank's shards (`fsdp2_load_full_state_dict`), so rank 0
+# runs apart. `--cases accelerate-fsdp-ram`; the last ones measured as on a GPU (`--fsdp-init host`: rank 0's state
+# dict on the host, each parameter copied to the device for its broadcast)
+RAM_EFFICIENT = {**ACCELERATE_FSDP, "fsdp_config": {**ACCELERATE_FSDP["fsdp_config"],
+                                                    "fsdp_cpu_ram_efficient_loading": True}}
+ACCELERATE_FSDP_RAM_CASES = [  # (name, TrainingArguments fields, peft, dtype, the accelerate config, llmsim flags)
+    ("ram-efficient loading left out (the launch's default: true), bf16, checkpointing",
+     {"gradient_checkpointing": True}, None, "float32",
+     {**ACCELERATE_FSDP, "fsdp_config": {key: value for key, value in ACCELERATE_FSDP["fsdp_config"].items()
+                                         if key != "fsdp_cpu_ram_efficient_loading"}}, ()),
+    ("ram-efficient, LoRA all-linear, bf16 weights", {}, LORA, "bfloat16", RAM_EFFICIENT, ()),
+    ("ram-efficient, loaded in bf16, bf16 (rank 0 upcasts)", {}, None, "bfloat16", RAM_EFFICIENT, ()),
+    ("ram-efficient, mixed_precision no, reshard_after_forward false", {}, None, "float32",
+     {**RAM_EFFICIENT, "mixed_precision": "no",
+      "fsdp_config": {**RAM_EFFICIENT["fsdp_config"], "fsdp_reshard_after_forward": False}}, ()),
+    ("ram-efficient, offload_params (CPUOffloadPolicy)", {}, None, "float32",
+     {**RAM_EFFICIENT, "fsdp_config": {**RAM_EFFICIENT["fsdp_config"], "fsdp_offload_params": True}}, ()),
+    ("host: ram-efficient, bf16", {}, None, "float32", RAM_EFFICIENT, ("--fsdp-init", "host")),
+    ("host: ram-efficient, LoRA all-linear, bf16 weights", {}, LORA, "bfloat16", RAM_EFFICIENT,
+     ("--fsdp-init", "host")),
+    ("host: ram-efficient, offload_params, checkpointing", {"gradient_checkpointing": True}, None, "float32",
+     {**RAM_EFFICIENT, "fsdp_config": {**RAM_EFFICIENT["fsdp_config"], "fsdp_offload_params": True}},
+     ("--fsdp-init", "host")),
+]
 # The Trainer's FSDP with fsdp_config cpu_offload (accelerate's CPUOffloadPolicy()), 2 ranks, into FSDP_OUT
 FSDP_OFFLOAD_CASES = [
     ("cpu_offload (CPUOffloadPolicy, pinned)", {"fsdp": True, "fsdp_config": {"cpu_offload": True}}, None, "float32"),
@@ -397,7 +424,8 @@ def main() -> int:
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
     parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload", "moe",
                                             "moe-qlora", "moe-deepspeed", "zero3", "llamafactory", "sft", "sft-ddp",
-                                            "fsdp", "fsdp-offload", "fsdp-host", "nvme", "accelerate-fsdp"],
+                                            "fsdp", "fsdp-offload", "fsdp-host", "nvme", "accelerate-fsdp",
+                                            "accelerate-fsdp-ram"],
                         default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
                         "DDP_OUT / DEEPSPEED_OUT)")
@@ -414,7 +442,8 @@ def main() -> int:
                        "fsdp": (DDP_WORLD_SIZE, FSDP_OUT),
                        "fsdp-offload": (DDP_WORLD_SIZE, FSDP_OUT),
                        "fsdp-host": (DDP_WORLD_SIZE, FSDP_OUT),
-                       "accelerate-fsdp": (DDP_WORLD_SIZE, FSDP_OUT)}.get(args.cases, (1, OUT))
+                       "accelerate-fsdp": (DDP_WORLD_SIZE, FSDP_OUT),
+                       "accelerate-fsdp-ram": (DDP_WORLD_SIZE, FSDP_OUT)}.get(args.cases, (1, OUT))
     out = args.out or out
     world_size = args.world_size or world_size
     cases = ([(*case, None, True) for case in CASES] if args.cases in ("all", "plain") else []) + \
@@ -444,14 +473,26 @@ def main() -> int:
                                                                              "fsdp-offload", "fsdp-host", "nvme"),
                                  sft=args.cases.startswith("sft"),
                                  extra=("--fsdp-init", "host") if args.cases == "fsdp-host" else ()) != 0
-    if args.cases == "accelerate-fsdp":
+    if args.cases in ("accelerate-fsdp", "accelerate-fsdp-ram"):
+        launches = ([(*case, ()) for case in ACCELERATE_FSDP_CASES] if args.cases == "accelerate-fsdp" else
+                    ACCELERATE_FSDP_RAM_CASES)
         with tempfile.TemporaryDirectory() as directory:
             for model in models:
-                for index, (name, fields, peft, dtype, config) in enumerate(ACCELERATE_FSDP_CASES[: args.only]):
+                for index, (name, fields, peft, dtype, config, flags) in enumerate(launches[: args.only]):
                     launch = Path(directory) / f"accelerate{index}.json"
                     launch.write_text(json.dumps(config))
                     failures += run_case(model, fields, peft, dtype, Path(out), world_size=world_size,
-                                         predict_first=True, extra=("--accelerate-config", str(launch))) != 0
+                                         predict_first=True, extra=("--accelerate-config", str(launch), *flags)) != 0
+    if args.cases == "accelerate-fsdp-ram" and args.only is None:  # where the build is the peak: ranks apart
+        model, overrides, seq_len, (name, fields, peft, dtype) = FSDP_HOST_DEEP
+        fields = {key: value for key, value in fields.items() if key not in ("fsdp", "bf16")}  # the launch's
+        with tempfile.TemporaryDirectory() as directory:
+            launch = Path(directory) / "accelerate.json"
+            launch.write_text(json.dumps(RAM_EFFICIENT))
+            for flags in ((), ("--fsdp-init", "host")):
+                failures += run_case(model, fields, peft, dtype, Path(out), world_size=world_size,
+                                     overrides=overrides, predict_first=True, seq_len=seq_len,
+                                     extra=("--accelerate-config", str(launch), *flags)) != 0
     if args.cases == "fsdp-host" and args.only is None:
         model, overrides, seq_len, (name, fields, peft, dtype) = FSDP_HOST_DEEP
         failures += run_case(model, fields, peft, dtype, Path(out), world_size=world_size, overrides=overrides,

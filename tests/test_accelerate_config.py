@@ -110,17 +110,20 @@ def _trainer_peaks(capsys, *args) -> list[tuple[int, int]]:
     return [(r["peak_allocated_bytes"], r["peak_host_bytes"]) for r in json.loads(capsys.readouterr().out)["ranks"]]
 
 
-@pytest.mark.parametrize("mixed,reshard,offload", [("bf16", "true", "false"), ("'no'", "false", "true")])
-def test_an_fsdp_launch_gives_the_trainer_the_plugin_its_variables_build(tmp_path, capsys, mixed, reshard, offload):
+@pytest.mark.parametrize("mixed,reshard,offload,ram", [("bf16", "true", "false", "false"),
+                                                       ("'no'", "false", "true", "false"),
+                                                       ("bf16", "true", "false", "true")])
+def test_an_fsdp_launch_gives_the_trainer_the_plugin_its_variables_build(tmp_path, capsys, mixed, reshard, offload,
+                                                                         ram):
     """`accelerate launch --config_file` with FSDP under the Trainer predicts what the TrainingArguments' fsdp,
     fsdp_config and bf16 that build the same plugin predict (measured through accelerate's launcher itself:
     trainer_fsdp_cpu.csv, the rows with accelerate_config)."""
     launch = _write(tmp_path, "fsdp.yaml", FSDP_YAML.format(mixed=mixed, version=2, reshard=reshard,
-                                                            offload=offload, ram="false"))
+                                                            offload=offload, ram=ram))
     args = _write(tmp_path, "args.yaml", "per_device_train_batch_size: 2\n")
     same = {"per_device_train_batch_size": 2, "fsdp": True, "bf16": mixed == "bf16",
             "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": reshard == "true",
-                            "cpu_offload": offload == "true"}}
+                            "cpu_offload": offload == "true", "cpu_ram_efficient_loading": ram == "true"}}
     direct = _write(tmp_path, "direct.json", json.dumps(same))
     launched = _trainer_peaks(capsys, "--training-args", args, "--accelerate-config", launch)
     assert launched == _trainer_peaks(capsys, "--training-args", direct, "--world-size", "2")
@@ -129,7 +132,6 @@ def test_an_fsdp_launch_gives_the_trainer_the_plugin_its_variables_build(tmp_pat
 
 @pytest.mark.parametrize("version,ram,fields,needle", [
     (1, "false", "", "fsdp_config fsdp_version: 1 is not modelled yet; modelled: 2"),
-    (2, "true", "", "fsdp_config fsdp_cpu_ram_efficient_loading: True (accelerate launch's default"),
     (2, "false", "fsdp: true\n", "the TrainingArguments' fsdp with --accelerate-config"),
     (2, "false", "fp16: true\n", "fp16=True contradicts --accelerate-config"),
 ])
@@ -141,3 +143,26 @@ def test_what_an_fsdp_launch_does_and_llmsim_does_not_model_is_one_line(tmp_path
     assert main(["predict", *TRAINER, "--training-args", args, "--accelerate-config", launch]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_an_fsdp_launch_loads_ram_efficiently_unless_the_file_says_otherwise(tmp_path):
+    """accelerate launch's default for `fsdp_cpu_ram_efficient_loading` where the file leaves it out is true (its
+    launcher sets FSDP_CPU_RAM_EFFICIENT_LOADING=true): the Trainer gets the plugin's value, and rank 0 (the main
+    process, whose state dict the others' shards are loaded from) is traced apart from the other ranks."""
+    from llmsim.inputs.accelerate_config import trainer_fsdp_launch
+    from llmsim.inputs.hf import trainer_setup
+    from llmsim.inputs.spec import load_model_spec
+    from llmsim.sim.strategies import traced_setup, trainer_layout
+    from llmsim.sim.strategies.fsdp import rank_classes
+
+    text = FSDP_YAML.format(mixed="bf16", version=2, reshard="true", offload="false", ram="false")
+    left_out = _write(tmp_path, "default.yaml", "\n".join(line for line in text.splitlines()
+                                                          if "cpu_ram_efficient_loading" not in line) + "\n")
+    spec = load_model_spec("llama-2-7b", {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                                          "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256})
+    for path, ram in ((left_out, True), (_write(tmp_path, "off.yaml", text), False)):
+        world, fields = trainer_fsdp_launch(path, {"per_device_train_batch_size": 2})
+        assert world == 2 and fields["fsdp_config"]["cpu_ram_efficient_loading"] is ram
+        setup, layout = trainer_layout(spec, trainer_setup(spec, 16, fields, None, "float32", None), world, None)
+        assert layout.fsdp.cpu_ram_efficient_loading is ram
+        assert rank_classes(spec, traced_setup(setup, layout), 4) == ([[0], [1, 2, 3]] if ram else [[0, 1, 2, 3]])

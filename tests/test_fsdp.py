@@ -1,12 +1,14 @@
 """PyTorch FSDP2 (--strategy fsdp, llmsim/model/fsdp.py). The committed rows (data/measurements/tier2_fsdp_cpu.csv)
 are re-predicted in test_validate.py; here: the reduced-depth trace against the full-depth one, the inputs a user
 can get wrong, and (slow) a fresh real run against its prediction."""
+import json
 from dataclasses import replace
 
 import pytest
 
 from llmsim.app.cli import main
 from llmsim.enums import Attention, Precision
+from llmsim.errors import InputError
 from llmsim.inputs.spec import FsdpSetup, TrainSetup, load_model_spec
 from llmsim.inputs.zoo import shrink
 from llmsim.measure.runs import measure_distributed
@@ -217,3 +219,16 @@ def test_fresh_fsdp_run_matches_prediction():
     for row in measured:
         want = predicted.ranks[row["rank"]].peak.allocated_bytes
         assert abs(want - row["peak_allocated_bytes"]) <= PEAK_ALLOCATED_TOLERANCE[2] * row["peak_allocated_bytes"]
+
+
+def test_cpu_ram_efficient_loading_is_accelerates_switch_and_a_row_states_it():
+    """The plugin's switch exists only where accelerate shards (wrap "accelerate"); a row's fsdp_config names it
+    there, and only there (the committed fully_shard rows have no such field)."""
+    trainer = FsdpSetup(init="full", wrap="accelerate", cpu_ram_efficient_loading=True)
+    assert FsdpSetup.from_json(trainer.as_json()) == trainer
+    assert "cpu_ram_efficient_loading" not in json.loads(FsdpSetup().as_json())
+    with pytest.raises(InputError, match="cpu_ram_efficient_loading is accelerate's FSDP plugin switch"):
+        FsdpSetup(cpu_ram_efficient_loading=True)
+    with pytest.raises(InputError, match="lacks cpu_ram_efficient_loading"):
+        FsdpSetup.from_json(json.dumps({k: v for k, v in json.loads(trainer.as_json()).items()
+                                        if k != "cpu_ram_efficient_loading"}))

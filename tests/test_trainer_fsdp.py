@@ -39,12 +39,13 @@ def test_the_trainers_fsdp_is_read_as_transformers_hands_it_to_accelerate():
     assert not legacy.fsdp.offload
     for fields in ({"fsdp": True, "fsdp_config": {"cpu_offload": True}}, {"fsdp": "full_shard offload auto_wrap"}):
         assert _layout(fields)[2].fsdp.offload  # accelerate's CPUOffloadPolicy()
+    assert not legacy.fsdp.cpu_ram_efficient_loading  # the Trainer's default, unlike accelerate launch's
+    assert _layout({"fsdp": True, "fsdp_config": {"cpu_ram_efficient_loading": True}})[2].fsdp.cpu_ram_efficient_loading
 
 
 @pytest.mark.parametrize("fields, world_size, strategy, says", [
     ({"fsdp": True, "fsdp_config": {"version": 1}}, 2, None, "fsdp_version=1 is not modelled yet"),
     ({"fsdp": True, "fsdp_config": {"activation_checkpointing": True}}, 2, None, "activation_checkpointing=True"),
-    ({"fsdp": True, "fsdp_config": {"cpu_ram_efficient_loading": True}}, 2, None, "cpu_ram_efficient_loading"),
     ({"fsdp": True, "fsdp_config": {"auto_wrap_policy": "SIZE_BASED_WRAP"}}, 2, None, "auto_wrap_policy"),
     ({"fsdp": True, "fp16": True}, 2, None, "FSDP and fp16=True is not modelled yet"),
     ({"fsdp": True}, 1, None, "give --world-size N (2 or more)"),
@@ -132,19 +133,20 @@ def test_a_fresh_host_loaded_trainer_fsdp_run_matches_its_prediction():
 
 def test_a_fresh_accelerate_launch_matches_its_prediction(tmp_path):
     """The Trainer started by `accelerate launch --config_file` (distributed_type FSDP, the plugin from the launcher's
-    variables, CPU offload, mixed precision no): a held-out Mistral shape, device and host peaks of each rank
-    against the prediction from the file (llmsim/inputs/accelerate_config.py `trainer_fsdp_launch`)."""
+    variables, CPU offload, mixed precision no, fsdp_cpu_ram_efficient_loading left out: the launch's default,
+    true): a held-out Mistral shape, device and host peaks of each rank against the prediction from the file
+    (llmsim/inputs/accelerate_config.py `trainer_fsdp_launch`)."""
     from llmsim.inputs.accelerate_config import trainer_fsdp_launch
 
     launch = tmp_path / "fsdp.yaml"
     launch.write_text("distributed_type: FSDP\nnum_processes: 2\nmixed_precision: 'no'\nfsdp_config:\n"
                       "  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
-                      "  fsdp_offload_params: true\n  fsdp_reshard_after_forward: false\n"
-                      "  fsdp_cpu_ram_efficient_loading: false\n")
+                      "  fsdp_offload_params: true\n  fsdp_reshard_after_forward: false\n")
     user = {"per_device_train_batch_size": 2, "gradient_checkpointing": True}
     spec = load_model_spec("mistral-7b", {**LLAMA_TINY, "num_hidden_layers": 3})
     world, fields = trainer_fsdp_launch(launch, user)
     setup, layout = trainer_layout(spec, trainer_setup(spec, 16, fields, None, "float32", None), world, None)
+    assert layout.fsdp.cpu_ram_efficient_loading and layout.fsdp.offload
     measured = measure_trainer(spec, setup, "float32", layout, accelerate_config=str(launch), user_fields=user)
     predicted = predict(spec, setup, layout).ranks
     for p, m in zip(predicted, measured, strict=True):
@@ -180,6 +182,16 @@ def test_committed_fsdp_rows_cover_the_trainers_fsdp():
     assert (offload & launched).sum() >= 6
     loaded_on_the_host = rows["fsdp_init"].fillna("") == "host"  # measured as on a GPU: the model loads there
     assert (rows.loc[~offload & ~loaded_on_the_host, "peak_host_bytes"] == 0).all()
+    # fsdp_cpu_ram_efficient_loading (accelerate launch's default where the file leaves it out): rank 0 apart
+    ram = launches.map(lambda c: bool(c) and c["fsdp_config"].get("fsdp_cpu_ram_efficient_loading", True))
+    assert ram.sum() >= 40 and launches[ram].map(lambda c: "fsdp_cpu_ram_efficient_loading" not in
+                                                  c["fsdp_config"]).any()
+    assert (ram & offload).sum() >= 6 and (ram & loaded_on_the_host).sum() >= 10
+    run = ["model", "overrides", "seq_len", "training_args", "peft_config", "load_dtype", "accelerate_config",
+           "fsdp_init"]
+    one_run = rows.loc[ram, run].map(str).agg("|".join, axis=1)
+    apart = rows[ram].groupby(one_run)[["peak_allocated_bytes", "peak_host_bytes"]].nunique().max(axis=1)
+    assert (apart > 1).sum() >= 3  # ranks whose device or host peaks differ: the build (CPU) or rank 0's host
 
 
 def test_on_a_gpu_the_trainers_fsdp_loads_on_the_host(tmp_path, capsys):

@@ -171,14 +171,13 @@ def trainer_fsdp_launch(path: str | Path, fields: dict[str, Any]) -> tuple[int, 
              "activation_checkpointing": plugin.activation_checkpointing}
     for name, value in found.items():
         if value not in FSDP_PLUGIN_MODELLED[name]:
-            default = (" (accelerate launch's default where the file leaves it out)"
-                       if name == "cpu_ram_efficient_loading" else "")
-            raise InputError(f"accelerate config fsdp_config {FSDP_YAML_KEYS[name]}: {value!r}{default} is not "
+            raise InputError(f"accelerate config fsdp_config {FSDP_YAML_KEYS[name]}: {value!r} is not "
                              f"modelled yet; modelled: {FSDP_PLUGIN_MODELLED[name][0]!r} (FSDP2, "
-                             "TRANSFORMER_BASED_WRAP, the model loaded on every rank, the Trainer's "
-                             "gradient_checkpointing)")
+                             "TRANSFORMER_BASED_WRAP, the Trainer's gradient_checkpointing)")
     fsdp_config = {"fsdp_version": 2, "reshard_after_forward": bool(plugin.reshard_after_forward),
-                   "cpu_offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy)}
+                   "cpu_offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy),
+                   # accelerate launch's default where the file leaves it out (true)
+                   "cpu_ram_efficient_loading": bool(plugin.cpu_ram_efficient_loading)}
     if plugin.transformer_cls_names_to_wrap:  # the file's fsdp_transformer_layer_cls_to_wrap, as the Trainer takes it
         fsdp_config["transformer_layer_cls_to_wrap"] = list(plugin.transformer_cls_names_to_wrap)
     added = {"fsdp": True, "fsdp_config": fsdp_config}

@@ -51,7 +51,8 @@ FSDP_PLUGIN_MODELLED = {
     "fsdp_version": (2,),
     "auto_wrap_policy": ("TRANSFORMER_BASED_WRAP",),
     "cpu_offload": (False, True),  # CPUOffloadPolicy(): shards, gradients and AdamW on the host (host_memory.py)
-    "cpu_ram_efficient_loading": (False,),  # rank 0 loads, the others start on the meta device and receive shards
+    # the model moved to the meta device before sharding, rank 0's state dict broadcast to every rank's shards
+    "cpu_ram_efficient_loading": (False, True),
     "activation_checkpointing": (False,),  # accelerate's checkpoint_wrapper (the Trainer's own checkpointing is)
 }
 # SFTConfig fields whose run is not modelled yet with TRL's SFTTrainer (the trace runs the trainer, but its rows
@@ -167,7 +168,8 @@ def trainer_fsdp(args):
                          "bf16 or fp32")
     dtype = "bfloat16" if args.bf16 else None
     return FsdpSetup(reshard_after_forward=bool(plugin.get("reshard_after_forward", True)), param_dtype=dtype,
-                     reduce_dtype=dtype, init="full", wrap="accelerate", offload=bool(plugin.get("cpu_offload")))
+                     reduce_dtype=dtype, init="full", wrap="accelerate", offload=bool(plugin.get("cpu_offload")),
+                     cpu_ram_efficient_loading=bool(plugin.get("cpu_ram_efficient_loading")))
 
 
 def lora_config(fields: dict[str, Any]):

@@ -85,7 +85,10 @@ class FsdpSetup:
     whole model, which fully_shard then shards in place), or "host" (the HF Trainer's on a GPU: loaded on the host,
     each unit copied to the device by fully_shard as it shards it). `offload`: `offload_policy=CPUOffloadPolicy()` (each
     parameter's shard, its gradient and AdamW's states and step on the host; each unit's shards copied to the
-    device for its all-gather)."""
+    device for its all-gather). `cpu_ram_efficient_loading` (the Trainer's, wrap "accelerate": the plugin's switch of
+    that name, accelerate launch's default): accelerate's `fsdp2_prepare_model` moves the model to the meta device
+    before sharding (the other ranks before the fp32 upcast) and `fsdp2_load_full_state_dict` then broadcasts rank
+    0's state dict, parameter by parameter, each rank keeping its shard: rank 0 runs apart from the others."""
 
     reshard_after_forward: bool = True
     param_dtype: str | None = None
@@ -93,6 +96,7 @@ class FsdpSetup:
     init: str = "meta"
     wrap: str = "layers"  # FSDP_WRAPS
     offload: bool = False
+    cpu_ram_efficient_loading: bool = False
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -122,17 +126,26 @@ class FsdpSetup:
             raise InputError("fsdp-offload with fsdp-wrap(transformers) is not modelled yet; modelled: CPUOffloadPolicy "
                              "with fully_shard on every decoder layer, then the root (fsdp-wrap layers), and the HF "
                              "Trainer's fsdp_config cpu_offload")
+        if self.cpu_ram_efficient_loading and self.wrap != "accelerate":
+            raise InputError("cpu_ram_efficient_loading is accelerate's FSDP plugin switch (the HF Trainer's "
+                             "fsdp_config, accelerate launch's fsdp_cpu_ram_efficient_loading); with --strategy fsdp "
+                             "choose --fsdp-init meta for a model no rank holds whole")
 
     def as_json(self) -> str:
-        return json.dumps({"reshard_after_forward": self.reshard_after_forward, "param_dtype": self.param_dtype,
-                           "reduce_dtype": self.reduce_dtype, "init": self.init, "wrap": self.wrap,
-                           "offload": self.offload}, sort_keys=True)
+        """The fields; `cpu_ram_efficient_loading` with wrap "accelerate" only (fully_shard has no such switch)."""
+        fields = {"reshard_after_forward": self.reshard_after_forward, "param_dtype": self.param_dtype,
+                  "reduce_dtype": self.reduce_dtype, "init": self.init, "wrap": self.wrap, "offload": self.offload}
+        if self.wrap == "accelerate":
+            fields["cpu_ram_efficient_loading"] = self.cpu_ram_efficient_loading
+        return json.dumps(fields, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "FsdpSetup":
         """A row's `fsdp_config`: every field stated (a row says how it was built, never a default)."""
         fields = json.loads(text)
         names = ["init", "offload", "param_dtype", "reduce_dtype", "reshard_after_forward", "wrap"]
+        if fields.get("wrap") == "accelerate":
+            names.append("cpu_ram_efficient_loading")
         unknown, missing = sorted(set(fields) - set(names)), sorted(set(names) - set(fields))
         if unknown or missing:
             raise InputError(f"fsdp_config {'has unknown field ' + unknown[0] if unknown else 'lacks ' + missing[0]}"

@@ -32,6 +32,7 @@ import inspect
 from unittest import mock
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -40,6 +41,7 @@ from llmsim.enums import Category
 from llmsim.model.tracker import StorageTracker, _storages
 
 _TO = {torch.Tensor.to}
+_CPU_DEVICE = torch.device("cpu")
 _CPU = {torch.Tensor.cpu}
 _PIN, _IS_PINNED = torch.Tensor.pin_memory, torch.Tensor.is_pinned
 
@@ -60,6 +62,10 @@ _DEVICE_GETTER = inspect.getattr_static(torch.Tensor, "device")
 
 def _is_host_name(device) -> bool:
     return isinstance(device, HostDevice) or (isinstance(device, torch.device) and device == HOST_DEVICE)
+
+
+def _is_meta_name(device) -> bool:
+    return device is not None and not isinstance(device, HostDevice) and torch.device(device).type == "meta"
 
 
 def _to_target(args, kwargs):
@@ -112,6 +118,7 @@ class HostMemory:
         self.host: set[int] = set()  # serials of host storages
         self.plain_devices = 0  # inside DeepSpeedCPUAdam.step (`_plain_devices`): host tensors answer "cpu"
         self.pinned: set[int] | None = None  # serials of page-locked host storages, where pinning is followed
+        self.loaded_shards_to_host = False  # inside accelerate's fsdp2_load_full_state_dict(cpu_offload=True)
 
     # ---- storages ---------------------------------------------------------------------------------------
     def _serials(self, value) -> list[int]:
@@ -189,6 +196,7 @@ class HostMemory:
         if offload:
             self.pinned = set()
             patches.append(mock.patch.object(_fsdp_collectives, "torch", _TorchNamingTheHost()))
+            patches.append(self._loaded_shards_to_the_host())
         if host_build:
             from accelerate import accelerator
             from accelerate.utils import fsdp_utils
@@ -216,6 +224,23 @@ class HostMemory:
             patches.append(mock.patch.object(_fsdp_init, "_move_states_to_device", to_the_device))
         with self._modes(patches):
             yield self
+
+    def _loaded_shards_to_the_host(self):
+        """accelerate's `fsdp2_load_full_state_dict(..., cpu_offload=True)` (cpu_ram_efficient_loading with
+        CPUOffloadPolicy) moves each loaded shard, a DTensor, to the host with a literal `tensor.to("cpu")`, in the
+        loop where "cpu" is also the mesh's device on this CPU: while it runs, that move of a DTensor names the host."""
+        from accelerate.utils import fsdp_utils
+
+        load, memory = fsdp_utils.fsdp2_load_full_state_dict, self
+
+        def loading(*args, cpu_offload: bool = False, **kwargs):
+            memory.loaded_shards_to_host = cpu_offload
+            try:
+                return load(*args, cpu_offload=cpu_offload, **kwargs)
+            finally:
+                memory.loaded_shards_to_host = False
+
+        return mock.patch.object(fsdp_utils, "fsdp2_load_full_state_dict", loading)
 
     @contextlib.contextmanager
     def _modes(self, patches):
@@ -442,6 +467,10 @@ class _Place(TorchFunctionMode):
         if func in _TO or func in _CPU:
             source = args[0]
             target = HOST if func in _CPU else _to_target(args, kwargs)
+            if self.memory.loaded_shards_to_host and isinstance(source, DTensor) and target in ("cpu", _CPU_DEVICE):
+                target = HOST  # accelerate's loaded shard moved to the host (`_loaded_shards_to_the_host`)
+            if _is_meta_name(target):  # no memory on either side (accelerate's `model.to("meta")`): not a crossing
+                return func(*args, **kwargs)
             if target is not None and isinstance(source, torch.Tensor) and self.memory._serials(source):
                 to_host = _is_host_name(target)
                 if to_host != self.memory.is_host(source):  # a crossing: a GPU copies, the CPU would alias

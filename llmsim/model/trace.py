@@ -338,7 +338,8 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     num_layers = end - start
     lead, period = layer_structure(spec, setup, start, end)
     depth = trace_depth(num_layers, period, lead)
-    if setup.fsdp is not None and (setup.fsdp_rank != 0 or setup.device is Device.CUDA or setup.fsdp.offload):
+    if setup.fsdp is not None and (setup.fsdp_rank != 0 or setup.device is Device.CUDA or setup.fsdp.offload or
+                                   setup.fsdp.cpu_ram_efficient_loading):
         # A rank with shorter FSDP2 shards than rank 0 (llmsim.sim.strategies.fsdp.rank_classes): traced whole. It
         # was for the trace's re-padding of every shard at the root's lazy init (an artefact since mended:
         # fsdp.storages_told_apart); its reduced-depth trace still expands short of the full one by build events

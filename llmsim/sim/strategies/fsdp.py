@@ -56,10 +56,15 @@ def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
 
 
 def rank_classes(model, setup, world_size: int) -> list[list[int]]:
-    """The ranks in groups of equal local shards (llmsim/model/fsdp.py, `rank_classes`)."""
+    """The ranks in groups of equal local shards (llmsim/model/fsdp.py, `rank_classes`); with accelerate's
+    `cpu_ram_efficient_loading` rank 0 (the main process, whose state dict every rank's shards are loaded from) is
+    a group of its own."""
     from llmsim.model import fsdp
 
-    return fsdp.rank_classes(_dim0_sizes(model, setup.lora_rank, setup.lora_targets, setup.peft_config), world_size)
+    classes = fsdp.rank_classes(_dim0_sizes(model, setup.lora_rank, setup.lora_targets, setup.peft_config), world_size)
+    if setup.fsdp is not None and setup.fsdp.cpu_ram_efficient_loading and len(classes[0]) > 1:
+        classes = [[0], classes[0][1:], *classes[1:]]
+    return classes
 
 
 @functools.lru_cache(maxsize=16)
