@@ -1,8 +1,8 @@
-"""What `fsdp_cpu_ram_efficient_loading: true` (accelerate launch's default for FSDP, refused by llmsim) changes in a
-Trainer run, measured on this CPU: the same accelerate FSDP2 launch YAML with the key false and true, the HF Trainer
-started by `accelerate launch --config_file` itself (llmsim.measure.runs.measure_trainer), each rank's peak per phase
-from the kept timelines, beside llmsim's prediction of the false one. A study for modelling it; no llmsim code
-changed. Run: python experiments/explore_cpu_ram_efficient_loading.py (about 1 minute); output:
+"""What `fsdp_cpu_ram_efficient_loading: true` (accelerate launch's default for FSDP) changes in a Trainer run,
+measured on this CPU: the same accelerate FSDP2 launch YAML with the key false and true, the HF Trainer started by
+`accelerate launch --config_file` itself (llmsim.measure.runs.measure_trainer), each rank's peak per phase from the
+kept timelines, beside llmsim's prediction of the false one. The study made before it was modelled (when llmsim
+refused it); the rows since: `experiments/measure_trainer.py --cases accelerate-fsdp-ram`. Run: python experiments/explore_cpu_ram_efficient_loading.py (about 1 minute); output:
 experiments/explore_cpu_ram_efficient_loading.out."""
 from __future__ import annotations
 
