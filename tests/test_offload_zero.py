@@ -224,6 +224,27 @@ def test_zero3_on_a_gpu_defragments_through_the_host_and_pins_copies():
     assert pinned.sum() == pageable.sum() and pinned.cumsum().max() == pageable.cumsum().max()
 
 
+def test_with_parameter_offload_the_step_copies_host_to_host():
+    """With offload_param the bf16 partitions live on the host (`param_groups_fp16_flat_cpu_memory`): the step's
+    copy of each updated fp32 master into them converts in place, as on the CPU, with no bf16 host staging (which a
+    copy across to the device makes: ATen's `copy_kernel_cuda`). A GPU's host side differs from the CPU's by the
+    flat buffer's pinned copy only (accelerator.pin_memory, whatever pin_memory says)."""
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.sim.pipeline import checked
+    from llmsim.sim.strategies import zero3
+    from llmsim.sim.traced import expanded
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", *SHAPE))
+    host = {}
+    for gpu in (load_gpu("h100-80gb"), None):
+        config = _config(3, bf16=True, pin=False, offload_param={"device": "cpu", "pin_memory": False})
+        layout = Layout(Strategy.DEEPSPEED, 2, deepspeed=ds_setup(config, 2, SHAPE[0], None, None))
+        setup = checked(spec, TrainSetup(2, 64, Precision.BF16, Attention.SDPA, False), layout, gpu)
+        timeline = zero3.plan(expanded(spec, setup)[0], layout, setup)[0]
+        host[gpu is not None] = timeline.loc[timeline["category"] == Category.HOST_OFFLOAD.value, "delta_bytes"]
+    assert (host[True] > 0).sum() == (host[False] > 0).sum() + 1
+
+
 def test_pinned_buffers_are_copies_on_a_gpu_only():
     from llmsim.inputs.gpus import load_gpu
     from llmsim.sim.pipeline import checked

@@ -364,10 +364,11 @@ class _Rank:
         self.w.free(converted, numel * FP32_BYTES, Category.HOST_OFFLOAD)
 
     def _host_staging(self, numel, elem: int) -> None:
-        """A device partition of `elem`-byte elements copied into an fp32 host tensor (the offload master, a swap
-        buffer): on a GPU a copy to the host that changes the dtype goes through a host copy in the source dtype
-        (ATen's `copy_kernel_cuda`), made and dropped; from the host (parameter offload) or on the CPU it converts
-        in place."""
+        """A copy between the fp32 host tensor (the offload master, a swap buffer) and the partition of `elem`-byte
+        elements, either way: on a GPU a copy across that changes the dtype converts on the host (ATen's
+        `copy_kernel_cuda`: to the host, into a host copy in the source dtype; from it, the source converted there
+        first), a host copy in `elem` bytes made and dropped; with parameter offload (the partition on the host)
+        or on the CPU it converts in place."""
         if self.cuda and elem != FP32_BYTES and not self.host_params:
             staging = self.w.alloc(int(numel) * elem, Category.HOST_OFFLOAD)
             self.w.free(staging, int(numel) * elem, Category.HOST_OFFLOAD)
@@ -703,8 +704,9 @@ class _Rank:
         (`total_norm.cpu()`, a 0-d each), their combination (a 0-d) and `_global_grad_norm` (a 0-d, kept to the
         next step, whose engine holds it until that step returns); per sub-group the host gradient clipped in
         place, the client AdamW on the host master (torch's for-loop path: host tensors), the update copied into
-        the device partition (on a GPU in bf16 through a host copy in bf16, as a copy that changes the dtype across
-        devices converts on the host)."""
+        the bf16 partition: on a GPU, into the device partition through a host copy in bf16 (a copy that changes
+        the dtype across devices converts on the host: ATen's `copy_kernel_cuda`); with parameter offload the
+        partition is on the host (`param_groups_fp16_flat_cpu_memory`), where the copy converts in place."""
         scalars = [self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD) for _ in self.sub_groups]
         scalars.append(self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD))  # combine_grad_norm_groups
         kept = self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
@@ -714,9 +716,7 @@ class _Rank:
             states: list[tuple[int, int]] = []
             step_optimizer(self.w, [numel], step == 0, False, self.optimizer, self.fused, on_host=True,
                            states=states)
-            if self.cuda and self.elem != FP32_BYTES:  # _reassign_or_swap_out_partitioned_parameters
-                staging = self.w.alloc(numel * self.elem, Category.HOST_OFFLOAD)
-                self.w.free(staging, numel * self.elem, Category.HOST_OFFLOAD)
+            self._host_staging(numel, self.elem)  # _reassign_or_swap_out_partitioned_parameters' copy_
             if swapped:  # `swap_out_optimizer_state`: step 0's states, made unpinned, written through the pool
                 for state in states:  # and released (`.data = torch.Tensor()`); the kept gradients dropped
                     self.w.free(*state, Category.HOST_OFFLOAD)
