@@ -19,7 +19,8 @@ data/measurements/trainer_zero3_cpu.csv; NVME_CASES the same JSON with the optim
 (ZeRO-Infinity's swapper), each predicted first, in data/measurements/trainer_offload_cpu.csv. ACCELERATE_FSDP_CASES
 (`--cases accelerate-fsdp`): the Trainer launched by `accelerate launch --config_file` with distributed_type FSDP,
 each predicted first, in data/measurements/trainer_fsdp_cpu.csv; ACCELERATE_FSDP_RAM_CASES (`--cases
-accelerate-fsdp-ram`) the same with fsdp_cpu_ram_efficient_loading on (the launch's default), into the same file.
+accelerate-fsdp-ram`) the same with fsdp_cpu_ram_efficient_loading on (the launch's default), into the same file;
+ACCELERATE_FSDP_AC_CASES (`--cases accelerate-fsdp-ac`) with fsdp_activation_checkpointing.
 LLAMA_FACTORY_CASES: LLaMA-Factory's DeepSpeed configs as it ships them, on 2
 ranks, each predicted first (printed before the run), in data/measurements/trainer_llamafactory_cpu.csv.
 SFT_CASES run TRL's SFTTrainer (`llmsim measure --sft-config ...`: `SFTTrainer(model, SFTConfig(...),
@@ -36,7 +37,7 @@ host, fully_shard copying each unit to the device), device and host peaks, each 
 (experiments/measure_trainer_fsdp_host.out).
 Run: python experiments/measure_trainer.py [--out CSV] [--only N] [--world-size N] [--models a,b]
      [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3|llamafactory|sft|sft-ddp|fsdp|
-      fsdp-offload|fsdp-host|nvme|accelerate-fsdp|accelerate-fsdp-ram]
+      fsdp-offload|fsdp-host|nvme|accelerate-fsdp|accelerate-fsdp-ram|accelerate-fsdp-ac]
 """
 from __future__ import annotations
 
@@ -334,6 +335,26 @@ ACCELERATE_FSDP_RAM_CASES = [  # (name, TrainingArguments fields, peft, dtype, t
      {**RAM_EFFICIENT, "fsdp_config": {**RAM_EFFICIENT["fsdp_config"], "fsdp_offload_params": True}},
      ("--fsdp-init", "host")),
 ]
+# ... and with `fsdp_activation_checkpointing` (accelerate's `fsdp2_apply_ac`: torch's checkpoint_wrapper on every
+# decoder layer, what transformers' Trainer recommends with FSDP over its own `gradient_checkpointing`). `--cases
+# accelerate-fsdp-ac`; the last case is the same switch in the TrainingArguments' fsdp_config under torchrun
+FSDP_AC = {**ACCELERATE_FSDP, "fsdp_config": {**ACCELERATE_FSDP["fsdp_config"], "fsdp_activation_checkpointing": True}}
+ACCELERATE_FSDP_AC_CASES = [  # (name, TrainingArguments fields, peft, dtype, the accelerate config or None, flags)
+    ("activation checkpointing, bf16", {}, None, "float32", FSDP_AC, ()),
+    ("activation checkpointing, LoRA all-linear, bf16 weights", {}, LORA, "bfloat16", FSDP_AC, ()),
+    ("activation checkpointing, mixed_precision no, reshard_after_forward false", {}, None, "float32",
+     {**FSDP_AC, "mixed_precision": "no",
+      "fsdp_config": {**FSDP_AC["fsdp_config"], "fsdp_reshard_after_forward": False}}, ()),
+    ("activation checkpointing, ram-efficient loading left out (true), accumulation 2",
+     {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 1}, None, "float32",
+     {**FSDP_AC, "fsdp_config": {key: value for key, value in FSDP_AC["fsdp_config"].items()
+                                 if key != "fsdp_cpu_ram_efficient_loading"}}, ()),
+    ("activation checkpointing, offload_params", {}, None, "float32",
+     {**FSDP_AC, "fsdp_config": {**FSDP_AC["fsdp_config"], "fsdp_offload_params": True}}, ()),
+    ("host: activation checkpointing, loaded in bf16, bf16", {}, None, "bfloat16", FSDP_AC, ("--fsdp-init", "host")),
+    ("TrainingArguments fsdp_config activation_checkpointing, bf16",
+     {"fsdp": True, "bf16": True, "fsdp_config": {"activation_checkpointing": True}}, None, "float32", None, ()),
+]
 # The Trainer's FSDP with fsdp_config cpu_offload (accelerate's CPUOffloadPolicy()), 2 ranks, into FSDP_OUT
 FSDP_OFFLOAD_CASES = [
     ("cpu_offload (CPUOffloadPolicy, pinned)", {"fsdp": True, "fsdp_config": {"cpu_offload": True}}, None, "float32"),
@@ -425,7 +446,7 @@ def main() -> int:
     parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload", "moe",
                                             "moe-qlora", "moe-deepspeed", "zero3", "llamafactory", "sft", "sft-ddp",
                                             "fsdp", "fsdp-offload", "fsdp-host", "nvme", "accelerate-fsdp",
-                                            "accelerate-fsdp-ram"],
+                                            "accelerate-fsdp-ram", "accelerate-fsdp-ac"],
                         default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
                         "DDP_OUT / DEEPSPEED_OUT)")
@@ -443,7 +464,8 @@ def main() -> int:
                        "fsdp-offload": (DDP_WORLD_SIZE, FSDP_OUT),
                        "fsdp-host": (DDP_WORLD_SIZE, FSDP_OUT),
                        "accelerate-fsdp": (DDP_WORLD_SIZE, FSDP_OUT),
-                       "accelerate-fsdp-ram": (DDP_WORLD_SIZE, FSDP_OUT)}.get(args.cases, (1, OUT))
+                       "accelerate-fsdp-ram": (DDP_WORLD_SIZE, FSDP_OUT),
+                       "accelerate-fsdp-ac": (DDP_WORLD_SIZE, FSDP_OUT)}.get(args.cases, (1, OUT))
     out = args.out or out
     world_size = args.world_size or world_size
     cases = ([(*case, None, True) for case in CASES] if args.cases in ("all", "plain") else []) + \
@@ -473,16 +495,18 @@ def main() -> int:
                                                                              "fsdp-offload", "fsdp-host", "nvme"),
                                  sft=args.cases.startswith("sft"),
                                  extra=("--fsdp-init", "host") if args.cases == "fsdp-host" else ()) != 0
-    if args.cases in ("accelerate-fsdp", "accelerate-fsdp-ram"):
-        launches = ([(*case, ()) for case in ACCELERATE_FSDP_CASES] if args.cases == "accelerate-fsdp" else
-                    ACCELERATE_FSDP_RAM_CASES)
+    if args.cases in ("accelerate-fsdp", "accelerate-fsdp-ram", "accelerate-fsdp-ac"):
+        launches = {"accelerate-fsdp": [(*case, ()) for case in ACCELERATE_FSDP_CASES],
+                    "accelerate-fsdp-ram": ACCELERATE_FSDP_RAM_CASES,
+                    "accelerate-fsdp-ac": ACCELERATE_FSDP_AC_CASES}[args.cases]
         with tempfile.TemporaryDirectory() as directory:
             for model in models:
                 for index, (name, fields, peft, dtype, config, flags) in enumerate(launches[: args.only]):
                     launch = Path(directory) / f"accelerate{index}.json"
                     launch.write_text(json.dumps(config))
+                    accelerate = ("--accelerate-config", str(launch)) if config is not None else ()
                     failures += run_case(model, fields, peft, dtype, Path(out), world_size=world_size,
-                                         predict_first=True, extra=("--accelerate-config", str(launch), *flags)) != 0
+                                         predict_first=True, extra=(*accelerate, *flags)) != 0
     if args.cases == "accelerate-fsdp-ram" and args.only is None:  # where the build is the peak: ranks apart
         model, overrides, seq_len, (name, fields, peft, dtype) = FSDP_HOST_DEEP
         fields = {key: value for key, value in fields.items() if key not in ("fsdp", "bf16")}  # the launch's

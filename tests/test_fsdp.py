@@ -221,11 +221,16 @@ def test_fresh_fsdp_run_matches_prediction():
         assert abs(want - row["peak_allocated_bytes"]) <= PEAK_ALLOCATED_TOLERANCE[2] * row["peak_allocated_bytes"]
 
 
-def test_cpu_ram_efficient_loading_is_accelerates_switch_and_a_row_states_it():
-    """The plugin's switch exists only where accelerate shards (wrap "accelerate"); a row's fsdp_config names it
-    there, and only there (the committed fully_shard rows have no such field)."""
+def test_accelerates_plugin_switches_are_its_own_and_a_row_states_them():
+    """cpu_ram_efficient_loading and activation_checkpointing, accelerate's plugin switches, exist only where
+    accelerate shards (wrap "accelerate"); a row's fsdp_config names them there, and only there (the committed
+    fully_shard rows have no such fields)."""
     trainer = FsdpSetup(init="full", wrap="accelerate", cpu_ram_efficient_loading=True)
     assert FsdpSetup.from_json(trainer.as_json()) == trainer
+    checkpointed = FsdpSetup(init="full", wrap="accelerate", activation_checkpointing=True)
+    assert FsdpSetup.from_json(checkpointed.as_json()) == checkpointed
+    with pytest.raises(InputError, match="activation_checkpointing is accelerate's FSDP plugin switch"):
+        FsdpSetup(activation_checkpointing=True)
     assert "cpu_ram_efficient_loading" not in json.loads(FsdpSetup().as_json())
     with pytest.raises(InputError, match="cpu_ram_efficient_loading is accelerate's FSDP plugin switch"):
         FsdpSetup(cpu_ram_efficient_loading=True)

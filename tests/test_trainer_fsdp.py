@@ -41,11 +41,14 @@ def test_the_trainers_fsdp_is_read_as_transformers_hands_it_to_accelerate():
         assert _layout(fields)[2].fsdp.offload  # accelerate's CPUOffloadPolicy()
     assert not legacy.fsdp.cpu_ram_efficient_loading  # the Trainer's default, unlike accelerate launch's
     assert _layout({"fsdp": True, "fsdp_config": {"cpu_ram_efficient_loading": True}})[2].fsdp.cpu_ram_efficient_loading
+    checkpointed = _layout({"fsdp": True, "fsdp_config": {"activation_checkpointing": True}})[2].fsdp
+    assert checkpointed.activation_checkpointing and not legacy.fsdp.activation_checkpointing
 
 
 @pytest.mark.parametrize("fields, world_size, strategy, says", [
     ({"fsdp": True, "fsdp_config": {"version": 1}}, 2, None, "fsdp_version=1 is not modelled yet"),
-    ({"fsdp": True, "fsdp_config": {"activation_checkpointing": True}}, 2, None, "activation_checkpointing=True"),
+    ({"fsdp": True, "fsdp_config": {"activation_checkpointing": True}, "gradient_checkpointing": True}, 2, None,
+     "can't both be set to True"),
     ({"fsdp": True, "fsdp_config": {"auto_wrap_policy": "SIZE_BASED_WRAP"}}, 2, None, "auto_wrap_policy"),
     ({"fsdp": True, "fp16": True}, 2, None, "FSDP and fp16=True is not modelled yet"),
     ({"fsdp": True}, 1, None, "give --world-size N (2 or more)"),
@@ -192,6 +195,11 @@ def test_committed_fsdp_rows_cover_the_trainers_fsdp():
     one_run = rows.loc[ram, run].map(str).agg("|".join, axis=1)
     apart = rows[ram].groupby(one_run)[["peak_allocated_bytes", "peak_host_bytes"]].nunique().max(axis=1)
     assert (apart > 1).sum() >= 3  # ranks whose device or host peaks differ: the build (CPU) or rank 0's host
+    # FSDP's own activation checkpointing (accelerate's checkpoint_wrapper), from a launch YAML or the TrainingArguments
+    checkpointed = launches.map(lambda c: bool(c) and c["fsdp_config"].get("fsdp_activation_checkpointing") is True) | \
+        fields.map(lambda f: f.get("fsdp_config", {}).get("activation_checkpointing") is True)
+    assert checkpointed.sum() >= 40 and (checkpointed & ~launched).sum() >= 6
+    assert (checkpointed & offload).any() and (checkpointed & loaded_on_the_host).any() and (checkpointed & ram).any()
 
 
 def test_on_a_gpu_the_trainers_fsdp_loads_on_the_host(tmp_path, capsys):

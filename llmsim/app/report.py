@@ -40,7 +40,11 @@ def layout_text(layout) -> str:
                 "accelerate": "accelerate's wrap"}[fsdp.wrap]
         parts.append(f"FSDP2, {wrap}, reshard_after_forward {fsdp.reshard_after_forward}, MixedPrecisionPolicy("
                      f"param {fsdp.param_dtype or 'as loaded'}, reduce {fsdp.reduce_dtype or 'as param'})"
-                     + (", CPUOffloadPolicy: shards, gradients and AdamW on the host" if fsdp.offload else ""))
+                     + (", CPUOffloadPolicy: shards, gradients and AdamW on the host" if fsdp.offload else "")
+                     + (", accelerate's activation checkpointing (checkpoint_wrapper per layer)"
+                        if fsdp.activation_checkpointing else "")
+                     + (", cpu_ram_efficient_loading: rank 0's state dict broadcast"
+                        if fsdp.cpu_ram_efficient_loading else ""))
     if layout.tp > 1:
         parts.append(f"tp {layout.tp}")
     if layout.ep > 1:
@@ -65,6 +69,8 @@ def prediction_table(prediction: Prediction, gpus_per_node: int = 8) -> str:
     s = prediction.setup
     on_host = offloads(prediction) and prediction.peak_host_bytes > 0
     ckpt = f"checkpointing every {s.ckpt_every} layer(s)" if s.grad_ckpt else "no checkpointing"
+    if s.fsdp is not None and s.fsdp.activation_checkpointing:
+        ckpt = "checkpointing every layer (FSDP's activation_checkpointing)"
     if s.ckpt_offload:
         ckpt += " (inputs offloaded to the host)"
     if s.lora_rank:

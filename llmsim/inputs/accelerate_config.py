@@ -177,7 +177,8 @@ def trainer_fsdp_launch(path: str | Path, fields: dict[str, Any]) -> tuple[int, 
     fsdp_config = {"fsdp_version": 2, "reshard_after_forward": bool(plugin.reshard_after_forward),
                    "cpu_offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy),
                    # accelerate launch's default where the file leaves it out (true)
-                   "cpu_ram_efficient_loading": bool(plugin.cpu_ram_efficient_loading)}
+                   "cpu_ram_efficient_loading": bool(plugin.cpu_ram_efficient_loading),
+                   "activation_checkpointing": bool(plugin.activation_checkpointing)}
     if plugin.transformer_cls_names_to_wrap:  # the file's fsdp_transformer_layer_cls_to_wrap, as the Trainer takes it
         fsdp_config["transformer_layer_cls_to_wrap"] = list(plugin.transformer_cls_names_to_wrap)
     added = {"fsdp": True, "fsdp_config": fsdp_config}

@@ -53,7 +53,7 @@ FSDP_PLUGIN_MODELLED = {
     "cpu_offload": (False, True),  # CPUOffloadPolicy(): shards, gradients and AdamW on the host (host_memory.py)
     # the model moved to the meta device before sharding, rank 0's state dict broadcast to every rank's shards
     "cpu_ram_efficient_loading": (False, True),
-    "activation_checkpointing": (False,),  # accelerate's checkpoint_wrapper (the Trainer's own checkpointing is)
+    "activation_checkpointing": (False, True),  # accelerate's checkpoint_wrapper on every decoder layer
 }
 # SFTConfig fields whose run is not modelled yet with TRL's SFTTrainer (the trace runs the trainer, but its rows
 # measure none of them)
@@ -166,10 +166,15 @@ def trainer_fsdp(args):
     if args.fp16:
         raise InputError("the Trainer with FSDP and fp16=True is not modelled yet (no run measures it); modelled: "
                          "bf16 or fp32")
+    if plugin.get("activation_checkpointing") and args.gradient_checkpointing:  # the Trainer's own refusal
+        raise InputError("TrainingArguments: fsdp_config['activation_checkpointing'] (FSDP's own activation "
+                         "checkpointing) and the activation_checkpointing (gradient_checkpointing) training argument "
+                         "can't both be set to True; the Trainer refuses it: keep FSDP's")
     dtype = "bfloat16" if args.bf16 else None
     return FsdpSetup(reshard_after_forward=bool(plugin.get("reshard_after_forward", True)), param_dtype=dtype,
                      reduce_dtype=dtype, init="full", wrap="accelerate", offload=bool(plugin.get("cpu_offload")),
-                     cpu_ram_efficient_loading=bool(plugin.get("cpu_ram_efficient_loading")))
+                     cpu_ram_efficient_loading=bool(plugin.get("cpu_ram_efficient_loading")),
+                     activation_checkpointing=bool(plugin.get("activation_checkpointing")))
 
 
 def lora_config(fields: dict[str, Any]):

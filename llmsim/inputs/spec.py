@@ -88,7 +88,10 @@ class FsdpSetup:
     device for its all-gather). `cpu_ram_efficient_loading` (the Trainer's, wrap "accelerate": the plugin's switch of
     that name, accelerate launch's default): accelerate's `fsdp2_prepare_model` moves the model to the meta device
     before sharding (the other ranks before the fp32 upcast) and `fsdp2_load_full_state_dict` then broadcasts rank
-    0's state dict, parameter by parameter, each rank keeping its shard: rank 0 runs apart from the others."""
+    0's state dict, parameter by parameter, each rank keeping its shard: rank 0 runs apart from the others.
+    `activation_checkpointing` (the Trainer's, wrap "accelerate": the plugin's switch of that name): accelerate's
+    `fsdp2_apply_ac` wraps every decoder layer in torch's `checkpoint_wrapper` (non-reentrant, no RNG state kept)
+    before sharding."""
 
     reshard_after_forward: bool = True
     param_dtype: str | None = None
@@ -97,6 +100,7 @@ class FsdpSetup:
     wrap: str = "layers"  # FSDP_WRAPS
     offload: bool = False
     cpu_ram_efficient_loading: bool = False
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -130,13 +134,18 @@ class FsdpSetup:
             raise InputError("cpu_ram_efficient_loading is accelerate's FSDP plugin switch (the HF Trainer's "
                              "fsdp_config, accelerate launch's fsdp_cpu_ram_efficient_loading); with --strategy fsdp "
                              "choose --fsdp-init meta for a model no rank holds whole")
+        if self.activation_checkpointing and self.wrap != "accelerate":
+            raise InputError("activation_checkpointing is accelerate's FSDP plugin switch (the HF Trainer's "
+                             "fsdp_config, accelerate launch's fsdp_activation_checkpointing); with --strategy fsdp "
+                             "choose --grad-ckpt")
 
     def as_json(self) -> str:
-        """The fields; `cpu_ram_efficient_loading` with wrap "accelerate" only (fully_shard has no such switch)."""
+        """The fields; accelerate's plugin switches with wrap "accelerate" only (fully_shard has no such switch)."""
         fields = {"reshard_after_forward": self.reshard_after_forward, "param_dtype": self.param_dtype,
                   "reduce_dtype": self.reduce_dtype, "init": self.init, "wrap": self.wrap, "offload": self.offload}
         if self.wrap == "accelerate":
             fields["cpu_ram_efficient_loading"] = self.cpu_ram_efficient_loading
+            fields["activation_checkpointing"] = self.activation_checkpointing
         return json.dumps(fields, sort_keys=True)
 
     @classmethod
@@ -145,7 +154,7 @@ class FsdpSetup:
         fields = json.loads(text)
         names = ["init", "offload", "param_dtype", "reduce_dtype", "reshard_after_forward", "wrap"]
         if fields.get("wrap") == "accelerate":
-            names.append("cpu_ram_efficient_loading")
+            names += ["activation_checkpointing", "cpu_ram_efficient_loading"]
         unknown, missing = sorted(set(fields) - set(names)), sorted(set(names) - set(fields))
         if unknown or missing:
             raise InputError(f"fsdp_config {'has unknown field ' + unknown[0] if unknown else 'lacks ' + missing[0]}"

@@ -339,7 +339,7 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     lead, period = layer_structure(spec, setup, start, end)
     depth = trace_depth(num_layers, period, lead)
     if setup.fsdp is not None and (setup.fsdp_rank != 0 or setup.device is Device.CUDA or setup.fsdp.offload or
-                                   setup.fsdp.cpu_ram_efficient_loading):
+                                   setup.fsdp.cpu_ram_efficient_loading or setup.fsdp.activation_checkpointing):
         # A rank with shorter FSDP2 shards than rank 0 (llmsim.sim.strategies.fsdp.rank_classes): traced whole. It
         # was for the trace's re-padding of every shard at the root's lazy init (an artefact since mended:
         # fsdp.storages_told_apart); its reduced-depth trace still expands short of the full one by build events
@@ -348,7 +348,10 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         # times a step, but not which layer's storage each resize acts on, which the caching-allocator model
         # needs (a Llama-shaped 8-layer model: 394 MB reserved at full depth, 1.59 GB expanded). With CPUOffloadPolicy
         # too: FSDP2's lazy init pins every shard that is not yet pinned (a meta build's, `to_empty` on the host) from
-        # the root, all layers at once where no layer runs: events the template layer would not replicate.
+        # the root, all layers at once where no layer runs: events the template layer would not replicate. With
+        # accelerate's cpu_ram_efficient_loading the state dict is loaded parameter by parameter once every layer is
+        # sharded, outside any layer: the same. With its activation checkpointing every layer is a checkpoint_wrapper
+        # around the layer: traced whole, its reduced-depth expansion not shown equal.
         depth = num_layers
     if getattr(spec.hf_config(), "output_router_logits", False):
         # The MoE load-balancing loss walks every layer's router logits after the decoder stack, at the model's
