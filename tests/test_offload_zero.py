@@ -122,6 +122,30 @@ def test_a_cpu_run_holds_on_the_host_what_a_gpu_run_would():
     assert host == [1024, 1024, 1024, 1024] and device == [1024, 1024, 12, 1024]
 
 
+def test_a_deep_copy_stays_where_its_source_is_and_meta_is_no_crossing():
+    """`copy.deepcopy` of a host tensor copies its storage without an op on host inputs: the copy is the host's (and
+    its `new_empty([])`, as in the trace's stand-in, torch/_tensor.py), a device tensor's the device's; a move to the
+    meta device makes nothing on either side (accelerate's `model.to("meta")`)."""
+    import copy
+
+    tracker = StorageTracker()
+    with tracker:
+        memory = HostMemory(tracker)
+        with memory.active((_Offloading,)):
+            offloading = _Offloading(torch.ones(256))
+            host_copy, device_copy = copy.deepcopy(offloading.master), copy.deepcopy(offloading.on_device)
+            assert memory.is_host(host_copy) and not memory.is_host(device_copy)
+            assert offloading.master.to("meta").is_meta and offloading.on_device.to(torch.device("meta")).is_meta
+            del host_copy, device_copy
+        tracker.finish()
+    timeline = tracker.timeline()
+    allocated = timeline[timeline["delta_bytes"] > 0]
+    host = allocated[allocated["category"] == Category.HOST_OFFLOAD.value]["delta_bytes"].tolist()
+    device = allocated[allocated["category"] != Category.HOST_OFFLOAD.value]["delta_bytes"].tolist()
+    # host: master, staging, its copy and the copy's 0-d start; device: weights, clone, zeros, copy and its 0-d start
+    assert host == [1024, 1024, 1024, 4] and device == [1024, 1024, 12, 12, 4]
+
+
 def test_offload_moves_the_optimizer_to_the_host():
     for stage in (1, 2):
         kept = _predict({**_config(stage), "zero_optimization": {"stage": stage, "reduce_bucket_size": 300_000}})

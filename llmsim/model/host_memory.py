@@ -44,6 +44,7 @@ _TO = {torch.Tensor.to}
 _CPU_DEVICE = torch.device("cpu")
 _CPU = {torch.Tensor.cpu}
 _PIN, _IS_PINNED = torch.Tensor.pin_memory, torch.Tensor.is_pinned
+_DEEPCOPY = torch.Tensor.__deepcopy__
 
 
 class HostDevice(str):
@@ -463,6 +464,11 @@ class _Place(TorchFunctionMode):
             out = source.clone()
             self.memory._place(out, since, True)
             self.memory.pinned.update(s for s in self.memory._serials(out) if s >= since)
+            return out
+        if func is _DEEPCOPY:  # `copy.deepcopy` copies the storage itself (no op whose inputs are on the host):
+            out = func(*args, **kwargs)  # a host tensor's copy is the host's (accelerate's non-persistent buffers)
+            if self.memory.is_host(args[0]):
+                self.memory._place(out, since, True)
             return out
         if func in _TO or func in _CPU:
             source = args[0]

@@ -176,7 +176,8 @@ def _apply_as_on_cpu(self, fn, recurse=True):
 def _deepcopy_as_on_cpu(self, memo):
     """`copy.deepcopy` of a fake tensor as it runs for a real CPU one: a Parameter's `__deepcopy__` is
     `Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)` (torch/nn/parameter.py);
-    a plain tensor's copies its storage. Under FakeTensorMode a parameter is a FakeTensor whose inherited
+    a plain tensor's copies its storage, then makes `self.new_empty([])` and sets the copy as its storage
+    (torch/_tensor.py). Under FakeTensorMode a parameter is a FakeTensor whose inherited
     `Tensor.__deepcopy__` would copy the storage into another fake mode; peft's ModulesToSaveWrapper deepcopies
     the module it trains (peft/utils/other.py, `ModulesToSaveWrapper.update`)."""
     if id(self) in memo:
@@ -185,6 +186,9 @@ def _deepcopy_as_on_cpu(self, memo):
         copied = self.data.clone(memory_format=torch.preserve_format)
     if isinstance(self, torch.nn.Parameter):
         copied = torch.nn.Parameter(copied, self.requires_grad)
+    else:  # the plain tensor's `new_empty([])` (a 0-d tensor of its dtype), whose storage `set_` then replaces
+        transient = copied.new_empty([])
+        del transient
     memo[id(self)] = copied
     return copied
 
