@@ -166,3 +166,15 @@ def test_an_fsdp_launch_loads_ram_efficiently_unless_the_file_says_otherwise(tmp
         setup, layout = trainer_layout(spec, trainer_setup(spec, 16, fields, None, "float32", None), world, None)
         assert layout.fsdp.cpu_ram_efficient_loading is ram
         assert rank_classes(spec, traced_setup(setup, layout), 4) == ([[0], [1, 2, 3]] if ram else [[0, 1, 2, 3]])
+
+
+def test_a_ram_efficient_launch_prints_no_library_advice(tmp_path):
+    """Rank 1's trace runs a Trainer that sets transformers' verbosity for a replica ("warning"): it is restored
+    after the trace, so no library advice (here the FSDP checkpointing one) reaches the user's stderr."""
+    launch = _write(tmp_path, "fsdp.yaml", FSDP_YAML.format(mixed="bf16", version=2, reshard="true", offload="false",
+                                                            ram="true"))
+    args = _write(tmp_path, "args.yaml", "per_device_train_batch_size: 2\ngradient_checkpointing: true\n")
+    from transformers.utils import logging as hf_logging
+
+    assert main(["predict", *TRAINER, "--training-args", args, "--accelerate-config", launch]) == 0
+    assert hf_logging.get_verbosity() == hf_logging.ERROR  # as the CLI set it (llmsim/model/quiet.py)

@@ -116,6 +116,20 @@ def _unpadded_batches():
         yield
 
 
+@contextlib.contextmanager
+def _verbosity_kept():
+    """transformers' logging verbosity as the trace found it: the Trainer sets it from the TrainingArguments
+    (`log_level_replica`, "warning", on a rank other than 0, which an FSDP trace plays), and it would stay so for
+    the rest of the process, printing the next trace's library advice."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def _callback(phases: _Phases):
     from transformers import TrainerCallback
 
@@ -152,7 +166,8 @@ def run_trainer_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker:
     # under ZeRO-3, from_pretrained's zero.Init replaces F.linear for the rest of the process (mem_efficient_linear)
     linear = zero3_hooks.linear_as_zero3() if setup.zero3_hooks else contextlib.nullcontext()
     sft = setup.recipe is Recipe.TRL_SFT
-    with tempfile.TemporaryDirectory() as directory, tracker, linear, fsdp_offload(tracker, setup.fsdp):
+    with tempfile.TemporaryDirectory() as directory, tracker, linear, fsdp_offload(tracker, setup.fsdp), \
+            _verbosity_kept():
         args = training_arguments(fields, setup.recipe, **MEASUREMENT_ARGS, output_dir=directory)
         count = MEASURED_STEPS * args.per_device_train_batch_size * args.gradient_accumulation_steps
         model = build()
