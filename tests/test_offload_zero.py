@@ -101,6 +101,14 @@ class _Offloading:
         self.on_device = torch.zeros(3)
 
 
+def _allocations(tracker: StorageTracker) -> tuple[list[int], list[int]]:
+    """The bytes of each allocation of a finished tracker's timeline, (on the host, on the device), in order."""
+    timeline = tracker.timeline()
+    allocated = timeline[timeline["delta_bytes"] > 0]
+    on_host = allocated["category"] == Category.HOST_OFFLOAD.value
+    return allocated.loc[on_host, "delta_bytes"].tolist(), allocated.loc[~on_host, "delta_bytes"].tolist()
+
+
 def test_a_cpu_run_holds_on_the_host_what_a_gpu_run_would():
     tracker = StorageTracker()
     with tracker:
@@ -114,10 +122,7 @@ def test_a_cpu_run_holds_on_the_host_what_a_gpu_run_would():
             assert back.data_ptr() != offloading.master.data_ptr()
             del denom, back
         tracker.finish()
-    timeline = tracker.timeline()
-    allocated = timeline[timeline["delta_bytes"] > 0]
-    host = allocated[allocated["category"] == Category.HOST_OFFLOAD.value]["delta_bytes"].tolist()
-    device = allocated[allocated["category"] != Category.HOST_OFFLOAD.value]["delta_bytes"].tolist()
+    host, device = _allocations(tracker)
     # host: master, staging, sqrt, + 1; device: the weights, their clone, the zeros, the copy back
     assert host == [1024, 1024, 1024, 1024] and device == [1024, 1024, 12, 1024]
 
@@ -138,10 +143,7 @@ def test_a_deep_copy_stays_where_its_source_is_and_meta_is_no_crossing():
             assert offloading.master.to("meta").is_meta and offloading.on_device.to(torch.device("meta")).is_meta
             del host_copy, device_copy
         tracker.finish()
-    timeline = tracker.timeline()
-    allocated = timeline[timeline["delta_bytes"] > 0]
-    host = allocated[allocated["category"] == Category.HOST_OFFLOAD.value]["delta_bytes"].tolist()
-    device = allocated[allocated["category"] != Category.HOST_OFFLOAD.value]["delta_bytes"].tolist()
+    host, device = _allocations(tracker)
     # host: master, staging, its copy and the copy's 0-d start; device: weights, clone, zeros, copy and its 0-d start
     assert host == [1024, 1024, 1024, 4] and device == [1024, 1024, 12, 12, 4]
 
