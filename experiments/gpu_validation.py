@@ -270,8 +270,9 @@ def main() -> int:
         proc = subprocess.run([sys.executable, __file__, "--device-figures"], capture_output=True, text=True,
                               timeout=PER_RUN_TIMEOUT_S)
         (args.out / "device.json").write_text(proc.stdout)
-        if proc.stderr:
-            (args.out / "failures.log").write_text(f"=== device figures\n{proc.stderr}\n")
+        if proc.stderr:  # appended: experiments/gpu_trainer.py's failures may be there already
+            with open(args.out / "failures.log", "a") as log:
+                log.write(f"=== device figures\n{proc.stderr}\n")
         print(proc.stdout, proc.stderr[-3000:], flush=True)
     start, failures, done = time.perf_counter(), 0, 0
     for index, entry in enumerate(MATRIX):
