@@ -250,6 +250,7 @@ def main() -> int:
     parser.add_argument("--gpu", default="h200", help="profile for --dry-run predictions")
     parser.add_argument("--out", type=Path, help="write rows, traces, failures and device figures here")
     parser.add_argument("--deadline", type=float, default=float("inf"), help="start no run after this many seconds")
+    parser.add_argument("--skip", type=int, default=0, help="start at this entry of MATRIX (a second call's rest)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # child process: one configuration as JSON
     parser.add_argument("--trace", help=argparse.SUPPRESS)  # child process: pickle its traces here
     parser.add_argument("--device-figures", action="store_true", help=argparse.SUPPRESS)  # child process
@@ -276,6 +277,8 @@ def main() -> int:
         print(proc.stdout, proc.stderr[-3000:], flush=True)
     start, failures, done = time.perf_counter(), 0, 0
     for index, entry in enumerate(MATRIX):
+        if index < args.skip:
+            continue
         if time.perf_counter() - start > args.deadline:
             print(f"deadline: {len(MATRIX) - index} entries not run", flush=True)
             break
