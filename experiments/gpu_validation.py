@@ -110,7 +110,8 @@ def _setup(entry):
     setup = TrainSetup(mb, seq, Precision(precision), None, ckpt, every, foreach=lever != FUSED, fused=lever == FUSED,
                        lora_rank=extra[0] if extra else 0, ckpt_offload=lever is True,
                        loss=Loss(lever) if lever in losses else Loss.HF,
-                       optimizer=Optimizer(lever) if lever in optimizers else Optimizer.ADAMW)
+                       optimizer=Optimizer(lever) if lever in optimizers else Optimizer.ADAMW,
+                       cuda_default_device=True)  # the worker runs the step under `with torch.device("cuda")`
     return spec, resolve_attention(spec, setup)
 
 

@@ -25,6 +25,8 @@ class Category(str, Enum):
     # host memory of DeepSpeed's optimizer offload: the fp32 master partition, its gradient, the optimizer states,
     # the host staging buffers and the host step's temporaries (llmsim/sim/strategies/zero12.py)
     HOST_OFFLOAD = "host_offload"
+    # a GPU's cuBLAS and cuBLASLt workspaces, one per thread that called them (tracker.WORKSPACE_MARKERS)
+    WORKSPACE = "workspace"
     OTHER = "other"
 
 

@@ -253,6 +253,7 @@ def test_zero12_ranks_taking_chunks_from_earlier_ranks_replay_like_alone(tmp_pat
     assert sum(own < chunks.count for own in chunks.replayed) >= world // 2  # most take chunks from earlier ranks
     for rank in prediction.ranks:
         timeline = rank.timeline
-        alone = replay_reserved(timeline["serial"].to_numpy(), timeline["delta_bytes"].to_numpy(), NO_LIMIT,
-                                AllocatorConfig(), (gpu.cublas_workspace_bytes,))
+        serials = timeline["serial"].to_numpy()  # the workspaces made first, as the spliced replay makes them
+        alone = replay_reserved(serials, timeline["delta_bytes"].to_numpy(), NO_LIMIT, AllocatorConfig(),
+                                replay._workspaces(serials, gpu))
         assert rank.peak_reserved_bytes == alone.peak_reserved_bytes

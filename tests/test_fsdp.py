@@ -193,6 +193,7 @@ def test_on_a_gpu_the_run_is_traced_whole_and_prints_no_library_noise(capsys):
     which layer's unsharded parameter each resize acts on, so a GPU prediction traces every layer."""
     from llmsim.inputs.gpus import load_gpu, on_gpu
     from llmsim.sim.allocator import NO_LIMIT, AllocatorConfig, replay_reserved
+    from llmsim.sim.replay import on_gpu as gpu_events
 
     gpu = load_gpu("h100-80gb")
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 6, 256, 4))
@@ -202,8 +203,8 @@ def test_on_a_gpu_the_run_is_traced_whole_and_prints_no_library_noise(capsys):
     traced = on_gpu(replace(setup, fsdp=layout.fsdp, fsdp_world=4), gpu)
     assert trace(spec, traced).depth == 6
     full, _ = run_fake(spec, traced, None)
-    reserved = replay_reserved(full["serial"].to_numpy(), full["delta_bytes"].to_numpy(), NO_LIMIT, AllocatorConfig(),
-                               (gpu.cublas_workspace_bytes,)).peak_reserved_bytes
+    serials, deltas, _ = gpu_events(full, gpu)  # each thread's workspaces where it first calls cuBLAS
+    reserved = replay_reserved(serials, deltas, NO_LIMIT, AllocatorConfig(), ()).peak_reserved_bytes
     assert predicted.peak_reserved_bytes == reserved
     assert main(["predict", *TINY, "--strategy", "fsdp", "--world-size", "2", "--gpu", "h100-80gb"]) == 0
     assert "Warning" not in capsys.readouterr().err

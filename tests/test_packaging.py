@@ -43,6 +43,8 @@ def test_the_constraints_hold_the_install_to_the_rows_torch():
     torch_pin = _torch_requirement(str(pin) for pin in pins)
     measured_with = set()
     for path in (ROOT / "data" / "measurements").glob("*.csv"):
+        if path.name.startswith("tier4"):  # a GPU's own torch build (tests/test_validate.py names it)
+            continue
         measured_with |= set(pd.read_csv(path)["torch"].astype(str).str.split("+").str[0])
     assert measured_with == {str(spec.version) for spec in torch_pin.specifier}, measured_with
     assert (ROOT / ".ci" / "run").read_text().count("-c constraints.txt") == 1

@@ -7,6 +7,7 @@ import pytest
 
 from llmsim.app.cli import main
 from llmsim.inputs.gpus import DEFAULT_MARGIN, GpuProfile, load_gpu
+from llmsim.model.tracker import CUBLAS_WORKSPACE
 from llmsim.sim.peaks import replay
 from llmsim.sim.replay import on_device
 
@@ -15,11 +16,19 @@ CONTEXT, WORKSPACE = 10 * MiB, 2 * MiB
 
 
 def _timeline(sizes_mib: list[int]) -> pd.DataFrame:
-    """One live allocation after another, each freed at the end: their sum is the peak, in whole segments."""
+    """A first matmul (the cuBLAS workspace's marker), then one live allocation after another, each freed at the
+    end: their sum is the peak, in whole segments."""
     n = len(sizes_mib)
     deltas = [s * MiB for s in sizes_mib] + [-s * MiB for s in sizes_mib]
-    return pd.DataFrame({"serial": list(range(n)) * 2, "delta_bytes": deltas, "category": "activation",
-                         "step": 0, "phase": "forward", "module": "m"})
+    return _first_matmul(pd.DataFrame({"serial": list(range(n)) * 2, "delta_bytes": deltas, "category": "activation",
+                                       "step": 0, "phase": "forward", "module": "m"}))
+
+
+def _first_matmul(frame: pd.DataFrame) -> pd.DataFrame:
+    """`frame` after the tracker's marker of a thread's first cuBLAS call: on a GPU, the workspace's allocation."""
+    marker = pd.DataFrame({"serial": [CUBLAS_WORKSPACE], "delta_bytes": [0], "category": "parameter", "step": 0,
+                           "phase": "forward", "module": "cublas"})
+    return pd.concat([marker, frame], ignore_index=True)
 
 
 def _card(capacity_mib: int, margin: float = 0.05) -> GpuProfile:
@@ -56,8 +65,8 @@ def test_near_the_card_needed_is_the_least_capacity_it_runs_on():
     from llmsim.sim.allocator import NO_LIMIT, AllocatorConfig, OutOfMemory, replay_reserved
 
     deltas = [30 * MiB, -30 * MiB, 32 * MiB, 64 * MiB]
-    timeline = pd.DataFrame({"serial": [0, 0, 1, 2], "delta_bytes": deltas, "category": "activation", "step": 0,
-                             "phase": "forward", "module": "m"})
+    timeline = _first_matmul(pd.DataFrame({"serial": [0, 0, 1, 2], "delta_bytes": deltas, "category": "activation",
+                                           "step": 0, "phase": "forward", "module": "m"}))
     serials, values = timeline["serial"].to_numpy(), timeline["delta_bytes"].to_numpy()
     unbounded = replay_reserved(serials, values, NO_LIMIT, AllocatorConfig(), (WORKSPACE,)).peak_reserved_bytes
     live = 96 * MiB + WORKSPACE
@@ -102,16 +111,20 @@ def test_identical_ranks_are_one_row_and_the_breakdown_is_the_deciding_ranks(cap
                  "--gpu", "a100-40gb"]) == 0
     out = capsys.readouterr().out
     assert " 0-15 " in out and "\n    1 " not in out  # sixteen DDP ranks, one row
-    assert "not yet checked on a GPU" in out
+    assert "checked on one H200" in out
 
 
-def test_the_unvalidated_sentence_goes_when_gpu_rows_come():
+def test_the_gpu_sentence_says_what_the_gpu_rows_checked():
+    """report.GPU_VALIDATION quotes the tier-4 rows: their count and the worst allocated error (a new GPU run that
+    changes either changes the sentence)."""
     from llmsim.app.report import GPU_VALIDATION
     from llmsim.measure.runs import MEASUREMENTS_DIR
+    from llmsim.measure.validate import load_measurements
 
-    tier4 = list(MEASUREMENTS_DIR.glob("tier4*.csv"))
-    assert ("not yet checked on a GPU" in GPU_VALIDATION) == (not tier4), \
-        "tier-4 rows exist: say what they checked in report.GPU_VALIDATION"
+    rows = load_measurements(sorted(MEASUREMENTS_DIR.glob("tier4*.csv")))
+    trainer = (rows["recipe"] == "hf-trainer").sum()
+    assert f"{len(rows)} single-GPU runs, {trainer} of them HF Trainer jobs" in GPU_VALIDATION
+    assert set(rows["gpu"]) == {"h200"} and "one H200" in GPU_VALIDATION
 
 
 def test_gpus_lists_every_profile(capsys):

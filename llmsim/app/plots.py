@@ -75,13 +75,15 @@ def _envelope(total, points: int) -> list[int]:
 def reserved_curve(timeline: pd.DataFrame, gpu, alloc_conf, indices: list[int]) -> np.ndarray:
     """The allocator model's reserved bytes up to each of `indices` (sorted event indices): at each, the most it
     reserved since the previous one, so that no spike between drawn points is lost. The replay `on_device` runs
-    unbounded, with the cuBLAS workspace made first (llmsim/sim/replay.py)."""
+    unbounded, with each thread's cuBLAS and cuBLASLt workspaces where it first calls them (llmsim/sim/replay.py,
+    `on_gpu`)."""
     from llmsim.sim.allocator import NO_LIMIT, new_allocator
+    from llmsim.sim.replay import on_gpu
 
     allocator = new_allocator(NO_LIMIT, alloc_conf)
-    allocator.malloc(-2, gpu.cublas_workspace_bytes)
-    serials = np.ascontiguousarray(timeline["serial"].to_numpy(), np.int64)
-    deltas = np.ascontiguousarray(timeline["delta_bytes"].to_numpy(), np.int64)
+    serials, deltas, _ = on_gpu(timeline, gpu)
+    serials = np.ascontiguousarray(serials, np.int64)
+    deltas = np.ascontiguousarray(deltas, np.int64)
     out, start = [], 0
     for index in indices:
         out.append(allocator.replay(serials, deltas, start, index + 1) if index + 1 > start

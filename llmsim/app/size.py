@@ -411,16 +411,19 @@ def _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch: int
 def _cannot_fit(spec: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile) -> str | None:
     """Why `layout` fits at no micro-batch, from a lower bound of its ranks' peak allocated bytes that needs no
     trace (llmsim/sim/bound.py: the model states alone; TP and PP layouts), or None where the bound fits or is not
-    modelled. A rank fits only if its live bytes and the cuBLAS workspace fit in the capacity less the CUDA
-    context and the verdict's margin (`replay.on_device`). Raises the InputError `predict` would raise for this layout."""
+    modelled. A rank fits only if its live bytes and its two cuBLAS workspaces fit in the capacity less the CUDA
+    context and the verdict's margin (`replay.on_device`): the model states are all alive only from the first
+    backward on, when the forward's thread and autograd's have each made theirs (tracker.WORKSPACE_MARKERS).
+    Raises the InputError `predict` would raise for this layout."""
     bounds = rank_lower_bounds(spec, checked(spec, setup, layout, gpu), layout)
     if not bounds:
         return None
     rank = max(bounds, key=bounds.get)  # the lowest such rank
-    usable = gpu.capacity_bytes - gpu.margin_bytes - gpu.cuda_context_bytes - gpu.cublas_workspace_bytes
+    workspaces = 2 * gpu.cublas_workspace_bytes
+    usable = gpu.capacity_bytes - gpu.margin_bytes - gpu.cuda_context_bytes - workspaces
     if bounds[rank] <= usable:
         return None
-    total = bounds[rank] + gpu.cublas_workspace_bytes + gpu.cuda_context_bytes
+    total = bounds[rank] + workspaces + gpu.cuda_context_bytes
     return (f"needs at least {human_bytes(total)} on rank {rank} of {human_bytes(gpu.capacity_bytes)} less its "
             f"{human_bytes(gpu.margin_bytes)} margin (its model states alone, before activations)")
 

@@ -23,8 +23,11 @@ class GpuProfile:
     compute_capability: str
     capacity_bytes: int  # torch.cuda.get_device_properties(0).total_memory
     cuda_context_bytes: int  # driver/runtime context: outside PyTorch's allocator
-    cublas_workspace_bytes: int  # allocated through the caching allocator at the first matmul
+    cublas_workspace_bytes: int  # allocated through the caching allocator by a thread's first matmul
     source: str
+    # allocated through the caching allocator by a thread's first addmm with a bias (torch's cuBLASLt path): torch's
+    # CUBLASLT_WORKSPACE_SIZE default, measured on the H200
+    cublaslt_workspace_bytes: int = 1 << 20
     margin: float = DEFAULT_MARGIN  # the user's budget, not the card's: a fraction of capacity_bytes
 
     @property

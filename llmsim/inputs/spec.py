@@ -200,6 +200,9 @@ class TrainSetup:
     quant: str | None = None  # "nf4" | "fp4" | "int8": a bitsandbytes 4-/8-bit base under LoRA (llmsim/model/quantized.py)
     double_quant: bool = False  # bnb_4bit_use_double_quant
     ckpt_offload: bool = False  # activation_checkpointing_enable(offload=True): checkpoint inputs held in host memory
+    # The step runs under `with torch.device("cuda")` (the GPU kit's canonical loop, experiments/gpu_validation.py):
+    # tensors made without a device land on the GPU, torch Adam/AdamW's `step` among them (step.host_state)
+    cuda_default_device: bool = False
     loss: Loss = Loss.HF  # transformers' loss, TRL's chunked NLL or Liger's fused linear CE (llmsim/model/losses.py)
     loss_chunk: int | None = None  # chunked-nll's vocabulary tile width; None: TRL's 32768 (losses.TRL_CHUNK_SIZE)
     # LoraConfig(modules_to_save=...): peft's ModulesToSaveWrapper keeps each matched module frozen and trains a

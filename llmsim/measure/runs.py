@@ -62,7 +62,8 @@ def setup_columns(spec: ModelSpec, setup: TrainSetup) -> dict:
             "int8_threshold": setup.int8_threshold, "ckpt_offload": setup.ckpt_offload,
             "loss": setup.loss.value, "loss_chunk": setup.loss_chunk or "",
             "lora_modules_to_save": ",".join(setup.lora_modules_to_save or ()),
-            "trainable_tokens": ",".join(map(str, setup.trainable_tokens or ())), "fused": setup.fused}
+            "trainable_tokens": ",".join(map(str, setup.trainable_tokens or ())), "fused": setup.fused,
+            **({"cuda_default_device": True} if setup.cuda_default_device else {})}
 
 
 def measure_single(spec: ModelSpec, setup: TrainSetup, fake: bool = False) -> dict:

@@ -63,6 +63,7 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
                        double_quant=_flag(row, "double_quant"),
                        int8_threshold=_float(row, "int8_threshold", LLM_INT8_THRESHOLD),
                        ckpt_offload=_flag(row, "ckpt_offload"),
+                       cuda_default_device=_flag(row, "cuda_default_device"),
                        loss=Loss(row["loss"]) if isinstance(row.get("loss"), str) and row["loss"] else Loss.HF,
                        loss_chunk=_int(row, "loss_chunk", None),
                        lora_modules_to_save=_names(row, "lora_modules_to_save"),
@@ -129,7 +130,7 @@ def _validate_rows(measurements: pd.DataFrame) -> pd.DataFrame:
         measured = int(row["peak_allocated_bytes"])
         error = (predicted - measured) / measured
         tolerance = PEAK_ALLOCATED_TOLERANCE[int(row["tier"])]
-        device_ok = True
+        device_ok, device_errors = True, {}
         measured_host = _int(row, "peak_host_bytes", 0)  # host memory (--ckpt-offload); rows before it: none
         predicted_host = predicted_rank.peak_host_bytes
         host_error = (predicted_host - measured_host) / measured_host if measured_host else float(predicted_host != 0)
@@ -140,6 +141,8 @@ def _validate_rows(measurements: pd.DataFrame) -> pd.DataFrame:
                                           RESERVED_TOLERANCE),
                                          ("device_total_bytes", predicted_rank.device_total_bytes,
                                           DEVICE_TOTAL_TOLERANCE)):
+                device_errors[column.replace("peak_", "").replace("_bytes", "_rel_error")] = \
+                    (value - int(row[column])) / int(row[column])
                 device_ok &= abs(value - int(row[column])) / int(row[column]) <= limit
         results.append({"source": row["source"], "tier": int(row["tier"]), "model": row["model"],
                         "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
@@ -152,7 +155,7 @@ def _validate_rows(measurements: pd.DataFrame) -> pd.DataFrame:
                         "host_rel_error": host_error, "tolerance": tolerance,
                         "check": "bound" if row.get("routing_check") == "bound" else "exact",
                         "ok": _within(row, error, tolerance) and abs(host_error) <= tolerance and device_ok,
-                        "other_releases": other_releases(row)})
+                        "other_releases": other_releases(row), **device_errors})
     return pd.DataFrame(results)
 
 

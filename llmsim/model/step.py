@@ -305,7 +305,10 @@ def host_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tenso
     """Whether an optimizer state lives in host memory while the parameters are on a GPU. In a real GPU run its
     device says so. In a trace for a GPU (every tensor on the CPU standing in for CUDA) it is torch Adam/AdamW's
     0-d `step`, which `_init_group` makes with `torch.tensor(0.0, device="cpu")` unless the group is fused or
-    capturable (torch/optim/adam.py: "Deliberately host `step` on CPU if both capturable and fused are off")."""
+    capturable (torch/optim/adam.py: "Deliberately host `step` on CPU if both capturable and fused are off"), and
+    unless the step runs under `torch.device("cuda")` (`TrainSetup.cuda_default_device`: the caller passes `gpu`
+    False), which puts that `torch.tensor(0.0)` on the GPU: the GPU kit's 291 `step` tensors of Llama-2-7B were
+    4-byte blocks of the CUDA allocator (experiments/gpu_runs/2026-12-04, trace_07)."""
     if state.device.type != param.device.type:
         return state.device.type == "cpu"
     return (gpu and key == "step" and isinstance(optimizer, torch.optim.Adam)
@@ -506,7 +509,7 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
         scaler = (torch.amp.GradScaler(_device_type(model)) if setup.precision is Precision.FP16_AUTOCAST
                   else None)
         optimizer = make_optimizer(model.parameters(), setup)
-        hooks.watch(optimizer, gpu=setup.device is Device.CUDA)
+        hooks.watch(optimizer, gpu=setup.device is Device.CUDA and not setup.cuda_default_device)
         batch = torch.randint(0, vocab_size, (setup.micro_batch, setup.seq_len))
         tracker.label([batch], Category.INPUT)
         for step in range(setup.steps):
@@ -565,7 +568,7 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
             stage, setup.n_microbatches, loss_fn=lambda logits, labels: model.loss_function(logits, labels,
                                                                                              vocab_size))
         optimizer = make_optimizer(stage_module.parameters(), setup)
-        hooks.watch(optimizer, gpu=setup.device is Device.CUDA)
+        hooks.watch(optimizer, gpu=setup.device is Device.CUDA and not setup.cuda_default_device)
         batch = torch.randint(0, vocab_size, (setup.micro_batch * setup.n_microbatches, setup.seq_len))
         tracker.label([batch], Category.INPUT)
         for step in range(setup.steps):

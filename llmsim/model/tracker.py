@@ -34,6 +34,19 @@ GRAD_READY = -1  # serial of a zero-byte marker row: the gradient of `tensor` ha
 FORWARD_PRE, FORWARD_POST, BACKWARD_PRE, BACKWARD_POST = -2, -3, -4, -5
 MODULE_MARKERS = (FORWARD_PRE, FORWARD_POST, BACKWARD_PRE, BACKWARD_POST)
 TIED = -6  # serial of a zero-byte build row: parameter `module` is the same Parameter as `tensor` (tied weights)
+# Serials of zero-byte rows: a thread's first cuBLAS call (`module` "cublas") or first cuBLASLt one ("cublaslt"). On
+# a GPU, torch allocates that thread's handle's workspace there through the caching allocator, kept to the end of
+# the process (aten/src/ATen/cuda/CublasHandlePool.cpp, keyed by handle and stream): the forward's thread and the
+# autograd engine's device thread (the backward, and a checkpointed recompute inside it) each have their own, so a
+# training step holds two cuBLAS workspaces, and two cuBLASLt ones where an addmm with a 1-D bias ran in both
+# (CUDABlas.cpp `gemm_and_bias`, the path `addmm_out_cuda_impl` takes for it). llmsim/sim/replay.py gives a GPU
+# prediction's rows their bytes (GpuProfile); the CPU has no workspace.
+CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE = -7, -8
+WORKSPACE_MARKERS = {"cublas": CUBLAS_WORKSPACE, "cublaslt": CUBLASLT_WORKSPACE}
+_BLAS_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten.baddbmm.default, torch.ops.aten.addbmm.default, torch.ops.aten.addmv.default,
+             torch.ops.aten.mv.default}
+_LT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # `tensor`: the labelled name of what the storage holds (a parameter's FQN, also for its gradient), or "".
 TIMELINE_COLUMNS = ["step", "phase", "block", "module", "serial", "delta_bytes", "category", "tensor"]
 # A pipeline stage's timeline attrs: its schedule's chunk calls, (kind "F"/"B", micro-batch, step, first row, end row)
@@ -58,6 +71,17 @@ def _locals(tensor: torch.Tensor) -> Iterable[torch.Tensor]:
                 yield from _locals(inner)
     else:
         yield tensor
+
+
+def _lt_addmm(func, args, kwargs) -> bool:
+    """Whether CUDA's addmm takes cuBLASLt (`gemm_and_bias`, aten/src/ATen/native/cuda/Blas.cpp): a contiguous 1-D
+    bias as wide as the product, beta 1, fp32/fp16/bf16, both matrices' sides over 1."""
+    if func is not torch.ops.aten.addmm.default or len(args) < 3:
+        return False
+    bias, mat1, mat2 = args[:3]
+    return (bias.dim() == 1 and mat1.dim() == 2 and mat2.dim() == 2 and bias.shape[0] == mat2.shape[1]
+            and bias.dtype in _LT_DTYPES and kwargs.get("beta", 1) == 1 and bias.is_contiguous()
+            and min(*mat1.shape, *mat2.shape) > 1)
 
 
 def _storages(tensor: torch.Tensor) -> Iterable[torch.UntypedStorage]:
@@ -96,6 +120,7 @@ class StorageTracker(TorchDispatchMode):
         self._copied: set[int] = set()  # serials counted by `adopt_loaded` at their tensors' bytes
         self._excluded: list[torch.UntypedStorage] = []  # the instrument's own tensors (`exclude`)
         self.chunks: list[tuple[str, int, int, int, int]] = []  # a pipeline stage's chunk calls (CHUNKS)
+        self._blas: set[tuple[bool, str]] = set()  # (on autograd's thread, "cublas"/"cublaslt"): marked
 
     # ---- the context ---------------------------------------------------------------------------------
     def set_phase(self, step: int, phase: Phase) -> None:
@@ -202,6 +227,8 @@ class StorageTracker(TorchDispatchMode):
                 self._op_blocks(args)  # as for any op there: its tensor's layer becomes the current one
             return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         out = func(*args, **(kwargs or {}))
+        if func in _BLAS_OPS:
+            self._blas_call(func, args, kwargs or {})
         if self._loading and func.is_view:  # a view of what exists already: no allocation (`loading_checkpoint`)
             return out
         op_blocks = self._op_blocks(args) if self.phase in (Phase.BUILD, Phase.OPTIMIZER) else None
@@ -216,6 +243,16 @@ class StorageTracker(TorchDispatchMode):
                 if isinstance(leaf, torch.Tensor):
                     self._see(leaf, block, name)
         return out
+
+    def _blas_call(self, func, args, kwargs) -> None:
+        """Mark the thread's first cuBLAS call and first cuBLASLt one (WORKSPACE_MARKERS), after the op's output as
+        CUDA allocates them: the backward runs on autograd's thread. A cuBLASLt call takes the thread's cuBLAS handle
+        too, which allocates the cuBLAS workspace first (measured on an H200: 33,554,432 B, then 1,048,576 B)."""
+        thread = self.phase is Phase.BACKWARD
+        for kind in ("cublas", "cublaslt") if _lt_addmm(func, args, kwargs) else ("cublas",):
+            if (thread, kind) not in self._blas:
+                self._blas.add((thread, kind))
+                self._rows.append((self.step, self.phase, self.block, kind, WORKSPACE_MARKERS[kind], 0))
 
     def _op_blocks(self, args) -> list[tuple[int, str]] | tuple[int, str] | None:
         first = args[0] if args else None

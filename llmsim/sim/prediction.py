@@ -179,9 +179,9 @@ def verdict_why(prediction: Prediction) -> str:
     need, card, margin = rank.needed_bytes / gib, gpu.capacity_bytes / gib, gpu.margin_bytes / gib
     where = f"rank {rank.rank}" if len(prediction.ranks) > 1 else "the job"
     if rank.verdict == "oom":
-        if rank.peak_allocated_bytes + gpu.cublas_workspace_bytes + gpu.cuda_context_bytes > gpu.capacity_bytes:
-            return (f"{where}: its live tensors alone ({rank.peak_allocated_bytes / gib:.2f} GiB, with the CUDA "
-                    f"context and cuBLAS workspace) exceed the {card:.2f} GiB card")
+        if rank.peak_allocated_bytes + gpu.cuda_context_bytes > gpu.capacity_bytes:
+            return (f"{where}: its live tensors alone ({rank.peak_allocated_bytes / gib:.2f} GiB, with the cuBLAS "
+                    f"workspaces, and the CUDA context) exceed the {card:.2f} GiB card")
         return (f"{where}: the caching allocator model runs out of the {card:.2f} GiB card even after freeing its "
                 f"cache and retrying (it reserves {need:.2f} GiB unconstrained)")
     if rank.verdict == "tight":

@@ -13,7 +13,9 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from llmsim.enums import Category
 from llmsim.inputs.gpus import GpuProfile
+from llmsim.model.tracker import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE
 from llmsim.model.offload import host_peak_bytes, split_host
 from llmsim.sim.allocator import NO_LIMIT, AllocatorConfig, OutOfMemory, PausedReplay, compiled, replay_reserved
 from llmsim.sim.peaks import Peak, replay
@@ -48,8 +50,44 @@ def as_rank(prediction: RankPrediction, rank: int) -> RankPrediction:
 def _predict_rank(rank: int, timeline: pd.DataFrame, gpu: GpuProfile | None,
                   alloc_conf: AllocatorConfig) -> RankPrediction:
     device, host = split_host(timeline)  # offloaded activations are host memory, not the GPU's
-    return replace(on_device(rank, replay(device), device, gpu, alloc_conf),
-                   peak_host_bytes=host_peak_bytes(host))
+    if gpu is None:
+        prediction = on_device(rank, replay(device), device, gpu, alloc_conf)
+    else:
+        serials, deltas, peak = on_gpu(device, gpu)
+        prediction = on_device(rank, peak, device, gpu, alloc_conf, events=(serials, deltas))
+    return replace(prediction, peak_host_bytes=host_peak_bytes(host))
+
+
+def on_gpu(device: pd.DataFrame, gpu: GpuProfile) -> tuple[np.ndarray, np.ndarray, Peak]:
+    """A device timeline's events as they run on `gpu`, and their peak: each thread's first cuBLAS and cuBLASLt
+    call (the tracker's WORKSPACE_MARKERS rows) allocates that workspace there, kept to the end of the process,
+    each under a serial of its own past the timeline's."""
+    serials = device["serial"].to_numpy()
+    deltas = device["delta_bytes"].to_numpy(dtype=np.int64)
+    cublas, cublaslt = serials == CUBLAS_WORKSPACE, serials == CUBLASLT_WORKSPACE
+    rows = np.flatnonzero(cublas | cublaslt)
+    if not len(rows):
+        return serials, deltas, replay(device)
+    deltas, serials = deltas.copy(), serials.copy()
+    deltas[cublas] = gpu.cublas_workspace_bytes
+    deltas[cublaslt] = gpu.cublaslt_workspace_bytes
+    serials[rows] = np.arange(len(rows)) + max(int(serials.max()), -1) + 1
+    live = np.cumsum(deltas)
+    index = int(np.argmax(live))
+    tensors = replay(device.iloc[: index + 1])  # the tensors' breakdown up to that event (no workspace in it)
+    workspace = int(deltas[rows[rows <= index]].sum())
+    breakdown = {**tensors.breakdown_bytes, **({Category.WORKSPACE.value: workspace} if workspace else {})}
+    row = device.iloc[index]
+    return serials, deltas, Peak(int(live[index]), index, int(row["step"]), str(row["phase"]), str(row["module"]),
+                                 breakdown)
+
+
+def _workspaces(serials: np.ndarray, gpu: GpuProfile) -> tuple[int, ...]:
+    """The workspaces a spliced rank's events allocate (its template's WORKSPACE_MARKERS rows), as the allocator
+    model's `extra` allocations, made first and kept: the allocated peak counts them all (at most one cuBLAS
+    workspace over, where the peak comes before the backward's first matmul)."""
+    return ((gpu.cublas_workspace_bytes,) * int(np.count_nonzero(serials == CUBLAS_WORKSPACE))
+            + (gpu.cublaslt_workspace_bytes,) * int(np.count_nonzero(serials == CUBLASLT_WORKSPACE)))
 
 
 @per_timeline(maxsize=32)
@@ -89,7 +127,12 @@ def _predict_lazy_rank(rank_timelines: LazyRanks, rank: int, gpu: GpuProfile | N
     if rank_timelines.events is None:
         return replace(_predict_rank(rank, rank_timelines[rank], gpu, alloc_conf), frame=frame)
     events = rank_timelines.events(rank)
-    return replace(on_device(rank, events.peak, None, gpu, alloc_conf, events.spliced), frame=frame,
+    peak = events.peak
+    if gpu is not None:  # the workspaces of the template's markers, kept from the start (`_workspaces`)
+        workspace = sum(_workspaces(events.spliced().serials, gpu))
+        peak = replace(peak, allocated_bytes=peak.allocated_bytes + workspace,
+                       breakdown_bytes={**peak.breakdown_bytes, Category.WORKSPACE.value: workspace})
+    return replace(on_device(rank, peak, None, gpu, alloc_conf, events.spliced), frame=frame,
                    peak_host_bytes=events.peak_host_bytes)
 
 
@@ -124,29 +167,36 @@ def _device_timeline(rank_timelines: LazyRanks, rank: int) -> pd.DataFrame:
 
 
 def on_device(rank: int, peak: Peak, timeline: pd.DataFrame | None, gpu: GpuProfile | None,
-              alloc_conf: AllocatorConfig, spliced: Callable[[], Spliced] | None = None) -> RankPrediction:
+              alloc_conf: AllocatorConfig, spliced: Callable[[], Spliced] | None = None,
+              events: tuple[np.ndarray, np.ndarray] | None = None) -> RankPrediction:
     """Reserved, device total, what the job needs and the verdict: the caching allocator model on a GPU; the live
-    bytes themselves on the CPU. The allocator model reads the timeline's (serials, delta bytes), or `spliced()`
-    where there is no timeline (a ZeRO-1/2 rank: `_replay_spliced`)."""
+    bytes themselves on the CPU. The allocator model reads `events` (the timeline's serials and delta bytes as they
+    run on the GPU, `on_gpu`), or `spliced()` where there is no timeline (a ZeRO-1/2 rank: `_replay_spliced`, its
+    workspaces allocated first); `peak` counts the workspaces."""
     if gpu is None:
         return RankPrediction(rank, peak, peak.allocated_bytes, peak.allocated_bytes, timeline)
     usable = gpu.capacity_bytes - gpu.cuda_context_bytes
-    events = spliced() if spliced is not None else None
-    extra = (gpu.cublas_workspace_bytes,)
+    spliced_events = spliced() if spliced is not None else None
+    if spliced_events is not None:
+        extra = _workspaces(spliced_events.serials, gpu)
+    else:
+        extra = ()
+        if events is None:  # the timeline's own events: its peak on the GPU counts the workspaces
+            *events, peak = on_gpu(timeline, gpu)
+            events = tuple(events)
 
     @functools.cache
     def arrays():  # built once, when a replay needs them (a ZeRO-1/2 rank's splice copies the template's)
-        return events.arrays() if events is not None else (timeline["serial"].to_numpy(),
-                                                           timeline["delta_bytes"].to_numpy())
+        return spliced_events.arrays() if spliced_events is not None else events
     # Unbounded first: when its reserved peak fits, the bounded run (whose only difference is releasing the
     # cache when a segment would not fit) is the same run; when even the live bytes cannot fit, it is an OOM.
-    if events is not None:
-        reserved = _replay_spliced(events, NO_LIMIT, alloc_conf, extra)
+    if spliced_events is not None:
+        reserved = _replay_spliced(spliced_events, NO_LIMIT, alloc_conf, extra)
     else:
         reserved = _replay_reserved(*arrays(), NO_LIMIT, alloc_conf, extra)
     needed = reserved  # the allocator never has to release its cache: what it reserves is what the job needs
     runs = reserved <= usable
-    if not runs and peak.allocated_bytes + sum(extra) <= usable:
+    if not runs and peak.allocated_bytes <= usable:  # the live bytes, workspaces in them
         try:
             reserved = _replay_reserved(*arrays(), usable, alloc_conf, extra)
             runs = True
@@ -154,10 +204,9 @@ def on_device(rank: int, peak: Peak, timeline: pd.DataFrame | None, gpu: GpuProf
             pass
     room = usable - gpu.margin_bytes
     if runs and needed > room:  # near the card: the least it runs on (an OOM keeps its unbounded reserved peak)
-        needed = _least_capacity(*arrays(), peak.allocated_bytes + sum(extra), min(needed, usable), alloc_conf,
-                                 extra)
+        needed = _least_capacity(*arrays(), peak.allocated_bytes, min(needed, usable), alloc_conf, extra)
     total = reserved + gpu.cuda_context_bytes
-    needed_total = max(needed, peak.allocated_bytes + sum(extra)) + gpu.cuda_context_bytes
+    needed_total = max(needed, peak.allocated_bytes) + gpu.cuda_context_bytes
     verdict = "oom" if not runs or total > gpu.capacity_bytes else \
         "tight" if needed_total > gpu.capacity_bytes - gpu.margin_bytes else "fits"
     return RankPrediction(rank, peak, reserved, total, timeline, gpu.capacity_bytes, verdict == "fits",
