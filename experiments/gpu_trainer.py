@@ -14,7 +14,8 @@ defaults (on CUDA: `adamw_torch_fused`, `max_grad_norm` 1.0, the model moved to 
 llmsim's `MemoryRecorder` as its one callback (llmsim/measure/recorder.py): the row holds
 `torch.cuda.max_memory_allocated()` / `max_memory_reserved()` since the process started and the device's used
 memory at each step's end, with the job's own TrainingArguments, LoraConfig and BitsAndBytesConfig, which
-`llmsim validate` re-predicts. The data is what `datasets.map(tokenizer)` leaves: lists of token ids, labels equal,
+`llmsim validate` re-predicts. Each job's CUDA allocator events (`torch.cuda.memory._record_memory_history` from
+before `from_pretrained`, no stacks) and the raw readings go to DIR/trainer_traces.tar.gz. The data is what `datasets.map(tokenizer)` leaves: lists of token ids, labels equal,
 one length, collated by transformers' `default_data_collator`.
 """
 from __future__ import annotations
@@ -112,6 +113,8 @@ def run_job(index: int, checkpoint: str, out: str, cpu_check: bool) -> None:
         if fields.get("fp16"):  # fp16 mixed precision needs a GPU (the Trainer refuses it on the CPU)
             fields = {key: value for key, value in fields.items() if key != "fp16"}
     loading = {"quantization_config": BitsAndBytesConfig(**bnb)} if bnb else {}
+    if not cpu_check:  # the allocator's own events, from the first allocation on (`_Raw` saves them)
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=10**7)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype), **loading)
     if bnb and kbit_prep:
         from peft import prepare_model_for_kbit_training
@@ -155,12 +158,51 @@ class _Raw:
                     figures = {"allocated": torch.cuda.max_memory_allocated(),
                                "reserved": torch.cuda.max_memory_reserved(), "used_at_end": total - free,
                                "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+                    _save_allocator_trace(Path(out).parent / f"trainer_trace_{index:02d}.pkl")
                 else:
                     figures = {"allocated": readings.peaks()[0]}
                 with open(Path(out).with_suffix(".raw.jsonl"), "a") as handle:
                     handle.write(json.dumps({"job": index, "name": JOBS[index][0], **figures}) + "\n")
 
         return Raw()
+
+
+def _save_allocator_trace(path: Path) -> None:
+    """The CUDA caching allocator's events of the job (action, address, size) and its segments at the end, as
+    numpy arrays (the kit's format, experiments/gpu_validation.py `_save_traces`); the row matters more."""
+    import pickle
+
+    import numpy as np
+    import torch
+
+    try:
+        snapshot = torch.cuda.memory._snapshot()
+        trace = [e for device_trace in snapshot["device_traces"] for e in device_trace]
+        actions = sorted({e["action"] for e in trace})
+        events = {"actions": actions, "action": np.array([actions.index(e["action"]) for e in trace], np.int8),
+                  "addr": np.array([e["addr"] for e in trace], np.int64),
+                  "size": np.array([e["size"] for e in trace], np.int64),
+                  "segments_at_end": [(s["address"], s["total_size"]) for s in snapshot["segments"]]}
+    except Exception as error:
+        events = {"error": repr(error)}
+    torch.cuda.memory._record_memory_history(enabled=None)
+    with open(path, "wb") as handle:
+        pickle.dump({"allocator": events}, handle)
+
+
+def _bundle_traces(out: Path) -> None:
+    """The jobs' allocator traces and raw readings in one archive, DIR/trainer_traces.tar.gz (a lent machine sends
+    back 8 files at most)."""
+    import tarfile
+
+    members = sorted(out.glob("trainer_trace_*.pkl")) + sorted(out.glob("*.raw.jsonl"))
+    if not members:
+        return
+    with tarfile.open(out / "trainer_traces.tar.gz", "w:gz") as tar:
+        for path in members:
+            tar.add(path, arcname=path.name)
+    for path in members:
+        path.unlink()
 
 
 def dry_run() -> int:
@@ -236,6 +278,8 @@ def main() -> int:
                     log.write(f"=== trainer job {index}: {model} {name}\n{text}\n")
                 continue
             print(f"{model} {name}: {time.perf_counter() - began:.0f} s", flush=True)
+    if not cpu_check:
+        _bundle_traces(out)
     return 1 if failures else 0
 
 

@@ -21,7 +21,7 @@ pairs with the same configuration under transformers' loss, so the saving is mea
 
 On a lent machine whose files come back from one folder (`--out DIR`): rows go to DIR/tier4_gpu.csv as each run
 ends, each run's tracker timeline and CUDA allocator trace (`torch.cuda.memory._record_memory_history`, no stacks)
-to DIR/traces_0.tar.gz (runs 0-11) and traces_1.tar.gz, a failed run's stderr to DIR/failures.log, and the
+to DIR/traces_0.tar.gz (runs 0-12) and traces_1.tar.gz, a failed run's stderr to DIR/failures.log, and the
 device's own figures (capacity, the context of a bare process, the cuBLAS workspace) to DIR/device.json.
 `--deadline S` starts no run after S seconds.
 The command prepared for this workplace's H200 (python 3.12, torch 2.11+cu130, transformers 5.17, no deepspeed;
@@ -47,6 +47,7 @@ from pathlib import Path
 
 TIER4_CSV = Path(__file__).resolve().parent.parent / "data" / "measurements" / "tier4_gpu.csv"
 PER_RUN_TIMEOUT_S = 120
+RUNS_PER_ARCHIVE = 13  # the matrix's 25 runs in two trace archives: a lent machine sends back 8 files at most
 # (zoo model, micro_batch, seq_len, precision, grad_ckpt, ckpt_every[, lora_rank[, lever]]): single GPU,
 # plain PyTorch, AdamW (foreach, CUDA's default) unless an optimizer is named; LoRA through peft on a frozen
 # base; the lever is True for checkpointing with offload (transformers' save_on_cpu into pinned host memory:
@@ -304,7 +305,7 @@ def main() -> int:
                 break
             continue
         finally:
-            _bundle(args.out, index // 12)
+            _bundle(args.out, index // RUNS_PER_ARCHIVE)
         done += 1
         append_rows([row], csv)
         print(entry, row["peak_allocated_bytes"], row["peak_reserved_bytes"], row["device_total_bytes"],

@@ -100,3 +100,35 @@ def test_the_h200_rows_are_within_tolerance_as_the_report_says():
     assert results["ok"].all(), results.loc[~results["ok"], ["model", "rel_error"]]
     assert results["rel_error"].between(-0.0033, 0).all()
     assert results[["reserved_rel_error", "device_total_rel_error"]].abs().max().max() <= 0.037
+
+
+def test_trainer_jobs_bundle_their_traces_and_raw_readings_into_one_archive(tmp_path):
+    import tarfile
+
+    from experiments.gpu_trainer import _bundle_traces
+
+    for index in range(3):
+        (tmp_path / f"trainer_trace_{index:02d}.pkl").write_bytes(b"x")
+    (tmp_path / "tier4_trainer_gpu.raw.jsonl").write_text("{}\n")
+    (tmp_path / "tier4_trainer_gpu.csv").write_text("tier\n4\n")
+    _bundle_traces(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tier4_trainer_gpu.csv", "trainer_traces.tar.gz"]
+    with tarfile.open(tmp_path / "trainer_traces.tar.gz") as tar:
+        assert tar.getnames() == [f"trainer_trace_{i:02d}.pkl" for i in range(3)] + ["tier4_trainer_gpu.raw.jsonl"]
+
+
+@pytest.mark.slow  # 20 s: a Trainer job through the entry points, cut small, on the CPU
+def test_a_trainer_job_cut_small_writes_a_row_validate_reads(tmp_path):
+    """experiments/gpu_trainer.py --cpu-check: the QLoRA job (nf4, prepare_model_for_kbit_training, LoRA,
+    Trainer.train()) on the CPU with the recorder's readings faked; its row re-reads as the job it was."""
+    import pandas as pd
+
+    from llmsim.measure.validate import row_inputs
+
+    script = KIT.parent / "gpu_trainer.py"
+    proc = subprocess.run([sys.executable, str(script), "--cpu-check", str(tmp_path), "--only", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    row = pd.read_csv(tmp_path / "tier4_trainer_cpu_check.csv").iloc[0]
+    spec, setup, layout = row_inputs(row.copy())
+    assert (setup.quant, setup.double_quant, setup.lora_rank, setup.grad_ckpt) == ("nf4", True, 16, True)
