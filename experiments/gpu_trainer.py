@@ -168,26 +168,14 @@ class _Raw:
 
 
 def _save_allocator_trace(path: Path) -> None:
-    """The CUDA caching allocator's events of the job (action, address, size) and its segments at the end, as
-    numpy arrays (the kit's format, experiments/gpu_validation.py `_save_traces`); the row matters more."""
+    """The job's CUDA allocator events, in the kit's format (experiments/gpu_validation.py `allocator_events`)."""
     import pickle
 
-    import numpy as np
-    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's root
+    from experiments.gpu_validation import allocator_events
 
-    try:
-        snapshot = torch.cuda.memory._snapshot()
-        trace = [e for device_trace in snapshot["device_traces"] for e in device_trace]
-        actions = sorted({e["action"] for e in trace})
-        events = {"actions": actions, "action": np.array([actions.index(e["action"]) for e in trace], np.int8),
-                  "addr": np.array([e["addr"] for e in trace], np.int64),
-                  "size": np.array([e["size"] for e in trace], np.int64),
-                  "segments_at_end": [(s["address"], s["total_size"]) for s in snapshot["segments"]]}
-    except Exception as error:
-        events = {"error": repr(error)}
-    torch.cuda.memory._record_memory_history(enabled=None)
     with open(path, "wb") as handle:
-        pickle.dump({"allocator": events}, handle)
+        pickle.dump({"allocator": allocator_events()}, handle)
 
 
 def _bundle_traces(out: Path) -> None:

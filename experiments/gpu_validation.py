@@ -162,6 +162,15 @@ def worker(entry, trace_path: str | None = None) -> dict:
 def _save_traces(path: str, timeline) -> None:
     """The tracker's timeline (its numeric columns, phase and category) and the allocator's events (action,
     address, size), as numpy arrays, for offline comparison with the prediction."""
+    columns = {name: timeline[name].to_numpy() for name in ("step", "block", "serial", "delta_bytes")}
+    columns.update({name: timeline[name].astype(str).to_numpy() for name in ("phase", "category")})
+    with open(path, "wb") as handle:
+        pickle.dump({"timeline": columns, "allocator": allocator_events()}, handle)
+
+
+def allocator_events() -> dict:
+    """The CUDA caching allocator's recorded events (action, address, size) and its segments at the end, as numpy
+    arrays; recording stops. Where the snapshot fails, the error (the rows matter more than the trace)."""
     import numpy as np
     import torch
 
@@ -169,18 +178,14 @@ def _save_traces(path: str, timeline) -> None:
         snapshot = torch.cuda.memory._snapshot()
         trace = [e for device_trace in snapshot["device_traces"] for e in device_trace]
         actions = sorted({e["action"] for e in trace})
-        events = {"actions": actions, "action": np.array([actions.index(e["action"]) for e in trace], np.int8),
-                  "addr": np.array([e["addr"] for e in trace], np.int64),
-                  "size": np.array([e["size"] for e in trace], np.int64),
-                  "segments_at_end": [(s["address"], s["total_size"]) for s in snapshot["segments"]]}
-    except Exception as error:  # the rows matter more than the trace
-        events = {"error": repr(error)}
+        return {"actions": actions, "action": np.array([actions.index(e["action"]) for e in trace], np.int8),
+                "addr": np.array([e["addr"] for e in trace], np.int64),
+                "size": np.array([e["size"] for e in trace], np.int64),
+                "segments_at_end": [(s["address"], s["total_size"]) for s in snapshot["segments"]]}
+    except Exception as error:
+        return {"error": repr(error)}
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    columns = {name: timeline[name].to_numpy() for name in ("step", "block", "serial", "delta_bytes")}
-    columns.update({name: timeline[name].astype(str).to_numpy() for name in ("phase", "category")})
-    with open(path, "wb") as handle:
-        pickle.dump({"timeline": columns, "allocator": events}, handle)
 
 
 def device_figures() -> dict:
