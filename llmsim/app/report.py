@@ -9,7 +9,7 @@ GIB = 2**30
 MIB = 2**20
 # Said under every GPU verdict until GPU runs (tier 4, data/measurements/tier4_*.csv) check the figures
 GPU_VALIDATION = ("GPU figures (CUDA's kernels, the caching-allocator model, the CUDA context) checked on one H200 "
-                  "(torch 2.11, CUDA 13): 31 single-GPU runs, 7 of them HF Trainer jobs, allocated within 0.32 % "
+                  "(torch 2.11, CUDA 13): 30 single-GPU runs, 7 of them HF Trainer jobs, allocated within 0.32 % "
                   "of what they measured (8 to the byte), reserved and device total within 3.7 %; other GPUs' CUDA context not "
                   "measured: docs/gpu-kit.md")
 

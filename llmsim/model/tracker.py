@@ -227,8 +227,6 @@ class StorageTracker(TorchDispatchMode):
                 self._op_blocks(args)  # as for any op there: its tensor's layer becomes the current one
             return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         out = func(*args, **(kwargs or {}))
-        if func in _BLAS_OPS:
-            self._blas_call(func, args, kwargs or {})
         if self._loading and func.is_view:  # a view of what exists already: no allocation (`loading_checkpoint`)
             return out
         op_blocks = self._op_blocks(args) if self.phase in (Phase.BUILD, Phase.OPTIMIZER) else None
@@ -242,6 +240,8 @@ class StorageTracker(TorchDispatchMode):
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
                     self._see(leaf, block, name)
+        if func in _BLAS_OPS:  # after its output, as CUDA allocates them (measured on an H200)
+            self._blas_call(func, args, kwargs or {})
         return out
 
     def _blas_call(self, func, args, kwargs) -> None:
