@@ -86,10 +86,10 @@ MATRIX = [
     ("qwen2.5-0.5b", 2, 512, "fp32", True, 1, 0, "fused"),
     ("qwen2.5-1.5b", 1, 512, "bf16", True, 1),
     ("qwen2.5-1.5b", 1, 512, "bf16", True, 1, 0, "fused"),
-    # torch Adam/AdamW's for-loop and foreach paths keep each parameter's 0-d `step` on the host (torch/optim/adam.py,
-    # `_init_group`): predicted as host memory (Category.HOST_OPTIMIZER_STATE), 4 B per parameter tensor in
-    # peak_host_bytes and none in the device's allocator (512 B a block); the worker's tracker sees them on the CPU.
-    # Not run on a GPU yet. The fused rows above are the counter-check: their `step` is on the device, host 0.
+    # torch Adam/AdamW's for-loop and foreach paths make each parameter's 0-d `step` with `torch.tensor(0.0)`
+    # (torch/optim/adam.py, `_init_group`): on the host in a user's script, but on the GPU under the worker's
+    # `with torch.device("cuda")` (the H200 run: 4-byte blocks of the CUDA allocator, no host bytes), which the
+    # kit's rows say (`cuda_default_device`). The fused rows above put it on the device either way.
     ("gpt2", 1, 128, "fp32", False, 1, 0, "adam"),
     # A mixture-of-experts model (issue 25): OLMoE-1B-7B's 64 experts per layer through transformers' grouped_mm,
     # CUTLASS's bf16 grouped GEMM on sm90 (its small workspace is not modelled; the output is, as on the CPU).
