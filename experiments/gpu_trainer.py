@@ -82,30 +82,25 @@ class _FakeCuda:
 
 
 def write_checkpoint(model: str, directory: str, cpu_check: bool) -> None:
-    """Child process: the zoo model's checkpoint as the hub stores it (the config's own dtype, fp32 where it names
-    none), its random weights made on the GPU (fast at 7B) and saved."""
+    """Child process: the zoo model's checkpoint as the hub stores it (llmsim's Trainer recipe writes it), its random
+    weights made on the GPU (fast at 7B)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from llmsim.inputs.spec import load_model_spec
-    from llmsim.model.trainer_recipe import checkpoint_dtype
+    from llmsim.model import trainer_recipe
 
     spec = load_model_spec(model, CPU_CHECK_SHAPES[model] if cpu_check else None)
-    config = spec.hf_config()
-    torch.manual_seed(0)
     with torch.device("cpu" if cpu_check else "cuda"):
-        built = AutoModelForCausalLM.from_config(config, dtype=checkpoint_dtype(config))
-    built.save_pretrained(directory)
+        trainer_recipe.write_checkpoint(spec.config_dict, Path(directory))
 
 
 def run_job(index: int, checkpoint: str, out: str, cpu_check: bool) -> None:
     """Child process: the user's script for JOBS[index], the recorder its one callback."""
-    import random
-
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
 
     from llmsim.measure.recorder import MemoryRecorder
+    from llmsim.model.trainer_recipe import token_rows
 
     name, model_name, seq_len, fields, lora, dtype, bnb, kbit_prep = JOBS[index]
     if cpu_check:
@@ -113,7 +108,7 @@ def run_job(index: int, checkpoint: str, out: str, cpu_check: bool) -> None:
         if fields.get("fp16"):  # fp16 mixed precision needs a GPU (the Trainer refuses it on the CPU)
             fields = {key: value for key, value in fields.items() if key != "fp16"}
     loading = {"quantization_config": BitsAndBytesConfig(**bnb)} if bnb else {}
-    if not cpu_check:  # the allocator's own events, from the first allocation on (`_Raw` saves them)
+    if not cpu_check:  # the allocator's own events, from the first allocation on (`_raw_readings` saves them)
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=10**7)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype), **loading)
     if bnb and kbit_prep:
@@ -129,42 +124,35 @@ def run_job(index: int, checkpoint: str, out: str, cpu_check: bool) -> None:
         args = TrainingArguments(output_dir=output_dir, max_steps=STEPS, report_to="none", save_strategy="no",
                                  disable_tqdm=True, **fields)
         count = STEPS * args.per_device_train_batch_size * args.gradient_accumulation_steps
-        rng = random.Random(0)
-        vocab = model.config.vocab_size
-        rows = []
-        for _ in range(count):
-            ids = [rng.randrange(vocab) for _ in range(seq_len)]
-            rows.append({"input_ids": ids, "labels": list(ids)})
+        rows = token_rows(model.config.vocab_size, seq_len, count)
         recorder = MemoryRecorder(out, model=None if cpu_check else model_name, gpu="h200",
                                   readings=_FakeCuda() if cpu_check else None,
                                   kbit_prep=kbit_prep if bnb else None)
-        Trainer(model=model, args=args, train_dataset=rows, callbacks=[_Raw(out, index, cpu_check), recorder]).train()
+        Trainer(model=model, args=args, train_dataset=rows,
+                callbacks=[_raw_readings(out, index, cpu_check), recorder]).train()
 
 
-class _Raw:
-    """The readings alone, before the recorder builds its row (which imports more of llmsim): one JSON line per job
-    beside the CSV, so a row the recorder could not write is still evidence."""
+def _raw_readings(out: str, index: int, cpu_check: bool):
+    """A callback that writes the readings alone, before the recorder builds its row (which imports more of
+    llmsim): one JSON line per job beside the CSV, so a row the recorder could not write is still evidence; on the
+    GPU the job's allocator events too (`_save_allocator_trace`)."""
+    import torch
+    from transformers import TrainerCallback
 
-    def __new__(cls, out: str, index: int, cpu_check: bool):
-        from transformers import TrainerCallback
+    class RawReadings(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            if cpu_check:
+                figures = {"allocated": _FakeCuda().peaks()[0]}
+            else:
+                free, total = torch.cuda.mem_get_info()
+                figures = {"allocated": torch.cuda.max_memory_allocated(),
+                           "reserved": torch.cuda.max_memory_reserved(), "used_at_end": total - free,
+                           "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+                _save_allocator_trace(Path(out).parent / f"trainer_trace_{index:02d}.pkl")
+            with open(Path(out).with_suffix(".raw.jsonl"), "a") as handle:
+                handle.write(json.dumps({"job": index, "name": JOBS[index][0], **figures}) + "\n")
 
-        class Raw(TrainerCallback):
-            def on_train_end(self, args, state, control, **kwargs):
-                readings = _FakeCuda() if cpu_check else None
-                if readings is None:
-                    import torch
-
-                    free, total = torch.cuda.mem_get_info()
-                    figures = {"allocated": torch.cuda.max_memory_allocated(),
-                               "reserved": torch.cuda.max_memory_reserved(), "used_at_end": total - free,
-                               "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-                    _save_allocator_trace(Path(out).parent / f"trainer_trace_{index:02d}.pkl")
-                else:
-                    figures = {"allocated": readings.peaks()[0]}
-                with open(Path(out).with_suffix(".raw.jsonl"), "a") as handle:
-                    handle.write(json.dumps({"job": index, "name": JOBS[index][0], **figures}) + "\n")
-
-        return Raw()
+    return RawReadings()
 
 
 def _save_allocator_trace(path: Path) -> None:

@@ -26,7 +26,7 @@ def _timeline(sizes_mib: list[int]) -> pd.DataFrame:
 
 def _first_matmul(frame: pd.DataFrame) -> pd.DataFrame:
     """`frame` after the tracker's marker of a thread's first cuBLAS call: on a GPU, the workspace's allocation."""
-    marker = pd.DataFrame({"serial": [CUBLAS_WORKSPACE], "delta_bytes": [0], "category": "parameter", "step": 0,
+    marker = pd.DataFrame({"serial": [CUBLAS_WORKSPACE], "delta_bytes": [0], "category": "workspace", "step": 0,
                            "phase": "forward", "module": "cublas"})
     return pd.concat([marker, frame], ignore_index=True)
 

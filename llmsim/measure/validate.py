@@ -141,9 +141,9 @@ def _validate_rows(measurements: pd.DataFrame) -> pd.DataFrame:
                                           RESERVED_TOLERANCE),
                                          ("device_total_bytes", predicted_rank.device_total_bytes,
                                           DEVICE_TOTAL_TOLERANCE)):
-                device_errors[column.replace("peak_", "").replace("_bytes", "_rel_error")] = \
-                    (value - int(row[column])) / int(row[column])
-                device_ok &= abs(value - int(row[column])) / int(row[column]) <= limit
+                relative = (value - int(row[column])) / int(row[column])
+                device_errors[column.replace("peak_", "").replace("_bytes", "_rel_error")] = relative
+                device_ok &= abs(relative) <= limit
         results.append({"source": row["source"], "tier": int(row["tier"]), "model": row["model"],
                         "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
                         "precision": setup.precision.value, "attention": row.get("attention", ""),

@@ -43,6 +43,7 @@ TIED = -6  # serial of a zero-byte build row: parameter `module` is the same Par
 # prediction's rows their bytes (GpuProfile); the CPU has no workspace.
 CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE = -7, -8
 WORKSPACE_MARKERS = {"cublas": CUBLAS_WORKSPACE, "cublaslt": CUBLASLT_WORKSPACE}
+_WORKSPACE_SERIALS = frozenset(WORKSPACE_MARKERS.values())
 _BLAS_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
              torch.ops.aten.baddbmm.default, torch.ops.aten.addbmm.default, torch.ops.aten.addmv.default,
              torch.ops.aten.mv.default}
@@ -372,6 +373,8 @@ class StorageTracker(TorchDispatchMode):
     def _category(self, serial: int, free_rows: dict[int, int]) -> str:
         if serial == GRAD_READY:
             return Category.GRADIENT.value
+        if serial in _WORKSPACE_SERIALS:  # no bytes here; a GPU prediction gives them the workspace's
+            return Category.WORKSPACE.value
         if serial < 0:  # a module marker: no bytes
             return Category.PARAMETER.value
         label = self._labels.get(serial)

@@ -74,17 +74,13 @@ def on_gpu(device: pd.DataFrame, gpu: GpuProfile) -> tuple[np.ndarray, np.ndarra
         deltas[cublas] = gpu.cublas_workspace_bytes
         deltas[cublaslt] = gpu.cublaslt_workspace_bytes
         serials[rows] = np.arange(len(rows)) + max(int(serials.max()), -1) + 1
+    if not len(deltas):
+        return serials, deltas, replay(device)
     blocks = _rounded(serials, deltas)
     live = np.cumsum(blocks)
-    index = int(np.argmax(live)) if len(live) else 0
+    index = int(np.argmax(live))
     upto = pd.Series(blocks[: index + 1]).groupby(device["category"].to_numpy()[: index + 1], sort=False).sum()
     breakdown = {c.value: int(upto.get(c.value, 0)) for c in Category if upto.get(c.value, 0)}
-    workspace = int(blocks[rows[rows <= index]].sum())
-    if workspace:  # the marker rows carry a parameter's category; their bytes are the workspaces'
-        breakdown[Category.PARAMETER.value] = breakdown.get(Category.PARAMETER.value, 0) - workspace
-        breakdown = {k: v for k, v in breakdown.items() if v} | {Category.WORKSPACE.value: workspace}
-    if not len(live):
-        return serials, deltas, replay(device)
     row = device.iloc[index]
     return serials, deltas, Peak(int(live[index]), index, int(row["step"]), str(row["phase"]), str(row["module"]),
                                  breakdown)
@@ -147,12 +143,7 @@ def _predict_lazy_rank(rank_timelines: LazyRanks, rank: int, gpu: GpuProfile | N
     if rank_timelines.events is None:
         return replace(_predict_rank(rank, rank_timelines[rank], gpu, alloc_conf), frame=frame)
     events = rank_timelines.events(rank)
-    peak = events.peak
-    if gpu is not None:  # the workspaces of the template's markers, kept from the start (`_workspaces`)
-        workspace = sum(_workspaces(events.spliced().serials, gpu))
-        peak = replace(peak, allocated_bytes=peak.allocated_bytes + workspace,
-                       breakdown_bytes={**peak.breakdown_bytes, Category.WORKSPACE.value: workspace})
-    return replace(on_device(rank, peak, None, gpu, alloc_conf, events.spliced), frame=frame,
+    return replace(on_device(rank, events.peak, None, gpu, alloc_conf, events.spliced), frame=frame,
                    peak_host_bytes=events.peak_host_bytes)
 
 
@@ -191,19 +182,21 @@ def on_device(rank: int, peak: Peak, timeline: pd.DataFrame | None, gpu: GpuProf
               events: tuple[np.ndarray, np.ndarray] | None = None) -> RankPrediction:
     """Reserved, device total, what the job needs and the verdict: the caching allocator model on a GPU; the live
     bytes themselves on the CPU. The allocator model reads `events` (the timeline's serials and delta bytes as they
-    run on the GPU, `on_gpu`), or `spliced()` where there is no timeline (a ZeRO-1/2 rank: `_replay_spliced`, its
-    workspaces allocated first); `peak` counts the workspaces."""
+    run on the GPU, `on_gpu`, `peak` theirs), or `spliced()` where there is no timeline (a ZeRO-1/2 rank:
+    `_replay_spliced`; its workspaces are allocated first, and added to `peak`, the peak of its tensors)."""
     if gpu is None:
         return RankPrediction(rank, peak, peak.allocated_bytes, peak.allocated_bytes, timeline)
     usable = gpu.capacity_bytes - gpu.cuda_context_bytes
     spliced_events = spliced() if spliced is not None else None
     if spliced_events is not None:
         extra = _workspaces(spliced_events.serials, gpu)
+        peak = replace(peak, allocated_bytes=peak.allocated_bytes + sum(extra),
+                       breakdown_bytes={**peak.breakdown_bytes, Category.WORKSPACE.value: sum(extra)})
     else:
         extra = ()
         if events is None:  # the timeline's own events: its peak on the GPU counts the workspaces
-            *events, peak = on_gpu(timeline, gpu)
-            events = tuple(events)
+            serials, deltas, peak = on_gpu(timeline, gpu)
+            events = (serials, deltas)
 
     @functools.cache
     def arrays():  # built once, when a replay needs them (a ZeRO-1/2 rank's splice copies the template's)
