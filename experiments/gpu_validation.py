@@ -121,7 +121,7 @@ def worker(entry, trace_path: str | None = None) -> dict:
     CUDA caching allocator's own trace (every alloc/free/segment event, no stacks) there."""
     import torch
 
-    from llmsim.measure.runs import environment, setup_columns
+    from llmsim.measure.runs import environment, library_versions, setup_columns
     from llmsim.model.offload import host_peak_bytes, split_host
     from llmsim.sim.peaks import replay
     from llmsim.model.step import run_canonical_step
@@ -148,13 +148,14 @@ def worker(entry, trace_path: str | None = None) -> dict:
     device, host = split_host(timeline)  # the pinned copies of --ckpt-offload are host memory
     if trace_path:
         _save_traces(trace_path, timeline)
-    return {"tier": 4, **setup_columns(spec, setup), "strategy": "single", "world_size": 1, "rank": 0,
+    return {"tier": 4, "recipe": setup.recipe.value, **setup_columns(spec, setup), "strategy": "single",
+            "world_size": 1, "rank": 0,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "device_total_bytes": total - free,
             "reserved_at_end_bytes": torch.cuda.memory_reserved(),
             "tracker_peak_bytes": replay(device).allocated_bytes, "peak_host_bytes": host_peak_bytes(host),
             "gpu": _profile_name(torch.cuda.get_device_name(0)), "device": torch.cuda.get_device_name(0),
-            **environment(),
+            **environment(), **library_versions(),
             "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "wall_s": round(time.perf_counter() - start, 2)}
 

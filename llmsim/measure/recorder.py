@@ -73,7 +73,7 @@ class MemoryRecorder(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         from llmsim.inputs.gpus import gpu_names, load_gpu
-        from llmsim.measure.runs import append_rows, environment
+        from llmsim.measure.runs import append_rows, environment, library_versions
 
         allocated, reserved = self.readings.peaks()
         self.used = max(self.used, self.readings.used())
@@ -91,7 +91,7 @@ class MemoryRecorder(TrainerCallback):
                "strategy": "deepspeed" if args.deepspeed else "single" if args.world_size == 1 else "ddp",
                "world_size": args.world_size,
                "rank": args.process_index, "gpu": gpu, "device": "cuda", "peak_allocated_bytes": allocated,
-               "peak_reserved_bytes": reserved, "device_total_bytes": self.used, **environment(),
+               "peak_reserved_bytes": reserved, "device_total_bytes": self.used, **environment(), **library_versions(),
                "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
         out = self.out if args.world_size == 1 else self.out.with_name(f"{self.out.stem}.rank{args.process_index}"
                                                                             f"{self.out.suffix}")

@@ -51,6 +51,11 @@ def environment() -> dict[str, str]:
             "machine": f"{platform.machine()} {platform.system()}".strip()}
 
 
+def library_versions() -> dict[str, str]:
+    """The releases of the libraries a Trainer job runs beside torch and transformers ("" where one is missing)."""
+    return {"peft": _version("peft"), "accelerate": _version("accelerate"), "bitsandbytes": _version("bitsandbytes")}
+
+
 def setup_columns(spec: ModelSpec, setup: TrainSetup) -> dict:
     return {"model": spec.name, "overrides": json.dumps(dict(spec.overrides), sort_keys=True),
             "micro_batch": setup.micro_batch, "seq_len": setup.seq_len, "precision": setup.precision.value,
@@ -155,7 +160,7 @@ def measure_trainer(spec: ModelSpec, setup: TrainSetup, dtype: str, layout: Layo
             "ckpt_every": 1, "lora_rank": setup.lora_rank, "strategy": layout.strategy.value,
             "world_size": layout.world_size, "rank": rank, "peak_allocated_bytes": peak.allocated_bytes,
             "peak_host_bytes": host_peak_bytes(host), "peak_phase": peak.phase, "device": "cpu", **environment(),
-            "peft": _version("peft"), "accelerate": _version("accelerate"), "bitsandbytes": _version("bitsandbytes"),
+            **library_versions(),
             **({"trl": _version("trl")} if setup.recipe is Recipe.TRL_SFT else {}),
             **({"gloo_settle": True} if layout.fsdp is not None else {}),  # the recipe settles FSDP2's collectives
             **({"fsdp_init": "host"} if host_build else {}),
