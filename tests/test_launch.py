@@ -47,3 +47,35 @@ def test_a_run_waiting_on_a_stale_jit_build_lock_names_it(tmp_path, monkeypatch)
     assert launch.jit_build_locks() == [extensions / "async_io" / "lock"]
     (extensions / "async_io" / "lock").unlink()
     assert launch.jit_build_locks() == []
+
+
+def _fake_op_builders(tmp_path, monkeypatch, body: str) -> None:
+    """A `deepspeed.ops.op_builder` whose FakeBuilder().load() runs `body` (the real op builds for minutes)."""
+    package = tmp_path / "fake" / "deepspeed" / "ops" / "op_builder"
+    package.mkdir(parents=True)
+    for folder in (package.parent.parent, package.parent):
+        (folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("import os, time\n"
+                                         "class FakeBuilder:\n"
+                                         "    def load(self, verbose=True):\n"
+                                         f"        {body}\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'fake'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+
+
+def test_an_op_is_built_once_with_the_cpus_this_process_has(tmp_path, monkeypatch):
+    """ninja runs `-j MAX_JOBS` where torch finds it set: the build gets the CPUs this process may run on."""
+    _fake_op_builders(tmp_path, monkeypatch, f"open({str(tmp_path / 'jobs')!r}, 'w').write(os.environ['MAX_JOBS'])")
+    launch.build_op("FakeBuilder", timeout_s=60)
+    assert (tmp_path / "jobs").read_text() == str(len(os.sched_getaffinity(0)))
+
+
+def test_a_failed_or_hung_op_build_says_so_with_its_output(tmp_path, monkeypatch):
+    _fake_op_builders(tmp_path, monkeypatch, "print('ninja: build stopped: subcommand failed.'); raise SystemExit(1)")
+    with pytest.raises(launch.LaunchFailure, match="FakeBuilder op failed .exit 1.:\nninja: build stopped"):
+        launch.build_op("FakeBuilder", timeout_s=60)
+    _fake_op_builders(tmp_path / "hung", monkeypatch, "print('[1/12] c++ -c py_ds_aio.cpp', flush=True); time.sleep(600)")
+    begin = time.monotonic()
+    with pytest.raises(launch.LaunchFailure, match=r"FakeBuilder op timed out after 5 s.*:\n\[1/12\] c\+\+"):
+        launch.build_op("FakeBuilder", timeout_s=5)
+    assert time.monotonic() - begin < 30

@@ -73,6 +73,36 @@ def jit_build_locks() -> list[Path]:
     return sorted(lock for folder in folders for lock in folder.glob("*/lock"))
 
 
+def _build_env() -> dict:
+    """The environment a JIT op build runs in: torch's cpp_extension hands MAX_JOBS to ninja as `-j`; unset, ninja
+    starts CPUs + 2 compilers of about 1 GB each (DeepSpeed's async_io: 12 files including torch's headers), so it
+    is held to the CPUs this process may run on."""
+    return {"MAX_JOBS": str(len(os.sched_getaffinity(0))), **os.environ}
+
+
+def build_op(builder: str, timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
+    """JIT-build DeepSpeed's op `builder` (an `op_builder` class name, e.g. "AsyncIOBuilder") once, in a process of
+    its own, before a measured run loads it: its ranks then load the cached op instead of one building while the
+    others wait on torch's FileBaton lock inside the run's timeout. A build that fails or passes `timeout_s` raises
+    LaunchFailure with its output's tail (and a lock it left). Already built: a second or so."""
+    code = (f"from deepspeed.ops.op_builder import {builder}\n"
+            f"{builder}().load(verbose=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_build_env(), start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_with_descendants(proc.pid)
+        output, _ = proc.communicate()
+        locks = jit_build_locks()
+        raise LaunchFailure(f"building DeepSpeed's {builder} op timed out after {timeout_s} s" + (
+            f" (lock {', '.join(map(str, locks))} left: remove it if no build is running)" if locks else "") +
+            ":\n" + "\n".join(output.strip().splitlines()[-15:])) from None
+    if proc.returncode != 0:
+        raise LaunchFailure(f"building DeepSpeed's {builder} op failed (exit {proc.returncode}):\n" +
+                            "\n".join(output.strip().splitlines()[-15:]))
+
+
 def torchrun(module: str, job: dict, world_size: int, out: Path, timeout_s: int = DEFAULT_TIMEOUT_S,
              accelerate_config: Path | None = None) -> None:
     """`torchrun --nproc_per_node world_size -m module JOB OUT`: every rank reads the job and writes its results under
@@ -87,7 +117,7 @@ def torchrun(module: str, job: dict, world_size: int, out: Path, timeout_s: int 
                 [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
                  f"--master_port={_free_port()}"])
     command = [*launcher, "-m", module, str(job_path), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**_build_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
     try:

@@ -18,7 +18,7 @@ import pandas as pd
 from llmsim.enums import Loss, Optimizer, Precision, Recipe
 from llmsim.errors import InputError
 from llmsim.model.losses import check_loss
-from llmsim.measure.launch import DEFAULT_TIMEOUT_S, run_ranks, torchrun
+from llmsim.measure.launch import DEFAULT_TIMEOUT_S, build_op, run_ranks, torchrun
 from llmsim.model.offload import host_peak_bytes, split_host
 from llmsim.sim.peaks import replay
 from llmsim.inputs.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
@@ -254,7 +254,9 @@ def append_rows(rows: list[dict], path: Path = TIER1_CSV) -> None:
 
 def check_swapper_measurable(deepspeed) -> None:
     """A measured run with ZeRO-3's optimizer swapper ("nvme") loads DeepSpeed's async_io op, which builds only
-    against libaio: one line before any process starts where it cannot (predicting needs none of it)."""
+    against libaio: one line before any process starts where it cannot (predicting needs none of it). Where it can,
+    the op is built here, once, before the run (llmsim.measure.launch.build_op): a CI run's ranks built it inside the
+    run's timeout and passed it."""
     if deepspeed is None or not deepspeed.swaps_optimizer:
         return
     from deepspeed.ops.op_builder import AsyncIOBuilder
@@ -262,6 +264,7 @@ def check_swapper_measurable(deepspeed) -> None:
     if not AsyncIOBuilder().is_compatible(verbose=False):
         raise InputError("measuring offload_optimizer \"nvme\" loads DeepSpeed's async_io op, which needs libaio "
                          "(apt-get install libaio-dev) on this machine; predicting it does not")
+    build_op("AsyncIOBuilder")
 
 
 def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
