@@ -86,6 +86,14 @@ def cpu_adam(config: dict, kind: str = "AdamW") -> dict:
     return {**config, "optimizer": {"type": kind, "params": {"lr": 1e-4, "weight_decay": 0.01}}}
 
 
+def swapped_params(config: dict, buffer_size: int, pin: bool = True, **param) -> dict:
+    """The same JSON with ZeRO-3's parameters offloaded to "nvme" (the parameter swapper) under SWAP_DIR, its pool
+    `buffer_size` elements a buffer (DeepSpeed's default, 1e8, would be 2 GB of page-locked memory a rank here)."""
+    zero = {**config["zero_optimization"], "offload_param": {"device": "nvme", "nvme_path": SWAP_DIR,
+                                                             "pin_memory": pin, "buffer_size": buffer_size, **param}}
+    return {**config, "zero_optimization": zero}
+
+
 # (model, world size, DeepSpeed JSON, grad_ckpt, seq_len, TrainSetup fields)
 RUNS = [
     ("llama-2-7b", 2, offload(2, False, pin=False), False, 64, {}),
@@ -213,6 +221,17 @@ RUNS = [
     ("gpt2", 2, swapped(3, False, pin=False, ga=2), True, 64, {"shape": (128, 3, 9000, 4), "grad_accum": 2}),
     ("pythia-160m", 4, swapped(3, True, buffers={"buffer_count": 6}), False, 32, {"shape": (96, 3, 12000, 4)}),
     ("llama-2-7b", 2, swapped(3, True, sub_group_size=100_000), True, 64, {"shape": BIG, "lora_rank": 8}),
+    # ZeRO-3's parameters swapped to "nvme" (the parameter swapper, all of them read back into the flat host buffer
+    # at initialize): the first measured while it was modelled, the rest predicted before measured
+    ("llama-2-7b", 2, swapped_params(offload(3, False), 300_000), False, 64, {"shape": BIG}),
+    ("llama-2-7b", 2, swapped_params(offload(3, True), 600_000), True, 64, {"shape": (128, 3, 9000, 4)}),
+    ("llama-2-7b", 2, swapped_params(swapped(3, False), 300_000, buffer_count=2), False, 64, {"shape": BIG}),
+    ("gpt2", 2, swapped_params(offload(3, False, ga=2), 600_000, pin=False), True, 64,
+     {"shape": (128, 3, 9000, 4), "grad_accum": 2}),
+    ("qwen2.5-0.5b", 1, cpu_adam(swapped_params(offload(3, True), 1_100_000)), False, 64,
+     {"shape": (112, 3, 9000, 7)}),
+    ("mistral-7b", 3, swapped_params(swapped(3, True, sub_group_size=200_000), 400_000,
+                                     max_in_cpu=2_000_000), False, 64, {"shape": (128, 3, 9000, 4)}),
 ]
 
 

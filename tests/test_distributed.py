@@ -70,7 +70,21 @@ BAD = [
      [], "offload_param is ZeRO-3's"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
-     [], 'offload_param.device "nvme" (ZeRO-Infinity\'s parameter swapper) is not modelled yet'),
+     ["--lora-rank", "8"], 'offload_param.device "nvme" with LoRA is not modelled yet'),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "nvme", "nvme_path": "/nvme", "max_in_cpu": 1000}}},
+     [], "offload_param.max_in_cpu(1,000) is under this rank's 57,504 trainable parameter elements"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}}},
+     [], 'offload_param: device "nvme" needs "nvme_path"'),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
+     [], "offload_param is ZeRO-3's"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "aio": {"intra_op_parallelism": 0},
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                            "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}, [],
+     "aio.intra_op_parallelism(0) must be a positive integer"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, [], "offload_optimizer.ratio 0.3"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "parameter_alignment": True}}, [],

@@ -161,6 +161,12 @@ def test_the_table_says_what_is_swapped():
         layout_text(layout)
     table = prediction_table(predict(spec, setup, layout))
     assert "NVMe under /local_nvme: 11.40 MiB a rank at most, 22.81 MiB a node" in table
+    spec, setup, layout = _inputs(_params_swapped(_config()))
+    assert ("parameters on device nvme: partitions of 1 MiB or more written to /local_nvme at zero.Init through 5 "
+            "pinned host buffers, read back into host memory at initialize") in layout_text(layout)
+    table = prediction_table(predict(spec, setup, layout))
+    assert "NVMe under /local_nvme: 2.00 MiB a rank at most, 4.00 MiB a node (the parameter partitions written)" in \
+        table
 
 
 def test_one_rank_gathers_nothing():
@@ -177,9 +183,74 @@ def test_one_rank_gathers_nothing():
     assert (forward["delta_bytes"] > 0).sum() > 0
 
 
-def test_a_fresh_swapped_run_matches_its_prediction():
-    """A held-out run in every test run (about 10 s): gradients written to files, remainders kept in memory, bf16, two
-    sub-groups, 2 ranks; device and host peaks and the files' bytes against the prediction. It loads DeepSpeed's
+def _params_swapped(config: dict, buffer_size: int = 300_000, **param) -> dict:
+    """`config` with ZeRO-3's parameters offloaded to "nvme" (the parameter swapper) and the optimizer to the CPU."""
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "/local_nvme",
+                                                    "buffer_size": buffer_size, **param}
+    return config
+
+
+def test_committed_rows_cover_the_parameter_swapper():
+    rows = pd.read_csv(OFFLOAD_CSV)
+    zero = [json.loads(c)["zero_optimization"] for c in rows["ds_config"]]
+    swapped = rows[[(z.get("offload_param") or {}).get("device") == "nvme" for z in zero]]
+    zero = [json.loads(c)["zero_optimization"] for c in swapped["ds_config"]]
+    configs = [json.loads(c) for c in swapped["ds_config"]]
+    assert len(swapped) >= 10 and set(swapped["world_size"]) >= {1, 2, 3}
+    assert {bool(c.get("bf16", {}).get("enabled")) for c in configs} == {True, False}
+    assert {z["offload_optimizer"]["device"] for z in zero} == {"cpu", "nvme"}  # beside either optimizer offload
+    assert {z["offload_param"].get("pin_memory", False) for z in zero} == {True, False}
+    assert any("optimizer" in c for c in configs) and (swapped["grad_accum"] > 1).any() and swapped["grad_ckpt"].any()
+    assert any("max_in_cpu" in z["offload_param"] for z in zero)
+
+
+def test_the_parameter_pool_is_host_memory_for_the_run():
+    """Against offload_param "cpu": the swapper's pool (buffer_count x buffer_size rounded up to the I/O
+    alignment, in the model's dtype) and `invalid_buffer`'s 2 bytes, on the host, from zero.Init on; the device is
+    unchanged. Here the host peak is the step's, so the difference is the pool's exactly."""
+    cpu = _params_swapped(_config())
+    cpu["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    nvme = _params_swapped(_config(), buffer_size=300_000, buffer_count=3)
+    (one,), (other,) = (predict(*_inputs(c), ).ranks[:1] for c in (cpu, nvme))
+    pool = 3 * (300_000 + -300_000 % 256) * 4
+    assert other.peak_host_bytes - one.peak_host_bytes == pool + 2
+    assert other.peak_allocated_bytes == one.peak_allocated_bytes
+    frame = _frame(nvme)
+    build = _host(frame[frame["phase"] == "build"])
+    assert build["delta_bytes"].iloc[:3].tolist() == [pool, pool, -pool]  # the torch.empty, then its locked twin
+
+
+def test_the_parameter_files_are_the_partitions_over_the_threshold():
+    """Each partition of 1 MiB or more in the model's dtype (here the embedding's and the LM head's, 262,336 fp32
+    elements at 2 ranks), rounded up to the 256-element I/O alignment, on every rank; in bf16 they are under 1 MiB
+    and nothing is written."""
+    assert predict(*_inputs(_params_swapped(_config()))).nvme_bytes == [2 * 262_400 * 4] * 2
+    assert predict(*_inputs(_params_swapped(_config(bf16=True)))).nvme_bytes == [0, 0]
+
+
+@pytest.mark.parametrize("param,extra,needle", [
+    ({"buffer_size": 100_000}, [], "offload_param.buffer_size(100,000) is under the largest partition the "
+                                    "parameter swapper writes (262,336 elements)"),
+    ({"max_in_cpu": 500_000}, [], "offload_param.max_in_cpu(500,000) is under this rank's 821,568 trainable"),
+    ({}, ["--lora-rank", "8"], 'offload_param.device "nvme" with LoRA is not modelled yet'),
+])
+def test_what_the_parameter_swapper_is_not_modelled_for_is_refused(tmp_path, capsys, param, extra, needle):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_params_swapped(_config(), **{"buffer_size": 300_000, **param})))
+    args = ["predict", "--model", "llama-2-7b", "--set", "hidden_size=128", "--set", "num_hidden_layers=3",
+            "--set", "vocab_size=4099", "--set", "intermediate_size=344", "--set", "num_attention_heads=4",
+            "--set", "num_key_value_heads=4", "--seq-len", "64", "--ds-config", str(path), "--world-size", "2", *extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("swapper", ["optimizer", "parameters"])
+def test_a_fresh_swapped_run_matches_its_prediction(swapper):
+    """A held-out run of each swapper in every test run (about 15 s each): the optimizer's with gradients written
+    to files, remainders kept in memory, bf16, two sub-groups; the parameters' in fp32 with two partitions written
+    and read back; 2 ranks; device and host peaks and the files' bytes against the prediction. It loads DeepSpeed's
     async_io op, which builds only against libaio: skipped, saying so, on a machine without it."""
     import tempfile
     from pathlib import Path
@@ -193,14 +264,21 @@ def test_a_fresh_swapped_run_matches_its_prediction():
     from llmsim.measure.tolerances import PEAK_ALLOCATED_TOLERANCE
 
     with tempfile.TemporaryDirectory(prefix="llmsim-nvme-") as swap:
-        config = _config(bf16=True, sub_group_size=400_000)
-        config["zero_optimization"]["offload_optimizer"]["nvme_path"] = swap
-        spec, setup, layout = _inputs(config, 2, shape=(128, 2, 4500, 4))
+        if swapper == "optimizer":
+            config = _config(bf16=True, sub_group_size=400_000)
+            config["zero_optimization"]["offload_optimizer"]["nvme_path"] = swap
+            spec, setup, layout = _inputs(config, 2, shape=(128, 2, 4500, 4))
+        else:
+            config = _params_swapped(_config(), buffer_count=2)
+            config["zero_optimization"]["offload_param"]["nvme_path"] = swap
+            spec, setup, layout = _inputs(config, 2)
         predicted = predict(spec, setup, layout)
         measured = measure_distributed(spec, setup, layout, ds_gloo_settle=True)
         files = sorted(Path(swap).rglob("*.swp"))
         written = [sum(f.stat().st_size for f in files if f.parent.name == f"rank{rank}") for rank in range(2)]
-    assert any("_gradient_" in f.name for f in files)  # the swapper wrote masters, states and gradients
+    # the swapper wrote masters, states and gradients; or the two partitions over 1 MiB, on each rank
+    assert any("_gradient_" in f.name for f in files) if swapper == "optimizer" else \
+        [f.name for f in files] == ["0_param.tensor.swp", "29_param.tensor.swp"] * 2
     assert written == predicted.nvme_bytes
     tolerance = PEAK_ALLOCATED_TOLERANCE[2]
     for row in measured:

@@ -32,10 +32,15 @@ def layout_text(layout) -> str:
         swap = (f" (device nvme: sub-groups of 1 MiB or more swapped to {offload.get('nvme_path')} through "
                 f"{layout.deepspeed.zero().offload_optimizer.buffer_count} pinned host buffers, the rest held "
                 "in host memory)")
+        params = layout.deepspeed.config["zero_optimization"].get("offload_param") or {}
+        param_swap = (f" (parameters on device nvme: partitions of 1 MiB or more written to {params.get('nvme_path')} "
+                      f"at zero.Init through {layout.deepspeed.zero().offload_param.buffer_count} pinned host "
+                      "buffers, read back into host memory at initialize)" if layout.deepspeed.swaps_params else "")
         parts.append("optimizer" + (" and parameters" if layout.deepspeed.offloads_params else "")
                      + f" offloaded to the CPU, where {steps} steps"
                      + (swap if layout.deepspeed.swaps_optimizer
-                        else " (device nvme: ZeRO-1/2 hold it in host memory, nothing swapped)" if nvme else ""))
+                        else " (device nvme: ZeRO-1/2 hold it in host memory, nothing swapped)" if nvme else "")
+                     + param_swap)
     if layout.fsdp is not None:  # FSDP2: its wrap, resharding and MixedPrecisionPolicy
         fsdp = layout.fsdp
         wrap = {"layers": "fully_shard per layer", "transformers": "transformers' FSDP plan",
@@ -96,12 +101,17 @@ def prediction_table(prediction: Prediction, gpus_per_node: int = 8) -> str:
                       f"{human_bytes(prediction.host_per_node_bytes(gpus_per_node))}, the sum of its ranks' host peaks "
                       "(live tensor bytes; not the pinned pool's rounding)"]
     if prediction.nvme_bytes is not None:
-        nvme = prediction.layout.deepspeed.config["zero_optimization"]["offload_optimizer"]["nvme_path"]
+        deepspeed = prediction.layout.deepspeed
+        zero = deepspeed.config["zero_optimization"]
+        paths = sorted({zero[key]["nvme_path"] for key, on in (("offload_optimizer", deepspeed.swaps_optimizer),
+                                                               ("offload_param", deepspeed.swaps_params)) if on})
+        what = [text for text, on in (("the swapped sub-groups' fp32 masters and AdamW states, and the gradient "
+                                       "partitions written", deepspeed.swaps_optimizer),
+                                      ("the parameter partitions written", deepspeed.swaps_params)) if on]
         per_node = [sum(prediction.nvme_bytes[i:i + gpus_per_node])
                     for i in range(0, len(prediction.nvme_bytes), gpus_per_node)]
-        lines += ["", f"NVMe under {nvme}: {human_bytes(max(prediction.nvme_bytes))} a rank at most, "
-                      f"{human_bytes(max(per_node))} a node (the swapped sub-groups' fp32 masters and AdamW states, "
-                      "and the gradient partitions written)"]
+        lines += ["", f"NVMe under {' and '.join(paths)}: {human_bytes(max(prediction.nvme_bytes))} a rank at most, "
+                      f"{human_bytes(max(per_node))} a node ({'; '.join(what)})"]
     lines += _routing_lines(prediction)
     worst = prediction.deciding_rank
     if prediction.gpu is not None:

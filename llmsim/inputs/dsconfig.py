@@ -112,9 +112,18 @@ class DeepSpeedSetup:
     @property
     def offloads_params(self) -> bool:
         """ZeRO-3's parameter offload: `zero_optimization.offload_param.device` is "cpu" (every parameter's
-        partition on the host, brought to the device for each all-gather)."""
+        partition on the host, brought to the device for each all-gather) or "nvme" (`swaps_params`)."""
         offload = self.config.get("zero_optimization", {}).get("offload_param") or {}
-        return offload.get("device", "none") == "cpu"
+        return offload.get("device", "none") in ("cpu", "nvme")
+
+    @property
+    def swaps_params(self) -> bool:
+        """ZeRO-Infinity's parameter swapper (`offload_param.device` "nvme"): zero.Init writes each partition of
+        at least the swap threshold to a file through a pinned pool; `initialize` reads the trainable ones back
+        into its flat host buffer for good, up to `max_in_cpu` elements (stage3.py `_move_to_flat_buffer`), so
+        after it they are parameter offload's (strategies/zero3.py)."""
+        offload = self.config.get("zero_optimization", {}).get("offload_param") or {}
+        return offload.get("device", "none") == "nvme"
 
     def zero(self):
         """DeepSpeed's own parsed zero_optimization section, with DeepSpeed's defaults."""
@@ -220,13 +229,18 @@ def _resolve_hidden_size_autos(config: dict, hidden_size: int) -> None:
 
 def _validate_swapper(config: dict, offload: dict) -> None:
     """ZeRO-3's optimizer swapper as modelled: PartitionedOptimizerSwapper, AIO through libaio."""
-    from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
-
     for key in ("pipeline_read", "pipeline_write"):
         if offload.get(key):
             raise InputError(f"DeepSpeed config zero_optimization.offload_optimizer.{key} (the pipelined swapper, "
                              "which swaps the next sub-group in while one steps) is not modelled yet; modelled: "
                              "false (DeepSpeed's default)")
+    _validate_aio(config)
+
+
+def _validate_aio(config: dict) -> None:
+    """The "aio" section as modelled for either swapper: through libaio into host buffers."""
+    from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
+
     try:
         aio = get_aio_config(config)
     except AssertionError as exc:  # use_gds off CUDA
@@ -287,10 +301,10 @@ def _validate(config: dict, launcher: str = "deepspeed") -> None:
                          "to 16 bytes in the flat buffer) is not modelled yet; modelled: false (DeepSpeed's default)")
     param_offload = zero.get("offload_param") if isinstance(zero.get("offload_param"), dict) else {}
     param_device = param_offload.get("device", "none")
-    if param_device == "nvme":
-        raise InputError("DeepSpeed config zero_optimization.offload_param.device \"nvme\" (ZeRO-Infinity's "
-                         "parameter swapper) is not modelled yet (docs/nvme-offload.md); modelled: \"cpu\", "
-                         "\"none\" (the optimizer to \"nvme\" is)")
+    if param_device == "nvme":  # parameter offload, with the parameter swapper (DeepSpeedSetup.swaps_params)
+        if stage == 3:
+            _validate_aio(config)
+        param_device = "cpu"
     if param_device not in ("none", "cpu"):
         raise InputError(f"DeepSpeed config zero_optimization.offload_param.device {param_device!r} is not valid; "
                          "valid: \"cpu\", \"none\", \"nvme\"")

@@ -253,16 +253,16 @@ def append_rows(rows: list[dict], path: Path = TIER1_CSV) -> None:
 
 
 def check_swapper_measurable(deepspeed) -> None:
-    """A measured run with ZeRO-3's optimizer swapper ("nvme") loads DeepSpeed's async_io op, which builds only
+    """A measured run with one of ZeRO-3's swappers ("nvme") loads DeepSpeed's async_io op, which builds only
     against libaio: one line before any process starts where it cannot (predicting needs none of it). Where it can,
     the op is built here, once, before the run (llmsim.measure.launch.build_op): a CI run's ranks built it inside the
     run's timeout and passed it."""
-    if deepspeed is None or not deepspeed.swaps_optimizer:
+    if deepspeed is None or not (deepspeed.swaps_optimizer or deepspeed.swaps_params):
         return
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     if not AsyncIOBuilder().is_compatible(verbose=False):
-        raise InputError("measuring offload_optimizer \"nvme\" loads DeepSpeed's async_io op, which needs libaio "
+        raise InputError("measuring offload_optimizer or offload_param \"nvme\" loads DeepSpeed's async_io op, which needs libaio "
                          "(apt-get install libaio-dev) on this machine; predicting it does not")
     build_op("AsyncIOBuilder")
 

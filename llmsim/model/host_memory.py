@@ -94,8 +94,9 @@ def optimizer_offload(tracker: StorageTracker, ds_config: dict | str | None):
     if offload.get("device", "none") == "none":
         return contextlib.nullcontext()
     if int(zero.get("stage", 0)) == 3:
-        params = (zero.get("offload_param") or {}).get("device", "none") != "none"
-        return HostMemory(tracker).active_stage3(params, swap=offload.get("device") == "nvme")
+        param_device = (zero.get("offload_param") or {}).get("device", "none")
+        return HostMemory(tracker).active_stage3(param_device != "none", swap=offload.get("device") == "nvme",
+                                                 swap_params=param_device == "nvme")
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     return HostMemory(tracker).active((DeepSpeedZeroOptimizer,))
@@ -254,7 +255,7 @@ class HostMemory:
         self.label()
 
     @contextlib.contextmanager
-    def active_stage3(self, params: bool = False, swap: bool = False):
+    def active_stage3(self, params: bool = False, swap: bool = False, swap_params: bool = False):
         """`active` for ZeRO-3's optimizer offload (deepspeed/runtime/zero/stage3.py): its host name is
         `self.device` (set to `OffloadDeviceEnum.cpu` when `offload_optimizer`), and `subgroup_to_device` names
         the host with a literal 'cpu' (the fp32 master partitions and their gradients); the accelerator's
@@ -268,7 +269,11 @@ class HostMemory:
         With `swap` (offload_optimizer "nvme": ZeRO-Infinity's optimizer swapper) the swapper's page-locked buffers
         are the host's: `aio_handle.new_cpu_locked_tensor` allocates them in C++ (posix_memalign + mlock) and hands
         them to torch with `from_blob`, which no op makes; what DeepSpeed then computes on views of them (the master
-        partition, AdamW's states and temporaries) follows them to the host."""
+        partition, AdamW's states and temporaries) follows them to the host.
+        With `swap_params` (offload_param "nvme": the parameter swapper) everything the swapper makes when zero.Init
+        creates it is the host's (its pool: a `torch.empty(..., device="cpu")` then the page-locked tensor that
+        replaces it; `invalid_buffer`, a default-device tensor, the CPU on a GPU), and the partitions under the swap
+        threshold, which `_partition_param` makes on `OffloadDeviceEnum.cpu` where `remote_device` is nvme, are."""
         from deepspeed.accelerator import get_accelerator
         from deepspeed.runtime.zero.partition_parameters import Init
         from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
@@ -303,6 +308,16 @@ class HostMemory:
             from deepspeed.runtime.swap_tensor import partitioned_optimizer_swapper, pipelined_optimizer_swapper
             patches += [mock.patch.object(module, "AsyncIOBuilder", _LockedOnHost(self, module.AsyncIOBuilder))
                         for module in (partitioned_optimizer_swapper, pipelined_optimizer_swapper)]
+        if swap_params:
+            from deepspeed.runtime.swap_tensor import partitioned_param_swapper
+            from deepspeed.runtime.zero import partition_parameters
+
+            swapper = partitioned_param_swapper.AsyncPartitionedParameterSwapper
+            patches += [mock.patch.object(partitioned_param_swapper, "AsyncIOBuilder",
+                                          _LockedOnHost(self, partitioned_param_swapper.AsyncIOBuilder)),
+                        mock.patch.object(swapper, "__init__", _made_on_host(self, swapper.__init__)),
+                        mock.patch.object(partition_parameters, "OffloadDeviceEnum",
+                                          _OffloadDevicesNamingTheHost(partition_parameters.OffloadDeviceEnum))]
         with contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
@@ -393,6 +408,28 @@ class _TorchNamingTheHost:
         if args == ("cpu",) and not kwargs:
             return HOST_DEVICE
         return torch.device(*args, **kwargs)
+
+
+class _OffloadDevicesNamingTheHost:
+    """DeepSpeed's `OffloadDeviceEnum` whose `cpu` is `HOST` (a "cpu" string, equal to the enum's): zero.Init
+    makes a partition under the parameter swapper's threshold on `OffloadDeviceEnum.cpu`, the host on a GPU."""
+
+    def __init__(self, enum) -> None:
+        self.enum = enum
+
+    def __getattr__(self, name):
+        return HOST if name == "cpu" else getattr(self.enum, name)
+
+
+def _made_on_host(memory: HostMemory, function):
+    """`function` whose every storage, kept or freed before it returns, is the host's."""
+    def call(*args, **kwargs):
+        since = memory.tracker._next_serial
+        try:
+            return function(*args, **kwargs)
+        finally:
+            memory.host.update(range(since, memory.tracker._next_serial))
+    return call
 
 
 def _placed(memory: HostMemory, function):

@@ -51,7 +51,7 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
         else:  # one trace, at full depth; the strategy plans each rank's timeline from it
             timeline, graph = expanded(model, setup)
             rank_timelines = plan(timeline, layout, setup)
-            if layout.deepspeed is not None and layout.deepspeed.swaps_optimizer:
+            if layout.deepspeed is not None and (layout.deepspeed.swaps_optimizer or layout.deepspeed.swaps_params):
                 from llmsim.sim.strategies.zero3 import nvme_bytes
 
                 nvme = nvme_bytes(timeline, layout, setup)

@@ -64,6 +64,7 @@ _PARAMETER, _GRADIENT = Category.PARAMETER.value, Category.GRADIENT.value
 GATHERED = Category.ALLGATHER_BUFFER
 NORM_CHUNK = 250_000_000  # `_constant_buffered_norm2`'s buffer_size: its float64 copy, this many elements at a time
 SCALAR_FP32_BYTES = 4  # a 0-d fp32 tensor
+INT64_BYTES, FP16_BYTES = 8, 2
 
 
 @dataclass(eq=False)
@@ -114,12 +115,17 @@ class _Rank:
         self.param_pins = self.host_params and self.cuda and bool(self.zero.offload_param.pin_memory)
         self.partition_category = Category.HOST_OFFLOAD if self.host_params else Category.PARAMETER
         self.swap = layout.deepspeed.swaps_optimizer  # offload_optimizer "nvme": the optimizer swapper
-        if self.swap:
+        self.swap_params = layout.deepspeed.swaps_params  # offload_param "nvme": the parameter swapper
+        self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
+        if self.swap or self.swap_params:
             from deepspeed.runtime.swap_tensor.utils import AIO_ALIGNED_BYTES, MIN_AIO_BYTES
 
             aio = layout.deepspeed.aio()
+            # both swappers: a tensor is swapped from max(1 MiB, aio.block_size) bytes on, in I/O-aligned lengths
             self.min_aio_bytes = max(MIN_AIO_BYTES, aio["block_size"])  # optimizer_utils.py, OptimizerSwapper
             self.alignment = AIO_ALIGNED_BYTES * aio["intra_op_parallelism"] // FP32_BYTES  # numel_alignment
+            self.param_alignment = AIO_ALIGNED_BYTES * aio["intra_op_parallelism"] // self.elem
+        if self.swap:
             self.buffer_count = self.zero.offload_optimizer.buffer_count
         self.retained: list[tuple[int, int, int]] = []  # swapper: this partition_grads' fp32 gradients, (serial,
         # bytes, sub-group)
@@ -127,7 +133,6 @@ class _Rank:
         self.norms: list[int] = []  # offload: each gradient partition's 0-d fp64 norm (device), kept to the step
         self.global_norm: int | None = None  # offload: `_global_grad_norm` (0-d fp32, host), kept to the next step
         self.world = World(layout.world_size) if self.recording else layout.world_size
-        self.elem = 2 if setup.precision is Precision.BF16 else FP32_BYTES
         self.optimizer, self.foreach = optimizer_of(layout.deepspeed, setup)
         self.fused = torch_fused(layout.deepspeed, setup)
         self.gloo = setup.device is Device.CPU  # the process group's backend: gloo on the CPU, NCCL on GPUs
@@ -151,6 +156,8 @@ class _Rank:
         self.group_of = {p: index for index, group in enumerate(self.sub_groups) for p in group}
         self.swapped = frozenset(index for index, group in enumerate(self.sub_groups)  # `_swappable`
                                  if self.swap and int(self._psum(group)) * FP32_BYTES >= self.min_aio_bytes)
+        if self.swap_params:
+            self._check_param_swapper(setup)
         # another client optimizer: its own step on each sub-group's fp32 partition (strategies/flat_optimizer.py)
         self.client = (FlatOptimizer(setup.optimizer, [self._psum(group) for group in self.sub_groups],
                                      setup.steps, self.foreach, self.fused)
@@ -253,10 +260,61 @@ class _Rank:
                              "master, exp_avg, exp_avg_sq and the gradient) and DeepSpeed fails at the second step; "
                              "valid: 4 or more")
 
+    def _swaps_param(self, p: _Param) -> bool:
+        """The parameter swapper's `swappable_tensor`: the partition, in the swapper's dtype (the model's), reaches
+        `min_aio_bytes`."""
+        return self.swap_params and int(p.partition) * self.elem >= self.min_aio_bytes
+
+    def _check_param_swapper(self, setup) -> None:
+        """What the parameter swapper is modelled for: every swapped partition read back into the trainable flat
+        host buffer at initialize (`_move_to_flat_buffer`), after which the run is parameter offload's; and the
+        configs DeepSpeed itself refuses."""
+        config = self.zero.offload_param
+        if setup.lora_rank:
+            raise InputError("DeepSpeed config zero_optimization.offload_param.device \"nvme\" with LoRA is not "
+                             "modelled yet: the frozen base's partitions stay in their files and come through the "
+                             "swapper's pool at each fetch; modelled: full fine-tuning, or offload_param \"cpu\"")
+        total = sum(int(p.partition) for p in self.trainable)
+        if total > config.max_in_cpu:
+            raise InputError(f"DeepSpeed config zero_optimization.offload_param.max_in_cpu({config.max_in_cpu:,}) "
+                             f"is under this rank's {total:,} trainable parameter elements: the sub-groups past it "
+                             "stay in their files and are swapped in at each fetch and step, which is not modelled "
+                             f"yet; modelled: max_in_cpu >= {total:,} (DeepSpeed's default is 1e9)")
+        swapped = [int(p.partition) for p in self.params if self._swaps_param(p)]
+        if swapped and max(swapped) > config.buffer_size:
+            raise InputError(f"DeepSpeed config zero_optimization.offload_param.buffer_size({config.buffer_size:,}) "
+                             f"is under the largest partition the parameter swapper writes ({max(swapped):,} "
+                             "elements): DeepSpeed fails at zero.Init (partitioned_param_swapper.py `get_buffer`); "
+                             f"valid: {max(swapped):,} or more")
+        if swapped and config.buffer_count < 1:
+            raise InputError("DeepSpeed config zero_optimization.offload_param.buffer_count(0): each partition the "
+                             "parameter swapper writes takes one of its buffers and DeepSpeed fails at zero.Init "
+                             "without one; valid: 1 or more")
+
+    def _param_pool(self) -> None:
+        """zero.Init's `AsyncPartitionedParameterSwapper` (swap_tensor/partitioned_param_swapper.py): its pool,
+        `buffer_count` buffers of `buffer_size` elements rounded up to the I/O alignment, in the model's dtype, a
+        `torch.empty` on the host replaced by a page-locked tensor of its size (`new_cpu_locked_tensor`, made while
+        the first lives), kept for the run; then `invalid_buffer`, `torch.tensor(1).half()` (a default-device
+        tensor: the host on a GPU), which the swapped partitions point at until they are read back."""
+        config = self.zero.offload_param
+        numel = int(config.buffer_size)
+        nbytes = (numel + -numel % self.param_alignment) * int(config.buffer_count) * self.elem
+        empty = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
+        self.w.alloc(nbytes, Category.HOST_OFFLOAD)
+        self.w.free(empty, nbytes, Category.HOST_OFFLOAD)
+        scalar = self.w.alloc(INT64_BYTES, Category.HOST_OFFLOAD)
+        self.w.alloc(FP16_BYTES, Category.HOST_OFFLOAD)
+        self.w.free(scalar, INT64_BYTES, Category.HOST_OFFLOAD)
+
     def build(self) -> None:
-        """`zero.Init`: each parameter of the base model allocated whole, partitioned, the whole freed."""
+        """`zero.Init`: each parameter of the base model allocated whole, partitioned, the whole freed. With the
+        parameter swapper a partition it swaps is a slot of its pool, written to its file and released: no memory
+        of its own (`_partition_param`)."""
         self.built = True
-        self.ds_tensors: dict[_Param, tuple[int, int]] = {}
+        self.ds_tensors: dict[_Param, tuple[int, int] | None] = {}
+        if self.swap_params:
+            self._param_pool()
         for p in self.params:
             if not p.adapter:
                 whole = self.w.alloc(p.numel * p.elem, Category.TEMPORARY)
@@ -270,12 +328,15 @@ class _Rank:
                 whole = self.w.alloc(p.numel * p.elem, Category.TEMPORARY)
                 own = self._partition(p)
                 self.w.free(whole, p.numel * p.elem, Category.TEMPORARY)
-                self.w.free(*own, self.partition_category)
+                if own is not None:
+                    self.w.free(*own, self.partition_category)
 
-    def _partition(self, p: _Param, elem: int | None = None) -> tuple[int, int]:
+    def _partition(self, p: _Param, elem: int | None = None) -> tuple[int, int] | None:
         """`_partition_param`'s `ds_tensor` (partition_parameters.py) in `elem`-byte elements (the parameter's
         own by default): on the device, or with parameter offload on the host (`remote_device`), where pin_memory
-        on a GPU replaces it by a pinned copy."""
+        on a GPU replaces it by a pinned copy; None where the parameter swapper writes it (a slot of its pool)."""
+        if self._swaps_param(p):
+            return None
         nbytes = p.partition * (elem or p.elem)
         if self.host_params:
             return host_buffer(self.w, nbytes, self.param_pins), nbytes
@@ -340,8 +401,9 @@ class _Rank:
         if self.host_params:  # _create_param_groups_fp16_flat_cpu_memory, then _move_to_flat_buffer
             # always pinned on a GPU: get_accelerator().pin_memory whatever offload_param.pin_memory says
             host_buffer(self.w, nbytes, self.cuda)
-            for p in self.trainable:
-                self.w.free(*self.ds_tensors.pop(p), Category.HOST_OFFLOAD)
+            for p in self.trainable:  # a swapped partition is read into it through a slot of the pool
+                if (partition := self.ds_tensors.pop(p)) is not None:
+                    self.w.free(*partition, Category.HOST_OFFLOAD)
             return
         if not self.cuda:
             self.w.alloc(nbytes, Category.PARAMETER)
@@ -880,12 +942,23 @@ SWAPPED_STATES = 2  # AdamW's and CPU Adam's exp_avg and exp_avg_sq (their `step
 
 
 def nvme_bytes(timeline: pd.DataFrame, layout, setup) -> list[int]:
-    """What each rank's optimizer swapper writes under nvme_path/zero_stage_3/optimizer/rank<r>: per swapped sub-group
-    its fp32 master and AdamW's two states, each its partition rounded up to the I/O alignment; and each gradient
-    partition of 1 MiB or more of a parameter with data on that rank, its aligned part (the rest stays in memory)
-    -- `<id>.tensor.swp`, `exp_avg-<id>...`, `<id>_gradient_<offset>_<length>...` (swap_tensor/optimizer_utils.py)."""
+    """What each rank's swappers write under nvme_path/zero_stage_3: the optimizer swapper's (optimizer/rank<r>) per
+    swapped sub-group its fp32 master and AdamW's two states, each its partition rounded up to the I/O alignment;
+    and each gradient partition of 1 MiB or more of a parameter with data on that rank, its aligned part (the rest
+    stays in memory) -- `<id>.tensor.swp`, `exp_avg-<id>...`, `<id>_gradient_<offset>_<length>...`
+    (swap_tensor/optimizer_utils.py). The parameter swapper's (<dtype>params/rank<r>, `<ds_id>_param.tensor.swp`)
+    each partition it swaps at zero.Init, rounded up to the alignment, on every rank (the tied module's own
+    parameter too, made before `tie_weights` replaced it)."""
     rank = _Rank(timeline, [], layout, setup)
-    per_group = 0
+    params = 0
+    if rank.swap_params:
+        tied = [rank.by_name[name] for name in _tied_in_build(timeline) if name in rank.by_name]
+        for p in [p for p in rank.params if not p.adapter] + tied:
+            if rank._swaps_param(p):
+                params += (p.partition + -p.partition % rank.param_alignment) * rank.elem
+    if not rank.swap:
+        return [params] * layout.world_size
+    per_group = params
     for index in sorted(rank.swapped):
         numel = int(rank._psum(rank.sub_groups[index]))
         per_group += (numel + -numel % rank.alignment) * FP32_BYTES * (1 + SWAPPED_STATES)
