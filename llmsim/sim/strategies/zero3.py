@@ -270,16 +270,21 @@ class _Rank:
         host buffer at initialize (`_move_to_flat_buffer`), after which the run is parameter offload's; and the
         configs DeepSpeed itself refuses."""
         config = self.zero.offload_param
+        # where partitions are swapped in at each fetch, DeepSpeed 0.19.8's nvme prefetch swapped one in twice and
+        # asserted in every run measured (experiments/explore_param_swap_fetch.out); without prefetch it ran
+        fails = (" (with prefetching on, as here, DeepSpeed 0.19.8 failed in every such run measured: experiments/"
+                 "explore_param_swap_fetch.out)" if self.zero.prefetch_bucket_size > 0 else "")
         if setup.lora_rank:
             raise InputError("DeepSpeed config zero_optimization.offload_param.device \"nvme\" with LoRA is not "
                              "modelled yet: the frozen base's partitions stay in their files and come through the "
-                             "swapper's pool at each fetch; modelled: full fine-tuning, or offload_param \"cpu\"")
+                             f"swapper's pool at each fetch{fails}; modelled: full fine-tuning, or offload_param "
+                             "\"cpu\"")
         total = sum(int(p.partition) for p in self.trainable)
         if total > config.max_in_cpu:
             raise InputError(f"DeepSpeed config zero_optimization.offload_param.max_in_cpu({config.max_in_cpu:,}) "
                              f"is under this rank's {total:,} trainable parameter elements: the sub-groups past it "
-                             "stay in their files and are swapped in at each fetch and step, which is not modelled "
-                             f"yet; modelled: max_in_cpu >= {total:,} (DeepSpeed's default is 1e9)")
+                             f"stay in their files and are swapped in at each fetch and step{fails}, which is not "
+                             f"modelled yet; modelled: max_in_cpu >= {total:,} (DeepSpeed's default is 1e9)")
         swapped = [int(p.partition) for p in self.params if self._swaps_param(p)]
         if swapped and max(swapped) > config.buffer_size:
             raise InputError(f"DeepSpeed config zero_optimization.offload_param.buffer_size({config.buffer_size:,}) "
