@@ -44,7 +44,7 @@ def cmd_predict(args) -> int:
 
         rank = predicted.deciding_rank if predicted.gpu is not None else \
             max(predicted.ranks, key=lambda r: r.peak_allocated_bytes)
-        write_snapshot(rank.timeline, args.snapshot)
+        write_snapshot(rank.timeline, args.snapshot, predicted.gpu)
         print(f"snapshot of rank {rank.rank}: {args.snapshot} (open it in https://pytorch.org/memory_viz)",
               file=sys.stderr if args.format == "json" else sys.stdout)
     if args.plot:

@@ -8,6 +8,10 @@ at its new size. Each entry's frame names what llmsim knows of it: the tensor (o
 layer, under the module that made it, at the step (as the line). Addresses are the allocation's place in a
 never-reused address space: the visualizer pairs a free with its allocation by address, and the allocator model's
 own placement is not exported, so the snapshot has no segments ("Active Cached Memory" stays empty).
+On a GPU (`gpu`, the prediction's profile) each thread's cuBLAS and cuBLASLt workspace is an allocation too, made at
+its first call (the timeline's WORKSPACE_MARKERS rows) and kept to the end, as `replay.on_gpu` counts them; sizes
+stay the tensors' own, as the allocator's trace records them, so the running total reaches the predicted peak with
+each block rounded up to 512 bytes, as `torch.cuda.max_memory_allocated()` counts it.
 """
 from __future__ import annotations
 
@@ -16,13 +20,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from llmsim.model.tracker import NO_BLOCK, TIMELINE_COLUMNS
+from llmsim.model.tracker import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, NO_BLOCK, TIMELINE_COLUMNS
 
 BLOCK_ALIGN = 512  # CUDA's caching allocator rounds every block to 512 bytes (kMinBlockSize): addresses step so
 
 
-def snapshot(timeline: pd.DataFrame) -> dict:
-    """The memory snapshot of one rank's timeline (module docstring)."""
+def snapshot(timeline: pd.DataFrame, gpu=None) -> dict:
+    """The memory snapshot of one rank's timeline, on `gpu` (a GpuProfile) with its workspaces (module docstring)."""
+    workspaces = {CUBLAS_WORKSPACE: ("cuBLAS workspace", gpu.cublas_workspace_bytes),
+                  CUBLASLT_WORKSPACE: ("cuBLASLt workspace", gpu.cublaslt_workspace_bytes)} if gpu is not None else {}
     events: list[dict] = []
     live: dict[int, tuple[int, int, list[dict]]] = {}  # serial -> (address, size, frames)
     next_address = 0
@@ -41,6 +47,10 @@ def snapshot(timeline: pd.DataFrame) -> dict:
 
     for step, phase, block, module, serial, delta, category, tensor in \
             timeline[TIMELINE_COLUMNS].itertuples(index=False):
+        if serial in workspaces:  # kept to the end of the process: a key no storage has
+            name, size = workspaces[serial]
+            alloc(-1 - len(events), size, _frames(step, phase, block, module, category, name))
+            continue
         if delta == 0 or serial < 0:
             continue  # a marker row
         if serial in live:  # the free of a live storage, or a resize_ of it
@@ -63,6 +73,6 @@ def _entry(action: str, address: int, size: int, frames: list[dict], time: int) 
     return {"action": action, "addr": address, "size": size, "stream": 0, "frames": frames, "time_us": time}
 
 
-def write_snapshot(timeline: pd.DataFrame, path: str | Path) -> None:
+def write_snapshot(timeline: pd.DataFrame, path: str | Path, gpu=None) -> None:
     with open(path, "wb") as f:
-        pickle.dump(snapshot(timeline), f)
+        pickle.dump(snapshot(timeline, gpu), f)
