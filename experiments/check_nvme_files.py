@@ -3,7 +3,8 @@
 optimizer's, the parameters', or both) re-run through deepspeed.initialize (torchrun, gloo), the files under
 nvme_path/zero_stage_3/<optimizer|float32params|bfloat16params>/rank<r> summed per rank. No rows are written (the
 memory rows are measure_offload.py's). Run: python experiments/check_nvme_files.py [--only I ...] (about 4 minutes
-on 2 cores); output: experiments/check_nvme_files.out (the optimizer swapper's runs, then `--only 88 ... 93`)."""
+on 2 cores); output: experiments/check_nvme_files.out (the optimizer swapper's runs, then `--only 88 ... 93` and
+`--only 94`, the parameter swapper's)."""
 from __future__ import annotations
 
 import json

@@ -18,8 +18,8 @@ ones by `--only 23 ... 34`, `--only 35 ... 44`, the default-bucket run's repeats
 `--only 48 49`, then DeepSpeed's CPU Adam by `--only 50 ... 61`
 and round_robin_gradients by `--only 62 63 64 65`, then "device": "nvme" under ZeRO-1/2 by `--only 66 ... 70`,
 then ZeRO-3 on one rank and ZeRO-3's optimizer swapper by `--only 71 ... 87` and `--only 85 85` (the rows of runs 74
-and 85 left out of the CSV, see RUNS). The swapper's files go to SWAP_DIR, emptied
-before each run.
+and 85 left out of the CSV, see RUNS), then ZeRO-3's parameter swapper by `--only 88 ... 93` and `--only 94`. The
+swappers' files go to SWAP_DIR, emptied before each run.
 """
 from __future__ import annotations
 
@@ -232,6 +232,9 @@ RUNS = [
      {"shape": (112, 3, 9000, 7)}),
     ("mistral-7b", 3, swapped_params(swapped(3, True, sub_group_size=200_000), 400_000,
                                      max_in_cpu=2_000_000), False, 64, {"shape": (128, 3, 9000, 4)}),
+    # a pool larger than the rest of the host's memory: the host peak is zero.Init's, while the pool's torch.empty
+    # and its page-locked replacement both live
+    ("llama-2-7b", 2, swapped_params(offload(3, False), 3_000_000), False, 64, {"shape": BIG}),
 ]
 
 

@@ -65,6 +65,33 @@ def test_offloaded_optimizer_is_deepspeeds_cpu_adam_as_accelerate_swaps_it_in(tm
     assert words.startswith("DeepSpeed's CPU Adam (accelerate's map_pytorch_optim_to_deepspeed, in place of adamw")
 
 
+def test_parameters_to_nvme_is_the_json_accelerate_builds(tmp_path, capsys):
+    """`offload_param_device: nvme` with its `offload_param_nvme_path` (ZeRO-Infinity's parameter swapper, with
+    DeepSpeed's pool defaults: 5 buffers of 1e8 elements) predicts what the JSON accelerate writes predicts. On a
+    model this small the host peak is zero.Init's, the pool twice (its torch.empty and the page-locked tensor that
+    replaces it, as measured: experiments/measure_offload.py run 94); the device is parameter offload's."""
+    def launch(device: str) -> str:
+        return _write(tmp_path, f"{device}.yaml", "distributed_type: DEEPSPEED\nmixed_precision: bf16\n"
+                      "num_processes: 2\ndeepspeed_config:\n  zero_stage: 3\n  gradient_accumulation_steps: 1\n"
+                      f"  offload_optimizer_device: cpu\n  offload_param_device: {device}\n"
+                      "  offload_param_nvme_path: /local_nvme\n  zero3_init_flag: true\n")
+
+    def host(*args) -> list[tuple[int, int]]:
+        assert main(["predict", *TINY, *args, "--format", "json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        return [(r["peak_allocated_bytes"], r["peak_host_bytes"]) for r in out["ranks"]]
+
+    written = _write(tmp_path, "nvme.json", json.dumps({
+        "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW"},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                              "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}}))
+    swapped = host("--accelerate-config", launch("nvme"))
+    assert swapped == host("--ds-config", written, "--world-size", "2")
+    pool = 5 * 100_000_256 * 2  # 1e8 elements rounded up to the 512-element (1 KiB) I/O alignment, bf16
+    assert [h for _, h in swapped] == [2 * pool] * 2
+    assert [d for d, _ in swapped] == [d for d, _ in host("--accelerate-config", launch("cpu"))]
+
+
 def test_multi_gpu_launch_is_ddp_under_autocast(tmp_path, capsys):
     config = _write(tmp_path, "ddp.yaml", "distributed_type: MULTI_GPU\nmixed_precision: bf16\nnum_processes: 4\n"
                     "num_machines: 1\ngpu_ids: all\n")

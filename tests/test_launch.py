@@ -74,7 +74,8 @@ def test_a_failed_or_hung_op_build_says_so_with_its_output(tmp_path, monkeypatch
     _fake_op_builders(tmp_path, monkeypatch, "print('ninja: build stopped: subcommand failed.'); raise SystemExit(1)")
     with pytest.raises(launch.LaunchFailure, match="FakeBuilder op failed .exit 1.:\nninja: build stopped"):
         launch.build_op("FakeBuilder", timeout_s=60)
-    _fake_op_builders(tmp_path / "hung", monkeypatch, "print('[1/12] c++ -c py_ds_aio.cpp', flush=True); time.sleep(600)")
+    _fake_op_builders(tmp_path / "hung", monkeypatch,
+                      "print('[1/12] c++ -c py_ds_aio.cpp', flush=True); time.sleep(600)")
     begin = time.monotonic()
     with pytest.raises(launch.LaunchFailure, match=r"FakeBuilder op timed out after 5 s.*:\n\[1/12\] c\+\+"):
         launch.build_op("FakeBuilder", timeout_s=5)

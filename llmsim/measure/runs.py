@@ -262,8 +262,8 @@ def check_swapper_measurable(deepspeed) -> None:
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     if not AsyncIOBuilder().is_compatible(verbose=False):
-        raise InputError("measuring offload_optimizer or offload_param \"nvme\" loads DeepSpeed's async_io op, which needs libaio "
-                         "(apt-get install libaio-dev) on this machine; predicting it does not")
+        raise InputError("measuring offload_optimizer or offload_param \"nvme\" loads DeepSpeed's async_io op, which "
+                         "needs libaio (apt-get install libaio-dev) on this machine; predicting it does not")
     build_op("AsyncIOBuilder")
 
 
