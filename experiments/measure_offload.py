@@ -18,8 +18,9 @@ ones by `--only 23 ... 34`, `--only 35 ... 44`, the default-bucket run's repeats
 `--only 48 49`, then DeepSpeed's CPU Adam by `--only 50 ... 61`
 and round_robin_gradients by `--only 62 63 64 65`, then "device": "nvme" under ZeRO-1/2 by `--only 66 ... 70`,
 then ZeRO-3 on one rank and ZeRO-3's optimizer swapper by `--only 71 ... 87` and `--only 85 85` (the rows of runs 74
-and 85 left out of the CSV, see RUNS), then ZeRO-3's parameter swapper by `--only 88 ... 93` and `--only 94`. The
-swappers' files go to SWAP_DIR, emptied before each run.
+and 85 left out of the CSV, see RUNS), then ZeRO-3's parameter swapper by `--only 88 ... 93`, `--only 94`,
+`--only 95 ... 98` and `--only 99` (twice: the first run's rows are in data/measurements/pending/). The swappers'
+files go to SWAP_DIR, emptied before each run.
 """
 from __future__ import annotations
 
@@ -235,6 +236,22 @@ RUNS = [
     # a pool larger than the rest of the host's memory: the host peak is zero.Init's, while the pool's torch.empty
     # and its page-locked replacement both live
     ("llama-2-7b", 2, swapped_params(offload(3, False), 3_000_000), False, 64, {"shape": BIG}),
+    # LoRA with the parameters to "nvme": the frozen base's large partitions stay in their files and are read into the
+    # pool's slots at each fetch; DeepSpeed's nvme prefetch fails there (experiments/explore_param_swap_fetch.out),
+    # so stage3_prefetch_bucket_size 0. The first measured while it was modelled, the rest predicted first
+    ("llama-2-7b", 2, swapped_params(offload(3, False, stage3_prefetch_bucket_size=0), 300_000), False, 64,
+     {"shape": BIG, "lora_rank": 8}),
+    ("llama-2-7b", 2, swapped_params(offload(3, True, stage3_prefetch_bucket_size=0), 600_000), True, 64,
+     {"shape": (128, 3, 9000, 4), "lora_rank": 8}),
+    ("gpt2", 2, swapped_params(offload(3, False, ga=2, stage3_prefetch_bucket_size=0), 600_000, pin=False,
+                               buffer_count=2), True, 64,
+     {"shape": (128, 3, 9000, 4), "grad_accum": 2, "lora_rank": 8}),
+    ("qwen2.5-0.5b", 1, cpu_adam(swapped_params(offload(3, True, stage3_prefetch_bucket_size=0), 1_100_000)), False,
+     64, {"shape": (112, 3, 9000, 7), "lora_rank": 8}),
+    # the layers' frozen partitions swapped too, each holding its slot from its forward to its backward: 6 slots at
+    # most, DeepSpeed's default 5 fail (llmsim refuses it: experiments/explore_param_swap_fetch.out)
+    ("llama-2-7b", 2, swapped_params(offload(3, False, stage3_prefetch_bucket_size=0), 400_000, buffer_count=6),
+     False, 64, {"shape": (512, 2, 1000, 8), "lora_rank": 8}),
 ]
 
 

@@ -203,6 +203,7 @@ def test_committed_rows_cover_the_parameter_swapper():
     assert {z["offload_param"].get("pin_memory", False) for z in zero} == {True, False}
     assert any("optimizer" in c for c in configs) and (swapped["grad_accum"] > 1).any() and swapped["grad_ckpt"].any()
     assert any("max_in_cpu" in z["offload_param"] for z in zero)
+    assert (swapped["lora_rank"] > 0).sum() >= 7  # the frozen base read through the pool's slots
 
 
 def test_the_parameter_pool_is_host_memory_for_the_run():
@@ -233,7 +234,8 @@ def test_the_parameter_files_are_the_partitions_over_the_threshold():
     ({"buffer_size": 100_000}, [], "offload_param.buffer_size(100,000) is under the largest partition the "
                                     "parameter swapper writes (262,336 elements)"),
     ({"max_in_cpu": 500_000}, [], "offload_param.max_in_cpu(500,000) is under this rank's 821,568 trainable"),
-    ({}, ["--lora-rank", "8"], 'offload_param.device "nvme" with LoRA is not modelled yet'),
+    ({}, ["--lora-rank", "8"], 'offload_param.device "nvme" with LoRA and stage3_prefetch_bucket_size(50,000,000) '
+                               "is not modelled: the frozen base's partitions of 1 MiB or more stay in their files"),
 ])
 def test_what_the_parameter_swapper_is_not_modelled_for_is_refused(tmp_path, capsys, param, extra, needle):
     path = tmp_path / "ds.json"
@@ -244,6 +246,21 @@ def test_what_the_parameter_swapper_is_not_modelled_for_is_refused(tmp_path, cap
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
+
+
+def test_lora_reads_the_frozen_base_into_the_pools_slots_and_too_few_slots_are_refused():
+    """LoRA without prefetch: each frozen partition over 1 MiB is read into a slot of the pool at its fetch and keeps
+    it until released (stage3_max_reuse_distance keeps a layer's weights from its forward to its backward); on this
+    shape 6 at once, so DeepSpeed's 5 fail (measured: experiments/explore_param_swap_fetch.out, "Not enough buffers
+    0 for swapping 1") and 6 run (run 99 of experiments/measure_offload.py)."""
+    from llmsim.errors import InputError
+
+    config = _params_swapped(_config(stage3_prefetch_bucket_size=0), buffer_size=400_000, buffer_count=5)
+    with pytest.raises(InputError, match=r"buffer_count\(5\): the step holds up to 6 partitions .* valid: 6 or more"):
+        predict(*_inputs(config, shape=(512, 2, 1000, 8), lora_rank=8))
+    config["zero_optimization"]["offload_param"]["buffer_count"] = 6
+    predicted = predict(*_inputs(config, shape=(512, 2, 1000, 8), lora_rank=8))
+    assert [r.peak_host_bytes for r in predicted.ranks] == [19_206_144] * 2  # measured, run 99
 
 
 @pytest.mark.parametrize("swapper", ["optimizer", "parameters"])

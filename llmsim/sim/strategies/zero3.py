@@ -178,6 +178,8 @@ class _Rank:
         self.bucket_elements = 0
         self.in_bucket: set[str] = set()
         self.grads: dict[str, tuple[int, int]] = {}  # param -> autograd gradient storage still alive
+        self.in_slots: set[_Param] = set()  # the parameter swapper's: partitions read into a slot of its pool
+        self.slots_needed = 0  # the most slots held at once
 
     # ---- setup ---------------------------------------------------------------------------------------
     def _parameters(self, timeline: pd.DataFrame, setup) -> list[_Param]:
@@ -274,11 +276,17 @@ class _Rank:
         # asserted in every run measured (experiments/explore_param_swap_fetch.out); without prefetch it ran
         fails = (" (with prefetching on, as here, DeepSpeed 0.19.8 failed in every such run measured: experiments/"
                  "explore_param_swap_fetch.out)" if self.zero.prefetch_bucket_size > 0 else "")
-        if setup.lora_rank:
-            raise InputError("DeepSpeed config zero_optimization.offload_param.device \"nvme\" with LoRA is not "
-                             "modelled yet: the frozen base's partitions stay in their files and come through the "
-                             f"swapper's pool at each fetch{fails}; modelled: full fine-tuning, or offload_param "
-                             "\"cpu\"")
+        fetched = [p for p in self.params if p.frozen and self._swaps_param(p)]
+        if fetched and self.zero.prefetch_bucket_size > 0:
+            raise InputError("DeepSpeed config zero_optimization.offload_param.device \"nvme\" with LoRA and "
+                             f"stage3_prefetch_bucket_size({self.zero.prefetch_bucket_size:,}) is not modelled: the "
+                             "frozen base's partitions of 1 MiB or more stay in their files and come through the "
+                             f"swapper's pool at each fetch{fails}; modelled: stage3_prefetch_bucket_size 0, or "
+                             "offload_param \"cpu\"")
+        if any(p.persist for p in fetched) or any(p.adapter and self._swaps_param(p) for p in self.params):
+            raise InputError("DeepSpeed config zero_optimization.offload_param.device \"nvme\" with a persistent "
+                             "or a trainable LoRA partition of 1 MiB or more is not modelled yet; modelled: "
+                             "stage3_param_persistence_threshold and lora rank under them")
         total = sum(int(p.partition) for p in self.trainable)
         if total > config.max_in_cpu:
             raise InputError(f"DeepSpeed config zero_optimization.offload_param.max_in_cpu({config.max_in_cpu:,}) "
@@ -442,10 +450,12 @@ class _Rank:
 
     # ---- gathering ---------------------------------------------------------------------------------------
     def _all_gather(self, params: list[_Param]) -> None:
-        """partitioned_param_coordinator.py `__all_gather_params` -> partition_parameters.py `all_gather_coalesced`."""
+        """partitioned_param_coordinator.py `__all_gather_params` -> partition_parameters.py `all_gather_coalesced`,
+        which first swaps in the partitions still in their files (`_ensure_availability_of_partitioned_params`)."""
         params = [p for p in params if p.status == NOT_AVAILABLE]
         if not params:
             return
+        self._swap_in(params)
         self.n_available += sum(p.numel for p in params)
         if self._alone():
             self._no_gather(params)
@@ -517,8 +527,32 @@ class _Rank:
                 self.w.free(*flat, GATHERED)
             handle.flats = []
 
+    def _swap_in(self, params: list[_Param]) -> None:
+        """The parameter swapper's `swap_in` of the partitions in files (LoRA's frozen base): each takes one of the
+        pool's `buffer_count` slots (no memory of its own: the pool is there from zero.Init on) until the parameter
+        is released; DeepSpeed asserts when there are fewer free slots than partitions to read."""
+        files = [p for p in params if p.frozen and self._swaps_param(p)]
+        if not files:
+            return
+        self.in_slots.update(files)
+        self.slots_needed = max(self.slots_needed, len(self.in_slots))
+
+    def _check_slots(self) -> None:
+        """After the walk: DeepSpeed asserts at the first fetch that finds fewer free slots than partitions to read
+        (partitioned_param_swapper.py `swap_in`, "Not enough buffers"); the valid counts are those that cover the
+        most slots the walk held at once."""
+        count = int(self.zero.offload_param.buffer_count) if self.swap_params else 0
+        if self.slots_needed > count:
+            raise InputError(f"DeepSpeed config zero_optimization.offload_param.buffer_count({count}): the step holds "
+                             f"up to {self.slots_needed} partitions read from their files in the pool's slots at "
+                             "once (a parameter keeps its slot until it is released: stage3_max_reuse_distance keeps "
+                             "one used again soon), and DeepSpeed fails at the first fetch that finds too few free "
+                             f"(partitioned_param_swapper.py `swap_in`: \"Not enough buffers\"); valid: "
+                             f"{self.slots_needed} or more")
+
     def _release_param(self, p: _Param) -> None:
         if p.status == AVAILABLE and not p.active:
+            self.in_slots.discard(p)  # `remove_partition_and_release_buffers`: its slot back to the pool
             if p.storage is not None:  # one rank's no-gather: the partition itself, nothing to free
                 self.w.free(*p.storage, GATHERED)
             p.storage = None
@@ -822,6 +856,7 @@ class _Rank:
     # ---- the walk --------------------------------------------------------------------------------------
     def run(self) -> None:
         walk_phases(self.rows, self._row, self._leave, self.w, _runs(self.timeline))
+        self._check_slots()
 
     def _row(self, row: tuple) -> None:
         self.w.step, self.w.phase = row[0], row[1]  # what a marker row makes DeepSpeed allocate happens here
