@@ -34,7 +34,11 @@ TrainSetup.label_micro_grads); the coordinator's `reset_step` runs at every forw
 With the optimizer offloaded to "nvme" (ZeRO-Infinity's optimizer swapper, docs/nvme-offload.md) the CPU offload
 walk holds, besides, the swapper's pinned pool, leaves out the swapped sub-groups' masters and fp32 gradients, keeps
 the backward's fp32 gradient partitions the swapper does not write until the step, and drops step 0's states once
-written. On one rank DeepSpeed gathers nothing (`_no_gather_coalesced`): the parameters are their partitions.
+written. With the parameters offloaded to "nvme" (the parameter swapper, docs/nvme-offload.md section 0b) zero.Init
+makes the swapper's pinned pool first and writes each partition of 1 MiB or more to a file instead of holding it;
+initialize reads the trainable ones back into the flat host buffer, and LoRA's frozen base is read into the pool's
+slots at each fetch, held until released (DeepSpeed asserts where a step holds more than `buffer_count`).
+On one rank DeepSpeed gathers nothing (`_no_gather_coalesced`): the parameters are their partitions.
 """
 from __future__ import annotations
 
@@ -268,9 +272,10 @@ class _Rank:
         return self.swap_params and int(p.partition) * self.elem >= self.min_aio_bytes
 
     def _check_param_swapper(self, setup) -> None:
-        """What the parameter swapper is modelled for: every swapped partition read back into the trainable flat
-        host buffer at initialize (`_move_to_flat_buffer`), after which the run is parameter offload's; and the
-        configs DeepSpeed itself refuses."""
+        """What the parameter swapper is modelled for: every swapped trainable partition read back into the flat
+        host buffer at initialize (`_move_to_flat_buffer`), after which the run is parameter offload's, and LoRA's
+        frozen base read into the pool's slots at each fetch without prefetching; and the configs DeepSpeed itself
+        refuses."""
         config = self.zero.offload_param
         # where partitions are swapped in at each fetch, DeepSpeed 0.19.8's nvme prefetch swapped one in twice and
         # asserted in every run measured (experiments/explore_param_swap_fetch.out); without prefetch it ran
@@ -285,8 +290,9 @@ class _Rank:
                              "offload_param \"cpu\"")
         if any(p.persist for p in fetched) or any(p.adapter and self._swaps_param(p) for p in self.params):
             raise InputError("DeepSpeed config zero_optimization.offload_param.device \"nvme\" with a persistent "
-                             "or a trainable LoRA partition of 1 MiB or more is not modelled yet; modelled: "
-                             "stage3_param_persistence_threshold and lora rank under them")
+                             "parameter's or a LoRA adapter's partition of 1 MiB or more (which the swapper would "
+                             "write) is not modelled yet; modelled: those partitions under max(1 MiB, "
+                             "aio.block_size)")
         total = sum(int(p.partition) for p in self.trainable)
         if total > config.max_in_cpu:
             raise InputError(f"DeepSpeed config zero_optimization.offload_param.max_in_cpu({config.max_in_cpu:,}) "
