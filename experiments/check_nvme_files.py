@@ -7,6 +7,7 @@ on 2 cores); output: experiments/check_nvme_files.out (the optimizer swapper's r
 `--only 94`, the parameter swapper's)."""
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -21,7 +22,9 @@ from llmsim.sim.pipeline import predict  # noqa: E402
 
 
 def main() -> int:
-    only = [int(i) for i in sys.argv[sys.argv.index("--only") + 1:]] if "--only" in sys.argv else None
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", type=int, nargs="*", help="indices into measure_offload.RUNS (default: all)")
+    only = parser.parse_args().only
     misses = 0
     for index, run in enumerate(RUNS):
         zero = run[2]["zero_optimization"]

@@ -18,14 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from measure_offload import inputs, offload, swapped_params  # noqa: E402
+from measure_offload import BIG, inputs, offload, swapped_params  # noqa: E402
 
 from llmsim.errors import InputError  # noqa: E402
 from llmsim.measure.launch import LaunchFailure  # noqa: E402
 from llmsim.measure.runs import measure_distributed  # noqa: E402
 from llmsim.sim.pipeline import predict  # noqa: E402
 
-BIG = (128, 3, 4099, 4)
 CASES = {"past": ({"max_in_cpu": 0}, {}), "half": ({"max_in_cpu": 300_000}, {}), "lora": ({}, {"lora_rank": 8})}
 
 

@@ -17,7 +17,8 @@ from llmsim.enums import Category
 from llmsim.inputs.gpus import GpuProfile
 from llmsim.model.tracker import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE
 from llmsim.model.offload import host_peak_bytes, split_host
-from llmsim.sim.allocator import NO_LIMIT, AllocatorConfig, OutOfMemory, PausedReplay, compiled, replay_reserved
+from llmsim.sim.allocator import (MIN_BLOCK_BYTES, NO_LIMIT, AllocatorConfig, OutOfMemory, PausedReplay, compiled,
+                                  replay_reserved)
 from llmsim.sim.peaks import Peak, replay
 from llmsim.sim.prediction import RankPrediction
 from llmsim.sim.processes import in_processes
@@ -95,7 +96,8 @@ def _rounded(serials: np.ndarray, deltas: np.ndarray) -> np.ndarray:
 
 
 def _block(size: np.ndarray) -> np.ndarray:
-    return np.where(size > 0, np.maximum(-(-size // 512) * 512, 512), 0)
+    """`allocator.round_size` over an array, 0 for no storage."""
+    return np.where(size > 0, np.maximum(-(-size // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES, MIN_BLOCK_BYTES), 0)
 
 
 def _workspaces(serials: np.ndarray, gpu: GpuProfile) -> tuple[int, ...]:

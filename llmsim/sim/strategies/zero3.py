@@ -252,8 +252,7 @@ class _Rank:
         fp32 buffers of the largest sub-group's partition rounded up to the I/O alignment, zero-filled, for the
         whole run (swap_tensor/utils.py; `new_cpu_locked_tensor`: posix_memalign + mlock on the host, not torch's
         pinned allocator), made while a 1-element fp32 example lives."""
-        numel = int(self._largest())
-        numel += -numel % self.alignment
+        numel = _io_aligned(int(self._largest()), self.alignment)
         example = self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
         for _ in range(self.buffer_count):
             self.w.alloc(numel * FP32_BYTES, Category.HOST_OFFLOAD)
@@ -317,8 +316,7 @@ class _Rank:
         the first lives), kept for the run; then `invalid_buffer`, `torch.tensor(1).half()` (a default-device
         tensor: the host on a GPU), which the swapped partitions point at until they are read back."""
         config = self.zero.offload_param
-        numel = int(config.buffer_size)
-        nbytes = (numel + -numel % self.param_alignment) * int(config.buffer_count) * self.elem
+        nbytes = _io_aligned(int(config.buffer_size), self.param_alignment) * int(config.buffer_count) * self.elem
         empty = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
         self.w.alloc(nbytes, Category.HOST_OFFLOAD)
         self.w.free(empty, nbytes, Category.HOST_OFFLOAD)
@@ -1001,13 +999,13 @@ def nvme_bytes(timeline: pd.DataFrame, layout, setup) -> list[int]:
         tied = [rank.by_name[name] for name in _tied_in_build(timeline) if name in rank.by_name]
         for p in [p for p in rank.params if not p.adapter] + tied:
             if rank._swaps_param(p):
-                params += (p.partition + -p.partition % rank.param_alignment) * rank.elem
+                params += _io_aligned(p.partition, rank.param_alignment) * rank.elem
     if not rank.swap:
         return [params] * layout.world_size
     per_group = params
     for index in sorted(rank.swapped):
-        numel = int(rank._psum(rank.sub_groups[index]))
-        per_group += (numel + -numel % rank.alignment) * FP32_BYTES * (1 + SWAPPED_STATES)
+        numel = _io_aligned(int(rank._psum(rank.sub_groups[index])), rank.alignment)
+        per_group += numel * FP32_BYTES * (1 + SWAPPED_STATES)
     nbytes = [per_group] * layout.world_size
     for index in rank.swapped:
         for p in rank.sub_groups[index]:
@@ -1017,6 +1015,12 @@ def nvme_bytes(timeline: pd.DataFrame, layout, setup) -> list[int]:
             for r in range(min(layout.world_size, math.ceil(p.numel / p.partition))):  # ranks with real data
                 nbytes[r] += written
     return nbytes
+
+
+def _io_aligned(numel: int, alignment: int) -> int:
+    """`numel` rounded up to the swappers' I/O alignment (swap_tensor/utils.py and the swappers' own
+    `_io_aligned_numel`): what a swap buffer or a file holds of it."""
+    return numel + -numel % alignment
 
 
 def walk(timeline: pd.DataFrame, layout, setup) -> pd.DataFrame:
