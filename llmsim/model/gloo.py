@@ -8,16 +8,19 @@ import time
 RELEASE_TIMEOUT_S = 60.0  # how long a settled collective waits for gloo's worker to let its tensors go
 
 
-def settled(real, seconds: float, wait_async: bool = False):
+def settled(real, seconds: float, wait_async: bool = False, at_wait: bool = False):
     """`real` (a torch.distributed collective), waited for, then held until gloo's worker thread has let its tensors
     go (`released`), then `seconds` of sleep (for the works issued before it). An asynchronous call
     (`async_op=True`) returns at once, unless `wait_async`: then its work is waited for and released as it is
     issued, and the caller gets a completed work in its place (its own wait returns at once; it holds the tensors
-    it passed, as it would hold them with NCCL's work)."""
+    it passed, as it would hold them with NCCL's work). With `at_wait` an asynchronous call's work is returned
+    whose wait also sleeps `seconds` before it returns (`_SettlingWork`): the caller still holds the work, whose
+    tensors gloo's worker lets go meanwhile, and drops them where it would drop NCCL's, after the wait."""
     def call(*args, **kwargs):
         asynchronous = bool(kwargs.get("async_op"))
         if asynchronous and not wait_async:
-            return real(*args, **kwargs)
+            work = real(*args, **kwargs)
+            return _SettlingWork(work, seconds) if at_wait and work is not None else work
         tensors = _tensors(args, kwargs)
         before = _use_counts(tensors)
         work = real(*args, **kwargs)
@@ -28,6 +31,22 @@ def settled(real, seconds: float, wait_async: bool = False):
         time.sleep(seconds)
         return _completed_work() if asynchronous else None
     return call
+
+
+class _SettlingWork:
+    """An asynchronous collective's work whose `wait` gives gloo's worker thread `seconds` to drop its own reference
+    to the work (and so to its tensors) before the caller goes on; everything else is the work's."""
+
+    def __init__(self, work, seconds: float) -> None:
+        self._work, self._seconds = work, seconds
+
+    def wait(self, *args, **kwargs):
+        out = self._work.wait(*args, **kwargs)
+        time.sleep(self._seconds)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 def released(tensors, before: list[int], name: str, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
