@@ -252,6 +252,29 @@ RUNS = [
     # most, DeepSpeed's default 5 fail (llmsim refuses it: experiments/explore_param_swap_fetch.out)
     ("llama-2-7b", 2, swapped_params(offload(3, False, stage3_prefetch_bucket_size=0), 400_000, buffer_count=6),
      False, 64, {"shape": (512, 2, 1000, 8), "lora_rank": 8}),
+    # trainable sub-groups past offload_param.max_in_cpu: their partitions of 1 MiB or more stay in their files, are
+    # read into the pool's slots at each fetch, into an unpinned fp32 master at initialize and written back from it
+    # at each step through `reserve_partitioned_swap_space`'s buffer (stage3_prefetch_bucket_size 0: DeepSpeed fails
+    # with prefetching, experiments/explore_param_swap_fetch.out). The first two measured (in that study) before the
+    # model was written, the rest predicted before measured
+    ("llama-2-7b", 2, swapped_params(offload(3, False, stage3_prefetch_bucket_size=0), 300_000, max_in_cpu=0), False,
+     64, {"shape": BIG}),
+    ("llama-2-7b", 2, swapped_params(offload(3, False, stage3_prefetch_bucket_size=0), 300_000, max_in_cpu=300_000),
+     False, 64, {"shape": BIG}),
+    ("llama-2-7b", 2, swapped_params(offload(3, True, stage3_prefetch_bucket_size=0), 600_000, max_in_cpu=0), True,
+     64, {"shape": (128, 3, 9000, 4)}),
+    ("llama-2-7b", 2, swapped_params(offload(3, False, stage3_prefetch_bucket_size=0, sub_group_size=200_000),
+                                     300_000, max_in_cpu=400_000), False, 64, {"shape": BIG}),
+    ("llama-2-7b", 2, swapped_params(swapped(3, False, stage3_prefetch_bucket_size=0, sub_group_size=300_000),
+                                     300_000, max_in_cpu=100_000), False, 64, {"shape": BIG}),
+    ("gpt2", 2, swapped_params(offload(3, False, ga=2, stage3_prefetch_bucket_size=0), 600_000, pin=False,
+                               max_in_cpu=0), True, 64, {"shape": (128, 3, 9000, 4), "grad_accum": 2}),
+    ("qwen2.5-0.5b", 1, cpu_adam(swapped_params(offload(3, True, stage3_prefetch_bucket_size=0), 1_100_000,
+                                                max_in_cpu=500_000)), False, 64, {"shape": (112, 3, 9000, 7)}),
+    ("mistral-7b", 3, swapped_params(swapped(3, True, stage3_prefetch_bucket_size=0, sub_group_size=200_000),
+                                     400_000, max_in_cpu=0), False, 64, {"shape": (128, 3, 9000, 4)}),
+    ("llama-2-7b", 2, swapped_params(offload(3, False, stage3_prefetch_bucket_size=0), 400_000, buffer_count=6,
+                                     max_in_cpu=0), False, 64, {"shape": (512, 2, 1000, 8)}),
 ]
 
 

@@ -16,7 +16,8 @@ configs from `llmsim.inputs.zoo.shrink`: 8 experts, top-2, each family's layout 
 implementation (grouped_mm), in data/measurements/trainer_moe_cpu.csv (MOE_QLORA_CASES too); MOE_DEEPSPEED_CASES on 2 ranks with ZeRO-2,
 in data/measurements/trainer_moe_deepspeed_cpu.csv. ZERO3_CASES: the Trainer under ZeRO-3 on 2 ranks, in
 data/measurements/trainer_zero3_cpu.csv; NVME_CASES the same JSON with the optimizer offloaded to "nvme"
-(ZeRO-Infinity's swapper), each predicted first, in data/measurements/trainer_offload_cpu.csv. ACCELERATE_FSDP_CASES
+(ZeRO-Infinity's swapper), each predicted first, in data/measurements/trainer_offload_cpu.csv (NVME_PARAM_CASES:
+the parameters to "nvme", `--cases nvme-params`). ACCELERATE_FSDP_CASES
 (`--cases accelerate-fsdp`): the Trainer launched by `accelerate launch --config_file` with distributed_type FSDP,
 each predicted first, in data/measurements/trainer_fsdp_cpu.csv; ACCELERATE_FSDP_RAM_CASES (`--cases
 accelerate-fsdp-ram`) the same with fsdp_cpu_ram_efficient_loading on (the launch's default), into the same file;
@@ -37,7 +38,7 @@ host, fully_shard copying each unit to the device), device and host peaks, each 
 (experiments/measure_trainer_fsdp_host.out).
 Run: python experiments/measure_trainer.py [--out CSV] [--only N] [--world-size N] [--models a,b]
      [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3|llamafactory|sft|sft-ddp|fsdp|
-      fsdp-offload|fsdp-host|nvme|accelerate-fsdp|accelerate-fsdp-ram|accelerate-fsdp-ac]
+      fsdp-offload|fsdp-host|nvme|nvme-params|accelerate-fsdp|accelerate-fsdp-ram|accelerate-fsdp-ac]
 """
 from __future__ import annotations
 
@@ -211,6 +212,33 @@ NVME_CASES = [
         "bf16": True, "gradient_checkpointing": True, "gradient_accumulation_steps": 2, "deepspeed": ZERO3_NVME},
      None, "float32"),
     ("ZeRO-3 optimizer to nvme, bf16, LoRA all-linear", {"bf16": True, "deepspeed": ZERO3_NVME}, LORA, "float32"),
+]
+
+# ZeRO-Infinity's parameter swapper under the Trainer: the same JSON with the optimizer offloaded to the CPU and the
+# parameters to "nvme" (a pool of 5 x 1e6 elements: DeepSpeed's 1e8 would lock 2 GB a rank here). At these shapes
+# every partition is under 1 MiB, so nothing is written and DeepSpeed's prefetch runs; what the cases vary is
+# max_in_cpu against the Trainer's two param groups (weight decay, then none): within it (both groups' flat host
+# buffers), 0 (every sub-group past it: one-element buffers, unpinned fp32 masters, the write-back buffer), and a
+# value that ends within the first group's sub-groups. Every case predicted before measured, into OFFLOAD_OUT
+ZERO3_NVME_PARAMS = {**ZERO3, "zero_optimization": {
+    **ZERO3["zero_optimization"], "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    "offload_param": {"device": "nvme", "nvme_path": "/tmp/llmsim-nvme", "pin_memory": True, "buffer_size": 1e6}}}
+
+
+def _max_in_cpu(elements: int, **zero) -> dict:
+    return {**ZERO3_NVME_PARAMS, "zero_optimization": {
+        **ZERO3_NVME_PARAMS["zero_optimization"], **zero, "offload_param": {
+            **ZERO3_NVME_PARAMS["zero_optimization"]["offload_param"], "max_in_cpu": elements}}}
+
+
+NVME_PARAM_CASES = [
+    ("ZeRO-3 parameters to nvme, bf16, default optim (CPU Adam)", {"bf16": True, "deepspeed": ZERO3_NVME_PARAMS},
+     None, "float32"),
+    ("parameters to nvme, max_in_cpu 0, fp32, adamw_torch", {"optim": "adamw_torch", "deepspeed": {
+        **_max_in_cpu(0), "zero_force_ds_cpu_optimizer": False}}, None, "float32"),
+    ("parameters to nvme, max_in_cpu 60,000 over sub-groups of 20,000, bf16, checkpointing, accumulation 2", {
+        "bf16": True, "gradient_checkpointing": True, "gradient_accumulation_steps": 2,
+        "deepspeed": _max_in_cpu(60_000, sub_group_size=20_000)}, None, "float32"),
 ]
 
 
@@ -445,7 +473,7 @@ def main() -> int:
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
     parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload", "moe",
                                             "moe-qlora", "moe-deepspeed", "zero3", "llamafactory", "sft", "sft-ddp",
-                                            "fsdp", "fsdp-offload", "fsdp-host", "nvme", "accelerate-fsdp",
+                                            "fsdp", "fsdp-offload", "fsdp-host", "nvme", "nvme-params", "accelerate-fsdp",
                                             "accelerate-fsdp-ram", "accelerate-fsdp-ac"],
                         default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
@@ -455,6 +483,7 @@ def main() -> int:
     args = parser.parse_args()
     world_size, out = {"ddp": (DDP_WORLD_SIZE, DDP_OUT), "deepspeed": (DDP_WORLD_SIZE, DEEPSPEED_OUT),
                        "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT), "nvme": (DDP_WORLD_SIZE, OFFLOAD_OUT),
+                       "nvme-params": (DDP_WORLD_SIZE, OFFLOAD_OUT),
                        "moe": (1, MOE_OUT), "moe-qlora": (1, MOE_OUT),
                        "moe-deepspeed": (DDP_WORLD_SIZE, MOE_DEEPSPEED_OUT),
                        "zero3": (DDP_WORLD_SIZE, ZERO3_OUT),
@@ -475,6 +504,7 @@ def main() -> int:
         ([(*case, None, True) for case in OFFLOAD_CASES] if args.cases == "offload" else []) + \
         ([(*case, None, True) for case in ZERO3_CASES] if args.cases == "zero3" else []) + \
         ([(*case, None, True) for case in NVME_CASES] if args.cases == "nvme" else []) + \
+        ([(*case, None, True) for case in NVME_PARAM_CASES] if args.cases == "nvme-params" else []) + \
         ([(*case, None, True) for case in LLAMA_FACTORY_CASES] if args.cases == "llamafactory" else []) + \
         ([(*case, None, True) for case in SFT_CASES] if args.cases == "sft" else []) + \
         ([(*case, None, True) for case in SFT_DDP_CASES] if args.cases == "sft-ddp" else []) + \
@@ -492,7 +522,8 @@ def main() -> int:
         for name, fields, peft, dtype, quantization, kbit_prep in cases[: args.only]:
             failures += run_case(model, fields, peft, dtype, Path(out), quantization, kbit_prep, world_size,
                                  overrides, predict_first=args.cases in ("llamafactory", "sft", "sft-ddp", "fsdp",
-                                                                             "fsdp-offload", "fsdp-host", "nvme"),
+                                                                             "fsdp-offload", "fsdp-host", "nvme",
+                                                                             "nvme-params"),
                                  sft=args.cases.startswith("sft"),
                                  extra=("--fsdp-init", "host") if args.cases == "fsdp-host" else ()) != 0
     if args.cases in ("accelerate-fsdp", "accelerate-fsdp-ram", "accelerate-fsdp-ac"):

@@ -71,7 +71,7 @@ BAD = [
     ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu"},
         "offload_param": {"device": "nvme", "nvme_path": "/nvme", "max_in_cpu": 1000}}},
-     [], "offload_param.max_in_cpu(1,000) is under this rank's 57,504 trainable parameter elements"),
+     ["--lora-rank", "8"], "offload_param.max_in_cpu(1,000) under this rank's LoRA adapter elements is not modelled"),
     ({"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}}},
      [], 'offload_param: device "nvme" needs "nvme_path"'),

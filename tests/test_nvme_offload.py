@@ -163,7 +163,8 @@ def test_the_table_says_what_is_swapped():
     assert "NVMe under /local_nvme: 11.40 MiB a rank at most, 22.81 MiB a node" in table
     spec, setup, layout = _inputs(_params_swapped(_config()))
     assert ("parameters on device nvme: partitions of 1 MiB or more written to /local_nvme at zero.Init through 5 "
-            "pinned host buffers, read back into host memory at initialize") in layout_text(layout)
+            "pinned host buffers, the trainable ones read back into host memory at initialize up to max_in_cpu "
+            "(1,000,000,000 elements), the others read at each fetch)") in layout_text(layout)
     table = prediction_table(predict(spec, setup, layout))
     assert "NVMe under /local_nvme: 2.00 MiB a rank at most, 4.00 MiB a node (the parameter partitions written)" in \
         table
@@ -203,6 +204,9 @@ def test_committed_rows_cover_the_parameter_swapper():
     assert {z["offload_param"].get("pin_memory", False) for z in zero} == {True, False}
     assert any("optimizer" in c for c in configs) and (swapped["grad_accum"] > 1).any() and swapped["grad_ckpt"].any()
     assert any("max_in_cpu" in z["offload_param"] for z in zero)
+    past = swapped[[z["offload_param"].get("max_in_cpu", 1e9) < 800_000 and z.get("stage3_prefetch_bucket_size") == 0
+                    and not lora for z, lora in zip(zero, swapped["lora_rank"])]]  # trainable sub-groups in files
+    assert len(past) >= 15 and set(past["world_size"]) >= {1, 2, 3} and past["grad_ckpt"].any()
     assert (swapped["lora_rank"] > 0).sum() >= 7  # the frozen base read through the pool's slots
 
 
@@ -233,13 +237,19 @@ def test_the_parameter_files_are_the_partitions_over_the_threshold():
 @pytest.mark.parametrize("param,extra,needle", [
     ({"buffer_size": 100_000}, [], "offload_param.buffer_size(100,000) is under the largest partition the "
                                     "parameter swapper writes (262,336 elements)"),
-    ({"max_in_cpu": 500_000}, [], "offload_param.max_in_cpu(500,000) is under this rank's 821,568 trainable"),
-    ({}, ["--lora-rank", "8"], 'offload_param.device "nvme" with LoRA and stage3_prefetch_bucket_size(50,000,000) '
-                               "is not modelled: the frozen base's partitions of 1 MiB or more stay in their files"),
+    ({"max_in_cpu": 500_000}, [], 'offload_param.device "nvme" with stage3_prefetch_bucket_size(50,000,000) is not '
+                                  "modelled where partitions stay in their files (the 821,568 trainable elements of "
+                                  "the sub-groups past offload_param.max_in_cpu(500,000)"),
+    ({}, ["--lora-rank", "8"], 'offload_param.device "nvme" with stage3_prefetch_bucket_size(50,000,000) is not '
+                               "modelled where partitions stay in their files (LoRA's frozen base"),
+    ({"max_in_cpu": 0, "prefetch": 0}, ["--lora-rank", "8"],
+     "offload_param.max_in_cpu(0) under this rank's LoRA adapter elements is not modelled"),
 ])
 def test_what_the_parameter_swapper_is_not_modelled_for_is_refused(tmp_path, capsys, param, extra, needle):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps(_params_swapped(_config(), **{"buffer_size": 300_000, **param})))
+    param = dict(param)
+    zero = {"stage3_prefetch_bucket_size": param.pop("prefetch")} if "prefetch" in param else {}
+    path.write_text(json.dumps(_params_swapped(_config(**zero), **{"buffer_size": 300_000, **param})))
     args = ["predict", "--model", "llama-2-7b", "--set", "hidden_size=128", "--set", "num_hidden_layers=3",
             "--set", "vocab_size=4099", "--set", "intermediate_size=344", "--set", "num_attention_heads=4",
             "--set", "num_key_value_heads=4", "--seq-len", "64", "--ds-config", str(path), "--world-size", "2", *extra]
@@ -302,3 +312,23 @@ def test_a_fresh_swapped_run_matches_its_prediction(swapper):
         rank = predicted.ranks[row["rank"]]
         assert abs(rank.peak_allocated_bytes - row["peak_allocated_bytes"]) <= tolerance * row["peak_allocated_bytes"]
         assert rank.peak_host_bytes == row["peak_host_bytes"]
+
+
+def test_sub_groups_past_max_in_cpu_stay_in_their_files():
+    """max_in_cpu 0 (no prefetch): the flat host buffer is one element, the partitions stay where zero.Init left them
+    (those over 1 MiB in their files), the sub-group's fp32 master is an unpinned host buffer they are read into, and
+    the step writes back through `reserve_partitioned_swap_space`'s page-locked buffer, which DeepSpeed sizes from the
+    largest sub-group's whole parameters (`ds_numel`), each rounded up to the 256-element I/O alignment: here every
+    parameter of this shape, 1,644,288 elements, where the rank's partitions are 821,568. Measured: runs 100-108 of
+    experiments/measure_offload.py, host to the byte."""
+    frame = _frame(_params_swapped(_config(stage3_prefetch_bucket_size=0), max_in_cpu=0))
+    host = _host(frame)
+    allocated = host[host["delta_bytes"] > 0]
+    reserve = (2 * 524_800 + 3 * (4 * 16_384 + 3 * 44_032 + 2 * 256) + 256) * 4
+    at = allocated["delta_bytes"].tolist().index(reserve)
+    kept = allocated["serial"].iloc[[at, at + 1]].tolist()  # the reserve, then the sub-group's master
+    assert allocated["delta_bytes"].iloc[at + 1] == 821_568 * 4
+    assert allocated["delta_bytes"].iloc[:at].tolist()[-2:] == [4, 4]  # the one-element flat buffer, the example
+    assert not host[(host["delta_bytes"] < 0) & host["serial"].isin(kept)].shape[0]  # neither is freed
+    within = _host(_frame(_params_swapped(_config(stage3_prefetch_bucket_size=0))))
+    assert reserve not in within["delta_bytes"].tolist()  # within max_in_cpu: no write-back buffer

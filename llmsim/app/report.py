@@ -35,7 +35,9 @@ def layout_text(layout) -> str:
         params = layout.deepspeed.config["zero_optimization"].get("offload_param") or {}
         param_swap = (f" (parameters on device nvme: partitions of 1 MiB or more written to {params.get('nvme_path')} "
                       f"at zero.Init through {layout.deepspeed.zero().offload_param.buffer_count} pinned host "
-                      "buffers, read back into host memory at initialize)" if layout.deepspeed.swaps_params else "")
+                      "buffers, the trainable ones read back into host memory at initialize up to max_in_cpu ("
+                      f"{int(layout.deepspeed.zero().offload_param.max_in_cpu):,} elements), the others read at each "
+                      "fetch)" if layout.deepspeed.swaps_params else "")
         parts.append("optimizer" + (" and parameters" if layout.deepspeed.offloads_params else "")
                      + f" offloaded to the CPU, where {steps} steps"
                      + (swap if layout.deepspeed.swaps_optimizer

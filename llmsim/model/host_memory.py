@@ -272,8 +272,10 @@ class HostMemory:
         partition, AdamW's states and temporaries) follows them to the host.
         With `swap_params` (offload_param "nvme": the parameter swapper) everything the swapper makes when zero.Init
         creates it is the host's (its pool: a `torch.empty(..., device="cpu")` then the page-locked tensor that
-        replaces it; `invalid_buffer`, a default-device tensor, the CPU on a GPU), and the partitions under the swap
-        threshold, which `_partition_param` makes on `OffloadDeviceEnum.cpu` where `remote_device` is nvme, are."""
+        replaces it; `invalid_buffer`, a default-device tensor, the CPU on a GPU), and so is what it makes where a
+        sub-group is past max_in_cpu (`reserve_partitioned_swap_space`: a `torch.zeros(1, device="cpu")` example and
+        a page-locked buffer); and the partitions under the swap threshold, which `_partition_param` makes on
+        `OffloadDeviceEnum.cpu` where `remote_device` is nvme, are."""
         from deepspeed.accelerator import get_accelerator
         from deepspeed.runtime.zero.partition_parameters import Init
         from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
@@ -316,6 +318,8 @@ class HostMemory:
             patches += [mock.patch.object(partitioned_param_swapper, "AsyncIOBuilder",
                                           _LockedOnHost(self, partitioned_param_swapper.AsyncIOBuilder)),
                         mock.patch.object(swapper, "__init__", _made_on_host(self, swapper.__init__)),
+                        mock.patch.object(swapper, "reserve_partitioned_swap_space",
+                                          _made_on_host(self, swapper.reserve_partitioned_swap_space)),
                         mock.patch.object(partition_parameters, "OffloadDeviceEnum",
                                           _OffloadDevicesNamingTheHost(partition_parameters.OffloadDeviceEnum))]
         with contextlib.ExitStack() as stack:

@@ -160,6 +160,11 @@ class _Rank:
         self.group_of = {p: index for index, group in enumerate(self.sub_groups) for p in group}
         self.swapped = frozenset(index for index, group in enumerate(self.sub_groups)  # `_swappable`
                                  if self.swap and int(self._psum(group)) * FP32_BYTES >= self.min_aio_bytes)
+        self.flat_sizes, self.past = self._flat_cpu_memory()
+        # the partitions the parameter swapper reads from their files at each fetch: LoRA's frozen base and the
+        # sub-groups past max_in_cpu (both of 1 MiB or more: the smaller ones stay in memory where zero.Init made them)
+        self.in_files = frozenset(p for p in self.params if self._swaps_param(p)
+                                  and (p.frozen or self.group_of.get(p) in self.past))
         if self.swap_params:
             self._check_param_swapper(setup)
         # another client optimizer: its own step on each sub-group's fp32 partition (strategies/flat_optimizer.py)
@@ -242,6 +247,31 @@ class _Rank:
             return Sized(max(int(n) for n in sums), (MAX_TERMS, tuple(n.formula[0] for n in sums)))
         return max(sums)
 
+    def _flat_cpu_memory(self) -> tuple[list[int], frozenset[int]]:
+        """Parameter offload's `_create_param_groups_fp16_flat_cpu_memory`: per optimizer param group a host buffer
+        for its trainable partitions, in elements; with the parameter swapper only up to `offload_param.max_in_cpu`
+        elements over the groups in order (`params_in_nvme_and_cpu`), a group with none left getting a one-element
+        buffer. And the sub-groups that get no view of it (`fp16_partitioned_groups_flat[i]` None: the first that
+        does not fit and all after it in its group): their partitions stay where zero.Init left them."""
+        if not self.host_params:
+            return [], frozenset()
+        limit = self.zero.offload_param.max_in_cpu if self.swap_params else math.inf
+        sizes, past, aggregate, index, start = [], set(), 0, 0, 0
+        for length in self.group_lengths:
+            total = sum(int(p.partition) for p in self.trainable[start:start + length])
+            size = total if aggregate + total <= limit else max(0, limit - aggregate)
+            aggregate += total
+            sizes.append(size)
+            offset = 0
+            while index < len(self.sub_groups) and (self.sub_group_ends[index - 1] if index else 0) < start + length:
+                numel = int(self._psum(self.sub_groups[index]))
+                if offset + numel > max(size, 1):  # the buffer's numel(): one for an empty group's
+                    past.add(index)
+                offset += numel
+                index += 1
+            start += length
+        return sizes, frozenset(past)
+
     def _swappable(self, index: int) -> bool:
         """stage3.py `_swappable_optimizer_subgroup`: the sub-group's fp32 partition reaches the swapper's
         `min_aio_bytes` (1 MiB, or aio.block_size if larger)."""
@@ -271,33 +301,37 @@ class _Rank:
         return self.swap_params and int(p.partition) * self.elem >= self.min_aio_bytes
 
     def _check_param_swapper(self, setup) -> None:
-        """What the parameter swapper is modelled for: every swapped trainable partition read back into the flat
-        host buffer at initialize (`_move_to_flat_buffer`), after which the run is parameter offload's, and LoRA's
-        frozen base read into the pool's slots at each fetch without prefetching; and the configs DeepSpeed itself
-        refuses."""
+        """What the parameter swapper is modelled for: the trainable partitions within `max_in_cpu` read back into
+        the flat host buffer at initialize (`_move_to_flat_buffer`), after which they are parameter offload's; the
+        rest (LoRA's frozen base, the sub-groups past max_in_cpu) read into the pool's slots at each fetch, without
+        prefetching; and the configs DeepSpeed itself refuses."""
         config = self.zero.offload_param
         # where partitions are swapped in at each fetch, DeepSpeed 0.19.8's nvme prefetch swapped one in twice and
         # asserted in every run measured (experiments/explore_param_swap_fetch.out); without prefetch it ran
-        fails = (" (with prefetching on, as here, DeepSpeed 0.19.8 failed in every such run measured: experiments/"
-                 "explore_param_swap_fetch.out)" if self.zero.prefetch_bucket_size > 0 else "")
-        fetched = [p for p in self.params if p.frozen and self._swaps_param(p)]
-        if fetched and self.zero.prefetch_bucket_size > 0:
-            raise InputError("DeepSpeed config zero_optimization.offload_param.device \"nvme\" with LoRA and "
-                             f"stage3_prefetch_bucket_size({self.zero.prefetch_bucket_size:,}) is not modelled: the "
-                             "frozen base's partitions of 1 MiB or more stay in their files and come through the "
-                             f"swapper's pool at each fetch{fails}; modelled: stage3_prefetch_bucket_size 0, or "
-                             "offload_param \"cpu\"")
-        if any(p.persist for p in fetched) or any(p.adapter and self._swaps_param(p) for p in self.params):
+        if self.in_files and self.zero.prefetch_bucket_size > 0:
+            past = sum(int(self._psum(self.sub_groups[index])) for index in self.past)
+            which = (["LoRA's frozen base"] if any(p.frozen for p in self.in_files) else []) + (
+                [f"the {past:,} trainable elements of the sub-groups past offload_param.max_in_cpu"
+                 f"({config.max_in_cpu:,})"] if self.past else [])
+            raise InputError("DeepSpeed config zero_optimization.offload_param.device \"nvme\" with "
+                             f"stage3_prefetch_bucket_size({self.zero.prefetch_bucket_size:,}) is not modelled where "
+                             f"partitions stay in their files ({' and '.join(which)}: those of 1 MiB or more come "
+                             "through the swapper's pool at each fetch), and DeepSpeed 0.19.8 failed in every such run "
+                             "measured (experiments/explore_param_swap_fetch.out); modelled: "
+                             "stage3_prefetch_bucket_size 0, " + ("a max_in_cpu of this rank's "
+                             f"{sum(int(p.partition) for p in self.trainable):,} trainable elements or more, "
+                             if self.past else "") + "or offload_param \"cpu\"")
+        if any(p.adapter for index in self.past for p in self.sub_groups[index]):
+            raise InputError(f"DeepSpeed config zero_optimization.offload_param.max_in_cpu({config.max_in_cpu:,}) "
+                             "under this rank's LoRA adapter elements is not modelled: the adapters past it keep "
+                             "their fp32 partitions (the host buffer is what casts them to the model's dtype), so the "
+                             "forward would run them in fp32; modelled: a max_in_cpu of "
+                             f"{sum(int(p.partition) for p in self.trainable):,} or more (DeepSpeed's default is 1e9)")
+        if any(p.persist for p in self.in_files) or any(p.adapter and self._swaps_param(p) for p in self.params):
             raise InputError("DeepSpeed config zero_optimization.offload_param.device \"nvme\" with a persistent "
                              "parameter's or a LoRA adapter's partition of 1 MiB or more (which the swapper would "
                              "write) is not modelled yet; modelled: those partitions under max(1 MiB, "
                              "aio.block_size)")
-        total = sum(int(p.partition) for p in self.trainable)
-        if total > config.max_in_cpu:
-            raise InputError(f"DeepSpeed config zero_optimization.offload_param.max_in_cpu({config.max_in_cpu:,}) "
-                             f"is under this rank's {total:,} trainable parameter elements: the sub-groups past it "
-                             f"stay in their files and are swapped in at each fetch and step{fails}, which is not "
-                             f"modelled yet; modelled: max_in_cpu >= {total:,} (DeepSpeed's default is 1e9)")
         swapped = [int(p.partition) for p in self.params if self._swaps_param(p)]
         if swapped and max(swapped) > config.buffer_size:
             raise InputError(f"DeepSpeed config zero_optimization.offload_param.buffer_size({config.buffer_size:,}) "
@@ -372,8 +406,18 @@ class _Rank:
         self._defragment()
         if self.swap:
             self._swap_pool()
+        unpinned = None  # `_create_fp32_partitions`' unpinned_fp32_buffer, where only that name holds it
         for index, group in enumerate(self.sub_groups):  # fp32 master: flat.to(fp32).clone()
             numel = self._psum(group)
+            if index in self.past:  # past max_in_cpu: a `torch.empty` on the optimizer's device (the host, never
+                # pinned) that the partitions are read into; the master itself, or for a swapped sub-group what
+                # `initialize_parameters` writes to its file, alive until the name is bound again
+                buffer = self.w.alloc(numel * FP32_BYTES, Category.HOST_OFFLOAD)
+                self._read_through_slots(group)
+                if unpinned is not None:
+                    self.w.free(*unpinned, Category.HOST_OFFLOAD)
+                unpinned = (buffer, numel * FP32_BYTES) if self._swappable(index) else None
+                continue
             if self._swappable(index):  # `torch.empty(0)`: the master is in its file
                 continue
             if self.offload:
@@ -384,8 +428,10 @@ class _Rank:
                 self.w.free(upcast, numel * FP32_BYTES, Category.TEMPORARY)
             else:
                 self.w.alloc(numel * FP32_BYTES, Category.MASTER_WEIGHTS)
-        for index in sorted(self.swapped):  # `initialize_parameters`: each swappable master written through the pool
-            self._host_staging(self._psum(self.sub_groups[index]), self.sub_groups[index][0].elem)
+        for index in sorted(self.swapped - self.past):  # `initialize_parameters`: each swappable master written
+            self._host_staging(self._psum(self.sub_groups[index]), self.sub_groups[index][0].elem)  # through the pool
+        if unpinned is not None:  # `_create_fp32_partitions` returns
+            self.w.free(*unpinned, Category.HOST_OFFLOAD)
         largest = self._largest() * FP32_BYTES
         # initialize_optimizer_states: a zero gradient of the largest sub-group, dropped; with offload on the host,
         # and each sub-group's fp32 gradient a host buffer of its own, kept; a swapped sub-group's `.grad` views the
@@ -405,6 +451,7 @@ class _Rank:
             self.w.alloc(total * self.elem, Category.GRADIENT)
         for p in self.trainable:  # create_reduce_and_remove_grad_hooks: gather, register, partition
             nbytes = p.partition * self.world * p.elem
+            self._read_through_slots([p])
             buffer = self.w.alloc(nbytes, GATHERED)
             self._from_host([p])  # _allgather_params_sequential's input, for the call
             self.w.free(buffer, nbytes, GATHERED)
@@ -416,11 +463,16 @@ class _Rank:
         itself (`.to("cpu")` returns it), allocated while the partitions still exist."""
         nbytes = self._psum(self.trainable, per_element=True)
         if self.host_params:  # _create_param_groups_fp16_flat_cpu_memory, then _move_to_flat_buffer
-            # always pinned on a GPU: get_accelerator().pin_memory whatever offload_param.pin_memory says
-            host_buffer(self.w, nbytes, self.cuda)
+            for size in self.flat_sizes:  # always pinned on a GPU: get_accelerator().pin_memory whatever
+                if size:  # offload_param.pin_memory says; an empty one is `torch.empty(1)`, not pinned
+                    host_buffer(self.w, size * self.elem, self.cuda)
+                else:
+                    self.w.alloc(self.elem, Category.HOST_OFFLOAD)
             for p in self.trainable:  # a swapped partition is read into it through a slot of the pool
-                if (partition := self.ds_tensors.pop(p)) is not None:
+                if self.group_of[p] not in self.past and (partition := self.ds_tensors.pop(p)) is not None:
                     self.w.free(*partition, Category.HOST_OFFLOAD)
+            if self.past:
+                self._reserve_partitioned_swap_space()
             return
         if not self.cuda:
             self.w.alloc(nbytes, Category.PARAMETER)
@@ -432,6 +484,24 @@ class _Rank:
             self.w.free(*self.ds_tensors.pop(p), Category.PARAMETER)
         self.w.alloc(nbytes, Category.PARAMETER)
         self.w.free(staging, nbytes, Category.HOST_OFFLOAD)
+
+    def _reserve_partitioned_swap_space(self) -> None:
+        """Where a sub-group is past max_in_cpu, the swapper's buffer for writing the step's updates back to the
+        files (`reserve_partitioned_swap_space`), page-locked on the host for the run, in the model's dtype, made
+        while a one-element example lives: sized for the largest sub-group (the first of the largest partitions), but
+        from its parameters' whole `ds_numel`s, each rounded up to the I/O alignment: W times its partitions."""
+        sums = [int(self._psum(group)) for group in self.sub_groups]
+        largest = self.sub_groups[sums.index(max(sums))]
+        nbytes = sum(_io_aligned(p.numel, self.param_alignment) for p in largest) * self.elem
+        example = self.w.alloc(self.elem, Category.HOST_OFFLOAD)
+        self.w.alloc(nbytes, Category.HOST_OFFLOAD)
+        self.w.free(example, self.elem, Category.HOST_OFFLOAD)
+
+    def _read_through_slots(self, params: list[_Param]) -> None:
+        """Partitions read one at a time from their files into a slot of the pool and released
+        (`_swap_in_sub_group_to_flat_buffer`, the grad hooks' gather at initialize): no memory of their own."""
+        if any(p in self.in_files for p in params):
+            self.slots_needed = max(self.slots_needed, len(self.in_slots) + 1)
 
     def _host_master(self, numel, elem: int) -> None:
         """Offload's fp32 master of a sub-group: `flat.to('cpu', dtype=fp32).clone()`, both on the host. On a GPU a
@@ -532,10 +602,10 @@ class _Rank:
             handle.flats = []
 
     def _swap_in(self, params: list[_Param]) -> None:
-        """The parameter swapper's `swap_in` of the partitions in files (LoRA's frozen base): each takes one of the
+        """The parameter swapper's `swap_in` of the partitions in files (`in_files`): each takes one of the
         pool's `buffer_count` slots (no memory of its own: the pool is there from zero.Init on) until the parameter
         is released; DeepSpeed asserts when there are fewer free slots than partitions to read."""
-        files = [p for p in params if p.frozen and self._swaps_param(p)]
+        files = [p for p in params if p in self.in_files]
         if not files:
             return
         self.in_slots.update(files)
@@ -813,7 +883,8 @@ class _Rank:
         the dtype across devices converts on the host: ATen's `copy_kernel_cuda`); with parameter offload the
         partition is on the host (`param_groups_fp16_flat_cpu_memory`), where the copy converts in place."""
         scalars = [self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD) for _ in self.sub_groups]
-        scalars.append(self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD))  # combine_grad_norm_groups
+        scalars.append(self._combine_grad_norm_groups(len(self.sub_groups)))
+        self._invalid_test(1)  # is_invalid_grad_norm(scaled_global_grad_norm), freed at once
         kept = self.w.alloc(SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
         for index, group in enumerate(self.sub_groups):
             numel = self._psum(group)
@@ -832,6 +903,47 @@ class _Rank:
         if self.global_norm is not None:  # the engine's copy of the last step's, replaced once the step returns
             self.w.free(self.global_norm, SCALAR_FP32_BYTES, Category.HOST_OFFLOAD)
         self.global_norm = kept
+
+    def _combine_grad_norm_groups(self, n: int) -> int:
+        """deepspeed/runtime/utils.py `combine_grad_norm_groups` over the n sub-groups' 0-d norms on the host:
+        `torch.stack` (n fp32), the invalid test, `vector_norm`, `full_like` and `torch.where` (0-d each); returns the
+        serial of `where`'s result, the step's scaled norm, the rest freed as it returns. Measured on a Trainer run
+        with 19 sub-groups, where it set the host peak (experiments/measure_trainer_nvme_params.out)."""
+        host = Category.HOST_OFFLOAD
+        stacked = self.w.alloc(n * SCALAR_FP32_BYTES, host)
+        invalid = self._invalid_test(n, keep=True)
+        combined = self.w.alloc(SCALAR_FP32_BYTES, host)
+        full = self.w.alloc(SCALAR_FP32_BYTES, host)
+        result = self.w.alloc(SCALAR_FP32_BYTES, host)
+        self.w.free(full, SCALAR_FP32_BYTES, host)
+        self.w.free(stacked, n * SCALAR_FP32_BYTES, host)
+        self.w.free(invalid, 1, host)
+        self.w.free(combined, SCALAR_FP32_BYTES, host)
+        return result
+
+    def _invalid_test(self, n: int, keep: bool = False) -> int | None:
+        """`(~torch.isfinite(x) | (x < 0)).any()` over n fp32 host values: ATen's `isfinite` is `(x == x) *
+        (x.abs() != inf)`, built right operand first (n fp32, then n bools each); returns the 1-byte `.any()` with
+        `keep`, else frees it."""
+        host = Category.HOST_OFFLOAD
+        absolute = self.w.alloc(n * SCALAR_FP32_BYTES, host)
+        not_inf, same = self.w.alloc(n, host), self.w.alloc(n, host)
+        finite = self.w.alloc(n, host)
+        for serial in (same, not_inf):
+            self.w.free(serial, n, host)
+        self.w.free(absolute, n * SCALAR_FP32_BYTES, host)
+        inverted = self.w.alloc(n, host)
+        self.w.free(finite, n, host)
+        negative = self.w.alloc(n, host)
+        either = self.w.alloc(n, host)
+        for serial in (inverted, negative):
+            self.w.free(serial, n, host)
+        found = self.w.alloc(1, host)
+        self.w.free(either, n, host)
+        if keep:
+            return found
+        self.w.free(found, 1, host)
+        return None
 
     def _post_step(self) -> None:
         """`_post_step`: the offload's per-partition norms dropped (`reset_cpu_buffers`); the persistent parameters
