@@ -80,6 +80,14 @@ def offload(stage: int, bf16: bool, pin: bool = True, ga: int = 1, clip: float =
     return config
 
 
+def params_only(config: dict) -> dict:
+    """The same JSON with ZeRO-3's parameters offloaded and the optimizer not (no offload_optimizer: the fp32 master,
+    its gradients and AdamW on the device)."""
+    zero = {key: value for key, value in config["zero_optimization"].items() if key != "offload_optimizer"}
+    return {**{key: value for key, value in config.items() if key != "zero_force_ds_cpu_optimizer"},
+            "zero_optimization": zero}
+
+
 def cpu_adam(config: dict, kind: str = "AdamW") -> dict:
     """The same JSON with DeepSpeed's own optimizer, an "optimizer" section (as DeepSpeed's offload tutorials write
     it): with the optimizer offloaded it builds DeepSpeedCPUAdam (engine.get_optimizer_configuration)."""
@@ -275,6 +283,17 @@ RUNS = [
                                      400_000, max_in_cpu=0), False, 64, {"shape": (128, 3, 9000, 4)}),
     ("llama-2-7b", 2, swapped_params(offload(3, False, stage3_prefetch_bucket_size=0), 400_000, buffer_count=6,
                                      max_in_cpu=0), False, 64, {"shape": (512, 2, 1000, 8)}),
+    # ZeRO-3's parameters offloaded without the optimizer (bf16: in fp32 the CPU run trains the host buffer itself,
+    # llmsim refuses it): the partitions on the host, the fp32 master, gradients and AdamW on the device, each step's
+    # update copied back into the host buffer. The first measured while it was modelled, the rest predicted first
+    ("llama-2-7b", 2, params_only(offload(3, True, offload_param=HOST_PARAMS)), False, 64, {}),
+    ("mistral-7b", 3, params_only(offload(3, True, ga=2, offload_param=HOST_PARAMS_UNPINNED)), True, 64,
+     {"grad_accum": 2}),
+    ("qwen2.5-0.5b", 2, params_only(offload(3, True, offload_param=HOST_PARAMS)), False, 64, {"lora_rank": 8}),
+    ("gpt2", 2, params_only(offload(3, True, offload_param=HOST_PARAMS, sub_group_size=40_000)), True, 64, {}),
+    ("llama-2-7b", 1, params_only(offload(3, True, offload_param=HOST_PARAMS)), True, 64, {}),
+    ("pythia-160m", 4, params_only(offload(3, True, offload_param=HOST_PARAMS, overlap_comm=True,
+                                           stage3_prefetch_bucket_size=20_000)), False, 64, {}),
 ]
 
 

@@ -17,7 +17,8 @@ implementation (grouped_mm), in data/measurements/trainer_moe_cpu.csv (MOE_QLORA
 in data/measurements/trainer_moe_deepspeed_cpu.csv. ZERO3_CASES: the Trainer under ZeRO-3 on 2 ranks, in
 data/measurements/trainer_zero3_cpu.csv; NVME_CASES the same JSON with the optimizer offloaded to "nvme"
 (ZeRO-Infinity's swapper), each predicted first, in data/measurements/trainer_offload_cpu.csv (NVME_PARAM_CASES:
-the parameters to "nvme", `--cases nvme-params`). ACCELERATE_FSDP_CASES
+the parameters to "nvme", `--cases nvme-params`; PARAMS_OFFLOAD_CASES: the parameters to the CPU and the optimizer
+not, `--cases params-offload`). ACCELERATE_FSDP_CASES
 (`--cases accelerate-fsdp`): the Trainer launched by `accelerate launch --config_file` with distributed_type FSDP,
 each predicted first, in data/measurements/trainer_fsdp_cpu.csv; ACCELERATE_FSDP_RAM_CASES (`--cases
 accelerate-fsdp-ram`) the same with fsdp_cpu_ram_efficient_loading on (the launch's default), into the same file;
@@ -38,7 +39,7 @@ host, fully_shard copying each unit to the device), device and host peaks, each 
 (experiments/measure_trainer_fsdp_host.out).
 Run: python experiments/measure_trainer.py [--out CSV] [--only N] [--world-size N] [--models a,b]
      [--cases all|plain|qlora|ddp|deepspeed|offload|moe|moe-qlora|moe-deepspeed|zero3|llamafactory|sft|sft-ddp|fsdp|
-      fsdp-offload|fsdp-host|nvme|nvme-params|accelerate-fsdp|accelerate-fsdp-ram|accelerate-fsdp-ac]
+      fsdp-offload|fsdp-host|nvme|nvme-params|params-offload|accelerate-fsdp|accelerate-fsdp-ram|accelerate-fsdp-ac]
 """
 from __future__ import annotations
 
@@ -241,6 +242,20 @@ NVME_PARAM_CASES = [
         "deepspeed": _max_in_cpu(60_000, sub_group_size=20_000)}, None, "float32"),
 ]
 
+# ZeRO-3 with the parameters offloaded and the optimizer not (no offload_optimizer): the Trainer's own optimizer steps
+# the fp32 master on the device. bf16 only (fp32 is refused: on the CPU DeepSpeed trains the host buffer itself).
+# Every case predicted before measured, into OFFLOAD_OUT (`--cases params-offload`)
+ZERO3_PARAMS = {**ZERO3, "zero_optimization": {**ZERO3["zero_optimization"],
+                                               "offload_param": {"device": "cpu", "pin_memory": True}}}
+PARAMS_OFFLOAD_CASES = [
+    ("ZeRO-3 parameters to the CPU, bf16, default optim", {"bf16": True, "deepspeed": ZERO3_PARAMS}, None, "float32"),
+    ("ZeRO-3 parameters to the CPU, bf16, checkpointing, accumulation 2, adamw_torch", {
+        "bf16": True, "gradient_checkpointing": True, "gradient_accumulation_steps": 2, "optim": "adamw_torch",
+        "deepspeed": ZERO3_PARAMS}, None, "float32"),
+    ("ZeRO-3 parameters to the CPU, bf16, LoRA all-linear", {"bf16": True, "deepspeed": ZERO3_PARAMS}, LORA,
+     "float32"),
+]
+
 
 # LLaMA-Factory's DeepSpeed configs exactly as it ships them (examples/deepspeed/, commit 1d6e8b2): ZeRO-2 with
 # round_robin_gradients, the same with the optimizer offloaded and no "zero_force_ds_cpu_optimizer" (accelerate then
@@ -274,6 +289,11 @@ LLAMA_FACTORY_CASES = [
     ("LLaMA-Factory ds_z2_offload_config, fp32, accumulation 2, checkpointing",
      {"gradient_accumulation_steps": 2, "gradient_checkpointing": True, "deepspeed": LF_Z2_OFFLOAD}, None, "float32"),
     ("LLaMA-Factory ds_z3_offload_config, bf16, default optim", {"bf16": True, "deepspeed": LF_Z3_OFFLOAD}, None,
+     "float32"),
+    # held out for the Trainer's LoRA under parameter offload (its adapters stay fp32, DeepSpeed's `self.dtype`
+    # being its optimizer's first parameter's), predicted before measured once that was modelled:
+    # `python -c "import measure_trainer as m; m.run_case_named(m.LLAMA_FACTORY_CASES[-1])"` in experiments/
+    ("LLaMA-Factory ds_z3_offload_config, bf16, LoRA all-linear", {"bf16": True, "deepspeed": LF_Z3_OFFLOAD}, LORA,
      "float32"),
 ]
 
@@ -467,13 +487,21 @@ def run_case(model: str, fields: dict, peft: dict | None, dtype: str, out: Path,
         return done.returncode
 
 
+def run_case_named(case: tuple, models=("llama-2-7b", "qwen2.5-0.5b", "gpt2"), out: Path = LLAMA_FACTORY_OUT) -> int:
+    """One case of LLAMA_FACTORY_CASES on `models`, 2 ranks, each predicted first (as `--cases llamafactory`)."""
+    name, fields, peft, dtype = case
+    return sum(run_case(model, fields, peft, dtype, Path(out), None, True, DDP_WORLD_SIZE, None, predict_first=True)
+               != 0 for model in models)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="default: OUT (DDP_OUT for --cases ddp)")
     parser.add_argument("--only", type=int, default=None, help="the first N cases of each model")
     parser.add_argument("--cases", choices=["all", "plain", "qlora", "ddp", "deepspeed", "offload", "moe",
                                             "moe-qlora", "moe-deepspeed", "zero3", "llamafactory", "sft", "sft-ddp",
-                                            "fsdp", "fsdp-offload", "fsdp-host", "nvme", "nvme-params", "accelerate-fsdp",
+                                            "fsdp", "fsdp-offload", "fsdp-host", "nvme", "nvme-params",
+                                            "params-offload", "accelerate-fsdp",
                                             "accelerate-fsdp-ram", "accelerate-fsdp-ac"],
                         default="all",
                         help="all: plain and qlora, one process (ddp, deepspeed: those cases on 2 ranks, to --out or "
@@ -483,7 +511,7 @@ def main() -> int:
     args = parser.parse_args()
     world_size, out = {"ddp": (DDP_WORLD_SIZE, DDP_OUT), "deepspeed": (DDP_WORLD_SIZE, DEEPSPEED_OUT),
                        "offload": (DDP_WORLD_SIZE, OFFLOAD_OUT), "nvme": (DDP_WORLD_SIZE, OFFLOAD_OUT),
-                       "nvme-params": (DDP_WORLD_SIZE, OFFLOAD_OUT),
+                       "nvme-params": (DDP_WORLD_SIZE, OFFLOAD_OUT), "params-offload": (DDP_WORLD_SIZE, OFFLOAD_OUT),
                        "moe": (1, MOE_OUT), "moe-qlora": (1, MOE_OUT),
                        "moe-deepspeed": (DDP_WORLD_SIZE, MOE_DEEPSPEED_OUT),
                        "zero3": (DDP_WORLD_SIZE, ZERO3_OUT),
@@ -505,6 +533,7 @@ def main() -> int:
         ([(*case, None, True) for case in ZERO3_CASES] if args.cases == "zero3" else []) + \
         ([(*case, None, True) for case in NVME_CASES] if args.cases == "nvme" else []) + \
         ([(*case, None, True) for case in NVME_PARAM_CASES] if args.cases == "nvme-params" else []) + \
+        ([(*case, None, True) for case in PARAMS_OFFLOAD_CASES] if args.cases == "params-offload" else []) + \
         ([(*case, None, True) for case in LLAMA_FACTORY_CASES] if args.cases == "llamafactory" else []) + \
         ([(*case, None, True) for case in SFT_CASES] if args.cases == "sft" else []) + \
         ([(*case, None, True) for case in SFT_DDP_CASES] if args.cases == "sft-ddp" else []) + \
@@ -523,7 +552,7 @@ def main() -> int:
             failures += run_case(model, fields, peft, dtype, Path(out), quantization, kbit_prep, world_size,
                                  overrides, predict_first=args.cases in ("llamafactory", "sft", "sft-ddp", "fsdp",
                                                                              "fsdp-offload", "fsdp-host", "nvme",
-                                                                             "nvme-params"),
+                                                                             "nvme-params", "params-offload"),
                                  sft=args.cases.startswith("sft"),
                                  extra=("--fsdp-init", "host") if args.cases == "fsdp-host" else ()) != 0
     if args.cases in ("accelerate-fsdp", "accelerate-fsdp-ram", "accelerate-fsdp-ac"):

@@ -51,7 +51,7 @@ def test_committed_rows_cover_the_offload_matrix():
     params = [bool(z.get("offload_param")) for z in zero]
     assert sum(params) >= 20 and {z["offload_param"]["pin_memory"] for z in zero if z.get("offload_param")} == {
         True, False}
-    assert {z["offload_optimizer"]["pin_memory"] for z in zero} == {True, False}
+    assert {z["offload_optimizer"]["pin_memory"] for z in zero if z.get("offload_optimizer")} == {True, False}
     assert {bool(z.get("overlap_comm")) for z in zero} == {True, False}
     assert {c["gradient_accumulation_steps"] for c in configs} >= {1, 2, 3}
     assert set(rows["world_size"]) >= {2, 3, 4} and (rows["lora_rank"] > 0).any() and rows["grad_ckpt"].any()
@@ -66,12 +66,54 @@ def test_committed_trainer_rows_cover_offload_as_recipes_write_it():
     fields = [json.loads(a) for a in rows["training_args"]]
     assert len(rows) >= 24 and (rows["peak_host_bytes"] > 0).all()
     assert {f["deepspeed"]["zero_optimization"]["stage"] for f in fields} == {1, 2, 3}
-    nvme = [f for f in fields if f["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "nvme"]
+    nvme = [f for f in fields
+            if (f["deepspeed"]["zero_optimization"].get("offload_optimizer") or {}).get("device") == "nvme"]
     assert len(nvme) >= 16 and {f["deepspeed"]["zero_optimization"]["stage"] for f in nvme} == {3}  # ZeRO-Infinity
     assert {"zero_force_ds_cpu_optimizer" in f["deepspeed"] for f in nvme} == {True, False}  # CPU Adam or AdamW
     assert {f.get("optim", "adamw_torch_fused") for f in fields} == {"adamw_torch_fused", "adamw_torch"}
     assert {f.get("gradient_accumulation_steps", 1) for f in fields} == {1, 2} and rows["grad_ckpt"].any()
     assert rows["model"].nunique() == 4
+
+
+def test_committed_rows_cover_parameter_offload_without_the_optimizers():
+    """ZeRO-3 with offload_param and no offload_optimizer: the canonical step through deepspeed.initialize
+    (measure_offload.py runs 109-114) and the Trainer (`--cases params-offload`, LoRA among them: its adapters stay
+    fp32, DeepSpeed's `self.dtype` being its optimizer's first parameter's), bf16, host and device alike."""
+    canonical = pd.read_csv(OFFLOAD_CSV)
+    zero = [json.loads(c)["zero_optimization"] for c in canonical["ds_config"]]
+    alone = canonical[[bool(z.get("offload_param")) and not z.get("offload_optimizer") for z in zero]]
+    assert len(alone) >= 12 and set(alone["world_size"]) >= {1, 2, 3, 4} and (alone["lora_rank"] > 0).any()
+    assert alone["grad_ckpt"].any() and (alone["grad_accum"] > 1).any() and (alone["peak_host_bytes"] > 0).all()
+    trainer = pd.read_csv(MEASUREMENTS_DIR / "trainer_offload_cpu.csv")
+    fields = [json.loads(a)["deepspeed"]["zero_optimization"] for a in trainer["training_args"]]
+    alone = trainer[[bool(z.get("offload_param")) and not z.get("offload_optimizer") for z in fields]]
+    assert len(alone) >= 18 and alone["model"].nunique() >= 3 and (alone["lora_rank"] > 0).sum() >= 6
+
+
+def test_without_optimizer_offload_the_master_crosses_from_the_host():
+    """offload_param alone, bf16: the fp32 master is made on the device from the host partitions
+    (`flat.to(device, fp32)`, then its clone) and each step's update is copied back into them: on a GPU both copies
+    cross and change the dtype, so ATen converts on the host through an fp32 host copy (blocking `copy_kernel_cuda`);
+    on the CPU they convert in place. So a GPU's host side has two more fp32 transients a sub-group than the CPU's
+    (at initialize and at each of the 3 steps), besides the flat buffer's pinned copy."""
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.sim.pipeline import checked
+    from llmsim.sim.strategies import zero3
+    from llmsim.sim.traced import expanded
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", *SHAPE))
+    host = {}
+    config = _config(3, bf16=True, pin=False, offload_param={"device": "cpu", "pin_memory": False})
+    del config["zero_optimization"]["offload_optimizer"]
+    for gpu in (load_gpu("h100-80gb"), None):
+        layout = Layout(Strategy.DEEPSPEED, 2, deepspeed=ds_setup(config, 2, SHAPE[0], None, None))
+        setup = checked(spec, TrainSetup(2, 64, Precision.BF16, Attention.SDPA, False), layout, gpu)
+        timeline = zero3.plan(expanded(spec, setup)[0], layout, setup)[0]
+        host[gpu is not None] = timeline.loc[timeline["category"] == Category.HOST_OFFLOAD.value, "delta_bytes"]
+        assert (timeline["category"] == Category.MASTER_WEIGHTS.value).any()  # the master on the device
+    staging = 552_896 * 4  # one sub-group: this rank's partitions (1,105,792 parameters over 2 ranks) in fp32
+    assert (host[True] == staging).sum() == 1 + 3 and (host[False] == staging).sum() == 0
+    assert (host[True] > 0).sum() == (host[False] > 0).sum() + 1 + 4
 
 
 def test_committed_trainer_rows_cover_llama_factorys_configs_as_shipped():

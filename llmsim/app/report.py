@@ -43,6 +43,8 @@ def layout_text(layout) -> str:
                      + (swap if layout.deepspeed.swaps_optimizer
                         else " (device nvme: ZeRO-1/2 hold it in host memory, nothing swapped)" if nvme else "")
                      + param_swap)
+    elif layout.deepspeed is not None and layout.deepspeed.offloads_params:  # the step on the device
+        parts.append("parameters offloaded to the CPU")
     if layout.fsdp is not None:  # FSDP2: its wrap, resharding and MixedPrecisionPolicy
         fsdp = layout.fsdp
         wrap = {"layers": "fully_shard per layer", "transformers": "transformers' FSDP plan",
@@ -70,7 +72,8 @@ def offloads(prediction: Prediction) -> bool:
     Otherwise the host holds only a few scalars (AdamW's `step` counters, kept on the CPU for a CUDA parameter unless
     fused or capturable: torch/optim/adam.py `_init_group`), left to `--format json`'s peak_host_bytes."""
     layout, fsdp = prediction.layout, prediction.setup.fsdp
-    return (prediction.setup.ckpt_offload or (layout.deepspeed is not None and layout.deepspeed.offloads_optimizer)
+    return (prediction.setup.ckpt_offload or (layout.deepspeed is not None and (layout.deepspeed.offloads_optimizer
+                                                                                or layout.deepspeed.offloads_params))
             or (fsdp is not None and (fsdp.offload or fsdp.init == "host")))
 
 

@@ -301,6 +301,10 @@ def _validate(config: dict, launcher: str = "deepspeed") -> None:
                          "to 16 bytes in the flat buffer) is not modelled yet; modelled: false (DeepSpeed's default)")
     param_offload = zero.get("offload_param") if isinstance(zero.get("offload_param"), dict) else {}
     param_device = param_offload.get("device", "none")
+    if param_device == "nvme" and device != "cpu":
+        raise InputError("DeepSpeed config zero_optimization.offload_param.device \"nvme\" without offload_optimizer "
+                         "is not modelled yet; modelled: the parameter swapper with offload_optimizer \"cpu\" or "
+                         "\"nvme\", and offload_param \"cpu\" alone")
     if param_device == "nvme":  # parameter offload, with the parameter swapper (DeepSpeedSetup.swaps_params)
         if stage == 3:
             _validate_aio(config)
@@ -311,7 +315,3 @@ def _validate(config: dict, launcher: str = "deepspeed") -> None:
     if param_device == "cpu" and stage != 3:
         raise InputError(f"DeepSpeed config zero_optimization.offload_param is ZeRO-3's (stage {stage} has no "
                          "parameter partitions to offload); modelled: stage 3")
-    if param_device == "cpu" and device != "cpu":
-        raise InputError("DeepSpeed config zero_optimization.offload_param without offload_optimizer is not "
-                         "modelled yet; modelled: offload_param with offload_optimizer {\"device\": \"cpu\"} "
-                         "(LLaMA-Factory's and DeepSpeed's ZeRO-3 offload configs)")

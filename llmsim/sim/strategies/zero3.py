@@ -36,8 +36,11 @@ walk holds, besides, the swapper's pinned pool, leaves out the swapped sub-group
 the backward's fp32 gradient partitions the swapper does not write until the step, and drops step 0's states once
 written. With the parameters offloaded to "nvme" (the parameter swapper, docs/nvme-offload.md section 0b) zero.Init
 makes the swapper's pinned pool first and writes each partition of 1 MiB or more to a file instead of holding it;
-initialize reads the trainable ones back into the flat host buffer, and LoRA's frozen base is read into the pool's
-slots at each fetch, held until released (DeepSpeed asserts where a step holds more than `buffer_count`).
+initialize reads the trainable ones within `max_in_cpu` back into the flat host buffer; LoRA's frozen base and the
+sub-groups past `max_in_cpu` are read into the pool's slots at each fetch, held until released (DeepSpeed asserts
+where a step holds more than `buffer_count`), the latter with an unpinned fp32 master and a write-back buffer.
+With the parameters offloaded and the optimizer not, the partitions are the host's and the rest the device's (the
+master made from the host buffer, each step's update copied back into it).
 On one rank DeepSpeed gathers nothing (`_no_gather_coalesced`): the parameters are their partitions.
 """
 from __future__ import annotations
@@ -165,6 +168,12 @@ class _Rank:
         # sub-groups past max_in_cpu (both of 1 MiB or more: the smaller ones stay in memory where zero.Init made them)
         self.in_files = frozenset(p for p in self.params if self._swaps_param(p)
                                   and (p.frozen or self.group_of.get(p) in self.past))
+        if self.host_params and not self.offload and self.elem == FP32_BYTES:
+            raise InputError("DeepSpeed config zero_optimization.offload_param without offload_optimizer in fp32 is "
+                             "not modelled yet (on a GPU DeepSpeed copies the host partitions to the device as the "
+                             "fp32 master; on the CPU, where the rows are measured, it trains the host buffer itself, "
+                             "so no row could check it); modelled: bf16 (\"bf16\": {\"enabled\": true}), or with "
+                             "offload_optimizer \"cpu\"")
         if self.swap_params:
             self._check_param_swapper(setup)
         # another client optimizer: its own step on each sub-group's fp32 partition (strategies/flat_optimizer.py)
@@ -200,10 +209,15 @@ class _Rank:
         params = []
         for i, p in enumerate(parameters(timeline, 1)):  # numel in bytes: the dtype is per parameter here
             adapter = trainable is not None and p.name in trainable
-            # with parameter offload the adapters are in the model's dtype once initialize has moved them into the
-            # host buffer (the trace casts them after get_peft_model, `cast_after_peft`)
-            elem = FP32_BYTES if adapter and not self.host_params else self.elem
-            numel = p.numel // elem
+            # with parameter offload the adapters take the dtype of the host buffer initialize moves them into,
+            # DeepSpeed's `self.dtype`: its optimizer's first parameter's. The canonical step's
+            # AdamW(model.parameters()) and DeepSpeed's own optimizer over the module start with the base's
+            # embedding, the model's dtype (the trace casts the adapters after get_peft_model, `cast_after_peft`);
+            # the Trainer's holds the trainable parameters alone, LoRA's fp32 adapters first, and they stay fp32
+            # (measured: trainer_offload_cpu.csv)
+            elem = FP32_BYTES if adapter and not (self.host_params and setup.cast_after_peft) else self.elem
+            traced = FP32_BYTES if adapter and not setup.cast_after_peft else self.elem
+            numel = p.numel // traced
             partition = math.ceil(numel / int(self.world))
             if self.recording:
                 partition = Sized(partition, ((i, 1),))
@@ -251,13 +265,16 @@ class _Rank:
         """Parameter offload's `_create_param_groups_fp16_flat_cpu_memory`: per optimizer param group a host buffer
         for its trainable partitions, in elements; with the parameter swapper only up to `offload_param.max_in_cpu`
         elements over the groups in order (`params_in_nvme_and_cpu`), a group with none left getting a one-element
-        buffer. And the sub-groups that get no view of it (`fp16_partitioned_groups_flat[i]` None: the first that
-        does not fit and all after it in its group): their partitions stay where zero.Init left them."""
+        buffer (a group with no trainable parameter gets none), in DeepSpeed's `self.dtype`. And the sub-groups that
+        get no view of it (`fp16_partitioned_groups_flat[i]` None: the first that does not fit and all after it in its
+        group): their partitions stay where zero.Init left them."""
         if not self.host_params:
             return [], frozenset()
         limit = self.zero.offload_param.max_in_cpu if self.swap_params else math.inf
         sizes, past, aggregate, index, start = [], set(), 0, 0, 0
         for length in self.group_lengths:
+            if not length:  # `_get_trainable_parameter_groups` drops a group with no trainable parameter
+                continue
             total = sum(int(p.partition) for p in self.trainable[start:start + length])
             size = total if aggregate + total <= limit else max(0, limit - aggregate)
             aggregate += total
@@ -422,6 +439,11 @@ class _Rank:
                 continue
             if self.offload:
                 self._host_master(numel, group[0].elem)
+            elif self.host_params:  # `flat.to(self.device, fp32)` from the host buffer, then its `.clone()`
+                upcast = self.w.alloc(numel * FP32_BYTES, Category.TEMPORARY)
+                self._host_staging(numel, group[0].elem)
+                self.w.alloc(numel * FP32_BYTES, Category.MASTER_WEIGHTS)
+                self.w.free(upcast, numel * FP32_BYTES, Category.TEMPORARY)
             elif group[0].elem != FP32_BYTES:
                 upcast = self.w.alloc(numel * FP32_BYTES, Category.TEMPORARY)
                 self.w.alloc(numel * FP32_BYTES, Category.MASTER_WEIGHTS)
@@ -463,11 +485,12 @@ class _Rank:
         itself (`.to("cpu")` returns it), allocated while the partitions still exist."""
         nbytes = self._psum(self.trainable, per_element=True)
         if self.host_params:  # _create_param_groups_fp16_flat_cpu_memory, then _move_to_flat_buffer
+            elem = self.trainable[0].elem if self.trainable else self.elem  # DeepSpeed's `self.dtype`
             for size in self.flat_sizes:  # always pinned on a GPU: get_accelerator().pin_memory whatever
                 if size:  # offload_param.pin_memory says; an empty one is `torch.empty(1)`, not pinned
-                    host_buffer(self.w, size * self.elem, self.cuda)
+                    host_buffer(self.w, size * elem, self.cuda)
                 else:
-                    self.w.alloc(self.elem, Category.HOST_OFFLOAD)
+                    self.w.alloc(elem, Category.HOST_OFFLOAD)
             for p in self.trainable:  # a swapped partition is read into it through a slot of the pool
                 if self.group_of[p] not in self.past and (partition := self.ds_tensors.pop(p)) is not None:
                     self.w.free(*partition, Category.HOST_OFFLOAD)
@@ -513,14 +536,16 @@ class _Rank:
         self.w.free(converted, numel * FP32_BYTES, Category.HOST_OFFLOAD)
 
     def _host_staging(self, numel, elem: int) -> None:
-        """A copy between the fp32 host tensor (the offload master, a swap buffer) and the partition of `elem`-byte
-        elements, either way: on a GPU a copy across that changes the dtype converts on the host (ATen's
-        `copy_kernel_cuda`: to the host, into a host copy in the source dtype; from it, the source converted there
-        first), a host copy in `elem` bytes made and dropped; with parameter offload (the partition on the host)
-        or on the CPU it converts in place."""
-        if self.cuda and elem != FP32_BYTES and not self.host_params:
-            staging = self.w.alloc(int(numel) * elem, Category.HOST_OFFLOAD)
-            self.w.free(staging, int(numel) * elem, Category.HOST_OFFLOAD)
+        """A copy between the fp32 master (or a swap buffer) and the partition of the model's dtype, either way,
+        where one is on the host and the other on the device (the master on the host under optimizer offload, the
+        partition under parameter offload; neither or both: no crossing): on a GPU a copy across that changes the
+        dtype converts on the host (ATen's `copy_kernel_cuda`, blocking: to the host, into a host copy in the source
+        dtype; from it, the source converted there first), a host copy in the device side's dtype made and dropped;
+        on the CPU it converts in place. `elem`: the partition's bytes an element."""
+        if self.cuda and elem != FP32_BYTES and self.host_params != self.offload:
+            nbytes = int(numel) * (elem if self.offload else FP32_BYTES)  # the partition's, or the master's
+            staging = self.w.alloc(nbytes, Category.HOST_OFFLOAD)
+            self.w.free(staging, nbytes, Category.HOST_OFFLOAD)
 
     # ---- gathering ---------------------------------------------------------------------------------------
     def _all_gather(self, params: list[_Param]) -> None:
@@ -660,7 +685,7 @@ class _Rank:
         the list, broadcast as int64 device tensors and read back through `.cpu()`. Under offload the host copies
         are kept in the timeline (host memory; the transient device tensors are left out, as in every ZeRO-3
         walk)."""
-        if not self.offload:
+        if not (self.offload or self.host_params):
             return
         for length in lengths:
             for nbytes in (8, 8 * length):
@@ -871,6 +896,7 @@ class _Rank:
                 self.client.step(self.w, step, index)
             else:
                 step_optimizer(self.w, [numel], step == 0, self.foreach, self.optimizer, self.fused)
+            self._host_staging(numel, group[0].elem)  # the update copied into the partition (the host's, offloaded)
             self.w.free(flat, numel * FP32_BYTES, Category.GRADIENT)
         self._post_step()
 
@@ -1066,7 +1092,7 @@ def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
     padding included), so one timeline serves all ranks: the walk's (`walk`), evaluated from a program a walk of the
     same step and config recorded at a world size with the same sub-groups (zero3_resize.py), else recorded now; a
     client optimizer other than AdamW is walked every time."""
-    if layout.deepspeed.offloads_optimizer:
+    if layout.deepspeed.offloads_optimizer or layout.deepspeed.offloads_params:
         return _offload_plan(timeline, layout, setup)
     # one rank gathers nothing (`_Rank._alone`): walked, never resized from a program of other world sizes
     alone = layout.world_size == 1
