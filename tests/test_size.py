@@ -40,6 +40,25 @@ def test_size_table_ranks_fitting_layouts_first():
     assert list(frame["fits"]) == sorted(frame["fits"], reverse=True)
 
 
+def test_size_offload_family_has_parameter_offload_alone_in_bf16():
+    """`--layouts offload`: ZeRO-Offload per stage, the optimizer and parameters offloaded, and in bf16 the
+    parameters alone, whose device holds the optimizer's side (more than with everything offloaded, less than ZeRO-3's
+    whole: the partitions are the host's)."""
+    from llmsim.enums import Precision
+
+    spec = load_model_spec("gpt2", shrink("gpt2", 64, 2, 2048, 4))
+    setup = TrainSetup(1, 128, Precision.BF16)
+    names = [c.name for c in candidates(spec, setup, max_gpus=2, families=("offload",))]
+    assert names == ["zero1-offload", "zero2-offload", "zero3-offload", "zero3-offload-all", "zero3-offload-params"]
+    assert "zero3-offload-params" not in [c.name for c in candidates(spec, TrainSetup(1, 128), 2, ("offload",))]
+    from llmsim.sim.pipeline import predict
+
+    layouts = {c.name: c.layout_for(1) for c in candidates(spec, setup, 2, ("zero", "offload")) if c.gpus == 2}
+    peak = {name: predict(spec, setup, layouts[name]).ranks[0].peak_allocated_bytes
+            for name in ("zero3", "zero3-offload-params", "zero3-offload-all")}
+    assert peak["zero3-offload-all"] < peak["zero3-offload-params"] < peak["zero3"]
+
+
 def test_size_bad_input_is_one_line(capsys):
     from llmsim.app.cli import main
 

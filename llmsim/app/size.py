@@ -63,7 +63,8 @@ class Candidate:
 FAMILIES = ("single", "ddp", "zero", "offload", "fsdp", "tp", "pp", "tpxpp")
 # Asked for by name (--layouts): FSDP2 on a GPU is traced at full depth (llmsim/model/trace.py), a minute per
 # micro-batch at 70B (62 s cold, Llama-2-70B on 64 H100s); ZeRO-Offload ("offload": ZeRO-1/2/3 with the optimizer on
-# the host, `zero1-offload` to `zero3-offload`, and `zero3-offload-all` with the parameters there too) walks and
+# the host, `zero1-offload` to `zero3-offload`, `zero3-offload-all` with the parameters there too, and in bf16
+# `zero3-offload-params` with the parameters alone) walks and
 # replays every rank (ZeRO-1/2, zero12.plan) or every class of ranks (ZeRO-3, zero3.plan) on its own
 DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("fsdp", "offload"))
 
@@ -85,6 +86,9 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
                                      lambda mb, w=world, s=stage: _zero(spec, setup, w, s, mb, offload=True)))
             out.append(Candidate("zero3-offload-all", world,  # the parameters offloaded too
                                  lambda mb, w=world: _zero(spec, setup, w, 3, mb, offload=True, offload_params=True)))
+            if setup.precision is Precision.BF16:  # the parameters alone (fp32 is not modelled: zero3.py)
+                out.append(Candidate("zero3-offload-params", world,
+                                     lambda mb, w=world: _zero(spec, setup, w, 3, mb, offload_params=True)))
         if "fsdp" in families and _fsdp_refusal(spec, setup, world) is None:  # FSDP2 as the tutorial sets it up
             out.append(Candidate("fsdp", world, lambda mb, w=world: Layout(Strategy.FSDP, w, fsdp=FsdpSetup())))
             out.append(Candidate("fsdp-offload", world,  # CPUOffloadPolicy: shards, gradients and states on the host
