@@ -283,8 +283,8 @@ RUNS = [
                                      400_000, max_in_cpu=0), False, 64, {"shape": (128, 3, 9000, 4)}),
     ("llama-2-7b", 2, swapped_params(offload(3, False, stage3_prefetch_bucket_size=0), 400_000, buffer_count=6,
                                      max_in_cpu=0), False, 64, {"shape": (512, 2, 1000, 8)}),
-    # ZeRO-3's parameters offloaded without the optimizer (bf16: in fp32 the CPU run trains the host buffer itself,
-    # llmsim refuses it): the partitions on the host, the fp32 master, gradients and AdamW on the device, each step's
+    # ZeRO-3's parameters offloaded without the optimizer (bf16: llmsim refuses fp32 until a run of it is measured):
+    # the partitions on the host, the fp32 master, gradients and AdamW on the device, each step's
     # update copied back into the host buffer. The first measured while it was modelled, the rest predicted first
     ("llama-2-7b", 2, params_only(offload(3, True, offload_param=HOST_PARAMS)), False, 64, {}),
     ("mistral-7b", 3, params_only(offload(3, True, ga=2, offload_param=HOST_PARAMS_UNPINNED)), True, 64,

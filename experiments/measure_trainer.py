@@ -243,7 +243,7 @@ NVME_PARAM_CASES = [
 ]
 
 # ZeRO-3 with the parameters offloaded and the optimizer not (no offload_optimizer): the Trainer's own optimizer steps
-# the fp32 master on the device. bf16 only (fp32 is refused: on the CPU DeepSpeed trains the host buffer itself).
+# the fp32 master on the device. bf16 only (llmsim refuses fp32 until a run of it is measured).
 # Every case predicted before measured, into OFFLOAD_OUT (`--cases params-offload`)
 ZERO3_PARAMS = {**ZERO3, "zero_optimization": {**ZERO3["zero_optimization"],
                                                "offload_param": {"device": "cpu", "pin_memory": True}}}

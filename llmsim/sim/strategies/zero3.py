@@ -170,10 +170,8 @@ class _Rank:
                                   and (p.frozen or self.group_of.get(p) in self.past))
         if self.host_params and not self.offload and self.elem == FP32_BYTES:
             raise InputError("DeepSpeed config zero_optimization.offload_param without offload_optimizer in fp32 is "
-                             "not modelled yet (on a GPU DeepSpeed copies the host partitions to the device as the "
-                             "fp32 master; on the CPU, where the rows are measured, it trains the host buffer itself, "
-                             "so no row could check it); modelled: bf16 (\"bf16\": {\"enabled\": true}), or with "
-                             "offload_optimizer \"cpu\"")
+                             "not modelled yet (no measured run of it; the bf16 ones are); modelled: bf16 "
+                             "(\"bf16\": {\"enabled\": true}), or with offload_optimizer \"cpu\"")
         if self.swap_params:
             self._check_param_swapper(setup)
         # another client optimizer: its own step on each sub-group's fp32 partition (strategies/flat_optimizer.py)
@@ -275,7 +273,7 @@ class _Rank:
         for length in self.group_lengths:
             if not length:  # `_get_trainable_parameter_groups` drops a group with no trainable parameter
                 continue
-            total = sum(int(p.partition) for p in self.trainable[start:start + length])
+            total = int(self._psum(self.trainable[start:start + length]))
             size = total if aggregate + total <= limit else max(0, limit - aggregate)
             aggregate += total
             sizes.append(size)
@@ -336,14 +334,14 @@ class _Rank:
                              "through the swapper's pool at each fetch), and DeepSpeed 0.19.8 failed in every such run "
                              "measured (experiments/explore_param_swap_fetch.out); modelled: "
                              "stage3_prefetch_bucket_size 0, " + ("a max_in_cpu of this rank's "
-                             f"{sum(int(p.partition) for p in self.trainable):,} trainable elements or more, "
+                             f"{int(self._psum(self.trainable)):,} trainable elements or more, "
                              if self.past else "") + "or offload_param \"cpu\"")
         if any(p.adapter for index in self.past for p in self.sub_groups[index]):
             raise InputError(f"DeepSpeed config zero_optimization.offload_param.max_in_cpu({config.max_in_cpu:,}) "
                              "under this rank's LoRA adapter elements is not modelled: the adapters past it keep "
                              "their fp32 partitions (the host buffer is what casts them to the model's dtype), so the "
                              "forward would run them in fp32; modelled: a max_in_cpu of "
-                             f"{sum(int(p.partition) for p in self.trainable):,} or more (DeepSpeed's default is 1e9)")
+                             f"{int(self._psum(self.trainable)):,} or more (DeepSpeed's default is 1e9)")
         if any(p.persist for p in self.in_files) or any(p.adapter and self._swaps_param(p) for p in self.params):
             raise InputError("DeepSpeed config zero_optimization.offload_param.device \"nvme\" with a persistent "
                              "parameter's or a LoRA adapter's partition of 1 MiB or more (which the swapper would "
