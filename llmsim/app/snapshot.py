@@ -21,8 +21,9 @@ from pathlib import Path
 import pandas as pd
 
 from llmsim.model.tracker import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE, NO_BLOCK, TIMELINE_COLUMNS
+from llmsim.sim.allocator import MIN_BLOCK_BYTES
 
-BLOCK_ALIGN = 512  # CUDA's caching allocator rounds every block to 512 bytes (kMinBlockSize): addresses step so
+BLOCK_ALIGN = MIN_BLOCK_BYTES  # CUDA's caching allocator rounds every block to it (kMinBlockSize): addresses step so
 
 
 def snapshot(timeline: pd.DataFrame, gpu=None) -> dict:

@@ -91,10 +91,11 @@ def optimizer_offload(tracker: StorageTracker, ds_config: dict | str | None):
         ds_config = json.loads(Path(ds_config).read_text())
     zero = (ds_config or {}).get("zero_optimization") or {}
     offload = zero.get("offload_optimizer") or {}
-    param_device = (zero.get("offload_param") or {}).get("device", "none") if int(zero.get("stage", 0)) == 3 else "none"
+    stage3 = int(zero.get("stage", 0)) == 3
+    param_device = (zero.get("offload_param") or {}).get("device", "none") if stage3 else "none"
     if offload.get("device", "none") == "none" and param_device == "none":
         return contextlib.nullcontext()
-    if int(zero.get("stage", 0)) == 3:  # the optimizer or the parameters (or both) on the host
+    if stage3:  # the optimizer or the parameters (or both) on the host
         return HostMemory(tracker).active_stage3(param_device != "none", swap=offload.get("device") == "nvme",
                                                  swap_params=param_device == "nvme")
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
