@@ -539,10 +539,15 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
 
 
 def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
-                      pp_group, wrap: Callable[[nn.Module], nn.Module] | None = None) -> StepInfo:
+                      pp_group, wrap: Callable[[nn.Module], nn.Module] | None = None,
+                      replay_chunks: bool = False) -> StepInfo:
     """One stage of the canonical PP step (llmsim/model/pipelining.py) under `tracker`: `build` gives the stage's
     model, `pp_group` the process group of the pipeline; `wrap` puts DistributedDataParallel around the stage
-    (torch's PipelineStage runs DDP's no_sync for every micro-batch but the last)."""
+    (torch's PipelineStage runs DDP's no_sync for every micro-batch but the last). With `replay_chunks` (a fake
+    trace), the model's forward and backward of micro-batches 2 and later are micro-batch 1's events replayed
+    (llmsim/model/chunk_replay.py)."""
+    from llmsim.model.chunk_replay import ChunkReplay
+
     from torch.distributed.pipelining import PipelineStage
 
     from llmsim.model.pipelining import Schedule, stage_forward, stage_io
@@ -555,6 +560,10 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
         if setup.grad_ckpt:
             enable_checkpointing(model, setup.ckpt_every)
         model.forward = stage_forward(model, stage_index, num_stages)
+        replay = None
+        if replay_chunks:
+            replay = ChunkReplay(tracker)
+            model.forward = replay.wrap(model.forward)
         vocab_size = int(model.config.vocab_size)
         dtype = setup.precision.cast_dtype or torch.float32
         example = stage_io(stage_index, num_stages, setup.micro_batch, setup.seq_len, int(model.config.hidden_size),
@@ -563,7 +572,7 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
         stage_module = wrap(model) if wrap is not None else model
         stage = PipelineStage(stage_module, stage_index, num_stages, torch.device("cpu"), input_args=example[0],
                               output_args=example[1], group=pp_group)
-        _track_chunks(stage, tracker, hooks, autocast)
+        _track_chunks(stage, tracker, hooks, autocast, replay)
         schedule = Schedule(setup.schedule).schedule_class(
             stage, setup.n_microbatches, loss_fn=lambda logits, labels: model.loss_function(logits, labels,
                                                                                              vocab_size))
@@ -587,16 +596,18 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
     return hooks.info(vocab_size)
 
 
-def _track_chunks(stage, tracker: StorageTracker, hooks: LayerHooks, autocast) -> None:
+def _track_chunks(stage, tracker: StorageTracker, hooks: LayerHooks, autocast, replay=None) -> None:
     """The schedule interleaves micro-batches' forwards and backwards: keep the tracker's phase in step, and run
     each micro-batch's forward under `autocast`, as the canonical step runs the model's forward (the loss, which
-    transformers computes in fp32 anyway, and the backward outside it, as torch's AMP recipe has it)."""
+    transformers computes in fp32 anyway, and the backward outside it, as torch's AMP recipe has it). With
+    `replay` (chunk_replay.ChunkReplay), tell it where each chunk call and torch's stage_backward begin and end."""
     forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+    calls = replay or _NoReplay()
 
     def forward_one_chunk(chunk, *args, **kwargs):
         tracker.set_phase(tracker.step, Phase.FORWARD)
         begin = len(tracker._rows)
-        with autocast:
+        with calls.forward(chunk), autocast:
             output = forward(chunk, *args, **kwargs)
         tracker.chunks.append(("F", chunk, tracker.step, begin, len(tracker._rows)))
         return output
@@ -605,7 +616,20 @@ def _track_chunks(stage, tracker: StorageTracker, hooks: LayerHooks, autocast) -
         tracker.set_phase(tracker.step, Phase.BACKWARD)
         hooks.enter_backward()
         begin = len(tracker._rows)
-        backward(chunk, *args, **kwargs)
+        with calls.backward(chunk):
+            backward(chunk, *args, **kwargs)
         tracker.chunks.append(("B", chunk, tracker.step, begin, len(tracker._rows)))
 
     stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    if replay is not None:
+        engine = stage.backward_maybe_with_nosync
+
+        def backward_maybe_with_nosync(*args, **kwargs):
+            result = engine(*args, **kwargs)
+            replay.engine_returned()
+            return result
+        stage.backward_maybe_with_nosync = backward_maybe_with_nosync
+
+
+class _NoReplay:
+    forward = backward = staticmethod(lambda chunk: contextlib.nullcontext())

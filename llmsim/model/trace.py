@@ -276,8 +276,10 @@ def _older_objects_frozen():
         gc.unfreeze()
 
 
-def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tuple[pd.DataFrame, StepInfo]:
-    """The canonical step under FakeTensorMode: exact bytes, no memory."""
+def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
+             replay_chunks: bool = False) -> tuple[pd.DataFrame, StepInfo]:
+    """The canonical step under FakeTensorMode: exact bytes, no memory. `replay_chunks`: a pipeline stage's
+    micro-batches after the second replay the second's model events (llmsim/model/chunk_replay.py)."""
     tracker = StorageTracker()
     moe.grouped_mm_as_aten()
     with contextlib.ExitStack() as stack:
@@ -325,7 +327,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None) -> tupl
                       _cache_layers_of_the_real_model(spec, setup, num_layers), cuda_kernels(setup), answered_optimizer_values(setup.optimizer)):
             stack.enter_context(patch)
         if setup.pp > 1:
-            info = run_pipeline_step(build, setup, tracker, mesh["pp"].get_group())
+            info = run_pipeline_step(build, setup, tracker, mesh["pp"].get_group(), replay_chunks=replay_chunks)
         elif setup.recipe.trainer:
             info = run_trainer_step(build, setup, tracker, num_layers)
         else:
@@ -362,8 +364,24 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         # level (load_balancing_loss_func): per-layer events outside any layer, which replicating the template
         # layer would not make. Traced whole (Mixtral's 32 layers: seconds).
         depth = num_layers
-    timeline, info = run_fake(spec, setup, depth)
+    timeline, info = _run_replaying_chunks(spec, setup, depth)
     return Trace(timeline, info, depth, period, num_layers, lead)
+
+
+def _run_replaying_chunks(spec: ModelSpec, setup: TrainSetup, depth: int) -> tuple[pd.DataFrame, StepInfo]:
+    """`run_fake`, a pipeline stage's later micro-batches replayed where chunk_replay allows it (a dense model:
+    a mixture of experts routes each micro-batch on its own), every micro-batch computed where it refuses."""
+    from llmsim.model import chunk_replay
+
+    if not (chunk_replay.ENABLED and setup.pp > 1 and setup.n_microbatches > chunk_replay.FIRST_REPLAYED
+            and not num_experts(spec.hf_config())):
+        return run_fake(spec, setup, depth)
+    try:
+        return run_fake(spec, setup, depth, replay_chunks=True)
+    except Exception as error:  # the refusal can come back through torch's schedule and autograd engine
+        if not chunk_replay.refused(error):
+            raise
+    return run_fake(spec, setup, depth)
 
 
 def no_decay_names(spec, setup: TrainSetup) -> frozenset[str]:
