@@ -30,6 +30,11 @@ CASES = [  # (zoo model, shrink(hidden, layers, vocab, heads), setup, layout)
      Layout(Strategy.DDP, 10, pp=5, schedule=F1B, n_microbatches=5)),
     ("pythia-160m", (64, 6, 512, 4), TrainSetup(1, 16, Precision.BF16_AUTOCAST),
      Layout(world_size=6, pp=6, schedule=F1B, n_microbatches=7)),
+    # stages deeper than their trace (6 and 5 layers, traced at 3): composed from the template's expansion
+    ("llama-2-7b", (64, 24, 512, 4), TrainSetup(1, 32, Precision.BF16, grad_ckpt=True),
+     Layout(world_size=4, pp=4, schedule=F1B, n_microbatches=6)),
+    ("qwen2.5-0.5b", (64, 20, 512, 4), TrainSetup(1, 16, Precision.BF16_AUTOCAST),
+     Layout(Strategy.DDP, 8, pp=4, schedule=F1B, n_microbatches=5)),
     # sliding and full attention alternate: stage 1 (layers 1-2) is of another kind than stages 2 and 3 (3-6, 7-10)
     ("gpt-oss-20b", (64, 12, 512, 4), TrainSetup(1, 16, Precision.BF16),
      Layout(world_size=5, pp=5, schedule=F1B, n_microbatches=6, pp_split=(1, 2, 4, 4, 1))),
@@ -63,9 +68,13 @@ def test_a_composed_1f1b_stage_runs_the_events_of_its_own_trace(spec, setup, lay
         composed = traced._traced(spec, stage_setup)
         assert composed is not own and composed.timeline.attrs[CHUNKS] == own.timeline.attrs[CHUNKS]
         pd.testing.assert_frame_equal(frees_in_serial_order(composed.timeline), frees_in_serial_order(own.timeline))
+        own_at_depth = frees_in_serial_order(repeat_last_step(expand(own), setup.steps))
         pd.testing.assert_frame_equal(  # and at full depth, every step
-            frees_in_serial_order(repeat_last_step(expand(composed), setup.steps)),
-            frees_in_serial_order(repeat_last_step(expand(own), setup.steps)))
+            frees_in_serial_order(repeat_last_step(expand(composed), setup.steps)), own_at_depth)
+        at_depth = traced._composed_at_depth(spec, stage_setup)  # what a prediction does: compose at full depth
+        assert at_depth is not None
+        pd.testing.assert_frame_equal(frees_in_serial_order(repeat_last_step(at_depth[0], setup.steps)),
+                                      own_at_depth)
     assert composed_stages >= 1
 
 

@@ -134,18 +134,20 @@ def _reordered(cut: Cut, warmup_chunks: int, m: int):
 
 
 def _renumbered(frame: pd.DataFrame, template: pd.DataFrame, rows: np.ndarray) -> bool:
-    """Serials in order of allocation (the tracker's `_next_serial`), `frame` being `template`'s `rows`; False
-    where a storage's first row is no longer its allocation (a free or resize moved before it)."""
+    """Serials in order of allocation, `frame` being `template`'s `rows`: the template's own serials, which count up
+    in allocation order (the tracker's `_next_serial`, the expansion's from its first new one), given out again in
+    the new order; False where a storage's first row is no longer its allocation (a free or resize moved before
+    it)."""
     serial = frame["serial"].to_numpy()
     real = np.flatnonzero(serial >= 0)
     storages, first = np.unique(serial[real], return_index=True)
     traced = template["serial"].to_numpy()
     traced_real = np.flatnonzero(traced >= 0)
-    _, allocation = np.unique(traced[traced_real], return_index=True)  # the same storages, sorted alike
+    given, allocation = np.unique(traced[traced_real], return_index=True)  # the same storages, sorted alike
     if not np.array_equal(rows[real[first]], traced_real[allocation]):
         return False
     number = np.empty(storages.max() + 1 if len(storages) else 0, dtype=serial.dtype)
-    number[storages[np.argsort(first)]] = np.arange(len(storages))
+    number[storages[np.argsort(first)]] = given
     frame.loc[real, "serial"] = number[serial[real]]
     return True
 

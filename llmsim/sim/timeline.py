@@ -23,14 +23,14 @@ import pandas as pd
 
 from llmsim.enums import Phase
 from llmsim.model.trace import Trace
-from llmsim.model.tracker import NO_BLOCK
+from llmsim.model.tracker import CHUNKS, NO_BLOCK
 
 
 def expand(trace: Trace) -> pd.DataFrame:
     frame = trace.timeline
     extra_groups = (trace.num_layers - trace.depth) // trace.period
     if extra_groups == 0:
-        return frame.reset_index(drop=True)
+        return frame.reset_index(drop=True)  # (a pipeline stage's chunk calls stay as traced)
     first = trace.lead + trace.period  # the template group is [first, after)
     after = first + trace.period
     block = frame["block"].to_numpy()
@@ -68,8 +68,36 @@ def expand(trace: Trace) -> pd.DataFrame:
     tensor_shift = np.where(replicated, copy * trace.period, shift)
     out["tensor"] = _renumber(out["tensor"].to_numpy(), tensor_block, tensor_shift, trace.info.blocks_prefix)
     out["serial"] = _pair_serials(frame, order, out["phase"].to_numpy() == Phase.BACKWARD.value,
-                                  np.where(in_template[order] | replicated, copy, -1), replicated)
+                                  np.where(in_template[order] | replicated, copy, -1), replicated,
+                                  _micro_batches(frame)[order])
+    out.attrs.pop(CHUNKS, None)
+    chunks = _expanded_chunks(frame.attrs.get(CHUNKS), order)
+    if chunks is not None:
+        out.attrs[CHUNKS] = chunks
     return out
+
+
+def _micro_batches(frame: pd.DataFrame) -> np.ndarray:
+    """Per traced row, the micro-batch whose chunk call it is in (a pipeline stage's, tracker.CHUNKS), else -1."""
+    micro_batch = np.full(len(frame), -1, dtype=np.int64)
+    for _, mb, _, begin, end in frame.attrs.get(CHUNKS) or ():
+        micro_batch[begin:end] = mb
+    return micro_batch
+
+
+def _expanded_chunks(chunks, order: np.ndarray):
+    """A pipeline stage's chunk calls (tracker.CHUNKS) as rows of the expanded timeline, whose row i stands for
+    traced row `order[i]`: each call's rows stay together, a template layer's runs repeated in place; None where a
+    call's rows are not one span (a template run across two calls)."""
+    if not chunks:
+        return None
+    spans = []
+    for kind, mb, step, begin, end in chunks:
+        rows = np.flatnonzero((order >= begin) & (order < end))
+        if not len(rows) or rows[-1] - rows[0] + 1 != len(rows):
+            return None
+        spans.append((kind, mb, step, int(rows[0]), int(rows[-1]) + 1))
+    return tuple(spans)
 
 
 def _outside_rows(lo: int, hi: int, per_copy: np.ndarray, extra_groups: int) -> np.ndarray:
@@ -156,7 +184,7 @@ def _copy_order(frame: pd.DataFrame, row: int, per_serial: pd.DataFrame) -> int:
 
 
 def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, copy_index: np.ndarray,
-                  replicated: np.ndarray) -> np.ndarray:
+                  replicated: np.ndarray, micro_batch: np.ndarray) -> np.ndarray:
     """A serial per storage of the full-depth run. Every copy of a replicated allocation is a new storage; a
     later event of the traced storage (resize, free) acts on one of its live copies: the oldest when it runs
     in the same direction as the allocation (forward after forward), the newest when the direction turned (an
@@ -168,7 +196,10 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
     from a serial with copies to spare, by the same direction rule. The byte stream is unchanged; the
     pairing matters to the caching-allocator model and to the strategies, which follow storages by serial.
     An event outside the template emitted once per copy (`replicated`, see `_frees_of_copies`) acts on the copy
-    of its own index (`copy_index`: the copy of the template group each emitted event stands for, -1 for none)."""
+    of its own index (`copy_index`: the copy of the template group each emitted event stands for, -1 for none).
+    In a pipeline stage a free takes a spare copy of its own micro-batch (`micro_batch`, per emitted row: the
+    micro-batch of its chunk call, -1 outside them): under 1F1B or GPipe later micro-batches' forwards run before
+    an earlier one's backward, and their copies are the newest."""
     serials = frame["serial"].to_numpy()
     sizes = frame["delta_bytes"].to_numpy()
     first_event = np.zeros(len(frame), dtype=bool)
@@ -180,20 +211,23 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
     traced = emitted.tolist()  # Python values: the loop below reads each row once
     result = list(traced)  # a serial per emitted row, the negative ones kept
     live: dict[int, list[list]] = {}  # traced serial -> live copies [new serial, bytes, allocated backward, copy]
+    serial_batch: dict[int, int] = {}  # traced serial -> the micro-batch that allocated it
     next_serial = int(serials.max()) + 1 if len(serials) else 0
     rows = zip(traced, emitted_sizes.tolist(), backward.tolist(), emitted_first.tolist(), copy_index.tolist(),
-               replicated.tolist())
-    for i, (serial, delta, turned, first, copy_of, own_copy) in enumerate(rows):
+               replicated.tolist(), micro_batch.tolist())
+    for i, (serial, delta, turned, first, copy_of, own_copy, batch) in enumerate(rows):
         if serial < 0:
             continue
         if first:
             live.setdefault(serial, []).append([next_serial, delta, turned, copy_of])
+            serial_batch[serial] = batch
             result[i] = next_serial
             next_serial += 1
             continue
         copies = live.get(serial)
         if not copies:
-            copies = live.get(_spare_copy_owner(live, spare, -delta, turned))
+            owners = spare if batch < 0 else {s for s in spare if serial_batch.get(s) == batch}
+            copies = live.get(_spare_copy_owner(live, owners, -delta, turned))
         if not copies:  # nothing to pair with: a storage of its own
             result[i] = next_serial
             next_serial += 1

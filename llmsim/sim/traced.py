@@ -39,15 +39,42 @@ def _expand_key(key: tuple[ModelSpec, TrainSetup]) -> tuple[pd.DataFrame, StepIn
     """Trace and expand to full depth (what `expanded` keeps). Two steps are traced and the steady second one
     repeated (`repeat_last_step`)."""
     model, setup = key
-    traced = _traced(model, replace(setup, steps=min(setup.steps, TRACED_STEPS)))
-    timeline = repeat_last_step(expand(traced), setup.steps)
+    steps = replace(setup, steps=min(setup.steps, TRACED_STEPS))
+    composed = _composed_at_depth(model, steps)
+    if composed is not None:
+        full, info = composed
+    else:
+        traced = _traced(model, steps)
+        full, info = expand(traced), traced.info
+    timeline = repeat_last_step(full, setup.steps)
     if timeline is None:  # the last traced step is not steady: trace every step
         traced = _traced(model, setup)
         timeline = expand(traced)
-    timeline.attrs.pop(CHUNKS, None)  # rows of the trace, not of the expanded timeline
+    timeline.attrs.pop(CHUNKS, None)  # the stage's traced steps only
     if setup.trainer_under_deepspeed:  # the Trainer's optimizer has two param groups, which DeepSpeed keeps apart
         timeline.attrs[NO_DECAY] = no_decay_names(model, setup)
-    return timeline, traced.info
+    return timeline, info
+
+
+def _composed_at_depth(model: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, StepInfo] | None:
+    """A 1F1B middle stage other than the first of its kind, composed from that one's trace expanded to full depth
+    (one expansion for every stage of the kind; compose_1f1b moves whole chunk calls, which the expansion keeps
+    together, `timeline._expanded_chunks`); None where it is not such a stage or the composition declines."""
+    from llmsim.sim import compose_1f1b
+
+    template = _template_stage(model, setup)
+    if template is None:
+        return None
+    key = (model, replace(setup, pp_stage=template))
+    if key not in _EXPANDED_TEMPLATES:
+        source = _TEMPLATES.get(key) or trace(*key)
+        if len(_EXPANDED_TEMPLATES) >= _MAX_TEMPLATES:
+            _EXPANDED_TEMPLATES.pop(next(iter(_EXPANDED_TEMPLATES)))
+        _EXPANDED_TEMPLATES[key] = expand(source), source.info
+    source, info = _EXPANDED_TEMPLATES[key]
+    warmup = functools.partial(compose_1f1b.warmup, setup.n_microbatches, setup.pp)
+    timeline = compose_1f1b.composed(source, warmup(template), warmup(setup.pp_stage), setup.n_microbatches)
+    return None if timeline is None else (timeline, info)
 
 
 def _traced(model: ModelSpec, setup: TrainSetup) -> Trace:
@@ -111,6 +138,8 @@ def _layer_graph(timeline: pd.DataFrame, info: StepInfo) -> nx.DiGraph:
 _MAX_EXPANDED = 16
 _EXPANDED: dict[tuple[ModelSpec, TrainSetup], tuple[pd.DataFrame, Callable[[], nx.DiGraph]]] = {}
 _TEMPLATES: dict[tuple[ModelSpec, TrainSetup], Trace] = {}  # traced in a worker, for `_traced` (the latest few)
+# the same at full depth, its chunk calls kept: for `_composed_at_depth`
+_EXPANDED_TEMPLATES: dict[tuple[ModelSpec, TrainSetup], tuple[pd.DataFrame, StepInfo]] = {}
 _MAX_TEMPLATES = 4
 
 
