@@ -1,4 +1,6 @@
 """The predictor traces 3 layers (or 3 groups) and replicates; the result must be the full-depth run."""
+import numpy as np
+import pandas as pd
 import pytest
 
 from llmsim.enums import Attention, Loss, Optimizer, Precision
@@ -8,6 +10,7 @@ from llmsim.inputs.spec import TrainSetup, load_model_spec, resolve_attention
 from llmsim.sim.timeline import expand
 from llmsim.model.trace import run_fake, trace
 from llmsim.inputs.zoo import shrink
+from test_pipeline_stages import frees_in_serial_order
 
 CASES = [
     ("llama-2-7b", TrainSetup(2, 64)),
@@ -66,10 +69,30 @@ def test_expansion_matches_full_depth_trace(model, setup):
                                                                        host_peak_bytes(full_host))
     assert len(predicted) == len(full)
     assert _phase_peaks(predicted) == _phase_peaks(full)
-    # Same events per (step, phase, layer); only bulk frees (autocast's cache) may come in another order.
-    keys = ["step", "phase", "block", "category"]
-    assert predicted.groupby(keys)["delta_bytes"].agg(["count", "sum"]).equals(
-        full.groupby(keys)["delta_bytes"].agg(["count", "sum"]))
+    assert_same_events(predicted, full)
+
+
+def _allocation_order(frame):
+    """`frame` with its storages numbered in the order they are allocated (a full-depth trace numbers more
+    storages before the step: every layer's parameters)."""
+    frame = frame.reset_index(drop=True).copy()
+    serial = frame["serial"].to_numpy()
+    real = serial >= 0
+    storages, first = np.unique(serial[real], return_index=True)
+    number = np.empty(len(storages), dtype=np.int64)
+    number[np.argsort(first)] = np.arange(len(storages))
+    frame.loc[real, "serial"] = number[np.searchsorted(storages, serial[real])]
+    return frame
+
+
+def assert_same_events(predicted, full):
+    """Event for event, each free on the storage the full-depth run frees (which storage matters to the caching
+    allocator's blocks): only bulk frees (autocast's cache) may come in another order (frees_in_serial_order). It
+    did not hold in 20 of these 23 cases before the expansion placed a storage that changes layer
+    (timeline._LayerChange): 6-105 frees paired with another layer's storage of the same size."""
+    columns = ["step", "phase", "block", "serial", "delta_bytes", "category"]
+    pd.testing.assert_frame_equal(frees_in_serial_order(_allocation_order(predicted))[columns],
+                                  frees_in_serial_order(_allocation_order(full))[columns])
 
 
 STAGES = [
@@ -91,6 +114,7 @@ def test_pipeline_stage_expansion_matches_full_stage_trace(model, heads, setup):
     full, _ = run_fake(spec, setup, None)
     assert replay(predicted).allocated_bytes == replay(full).allocated_bytes
     assert len(predicted) == len(full)
+    assert_same_events(predicted, full)
 
 
 def _cross_micro_batch_storages(timeline) -> int:

@@ -67,14 +67,71 @@ def expand(trace: Trace) -> pd.DataFrame:
     tensor_block = np.where(replicated, alloc_block[order], block[order])
     tensor_shift = np.where(replicated, copy * trace.period, shift)
     out["tensor"] = _renumber(out["tensor"].to_numpy(), tensor_block, tensor_shift, trace.info.blocks_prefix)
+    micro_batch = _micro_batches(frame)
+    layers = _LayerChange(frame, micro_batch, alloc_block, first, trace.period, extra_groups)
     out["serial"] = _pair_serials(frame, order, out["phase"].to_numpy() == Phase.BACKWARD.value,
                                   np.where(in_template[order] | replicated, copy, -1), replicated,
-                                  _micro_batches(frame)[order])
+                                  micro_batch[order], layers.targets(order, out["block"].to_numpy(), replicated),
+                                  layers)
     out.attrs.pop(CHUNKS, None)
     chunks = _expanded_chunks(frame.attrs.get(CHUNKS), order)
     if chunks is not None:
         out.attrs[CHUNKS] = chunks
     return out
+
+
+class _LayerChange:
+    """Where a storage changes layer (allocated by layer i, freed by layer i + d: layer i's output, saved by layer
+    i + 1's checkpoint and freed by its backward), which storage of the full-depth run each emitted free acts on.
+
+    The trace frees, in layer b + d, the storage that layer b allocated; the full-depth run frees, in each layer B,
+    the one layer B - d allocated, with the same place in that layer's allocations (the layers are alike). A free
+    emitted at full-depth layer B therefore acts on the storage allocated at B - d: the traced storage that holds
+    the same place among the allocations of its own traced layer (the leading group's, a copy of the template's,
+    the trailing group's), in the same step, phase and micro-batch. Only between layers less than a period apart,
+    whose distance the expansion keeps."""
+
+    def __init__(self, frame: pd.DataFrame, micro_batch: np.ndarray, alloc_block: np.ndarray, first: int,
+                 period: int, extra_groups: int) -> None:
+        self.first, self.period, self.extra = first, period, extra_groups
+        serials, blocks = frame["serial"].to_numpy(), frame["block"].to_numpy()
+        self.block, self.alloc_block = blocks, alloc_block
+        valid = np.flatnonzero(serials >= 0)
+        _, first_rows = np.unique(serials[valid], return_index=True)
+        rows = valid[first_rows]  # each storage's allocation row
+        allocations = pd.DataFrame({"serial": serials[rows], "step": frame["step"].to_numpy()[rows],
+                                    "phase": frame["phase"].to_numpy()[rows], "batch": micro_batch[rows],
+                                    "block": blocks[rows], "row": rows}).sort_values("row")
+        allocations["place"] = allocations.groupby(["step", "phase", "batch", "block"]).cumcount()
+        keys = zip(allocations["step"].tolist(), allocations["phase"].tolist(), allocations["batch"].tolist(),
+                   allocations["block"].tolist(), allocations["place"].tolist())
+        self.serial_at = dict(zip(keys, allocations["serial"].tolist()))
+        self.role = {serial: key for key, serial in self.serial_at.items()}
+
+    def targets(self, order: np.ndarray, expanded_block: np.ndarray, replicated: np.ndarray) -> list:
+        """Per emitted row, None or (traced serial, copy) of the storage its free acts on: copy -1 for a storage of
+        the leading or trailing group, else the template copy."""
+        traced_block, alloc_block = self.block[order], self.alloc_block[order]
+        distance = np.abs(traced_block - alloc_block)  # neighbours within a period (not the optimizer's step
+        # from the last layer's parameters to the first's, which the trace makes at another distance than the run)
+        changing = (traced_block >= 0) & (alloc_block >= 0) & (distance > 0) & (distance <= self.period) & ~replicated
+        result: list = [None] * len(order)
+        template_end = self.first + (self.extra + 1) * self.period
+        for i in np.flatnonzero(changing).tolist():
+            target = int(expanded_block[i]) - int(traced_block[i] - alloc_block[i])
+            if target < self.first:
+                block, copy = target, -1
+            elif target < template_end:
+                block, copy = self.first + (target - self.first) % self.period, (target - self.first) // self.period
+            else:
+                block, copy = target - self.extra * self.period, -1
+            result[i] = (block, copy)
+        return result
+
+    def partner(self, serial: int, block: int) -> int | None:
+        """The traced storage at `serial`'s place among the allocations of traced layer `block`."""
+        step, phase, batch, _, place = self.role[serial]
+        return self.serial_at.get((step, phase, batch, block, place))
 
 
 def _micro_batches(frame: pd.DataFrame) -> np.ndarray:
@@ -184,7 +241,8 @@ def _copy_order(frame: pd.DataFrame, row: int, per_serial: pd.DataFrame) -> int:
 
 
 def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, copy_index: np.ndarray,
-                  replicated: np.ndarray, micro_batch: np.ndarray) -> np.ndarray:
+                  replicated: np.ndarray, micro_batch: np.ndarray, changes: list | None = None,
+                  layers: _LayerChange | None = None) -> np.ndarray:
     """A serial per storage of the full-depth run. Every copy of a replicated allocation is a new storage; a
     later event of the traced storage (resize, free) acts on one of its live copies: the oldest when it runs
     in the same direction as the allocation (forward after forward), the newest when the direction turned (an
@@ -199,7 +257,8 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
     of its own index (`copy_index`: the copy of the template group each emitted event stands for, -1 for none).
     In a pipeline stage a free takes a spare copy of its own micro-batch (`micro_batch`, per emitted row: the
     micro-batch of its chunk call, -1 outside them): under 1F1B or GPipe later micro-batches' forwards run before
-    an earlier one's backward, and their copies are the newest."""
+    an earlier one's backward, and their copies are the newest. A free that changes layer (`changes`, per emitted
+    row: `_LayerChange.targets`) takes the copy at its place in the layer it stands for, where that one is live."""
     serials = frame["serial"].to_numpy()
     sizes = frame["delta_bytes"].to_numpy()
     first_event = np.zeros(len(frame), dtype=bool)
@@ -224,6 +283,15 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
             result[i] = next_serial
             next_serial += 1
             continue
+        change = changes[i] if changes is not None else None
+        if change is not None and delta < 0:  # a storage that changed layer: the one at its place (_LayerChange)
+            block, wanted = change
+            owner = serial if layers.role[serial][3] == block else layers.partner(serial, block)
+            found = live.get(owner, ()) if owner is not None else ()
+            position = next((p for p, c in enumerate(found) if c[3] == wanted and c[1] == -delta), None)
+            if position is not None:
+                result[i] = found.pop(position)[0]
+                continue
         copies = live.get(serial)
         if not copies:
             owners = spare if batch < 0 else {s for s in spare if serial_batch.get(s) == batch}
