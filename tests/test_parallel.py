@@ -23,7 +23,7 @@ BAD = [
     (["--pp", "5"], "pp(5) is larger than the number of layers(4)"),
     (["--tp", "2", "--world-size", "3"], "does not divide world-size(3)"),
     (["--tp", "2", "--pp", "2", "--world-size", "8", "--strategy", "single"], "world-size(8) must equal pp(2) x tp(2)"),
-    (["--tp", "2", "--pp", "2", "--world-size", "8"], "tp(2) with strategy ddp is not a layout the libraries run"),
+    (["--tp", "2", "--pp", "2", "--world-size", "8"], "tp(2) with strategy ddp is not modelled: torch's DistributedDataParallel"),
     (["--tp", "2", "--world-size", "4", "--strategy", "ddp"], "--strategy fsdp --fsdp-wrap transformers --tp 2"),
     (["--pp", "2", "--schedule", "1f1b", "--microbatches", "1"], "microbatches(1) >= pp(2)"),
     (["--pp", "2", "--schedule", "zb"], "schedule"),

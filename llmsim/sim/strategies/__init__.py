@@ -64,12 +64,14 @@ class Layout:
         if self.strategy is Strategy.DDP and self.tp > 1:
             # DistributedDataParallel over DTensor parameters stops at construction (`c10d.broadcast_` has no
             # sharding strategy; torch 2.13, gloo); accelerate does not wrap a TP model in DDP and documents
-            # dp_replicate x tp without dp_shard as unsupported (ParallelismConfig, accelerate 1.16)
-            raise InputError(f"tp({self.tp}) with strategy ddp is not a layout the libraries run: torch's "
-                             "DistributedDataParallel does not take DTensor parameters and accelerate composes TP "
-                             "with sharded data parallelism only; modelled instead: --strategy fsdp --fsdp-wrap "
-                             f"transformers --tp {self.tp} (FSDP2 x TP, pp 1), tp and pp over one replica "
-                             "(--strategy single), or pp with ddp (tp 1)")
+            # dp_replicate x tp without dp_shard as unsupported (ParallelismConfig, accelerate 1.16). torch 2.13's
+            # replicate (torch.distributed._composable.replicate_with_fsdp: DDP's replication on FSDP2's machinery)
+            # takes TP's DTensor parameters and runs under a pipeline schedule (experiments/explore_dp_tp_pp.py)
+            raise InputError(f"tp({self.tp}) with strategy ddp is not modelled: torch's DistributedDataParallel does "
+                             "not take DTensor parameters (torch 2.13's replicate from "
+                             "torch.distributed._composable.replicate_with_fsdp does, and is not modelled yet); "
+                             f"modelled instead: --strategy fsdp --fsdp-wrap transformers --tp {self.tp} (FSDP2 x TP, "
+                             "pp 1), tp and pp over one replica (--strategy single), or pp with ddp (tp 1)")
         if self.tp * self.pp > 1 and not (self.strategy is Strategy.SINGLE or fsdp_x_tp or
                                           (self.strategy is Strategy.DDP and self.pp > 1 and self.tp == 1)):
             raise InputError(f"pp({self.pp}) x tp({self.tp}) with strategy {self.strategy.value} is not modelled "
