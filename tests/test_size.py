@@ -1,4 +1,6 @@
 """`size` against brute force: doubling-and-bisecting finds what trying every micro-batch finds."""
+from dataclasses import replace
+
 import pandas as pd
 import pytest
 
@@ -214,15 +216,16 @@ def test_pipeline_search_screens_then_predicts_the_answer_whole(monkeypatch):
     candidate = Candidate("pp", 3, lambda mb, m=None: _model_parallel(1, 3))
     brute = max(mb for mb in range(1, 65) if all(need[s](mb) <= capacity for s in need))
     assert brute == 6
-    found, total = largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 64)
+    gpu = replace(TINY_GPU, capacity_bytes=capacity, margin=0.0)  # the card the synthetic stages fit
+    found, total = largest_micro_batch(None, TrainSetup(1, 64), candidate, gpu, 64)
     assert (found, total) == (6, 180)
-    assert predicted == [(1, 0), (2, 0), (4, 0), (8, 0), (16, 0), (12, 0), (14, 0), (15, 0),  # screened by stage 0
+    assert predicted == [(1, 0), (2, 0), (15, 0), (16, 0),  # screened by stage 0, from its line through 1 and 2
                          (15, 0), (15, 2),  # its answer predicted whole: stage 2 cannot fit it
                          (7, 0), (7, 2), (3, 0), (3, 2), (5, 0), (5, 2), (6, 0), (6, 2),  # screened by 0 and 2
                          (6, 0), (6, 2), (6, 1)]  # the answer, whole
     predicted.clear()
     capacity = 55
-    assert largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 64) == (0, None)
+    assert largest_micro_batch(None, TrainSetup(1, 64), candidate, gpu, 64) == (0, None)
     assert predicted == [(1, 0)]
 
 
@@ -256,6 +259,37 @@ def test_search_from_a_hint_finds_what_brute_force_finds(monkeypatch):
     for hint in [None, *range(1, 41)]:
         found = largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 40, hint=hint)[0]
         assert need(found) <= 100 and need(found + 1) > 100, hint
+
+
+def test_search_gallops_from_the_line_through_micro_batches_1_and_2(monkeypatch):
+    """Without a hint, once micro-batches 1 and 2 fit, `_search` tries where the line through their device totals
+    meets the card less its margin, then gallops: the brute-force answer for every monotonic need, and for needs
+    that grow linearly four trials (1, 2, the answer, the one above), where doubling and bisecting took up to 10."""
+    from types import SimpleNamespace
+
+    import llmsim.app.size as sizing
+    from llmsim.app.size import Candidate
+
+    limit = TINY_GPU.capacity_bytes - TINY_GPU.margin_bytes
+    trials = []
+
+    def worst(spec, setup, layout, gpu, alloc_conf, only=None):
+        trials.append(setup.micro_batch)
+        total = need(setup.micro_batch)
+        return total <= limit, SimpleNamespace(rank=0, needed_bytes=total), 0
+
+    monkeypatch.setattr(sizing, "_worst", worst)
+    candidate = Candidate("ddp", 2, lambda mb: SimpleNamespace(pp=1, tp=1))
+    for base, slope in [(10 * MiB, 1 * MiB), (60 * MiB, 3 * MiB), (100 * MiB, 5 * MiB), (5 * MiB, 27 * MiB)]:
+        need = lambda mb, b=base, k=slope: b + k * mb  # noqa: E731
+        brute = max([mb for mb in range(1, 129) if need(mb) <= limit], default=0)
+        trials.clear()
+        assert largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 128)[0] == brute
+        assert trials == [1, 2, brute, brute + 1] if 2 < brute < 128 else len(trials) <= 10
+    for need in [lambda mb: 10 * MiB + MiB * mb * mb, lambda mb: 50 * MiB + MiB * (mb > 9) * 60,  # not lines
+                 lambda mb: 100 * MiB + (mb > 2) * 10 * MiB, lambda mb: 100 * MiB + mb]:
+        brute = max([mb for mb in range(1, 129) if need(mb) <= limit], default=0)
+        assert largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 128)[0] == brute
 
 
 def test_size_with_no_applicable_layout_says_why(capsys):

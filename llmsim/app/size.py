@@ -221,7 +221,9 @@ def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: Alloc
     """(largest micro-batch that fits or 0, its device total, and when it is 0: micro-batch 1's worst rank and
     how many pipeline stages it left unpredicted). Doubling from 1 until a micro-batch does not fit, then
     bisecting; with a `hint` (the answer of the same layout on fewer GPUs), galloping from it instead: up by 1, 2,
-    4, ... while they fit, down by 1, 2, 4, ... while they do not, then bisecting (`_next_trial`). A pipeline's
+    4, ... while they fit, down by 1, 2, 4, ... while they do not, then bisecting (`_next_trial`). Without one,
+    once micro-batches 1 and 2 fit, the hint is where the line through their device totals meets the card less
+    its margin (`_extrapolated`: activations grow with the micro-batch, the model states do not). A pipeline's
     trials predict only the stages that have bound it so far (the first stage, the fullest under 1F1B, to begin
     with): a trial they cannot fit does not fit (exact); the answer they find is then predicted whole, and where
     another stage cannot fit it, that stage joins them and the search goes on below. The answer is always
@@ -235,17 +237,23 @@ def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: Alloc
 
     verified, verified_total = 0, None  # the largest micro-batch predicted whole that fits
     good, bad, failure = 0, None, None
+    floor, needs = 0, {}  # floor: what fitted before the hint was tried; needs: the trials' worst device totals
     while True:
         # double until it stops fitting, then bisect between the last fit and the first miss
         while (good < max_micro_batch) if bad is None else (bad - good > 1):
-            micro_batch = _next_trial(good, bad, hint, max_micro_batch)
+            micro_batch = _next_trial(good, bad, hint, max_micro_batch, floor)
             ok, worst, unpredicted = trial(micro_batch, screen)
+            needs[micro_batch] = worst.needed_bytes
             if not ok:
                 bad, failure = micro_batch, (worst, unpredicted) if micro_batch == 1 else failure
                 continue
             good = micro_batch
             if not unpredicted:
                 verified, verified_total = micro_batch, worst.needed_bytes
+            if hint is None and good == 2 and bad is None and 1 in needs:
+                guess = _extrapolated(needs[1], needs[2], gpu, max_micro_batch)
+                if guess is not None and guess > 2:  # gallop from there rather than doubling on
+                    hint, floor = guess, 2
         if good == verified:
             return verified, verified_total, failure
         ok, worst, unpredicted = trial(good, None)  # the screen's answer, predicted whole
@@ -256,23 +264,33 @@ def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: Alloc
         good, bad, hint = verified, good, None
 
 
-def _next_trial(good: int, bad: int | None, hint: int | None, max_micro_batch: int) -> int:
+def _next_trial(good: int, bad: int | None, hint: int | None, max_micro_batch: int, floor: int = 0) -> int:
     """The next micro-batch `_search` tries, knowing the largest that fits so far (`good`, 0 for none) and the
     smallest that does not (`bad`, None for none). Without a hint: 1, then doubling, then bisecting. With one:
     the hint, then galloping away from it (up: hint + 1, + 3, + 7, ... while they fit; down: hint - 1, - 3, - 7,
-    ... while they do not), then bisecting; with "fits" monotonic both end at the same answer, the hint in
-    log2(distance) trials when it is close."""
+    ... while they do not, to `floor` + 1, `floor` being what fitted before the hint was tried), then bisecting;
+    with "fits" monotonic both end at the same answer, the hint in log2(distance) trials when it is close."""
     if hint is not None:
         hint = min(max(hint, 1), max_micro_batch)
-        if good == 0 and bad is None:
+        if good == floor and bad is None:
             return hint
         if bad is None:  # every trial so far fits: up from the hint
             return min(good + (good - hint + 1), max_micro_batch)
-        if good == 0 and bad > 1:  # none fits so far: down from the hint
-            return max(bad - (hint - bad + 1), 1)
+        if good == floor and bad - good > 1:  # none fits from the hint down so far: down from the hint
+            return max(bad - (hint - bad + 1), good + 1)
     if bad is None:
         return min(max(2 * good, 1), max_micro_batch)
     return (good + bad) // 2
+
+
+def _extrapolated(need_1: int, need_2: int, gpu: GpuProfile, max_micro_batch: int) -> int | None:
+    """Where micro-batches 1 and 2 both fit, the micro-batch whose device total, on the line through theirs,
+    reaches the card less its margin: where `_search` gallops from (a guess: what fits is only what is
+    predicted); None where the total does not grow."""
+    slope = need_2 - need_1
+    if slope <= 0:
+        return None
+    return min(max_micro_batch, 2 + (gpu.capacity_bytes - gpu.margin_bytes - need_2) // slope)
 
 
 # What `--allow` may switch on to make a layout fit, tried fewest first (then in this order).
