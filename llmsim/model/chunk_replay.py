@@ -1,5 +1,5 @@
-"""A pipeline stage's micro-batches after the second, their model forward and backward composed from the second's
-events instead of computed (issue 23: trace each distinct piece once).
+"""A pipeline stage's later micro-batches: their model forward and backward composed from micro-batch 1's events
+instead of computed (issue 23: trace each distinct piece once).
 
 torch.distributed.pipelining runs the same model forward and backward on every micro-batch of a step, and under
 fake tensors that computation is what a stage's trace spends its time on (0.2 s a micro-batch for three layers of
@@ -7,20 +7,23 @@ Llama-2-70B; 16 micro-batches, 3.3 s a stage). The trace still runs torch's own 
 all the schedule does stays real: its receive buffers and sends, the outputs and input gradients it keeps by its
 Python names (`fwd_cache`, `bwd_cache`, the warm-up's `send_work`, the last stage's `output_chunks`) and frees where
 those names let go, the last stage's loss and its backward, the merged outputs. Only the call of the stage's model
-on micro-batch k >= 2 is replaced, by an autograd Function (`_Replayed`) that makes the events micro-batch 1's call
-made in the same step, on storages of its own, and one real tensor at the place its real one was allocated: the
-forward's output, which the schedule sends and keeps, and in the backward the gradient of the stage's input, which
-the schedule sends back. Its backward does the same with micro-batch 1's backward of the model (from the moment the
-gradient of the model's output is ready to the engine's return), the parameters' gradients accumulated in place as
-micro-batch 1's were (their post-accumulate hooks' rows among its events), and frees the gradient it was given where
-micro-batch 1's model freed it (the last stage's gradient of its logits).
+on micro-batch k >= 2, and on micro-batch 1 after the first step, is replaced, by an autograd Function
+(`_Replayed`) that makes the events micro-batch 1's call made in the first step, on storages of its own, and one
+real tensor at the place its real one was allocated: the forward's output, which the schedule sends and keeps.
+Its backward does the same with micro-batch 1's backward of the model (from the moment the gradient of the model's
+output is ready to the engine's return), the parameters' gradients accumulated in place as micro-batch 1's were
+(their post-accumulate hooks' rows among its events), the gradient of the stage's input (which the schedule sends
+back) real, and frees what the chunk call allocated before the model's backward where micro-batch 1's model freed
+it (the last stage's gradients of its loss and logits).
 
-That is exact where micro-batch 1's model events are those of every later one and touch nothing but their own
-storages, the output, the input's gradient and the gradient handed in. `ChunkReplay` checks the second part on the
-recorded events (`_Forward.check`, `_Backward.check`) and raises `NotReplayable` otherwise, and the trace is then made
-again with every micro-batch computed (llmsim/model/trace.py). The first part is what the model's code does: it
-never branches on the micro-batch; tests/test_chunk_replay.py compares, event for event, traces made both ways on
-every committed pipeline row's stages and more shapes."""
+Micro-batch 0 is computed in every step: its backward makes the step's gradients (zero_grad sets them to None),
+and the first step's makes the first ones. That is exact where micro-batch 1's model events are those of every later
+one, in every step, and touch nothing but their own storages, the output, the input's gradient and what the chunk
+call allocated before. `ChunkReplay` checks the second part on the recorded events (`_Forward.check`,
+`_Backward.check`) and raises `NotReplayable` otherwise; the trace is then made again with every micro-batch
+computed (llmsim/model/trace.py). The first part is what the model's code does: it never branches on the
+micro-batch or the step; tests/test_chunk_replay.py compares, event for event, traces made both ways on every stage
+of the committed pipeline rows with more than two micro-batches and more shapes."""
 from __future__ import annotations
 
 import contextlib
@@ -32,7 +35,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from llmsim.model.tracker import StorageTracker
 
-FIRST_REPLAYED = 2  # micro-batch 0 makes the step's first gradients, micro-batch 1 the template
+FIRST_REPLAYED = 2  # micro-batch 0 makes the step's gradients, micro-batch 1 the template (replayed after step 0)
 ENABLED = True  # tests turn it off to trace every micro-batch
 
 
@@ -168,10 +171,10 @@ def _alive(rows: list[Row], storages: set[int]) -> set[int]:
 
 
 class ChunkReplay:
-    """Records micro-batch 1's model forward and backward in each step and replays them for micro-batches
-    >= FIRST_REPLAYED (module docstring). `wrap` the stage model's forward; enter `forward(chunk)` around each
-    forward chunk call (outside autocast, whose exit belongs to the call) and `backward(chunk)` around each
-    backward one; `engine_returned` where torch's stage_backward returns."""
+    """Records micro-batch 1's model forward and backward in the first step and replays them for micro-batches
+    >= FIRST_REPLAYED, and for micro-batch 1 of the later steps (module docstring). `wrap` the stage model's
+    forward; enter `forward(chunk)` around each forward chunk call (outside autocast, whose exit belongs to the
+    call) and `backward(chunk)` around each backward one; `engine_returned` where torch's stage_backward returns."""
 
     calls = 0  # model calls replayed in this process (tests read it)
 
@@ -182,14 +185,17 @@ class ChunkReplay:
         with _disable_current_modes():  # no fake tensor, no row: a real leaf of no bytes
             # makes the output of a first stage (token ids in) require grad; its gradient is never made
             self.anchor = torch.empty(0, requires_grad=True)
-        self.forwards: dict[int, _Forward] = {}
-        self.backwards: dict[int, _Backward] = {}
+        self.forward_template: _Forward | None = None
+        self.backward_template: _Backward | None = None
+        self._recorded_step: int | None = None  # the step whose micro-batch 1 made the templates
+        self._mode: str | None = None  # "record" or "replay": what the current forward chunk call does
         self._chunk: tuple[str, int] | None = None
         self._mapping: dict[int, int] | None = None  # the forward just replayed
         self._input_grad: _Real | None = None
         self._backward_begins: int | None = None
         self._chunk_begins = 0  # the row where the current backward chunk call began
         self._chunk_first_serial = self._backward_first_serial = 0
+        self._recording_backward = False
         self._forward_end: int | None = None
 
     # ---- the model's forward -----------------------------------------------------------------------------------
@@ -197,11 +203,12 @@ class ChunkReplay:
         def forward_of_a_chunk(x: torch.Tensor) -> torch.Tensor:
             if self._chunk is None or self._chunk[1] < 1:
                 return forward(x)
-            step = self.tracker.step
-            if self._chunk[1] >= FIRST_REPLAYED and step in self.forwards:
-                anchor = self.anchor if not x.requires_grad else None
-                return _Replayed.apply(x, anchor, self, step)
-            if self._chunk[1] == 1:
+            step, micro_batch = self.tracker.step, self._chunk[1]
+            if self.forward_template is not None and (micro_batch >= FIRST_REPLAYED or step != self._recorded_step):
+                self._mode = "replay"
+                return _Replayed.apply(x, self.anchor if not x.requires_grad else None, self)
+            if micro_batch == 1 and self.forward_template is None:
+                self._mode = "record"
                 return self._record_forward(forward, x, step)
             return forward(x)
         return forward_of_a_chunk
@@ -211,8 +218,9 @@ class ChunkReplay:
         begin, first_serial = len(rows), self.tracker._next_serial
         out = forward(x)
         self._forward_end = len(rows)
-        self.forwards[step] = _Forward(list(rows[begin:]), first_serial, _Real.of(out, self.tracker, "output"),
-                                       (self.tracker.block, self.tracker.module))
+        self.forward_template = _Forward(list(rows[begin:]), first_serial, _Real.of(out, self.tracker, "output"),
+                                         (self.tracker.block, self.tracker.module))
+        self._recorded_step = step
         self._input_grad = None
         if x.requires_grad:  # torch's stage_backward reads the input's .grad and sets it to None: take it here
             def input_grad_made(grad: torch.Tensor) -> None:
@@ -228,23 +236,19 @@ class ChunkReplay:
 
     @contextlib.contextmanager
     def forward(self, chunk: int):
-        self._chunk = ("F", chunk)
-        begin = len(self.tracker._rows)
+        self._chunk, self._mode = ("F", chunk), None
         try:
             yield
         finally:
             self._chunk = None
-        step = self.tracker.step
-        if chunk == 1:
-            template = self.forwards[step]
+        template = self.forward_template
+        if self._mode == "record":
             template.after = list(self.tracker._rows[self._forward_end:])
             template.check()
             self._forward_chunk_end = len(self.tracker._rows)
-        elif chunk >= FIRST_REPLAYED and step in self.forwards:
-            template = self.forwards[step]
+        elif self._mode == "replay":
             self._emit(template.after, self._mapping)
             self._mapping = None
-        del begin
 
     # ---- the model's backward ----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -252,7 +256,8 @@ class ChunkReplay:
         self._chunk = ("B", chunk)
         self._chunk_begins = len(self.tracker._rows)
         self._chunk_first_serial = self.tracker._next_serial
-        self._between_begin = self._forward_chunk_end if chunk == 1 else None
+        self._recording_backward = chunk == 1 and self.tracker.step == self._recorded_step
+        self._between_begin = self._forward_chunk_end if self._recording_backward else None
         try:
             yield
         finally:
@@ -260,17 +265,17 @@ class ChunkReplay:
 
     def engine_returned(self) -> None:
         """torch's stage_backward has returned: on micro-batch 1, the end of the model's backward."""
-        if self._chunk is None or self._chunk[1] != 1:
+        if self._chunk is None or not self._recording_backward:
             return
-        rows, step = self.tracker._rows, self.tracker.step
+        rows = self.tracker._rows
         if self._backward_begins is None:
             raise NotReplayable("the gradient of micro-batch 1's output never reached the model")
         template = _Backward(list(rows[self._backward_begins:]), self._backward_first_serial,
                              _allocations(rows[self._chunk_begins:self._backward_begins], self._chunk_first_serial),
                              self._input_grad,
                              (self.tracker.block, self.tracker.module))
-        template.check(self.forwards[step], list(rows[self._between_begin:self._backward_begins]))
-        self.backwards[step] = template
+        template.check(self.forward_template, list(rows[self._between_begin:self._backward_begins]))
+        self.backward_template = template
         self._backward_begins = None
 
     def _free_early(self, serial: int) -> None:
@@ -312,8 +317,8 @@ class _Replayed(torch.autograd.Function):
     """The stage model's call on a replayed micro-batch (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, anchor, replay: ChunkReplay, step: int):
-        template = replay.forwards[step]
+    def forward(ctx, x, anchor, replay: ChunkReplay):
+        template = replay.forward_template
         made: list[torch.Tensor] = []
         mapping: dict[int, int] = {}
         replay._emit(template.rows, mapping,
@@ -321,16 +326,16 @@ class _Replayed(torch.autograd.Function):
         replay.tracker.block, replay.tracker.module = template.context
         replay._mapping = mapping
         ChunkReplay.calls += 1
-        ctx.replay, ctx.step, ctx.mapping, ctx.device = replay, step, mapping, x.device
+        ctx.replay, ctx.mapping, ctx.device = replay, mapping, x.device
         ctx.input_needs_grad = x.requires_grad
         return made[0]
 
     @staticmethod
     def backward(ctx, grad):
         replay, tracker = ctx.replay, ctx.replay.tracker
-        template = replay.backwards.get(ctx.step)
+        template = replay.backward_template
         if template is None:
-            raise NotReplayable("no recorded backward of micro-batch 1 in this step")
+            raise NotReplayable("no recorded backward of micro-batch 1 before this one")
         made: list[torch.Tensor] = []
         real = {}
         if template.input_grad is not None:
@@ -344,4 +349,4 @@ class _Replayed(torch.autograd.Function):
         replay._emit(template.rows, ctx.mapping, real)
         tracker.block, tracker.module = template.context
         input_grad = made[0] if made and ctx.input_needs_grad else None
-        return input_grad, None, None, None
+        return input_grad, None, None
