@@ -87,3 +87,11 @@ def test_a_model_whose_later_micro_batches_touch_micro_batch_1s_storages_is_comp
     assert chunk_replay.ChunkReplay.calls == before
     monkeypatch.setattr(chunk_replay, "ENABLED", False)
     pd.testing.assert_frame_equal(traced_anyway.timeline, trace.__wrapped__(spec, setup).timeline)
+
+
+def test_the_replay_stays_within_the_two_traced_steps():
+    """`chunk_replay.REPLAYED_STEPS` is the expansion's TRACED_STEPS: a setup traced over more steps (its second is
+    not steady) computes every micro-batch from the third step on."""
+    from llmsim.sim.timeline import TRACED_STEPS
+
+    assert chunk_replay.REPLAYED_STEPS == TRACED_STEPS

@@ -37,6 +37,10 @@ from llmsim.model.tracker import StorageTracker
 
 FIRST_REPLAYED = 2  # micro-batch 0 makes the step's gradients, micro-batch 1 the template (replayed after step 0)
 ENABLED = True  # tests turn it off to trace every micro-batch
+# The steps whose micro-batches are replayed: the first and the steady second (timeline.TRACED_STEPS), whose
+# micro-batch 1 makes the same events; a setup whose second step is not steady is traced over every step, and
+# from the third on every micro-batch is computed.
+REPLAYED_STEPS = 2
 
 
 class NotReplayable(Exception):
@@ -204,6 +208,8 @@ class ChunkReplay:
             if self._chunk is None or self._chunk[1] < 1:
                 return forward(x)
             step, micro_batch = self.tracker.step, self._chunk[1]
+            if step >= REPLAYED_STEPS:  # a setup traced over more steps than the steady two: computed there
+                return forward(x)
             if self.forward_template is not None and (micro_batch >= FIRST_REPLAYED or step != self._recorded_step):
                 self._mode = "replay"
                 return _Replayed.apply(x, self.anchor if not x.requires_grad else None, self)
