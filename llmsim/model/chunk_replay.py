@@ -200,7 +200,8 @@ class ChunkReplay:
         self._chunk_begins = 0  # the row where the current backward chunk call began
         self._chunk_first_serial = self._backward_first_serial = 0
         self._recording_backward = False
-        self._forward_end: int | None = None
+        self._forward_end = self._forward_chunk_end = 0  # where the recorded model forward and its chunk call ended
+        self._between_begin: int | None = None
 
     # ---- the model's forward -----------------------------------------------------------------------------------
     def wrap(self, forward):
@@ -313,8 +314,11 @@ class ChunkReplay:
                     tracker._next_serial += 1
                     tracker._alloc_row[own] = len(out)
                     tracker._alloc_phase[own] = (step, phase)
-                    if serial in tracker._labels:
+                    if serial in tracker._labels:  # what a labelled storage holds and whose it is, as the template's
                         tracker._labels[own] = tracker._labels[serial]
+                        for names in (tracker._serial_name, tracker._serial_block):
+                            if serial in names:
+                                names[own] = names[serial]
                 serial = own
             out.append((step, phase, row[2], row[3], serial, row[5]))
 
