@@ -109,8 +109,8 @@ class _LayerChange:
         self.role = {serial: key for key, serial in self.serial_at.items()}
 
     def targets(self, order: np.ndarray, expanded_block: np.ndarray, replicated: np.ndarray) -> list:
-        """Per emitted row, None or (traced serial, copy) of the storage its free acts on: copy -1 for a storage of
-        the leading or trailing group, else the template copy."""
+        """Per emitted row, None or (traced layer, copy) of the storage its free acts on, the layer's allocation at
+        the freed storage's place (`partner`): copy -1 in the leading or trailing group, else the template copy."""
         traced_block, alloc_block = self.block[order], self.alloc_block[order]
         distance = np.abs(traced_block - alloc_block)  # neighbours within a period (not the optimizer's step
         # from the last layer's parameters to the first's, which the trace makes at another distance than the run)
