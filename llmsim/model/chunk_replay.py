@@ -132,9 +132,8 @@ class _Backward:
 
 
 def _allocated(rows: list[Row], first_serial: int) -> set[int]:
-    """The storages `rows` allocate: the tracker numbers storages as they are allocated, so those from
-    `first_serial`, its next serial where `rows` begin (a zero-byte one too: a GPU's attention makes some)."""
-    return {row[4] for row in rows if row[4] >= first_serial}
+    """The storages `rows` allocate (`_allocations`)."""
+    return {serial for serial, _ in _allocations(rows, first_serial)}
 
 
 def _only_own(rows: list[Row], allowed: set[int], where: str, watched: set[int] | None = None) -> None:
@@ -148,7 +147,9 @@ def _only_own(rows: list[Row], allowed: set[int], where: str, watched: set[int] 
 
 
 def _allocations(rows: list[Row], first_serial: int) -> list[tuple[int, int]]:
-    """(serial, bytes) of each storage `rows` allocate (`_allocated`), in order."""
+    """(serial, bytes) of each storage `rows` allocate, in order: the tracker numbers storages as they are
+    allocated, so those from `first_serial`, its next serial where `rows` begin (a zero-byte one too: a GPU's
+    attention makes some), each at its first row."""
     seen, made = set(), []
     for row in rows:
         if row[4] >= first_serial and row[4] not in seen:

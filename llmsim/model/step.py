@@ -544,12 +544,11 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
     """One stage of the canonical PP step (llmsim/model/pipelining.py) under `tracker`: `build` gives the stage's
     model, `pp_group` the process group of the pipeline; `wrap` puts DistributedDataParallel around the stage
     (torch's PipelineStage runs DDP's no_sync for every micro-batch but the last). With `replay_chunks` (a fake
-    trace), the model's forward and backward of micro-batches 2 and later are micro-batch 1's events replayed
-    (llmsim/model/chunk_replay.py)."""
-    from llmsim.model.chunk_replay import ChunkReplay
-
+    trace), the model's forward and backward of micro-batches 2 and later, and of micro-batch 1 after the first
+    step, are micro-batch 1's events replayed (llmsim/model/chunk_replay.py)."""
     from torch.distributed.pipelining import PipelineStage
 
+    from llmsim.model.chunk_replay import ChunkReplay
     from llmsim.model.pipelining import Schedule, stage_forward, stage_io
 
     torch.manual_seed(0)

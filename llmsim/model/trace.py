@@ -279,7 +279,7 @@ def _older_objects_frozen():
 def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
              replay_chunks: bool = False) -> tuple[pd.DataFrame, StepInfo]:
     """The canonical step under FakeTensorMode: exact bytes, no memory. `replay_chunks`: a pipeline stage's
-    micro-batches after the second replay the second's model events (llmsim/model/chunk_replay.py)."""
+    later micro-batches replay micro-batch 1's model events (llmsim/model/chunk_replay.py)."""
     tracker = StorageTracker()
     moe.grouped_mm_as_aten()
     with contextlib.ExitStack() as stack:

@@ -60,38 +60,41 @@ def _composed_at_depth(model: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFram
     """A 1F1B middle stage other than the first of its kind, composed from that one's trace expanded to full depth
     (one expansion for every stage of the kind; compose_1f1b moves whole chunk calls, which the expansion keeps
     together, `timeline._expanded_chunks`); None where it is not such a stage or the composition declines."""
-    from llmsim.sim import compose_1f1b
-
     template = _template_stage(model, setup)
     if template is None:
         return None
     key = (model, replace(setup, pp_stage=template))
     if key not in _EXPANDED_TEMPLATES:
-        source = _TEMPLATES.get(key) or trace(*key)
-        if len(_EXPANDED_TEMPLATES) >= _MAX_TEMPLATES:
-            _EXPANDED_TEMPLATES.pop(next(iter(_EXPANDED_TEMPLATES)))
-        _EXPANDED_TEMPLATES[key] = expand(source), source.info
-    source, info = _EXPANDED_TEMPLATES[key]
-    warmup = functools.partial(compose_1f1b.warmup, setup.n_microbatches, setup.pp)
-    timeline = compose_1f1b.composed(source, warmup(template), warmup(setup.pp_stage), setup.n_microbatches)
+        source = _template_trace(key)
+        _keep(_EXPANDED_TEMPLATES, key, (expand(source), source.info), _MAX_TEMPLATES)
+    expanded_source, info = _EXPANDED_TEMPLATES[key]
+    timeline = _composed(expanded_source, template, setup)
     return None if timeline is None else (timeline, info)
 
 
 def _traced(model: ModelSpec, setup: TrainSetup) -> Trace:
     """`trace`, or for a 1F1B middle stage other than the first of its kind, the first one's trace composed into
     this stage's schedule (llmsim/sim/compose_1f1b.py; traced where the composition declines)."""
-    from llmsim.sim import compose_1f1b
-
     template = _template_stage(model, setup)
     if template is not None:
-        source = _TEMPLATES.get((model, replace(setup, pp_stage=template))) or trace(
-            model, replace(setup, pp_stage=template))
-        warmup = functools.partial(compose_1f1b.warmup, setup.n_microbatches, setup.pp)
-        timeline = compose_1f1b.composed(source.timeline, warmup(template), warmup(setup.pp_stage),
-                                         setup.n_microbatches)
+        source = _template_trace((model, replace(setup, pp_stage=template)))
+        timeline = _composed(source.timeline, template, setup)
         if timeline is not None:
             return replace(source, timeline=timeline)
     return trace(model, setup)
+
+
+def _template_trace(key: tuple[ModelSpec, TrainSetup]) -> Trace:
+    """The trace of a stage others are composed from: a worker's (`_keep_template`), or traced here."""
+    return _TEMPLATES.get(key) or trace(*key)
+
+
+def _composed(source: pd.DataFrame, template: int, setup: TrainSetup) -> pd.DataFrame | None:
+    """compose_1f1b.composed: `setup`'s stage from `source`, a timeline of stage `template`."""
+    from llmsim.sim import compose_1f1b
+
+    warmup = functools.partial(compose_1f1b.warmup, setup.n_microbatches, setup.pp)
+    return compose_1f1b.composed(source, warmup(template), warmup(setup.pp_stage), setup.n_microbatches)
 
 
 def _template_stage(model: ModelSpec, setup: TrainSetup) -> int | None:
@@ -123,10 +126,16 @@ def _is_template(model: ModelSpec, setup: TrainSetup) -> bool:
 
 def _remember(key: tuple[ModelSpec, TrainSetup], timeline: pd.DataFrame,
               info: StepInfo) -> tuple[pd.DataFrame, Callable[[], nx.DiGraph]]:
-    if len(_EXPANDED) >= _MAX_EXPANDED:
-        _EXPANDED.pop(next(iter(_EXPANDED)))
-    _EXPANDED[key] = (timeline, functools.cache(functools.partial(_layer_graph, timeline, info)))
-    return _EXPANDED[key]
+    return _keep(_EXPANDED, key, (timeline, functools.cache(functools.partial(_layer_graph, timeline, info))),
+                 _MAX_EXPANDED)
+
+
+def _keep(cache: dict, key, value, limit: int):
+    """Put `value` in `cache`, the oldest entry dropped to keep at most `limit`; returns `value`."""
+    if len(cache) >= limit:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
 
 
 def _layer_graph(timeline: pd.DataFrame, info: StepInfo) -> nx.DiGraph:
@@ -215,9 +224,7 @@ def stage_timelines(model: ModelSpec, setup: TrainSetup, layout: Layout, progres
 
 def _keep_template(key: tuple[ModelSpec, TrainSetup], template: Trace) -> None:
     model, setup = key
-    if len(_TEMPLATES) >= _MAX_TEMPLATES:
-        _TEMPLATES.pop(next(iter(_TEMPLATES)))
-    _TEMPLATES[(model, replace(setup, steps=min(setup.steps, TRACED_STEPS)))] = template
+    _keep(_TEMPLATES, (model, replace(setup, steps=min(setup.steps, TRACED_STEPS))), template, _MAX_TEMPLATES)
 
 
 def _stage_setup(setup: TrainSetup, layout: Layout, stage: int) -> TrainSetup:
