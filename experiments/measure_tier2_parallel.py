@@ -8,7 +8,9 @@ PP_RUNS: torch.distributed.pipelining (llmsim/model/pipelining.py), PP 2 and 4, 
 two hybrids: TP x PP (pp 2 x tp 2) and DP x PP (DistributedDataParallel around each of 2 stages, dp 2), and
 user-given layer splits.
 Writes data/measurements/tier2_pp_cpu.csv.
-Run: python experiments/measure_tier2_parallel.py [--pp] (about 5 minutes each on 2 cores).
+DP_TP_RUNS: DDP x TP and DDP x TP x PP, the replicas in torch's replicate (8-16 ranks). Writes
+data/measurements/tier2_dp_tp_pp_cpu.csv.
+Run: python experiments/measure_tier2_parallel.py [--pp | --dp-tp] (about 5 minutes each on 2 cores).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from llmsim.inputs.zoo import shrink
 
 TP_CSV = MEASUREMENTS_DIR / "tier2_tp_cpu.csv"
 PP_CSV = MEASUREMENTS_DIR / "tier2_pp_cpu.csv"
+DP_TP_CSV = MEASUREMENTS_DIR / "tier2_dp_tp_pp_cpu.csv"
 SHAPES = {  # zoo model -> (hidden, layers, vocab, heads): every size divides by 4 (kv-heads included)
     "llama-2-7b": (128, 4, 2000, 4), "mistral-7b": (128, 3, 1500, 16), "qwen2.5-7b": (112, 3, 3000, 28),
     "pythia-160m": (128, 3, 2048, 4), "llama-3.1-8b": (128, 5, 2500, 16),
@@ -72,6 +75,16 @@ PP_RUNS = [
     ("qwen2.5-7b", 2, 2, "gpipe", 2, "bf16-autocast", True, 1, 1, 64),
     ("qwen2.5-0.5b", 2, 1, "1f1b", 2, "fp32", False, 1, 2, 64),  # tied embeddings: the last stage keeps it
 ]
+# DDP x TP (x PP): the data-parallel replicas of TP-sharded stages in torch's replicate (llmsim/model/replicate.py;
+# DistributedDataParallel takes no DTensor), each decoder layer and then the stage; the PP_RUNS tuple, dp given
+DP_TP_RUNS = [
+    ("llama-2-7b", 2, 2, "1f1b", 2, "fp32", False, 1, 2, 64, 2),
+    ("mistral-7b", 2, 2, "gpipe", 4, "bf16", True, 1, 1, 96, 2),
+    ("qwen2.5-7b", 2, 2, "1f1b", 4, "bf16-autocast", False, 1, 1, 64, 2),
+    ("llama-2-7b", 1, 2, "gpipe", 1, "bf16", True, 1, 2, 64, 2),  # no pipeline: DDP x TP
+    ("pythia-160m", 1, 4, "gpipe", 1, "fp32", False, 1, 2, 64, 2),
+    ("llama-2-7b-deep", 4, 2, "1f1b", 4, "bf16", True, 1, 1, 64, 2),
+]
 
 
 def measure(runs: list[tuple], out: Path, timeout: int) -> int:
@@ -105,11 +118,12 @@ def measure(runs: list[tuple], out: Path, timeout: int) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pp", action="store_true", help=f"run PP_RUNS into {PP_CSV} instead of TP_RUNS")
+    parser.add_argument("--dp-tp", action="store_true", help=f"run DP_TP_RUNS into {DP_TP_CSV}")
     parser.add_argument("--out", type=Path, default=None, help=f"default {TP_CSV}, with --pp {PP_CSV}")
     parser.add_argument("--timeout", type=int, default=600)
-    parser.add_argument("--only", type=int, nargs="*", help="indices into TP_RUNS or PP_RUNS (default: all)")
+    parser.add_argument("--only", type=int, nargs="*", help="indices into the runs (default: all)")
     args = parser.parse_args()
-    runs, out = (PP_RUNS, PP_CSV) if args.pp else (TP_RUNS, TP_CSV)
+    runs, out = ((DP_TP_RUNS, DP_TP_CSV) if args.dp_tp else (PP_RUNS, PP_CSV) if args.pp else (TP_RUNS, TP_CSV))
     chosen = [run for i, run in enumerate(runs) if args.only is None or i in args.only]
     return 1 if measure(chosen, args.out or out, args.timeout) else 0
 

@@ -36,6 +36,8 @@ CASES = [  # (zoo model, shrink(hidden, layers, vocab, heads), setup, layout, gp
      Layout(world_size=4, tp=2, pp=2, schedule=GPIPE, n_microbatches=4), None),
     ("llama-2-7b", (64, 6, 512, 4), TrainSetup(1, 32, Precision.BF16, grad_ckpt=True),
      Layout(world_size=3, pp=3, schedule=F1B, n_microbatches=5), "h100-80gb"),
+    ("llama-2-7b", (64, 6, 512, 4), TrainSetup(1, 32, Precision.BF16, grad_ckpt=True),  # DDP x TP x PP: replicate
+     Layout(Strategy.DDP, 12, tp=2, pp=3, schedule=F1B, n_microbatches=4), None),
 ]
 
 

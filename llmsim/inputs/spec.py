@@ -249,6 +249,10 @@ class TrainSetup:
     fsdp: FsdpSetup | None = None
     fsdp_world: int = 1
     fsdp_rank: int = 0
+    # Trace flag (llmsim.sim.strategies.traced_setup): DDP over TP shards, i.e. torch's `replicate` (each decoder
+    # layer, then the model or pipeline stage) over this many data-parallel replicas of a fake process group of
+    # replicate_dp x pp x tp ranks, traced as replica 0's rank (llmsim/model/replicate.py); 0: no replicate
+    replicate_dp: int = 0
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "ep", "pp", "n_microbatches",

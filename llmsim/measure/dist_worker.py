@@ -191,20 +191,30 @@ class GlooWorkSettles(TorchDispatchMode):
 def run_model_parallel(job: dict, tracker: StorageTracker) -> None:
     """This rank's pipeline stage (llmsim.model.pipelining) and shards of transformers' TP plan
     (llmsim.model.tensor_parallel): the canonical PP step, or the canonical step when there is one stage. With
-    dp > 1 the stage is wrapped in DistributedDataParallel over its data-parallel group."""
+    dp > 1 the stage is wrapped in DistributedDataParallel over its data-parallel group, or where TP shards it in
+    torch's replicate (llmsim/model/replicate.py: DDP takes no DTensor), whose collectives settle as FSDP2's do."""
+    import contextlib
+
     from torch.nn.parallel import DistributedDataParallel
 
-    dp = job.get("dp", 1)
-    mesh = parallel_mesh(dp, job.get("pp", 1), job.get("tp", 1))
+    from llmsim.model.fsdp import settled_collectives
+    from llmsim.model.replicate import replicate_model
+
+    dp, tp = job.get("dp", 1), job.get("tp", 1)
+    mesh = parallel_mesh(dp, job.get("pp", 1), tp)
     setup = replace(_setup(job), pp_stage=mesh.get_coordinate()[1])
     spec = ModelSpec(job["model"], job["config_json"])
     build = model_builder(spec, setup, None, mesh)
-    wrap = None
-    if dp > 1:
+    wrap, settled = None, contextlib.nullcontext()
+    if job.get("replicate"):
+        def wrap(model):
+            return replicate_model(model, mesh["dp"])
+        settled = settled_collectives(job.get("gloo_settle", True))
+    elif dp > 1:
         def wrap(model):
             return DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
                                            bucket_cap_mb=DDP_BUCKET_CAP_MB)
-    with GlooWorkSettles():
+    with GlooWorkSettles(), settled:
         if setup.pp > 1:
             run_pipeline_step(build, setup, tracker, mesh["pp"].get_group(), wrap)
         else:

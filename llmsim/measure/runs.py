@@ -289,6 +289,7 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     framework = ("deepspeed" if layout.strategy is Strategy.DEEPSPEED else "fsdp" if layout.strategy is Strategy.FSDP
                  else "model_parallel" if layout.tp * layout.pp > 1 else "ddp")
     job = {"framework": framework, "model": spec.name, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
+           "replicate": layout.strategy is Strategy.DDP and layout.tp > 1,  # DDP x TP: llmsim/model/replicate.py
            "schedule": layout.schedule.value, "n_microbatches": layout.n_microbatches, "pp_split": layout.pp_split,
            "config_json": spec.config_json, "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt,
            "ckpt_every": setup.ckpt_every, "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,

@@ -141,22 +141,25 @@ def _shard_as_transformers(model: nn.Module, fsdp: FsdpSetup, mesh) -> None:
                                fsdp_mixed_precision=fsdp.param_dtype is not None)
     model.config.distributed_config = config
     _, _, plan = model._resolve_parallel_plans(config)
-    with _meshes_made_for_real():
+    with meshes_made_for_real():
         apply_fully_sharded_data_parallelism(model, _Meshes(mesh), plan, {})
 
 
 @contextlib.contextmanager
-def _meshes_made_for_real():
-    """With TP, fully_shard joins the data-parallel and the TP mesh (`DeviceMesh._concatenate`), whose rank tensor is
-    computed by tensor ops: outside the trace's dispatch modes (a fake tensor cannot be a mesh's ranks; on a GPU the
-    mesh lives on the host)."""
+def meshes_made_for_real(counted: bool = False):
+    """With TP, fully_shard (and replicate) joins the data-parallel and the TP mesh (`DeviceMesh._concatenate`), whose
+    rank tensor is computed by tensor ops: outside FakeTensorMode (a fake tensor cannot be a mesh's ranks). `counted`
+    (a CPU trace): under the storage tracker still, as a CPU run counts the int32 tensors the concatenation makes (one
+    of world-size ranks kept by FSDP2: 4 bytes a rank); else outside every dispatch mode (on a GPU the mesh lives on
+    the host, not in the device's memory)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
     from torch.utils._python_dispatch import _disable_current_modes
 
     concatenate = DeviceMesh._concatenate
 
     def concatenated(meshes):
-        with _disable_current_modes():
+        with unset_fake_temporarily() if counted else _disable_current_modes():
             return concatenate(meshes)
 
     with mock.patch.object(DeviceMesh, "_concatenate", staticmethod(concatenated)):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import math
 from unittest import mock
@@ -28,6 +29,7 @@ from llmsim.enums import Device, Recipe
 from llmsim.inputs.spec import ModelSpec, TrainSetup, num_experts
 from llmsim.model.step import StepInfo, optimizer_class, run_canonical_step, run_pipeline_step
 from llmsim.model.pipelining import cut, layer_range
+from llmsim.model.replicate import replicate_model
 from llmsim.model.quantized import (fake_loading, header_checkpoint, load_checkpoint_quantized, load_quantized,
                                     real_checkpoint)
 from llmsim.model.tensor_parallel import (WaitReturnsInput, build_parallel, fake_process_group, parallel_mesh,
@@ -297,10 +299,18 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
             stack.enter_context(fsdp.storages_told_apart())
             if setup.device is Device.CPU:
                 stack.enter_context(fsdp.gloo_reduce_scatter_copy())
-        elif setup.tp * setup.pp > 1:  # TP rank `tp_rank` (0 but for uneven shards) of the stage's group; the mesh
-            # is built before the fake mode
-            stack.enter_context(fake_process_group(setup.tp * setup.pp, rank=setup.pp_stage * setup.tp + setup.tp_rank))
-            mesh = parallel_mesh(1, setup.pp, setup.tp)  # data-parallel replica 0
+        elif setup.tp * setup.pp > 1:  # TP rank `tp_rank` (0 but for uneven shards) of the stage's group in
+            # data-parallel replica 0; the mesh is built before the fake mode
+            dp = max(setup.replicate_dp, 1)
+            stack.enter_context(fake_process_group(dp * setup.tp * setup.pp,
+                                                   rank=setup.pp_stage * setup.tp + setup.tp_rank))
+            mesh = parallel_mesh(dp, setup.pp, setup.tp)
+            if setup.replicate_dp:  # DDP x TP: torch's replicate over the replicas (llmsim/model/replicate.py)
+                importlib.import_module("torch.distributed._composable.replicate_with_fsdp")  # for real
+
+                wrap = functools.partial(replicate_model, mesh=mesh["dp"])
+                stack.enter_context(fsdp.storages_told_apart())
+                stack.enter_context(fsdp.meshes_made_for_real(counted=setup.device is Device.CPU))
         build = model_builder(spec, setup, num_layers, mesh, fake=True)  # a checkpoint is written for real
         if setup.fsdp is not None and setup.fsdp.init == "meta":
             build = fsdp.meta_build(build, untied=setup.fsdp.wrap == "transformers")
@@ -327,7 +337,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
                       _cache_layers_of_the_real_model(spec, setup, num_layers), cuda_kernels(setup), answered_optimizer_values(setup.optimizer)):
             stack.enter_context(patch)
         if setup.pp > 1:
-            info = run_pipeline_step(build, setup, tracker, mesh["pp"].get_group(), replay_chunks=replay_chunks)
+            info = run_pipeline_step(build, setup, tracker, mesh["pp"].get_group(), wrap, replay_chunks=replay_chunks)
         elif setup.recipe.trainer:
             info = run_trainer_step(build, setup, tracker, num_layers)
         else:

@@ -61,22 +61,12 @@ class Layout:
             raise InputError(f"strategy fsdp shards over the ranks: world-size({self.world_size}) must be at least 2")
         fsdp_x_tp = (self.strategy is Strategy.FSDP and self.pp == 1 and self.fsdp is not None
                      and self.fsdp.wrap == "transformers")  # DistributedConfig(tp_size, fsdp_size): a 2-D mesh
-        if self.strategy is Strategy.DDP and self.tp > 1:
-            # DistributedDataParallel over DTensor parameters stops at construction (`c10d.broadcast_` has no
-            # sharding strategy; torch 2.13, gloo); accelerate does not wrap a TP model in DDP and documents
-            # dp_replicate x tp without dp_shard as unsupported (ParallelismConfig, accelerate 1.16). torch 2.13's
-            # replicate (torch.distributed._composable.replicate_with_fsdp: DDP's replication on FSDP2's machinery)
-            # takes TP's DTensor parameters and runs under a pipeline schedule (experiments/explore_dp_tp_pp.py)
-            raise InputError(f"tp({self.tp}) with strategy ddp is not modelled: torch's DistributedDataParallel does "
-                             "not take DTensor parameters (torch 2.13's replicate from "
-                             "torch.distributed._composable.replicate_with_fsdp does, and is not modelled yet); "
-                             f"modelled instead: --strategy fsdp --fsdp-wrap transformers --tp {self.tp} (FSDP2 x TP, "
-                             "pp 1), tp and pp over one replica (--strategy single), or pp with ddp (tp 1)")
-        if self.tp * self.pp > 1 and not (self.strategy is Strategy.SINGLE or fsdp_x_tp or
-                                          (self.strategy is Strategy.DDP and self.pp > 1 and self.tp == 1)):
+        # DDP over TP shards is torch's replicate (llmsim/model/replicate.py): DistributedDataParallel takes no
+        # DTensor parameter
+        if self.tp * self.pp > 1 and not (self.strategy in (Strategy.SINGLE, Strategy.DDP) or fsdp_x_tp):
             raise InputError(f"pp({self.pp}) x tp({self.tp}) with strategy {self.strategy.value} is not modelled "
-                             "yet; modelled: tp and pp with single (dp = 1), pp with ddp (tp = 1), and tp with fsdp "
-                             "as transformers composes them (--fsdp-wrap transformers)")
+                             "yet; modelled: tp and pp with single (dp = 1) and with ddp (over TP shards torch's "
+                             "replicate), and tp with fsdp as transformers composes them (--fsdp-wrap transformers)")
         if (self.strategy is Strategy.DEEPSPEED) != (self.deepspeed is not None):
             raise InputError("strategy deepspeed needs a DeepSpeed config (--ds-config), and only it takes one")
         if (self.strategy is Strategy.FSDP) != (self.fsdp is not None):
@@ -126,6 +116,8 @@ def traced_setup(setup, layout: Layout):
         setup = replace(setup, cast_after_peft=True)
     if setup.grad_accum > 1 and layout.deepspeed is not None and layout.deepspeed.stage in (2, 3):
         setup = replace(setup, label_micro_grads=True)
+    if layout.strategy is Strategy.DDP and layout.tp > 1:  # torch's replicate runs in the trace (model/replicate.py)
+        setup = replace(setup, replicate_dp=layout.dp)
     if layout.fsdp is not None:  # FSDP2 runs in the trace itself (llmsim/model/fsdp.py)
         fsdp = layout.fsdp
         if fsdp.wrap == "accelerate" and setup.device is Device.CUDA:

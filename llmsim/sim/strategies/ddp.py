@@ -83,7 +83,9 @@ def _trainable_bytes(timeline: pd.DataFrame, setup) -> int:
 
 
 def plan(timeline: pd.DataFrame, layout, setup) -> dict[int, pd.DataFrame]:
-    rank_timeline = replica_timeline(timeline, setup)
+    """Every rank's timeline: the traced one with DDP's buffers, or over TP shards the traced one as it is (torch's
+    replicate ran in the trace: llmsim/model/replicate.py)."""
+    rank_timeline = timeline if setup.replicate_dp else replica_timeline(timeline, setup)
     return {rank: rank_timeline for rank in range(layout.world_size)}
 
 
