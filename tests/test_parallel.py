@@ -23,8 +23,8 @@ BAD = [
     (["--pp", "5"], "pp(5) is larger than the number of layers(4)"),
     (["--tp", "2", "--world-size", "3"], "does not divide world-size(3)"),
     (["--tp", "2", "--pp", "2", "--world-size", "8", "--strategy", "single"], "world-size(8) must equal pp(2) x tp(2)"),
-    (["--tp", "2", "--pp", "2", "--world-size", "8"], "tp(2) with strategy ddp is not modelled: torch's DistributedDataParallel"),
-    (["--tp", "2", "--world-size", "4", "--strategy", "ddp"], "--strategy fsdp --fsdp-wrap transformers --tp 2"),
+    (["--tp", "2", "--pp", "2", "--world-size", "8", "--strategy", "fsdp"],
+     "pp(2) x tp(2) with strategy fsdp is not modelled yet"),
     (["--pp", "2", "--schedule", "1f1b", "--microbatches", "1"], "microbatches(1) >= pp(2)"),
     (["--pp", "2", "--schedule", "zb"], "schedule"),
     (["--tp", "0"], "tp(0) must be >= 1"),
@@ -123,16 +123,20 @@ def test_committed_parallel_rows_cover_the_matrix():
     assert {1, 8} <= set(rows["n_microbatches"])
     assert ((rows["tp"] > 1) & (rows["pp"] > 1)).any()
     assert ((rows["strategy"] == "ddp") & (rows["pp"] > 1)).any()
+    replicated = rows[(rows["strategy"] == "ddp") & (rows["tp"] > 1)]  # DDP x TP (x PP): torch's replicate
+    assert {1, 2, 4} <= set(replicated["pp"]) and replicated["world_size"].max() >= 16
 
 
 FRESH = [
     ("mistral-7b", (64, 3, 600, 8), TrainSetup(2, 32, Precision.BF16, grad_ckpt=True), Layout(world_size=2, tp=2)),
     ("qwen2.5-7b", (56, 3, 700, 14), TrainSetup(1, 32), Layout(world_size=2, pp=2, schedule=Schedule.ONE_F_ONE_B,
                                                               n_microbatches=3)),
+    ("llama-3.1-8b", (64, 4, 700, 16), TrainSetup(1, 48, Precision.BF16_AUTOCAST, grad_ckpt=True),
+     Layout(Strategy.DDP, 8, tp=2, pp=2, schedule=Schedule.ONE_F_ONE_B, n_microbatches=3)),  # torch's replicate
 ]
 
 
-@pytest.mark.parametrize("model,shape,setup,layout", FRESH, ids=["tp2", "pp2-1f1b"])
+@pytest.mark.parametrize("model,shape,setup,layout", FRESH, ids=["tp2", "pp2-1f1b", "ddp2-tp2-pp2"])
 def test_fresh_parallel_run_matches_prediction(model, shape, setup, layout):
     spec = load_model_spec(model, shrink(model, *shape))
     rows = measure_distributed(spec, setup, layout, timeout_s=600)
@@ -151,6 +155,8 @@ def test_table_header_names_what_splits_each_rank():
         "ddp x 8 (pp 2, 1f1b over 4 micro-batches)"
     assert layout_text(Layout(world_size=8, tp=4, pp=2, n_microbatches=2)) == \
         "single x 8 (tp 4, pp 2, gpipe over 2 micro-batches)"
+    assert layout_text(Layout(Strategy.DDP, 16, tp=4, pp=2, n_microbatches=2)) == \
+        "ddp x 16 (tp 4 (ddp as torch's replicate), pp 2, gpipe over 2 micro-batches)"
 
 
 def test_predict_pauses_the_cyclic_collector_and_restores_it(monkeypatch):

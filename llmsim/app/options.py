@@ -113,7 +113,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     """One layout: micro-batch, ranks, strategy, and optionally the GPU."""
     p.add_argument("--micro-batch", type=int, default=None, help="required unless the DeepSpeed config sets it")
     p.add_argument("--strategy", default=None, help="single | ddp | fsdp (PyTorch FSDP2: fully_shard on every decoder "
-                   "layer, then the root) (deepspeed when --ds-config is given)")
+                   "layer, then the root) (deepspeed when --ds-config is given); ddp with --tp is torch's replicate "
+                   "(replicate_with_fsdp: DistributedDataParallel takes no DTensor), per layer, then the stage")
     p.add_argument("--world-size", type=int, default=None, help="number of ranks (default: tp)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: transformers' TP plan on DTensor "
                    "(colwise/rowwise, the LM head's logits gathered); world-size = dp x pp x tp")

@@ -57,7 +57,7 @@ def layout_text(layout) -> str:
                      + (", cpu_ram_efficient_loading: rank 0's state dict broadcast"
                         if fsdp.cpu_ram_efficient_loading else ""))
     if layout.tp > 1:
-        parts.append(f"tp {layout.tp}")
+        parts.append(f"tp {layout.tp}" + (" (ddp as torch's replicate)" if layout.strategy.value == "ddp" else ""))
     if layout.ep > 1:
         parts.append(f"ep {layout.ep}")
     if layout.pp > 1:

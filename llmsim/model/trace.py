@@ -369,6 +369,12 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         # sharded, outside any layer: the same. With its activation checkpointing every layer is a checkpoint_wrapper
         # around the layer: traced whole, its reduced-depth expansion not shown equal.
         depth = num_layers
+    if setup.replicate_dp:
+        # torch's replicate (DDP x TP, llmsim/model/replicate.py) resizes each layer's unsharded parameters up while
+        # the layer before it runs (block -1 for layer 0) and keeps them to the backward: the expansion copies those
+        # resizes onto new storages instead of the next layer's own, and the expanded step is not steady (a 12-layer
+        # Llama, 2 stages, traced at 3 of 6: 55 storages left alive). Traced whole, as FSDP2 on a GPU.
+        depth = num_layers
     if getattr(spec.hf_config(), "output_router_logits", False):
         # The MoE load-balancing loss walks every layer's router logits after the decoder stack, at the model's
         # level (load_balancing_loss_func): per-layer events outside any layer, which replicating the template
