@@ -10,7 +10,9 @@ user-given layer splits.
 Writes data/measurements/tier2_pp_cpu.csv.
 DP_TP_RUNS: DDP x TP and DDP x TP x PP, the replicas in torch's replicate (8-16 ranks). Writes
 data/measurements/tier2_dp_tp_pp_cpu.csv.
-Run: python experiments/measure_tier2_parallel.py [--pp | --dp-tp] (about 5 minutes each on 2 cores).
+FSDP_PP_RUNS: FSDP2 x PP and FSDP2 x TP x PP, fully_shard per layer then the stage over the dp ranks (4-16 ranks).
+Writes data/measurements/tier2_fsdp_pp_cpu.csv.
+Run: python experiments/measure_tier2_parallel.py [--pp | --dp-tp | --fsdp-pp] (about 5 minutes each on 2 cores).
 """
 from __future__ import annotations
 
@@ -22,13 +24,14 @@ from llmsim.enums import Precision
 from llmsim.measure.launch import LaunchFailure
 from llmsim.measure.runs import MEASUREMENTS_DIR, append_rows, measure_distributed
 from llmsim.model.pipelining import Schedule
-from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.inputs.spec import FsdpSetup, TrainSetup, load_model_spec
 from llmsim.sim.strategies import Layout, Strategy
 from llmsim.inputs.zoo import shrink
 
 TP_CSV = MEASUREMENTS_DIR / "tier2_tp_cpu.csv"
 PP_CSV = MEASUREMENTS_DIR / "tier2_pp_cpu.csv"
 DP_TP_CSV = MEASUREMENTS_DIR / "tier2_dp_tp_pp_cpu.csv"
+FSDP_PP_CSV = MEASUREMENTS_DIR / "tier2_fsdp_pp_cpu.csv"
 SHAPES = {  # zoo model -> (hidden, layers, vocab, heads): every size divides by 4 (kv-heads included)
     "llama-2-7b": (128, 4, 2000, 4), "mistral-7b": (128, 3, 1500, 16), "qwen2.5-7b": (112, 3, 3000, 28),
     "pythia-160m": (128, 3, 2048, 4), "llama-3.1-8b": (128, 5, 2500, 16),
@@ -85,13 +88,22 @@ DP_TP_RUNS = [
     ("pythia-160m", 1, 4, "gpipe", 1, "fp32", False, 1, 2, 64, 2),
     ("llama-2-7b-deep", 4, 2, "1f1b", 4, "bf16", True, 1, 1, 64, 2),
 ]
+# FSDP2 x PP (x TP): each stage sharded by fully_shard per layer, then the stage, over the dp ranks (torchtitan's
+# 3-D layout); the PP_RUNS tuple, dp given, then FsdpSetup's init and reshard_after_forward
+FSDP_PP_RUNS = [
+    ("llama-2-7b", 2, 1, "1f1b", 2, "fp32", False, 1, 2, 64, 2, None, "meta", True),
+    ("mistral-7b", 2, 1, "gpipe", 4, "bf16", True, 1, 1, 96, 2, None, "full", False),
+    ("qwen2.5-7b", 2, 2, "1f1b", 4, "bf16-autocast", False, 1, 1, 64, 2, None, "meta", True),
+    ("pythia-160m", 2, 2, "gpipe", 2, "fp32", True, 1, 2, 64, 2, None, "full", True),
+    ("llama-2-7b-deep", 4, 2, "1f1b", 4, "bf16", True, 1, 1, 64, 2, None, "meta", False),
+]
 
 
 def measure(runs: list[tuple], out: Path, timeout: int) -> int:
     """Measure each run (failures are reported and skipped); append the rank rows to `out`; the failures."""
     failures = 0
     for run in runs:
-        dp, split = 1, None
+        dp, split, fsdp = 1, None, None
         if len(run) == 7:  # a TP run
             model, tp, precision, ckpt, every, mb, seq = run
             pp, schedule, n_microbatches = 1, "gpipe", 1
@@ -99,11 +111,13 @@ def measure(runs: list[tuple], out: Path, timeout: int) -> int:
             model, pp, tp, schedule, n_microbatches, precision, ckpt, every, mb, seq = run[:10]
             dp = run[10] if len(run) > 10 else 1
             split = run[11] if len(run) > 11 else None
+            fsdp = FsdpSetup(init=run[12], reshard_after_forward=run[13]) if len(run) > 12 else None
         zoo_name = model.removesuffix("-deep")
         spec = load_model_spec(zoo_name, shrink(zoo_name, *SHAPES[model]))
         setup = TrainSetup(mb, seq, Precision(precision), None, ckpt, every)
-        layout = Layout(Strategy.DDP if dp > 1 else Strategy.SINGLE, dp * pp * tp, tp=tp, pp=pp,
-                        schedule=Schedule(schedule), n_microbatches=n_microbatches, pp_split=split)
+        strategy = Strategy.FSDP if fsdp else Strategy.DDP if dp > 1 else Strategy.SINGLE
+        layout = Layout(strategy, dp * pp * tp, fsdp=fsdp, tp=tp, pp=pp, schedule=Schedule(schedule),
+                        n_microbatches=n_microbatches, pp_split=split)
         try:
             rows = measure_distributed(spec, setup, layout, timeout)
         except LaunchFailure as exc:
@@ -119,11 +133,13 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pp", action="store_true", help=f"run PP_RUNS into {PP_CSV} instead of TP_RUNS")
     parser.add_argument("--dp-tp", action="store_true", help=f"run DP_TP_RUNS into {DP_TP_CSV}")
+    parser.add_argument("--fsdp-pp", action="store_true", help=f"run FSDP_PP_RUNS into {FSDP_PP_CSV}")
     parser.add_argument("--out", type=Path, default=None, help=f"default {TP_CSV}, with --pp {PP_CSV}")
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--only", type=int, nargs="*", help="indices into the runs (default: all)")
     args = parser.parse_args()
-    runs, out = ((DP_TP_RUNS, DP_TP_CSV) if args.dp_tp else (PP_RUNS, PP_CSV) if args.pp else (TP_RUNS, TP_CSV))
+    runs, out = ((DP_TP_RUNS, DP_TP_CSV) if args.dp_tp else (FSDP_PP_RUNS, FSDP_PP_CSV) if args.fsdp_pp
+                 else (PP_RUNS, PP_CSV) if args.pp else (TP_RUNS, TP_CSV))
     chosen = [run for i, run in enumerate(runs) if args.only is None or i in args.only]
     return 1 if measure(chosen, args.out or out, args.timeout) else 0
 

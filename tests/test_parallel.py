@@ -7,7 +7,7 @@ from llmsim.enums import Precision
 from llmsim.measure.runs import measure_distributed
 from llmsim.sim.pipeline import predict
 from llmsim.model.pipelining import Schedule, layer_range
-from llmsim.inputs.spec import TrainSetup, load_model_spec
+from llmsim.inputs.spec import FsdpSetup, TrainSetup, load_model_spec
 from llmsim.sim.strategies import Layout, Strategy
 from llmsim.measure.tolerances import PEAK_ALLOCATED_TOLERANCE
 from llmsim.inputs.zoo import shrink
@@ -23,8 +23,12 @@ BAD = [
     (["--pp", "5"], "pp(5) is larger than the number of layers(4)"),
     (["--tp", "2", "--world-size", "3"], "does not divide world-size(3)"),
     (["--tp", "2", "--pp", "2", "--world-size", "8", "--strategy", "single"], "world-size(8) must equal pp(2) x tp(2)"),
-    (["--tp", "2", "--pp", "2", "--world-size", "8", "--strategy", "fsdp"],
-     "pp(2) x tp(2) with strategy fsdp is not modelled yet"),
+    (["--tp", "2", "--world-size", "4", "--strategy", "fsdp"], "pp(1) x tp(2) with strategy fsdp is not modelled yet"),
+    (["--pp", "2", "--world-size", "4", "--strategy", "fsdp", "--fsdp-offload"],
+     "--fsdp-offload or fsdp-init host with --pp is not modelled yet"),
+    (["--pp", "2", "--world-size", "4", "--strategy", "fsdp", "--fsdp-wrap", "transformers"],
+     "pp(2) x tp(1) with strategy fsdp is not modelled yet"),
+    (["--pp", "2", "--world-size", "6", "--strategy", "fsdp"], "do not divide evenly over dp(3) x tp(1)"),
     (["--pp", "2", "--schedule", "1f1b", "--microbatches", "1"], "microbatches(1) >= pp(2)"),
     (["--pp", "2", "--schedule", "zb"], "schedule"),
     (["--tp", "0"], "tp(0) must be >= 1"),
@@ -125,6 +129,8 @@ def test_committed_parallel_rows_cover_the_matrix():
     assert ((rows["strategy"] == "ddp") & (rows["pp"] > 1)).any()
     replicated = rows[(rows["strategy"] == "ddp") & (rows["tp"] > 1)]  # DDP x TP (x PP): torch's replicate
     assert {1, 2, 4} <= set(replicated["pp"]) and replicated["world_size"].max() >= 16
+    sharded = rows[(rows["strategy"] == "fsdp") & (rows["pp"] > 1)]  # FSDP2 x PP (x TP)
+    assert {1, 2} <= set(sharded["tp"]) and sharded["world_size"].max() >= 16
 
 
 FRESH = [
@@ -133,10 +139,12 @@ FRESH = [
                                                               n_microbatches=3)),
     ("llama-3.1-8b", (64, 4, 700, 16), TrainSetup(1, 48, Precision.BF16_AUTOCAST, grad_ckpt=True),
      Layout(Strategy.DDP, 8, tp=2, pp=2, schedule=Schedule.ONE_F_ONE_B, n_microbatches=3)),  # torch's replicate
+    ("mistral-7b", (64, 4, 640, 8), TrainSetup(2, 40, Precision.BF16, grad_ckpt=True),  # FSDP2 per layer, per stage
+     Layout(Strategy.FSDP, 4, fsdp=FsdpSetup(reshard_after_forward=False), pp=2, n_microbatches=3)),
 ]
 
 
-@pytest.mark.parametrize("model,shape,setup,layout", FRESH, ids=["tp2", "pp2-1f1b", "ddp2-tp2-pp2"])
+@pytest.mark.parametrize("model,shape,setup,layout", FRESH, ids=["tp2", "pp2-1f1b", "ddp2-tp2-pp2", "fsdp2-pp2"])
 def test_fresh_parallel_run_matches_prediction(model, shape, setup, layout):
     spec = load_model_spec(model, shrink(model, *shape))
     rows = measure_distributed(spec, setup, layout, timeout_s=600)

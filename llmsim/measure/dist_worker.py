@@ -192,21 +192,31 @@ def run_model_parallel(job: dict, tracker: StorageTracker) -> None:
     """This rank's pipeline stage (llmsim.model.pipelining) and shards of transformers' TP plan
     (llmsim.model.tensor_parallel): the canonical PP step, or the canonical step when there is one stage. With
     dp > 1 the stage is wrapped in DistributedDataParallel over its data-parallel group, or where TP shards it in
-    torch's replicate (llmsim/model/replicate.py: DDP takes no DTensor), whose collectives settle as FSDP2's do."""
+    torch's replicate (llmsim/model/replicate.py: DDP takes no DTensor), or with FSDP2 sharded by fully_shard per
+    layer and then the stage (llmsim/model/fsdp.py); their collectives settle as FSDP2's do."""
     import contextlib
 
     from torch.nn.parallel import DistributedDataParallel
 
-    from llmsim.model.fsdp import settled_collectives
+    from llmsim.inputs.spec import FsdpSetup
+    from llmsim.model.fsdp import meta_build, settled_collectives, shard
     from llmsim.model.replicate import replicate_model
 
     dp, tp = job.get("dp", 1), job.get("tp", 1)
     mesh = parallel_mesh(dp, job.get("pp", 1), tp)
     setup = replace(_setup(job), pp_stage=mesh.get_coordinate()[1])
+    fsdp = FsdpSetup.from_json(job["fsdp_config"]) if job.get("fsdp_config") else None
+    if fsdp is not None:  # FSDP2 x PP (x TP): fully_shard per layer, then the stage, over the mesh's dp
+        setup = replace(setup, fsdp=fsdp, fsdp_world=torch.distributed.get_world_size())
     spec = ModelSpec(job["model"], job["config_json"])
     build = model_builder(spec, setup, None, mesh)
     wrap, settled = None, contextlib.nullcontext()
-    if job.get("replicate"):
+    if fsdp is not None:
+        build = meta_build(build) if fsdp.init == "meta" else build
+        def wrap(model):
+            return shard(model, fsdp, mesh["dp"])
+        settled = settled_collectives(job.get("gloo_settle", True))
+    elif job.get("replicate"):
         def wrap(model):
             return replicate_model(model, mesh["dp"])
         settled = settled_collectives(job.get("gloo_settle", True))

@@ -286,8 +286,9 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     check_pipeline(spec.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
                    setup.precision)
     fsdp_config = layout.fsdp.as_json() if layout.fsdp else None
-    framework = ("deepspeed" if layout.strategy is Strategy.DEEPSPEED else "fsdp" if layout.strategy is Strategy.FSDP
-                 else "model_parallel" if layout.tp * layout.pp > 1 else "ddp")
+    framework = ("deepspeed" if layout.strategy is Strategy.DEEPSPEED
+                 else "model_parallel" if layout.tp * layout.pp > 1  # FSDP2 x PP too
+                 else "fsdp" if layout.strategy is Strategy.FSDP else "ddp")
     job = {"framework": framework, "model": spec.name, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
            "replicate": layout.strategy is Strategy.DDP and layout.tp > 1,  # DDP x TP: llmsim/model/replicate.py
            "schedule": layout.schedule.value, "n_microbatches": layout.n_microbatches, "pp_split": layout.pp_split,
@@ -309,6 +310,8 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     ds_config = layout.deepspeed.config_json if layout.deepspeed else ""
     columns = {"fsdp_config": fsdp_config, "gloo_settle": gloo_settle} if layout.fsdp else {}
+    if job["replicate"]:  # replicate's collectives settle as FSDP2's (llmsim/measure/dist_worker.py)
+        columns["gloo_settle"] = gloo_settle
     if ds_gloo_settle:  # DeepSpeed's collectives settled as well (the offload rows)
         columns["gloo_settle"] = True
     return [{"tier": 2, "recipe": setup.recipe.value, **setup_columns(spec, setup), "strategy": layout.strategy.value,

@@ -166,6 +166,17 @@ def meshes_made_for_real(counted: bool = False):
         yield
 
 
+def submesh_made_for_real(mesh, name: str, counted: bool):
+    """`mesh[name]`, sliced in the trace where the measured run slices it (inside the wrap, under the storage tracker:
+    the slice's rank tensor, 8 bytes a rank, stays alive with it), outside FakeTensorMode as `meshes_made_for_real`
+    makes meshes (`counted`: under the tracker still, on a CPU trace)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with unset_fake_temporarily() if counted else _disable_current_modes():
+        return mesh[name]
+
+
 @contextlib.contextmanager
 def accelerate_on_fake_ranks(world_size: int, rank: int, mesh):
     """The HF Trainer's FSDP (FsdpSetup wrap "accelerate") traced as rank `rank` of `world_size`: the environment

@@ -567,8 +567,8 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
         dtype = setup.precision.cast_dtype or torch.float32
         example = stage_io(stage_index, num_stages, setup.micro_batch, setup.seq_len, int(model.config.hidden_size),
                            vocab_size, dtype, setup.precision.autocast_dtype or dtype)
-        autocast = _autocast(model, setup)
         stage_module = wrap(model) if wrap is not None else model
+        autocast = _autocast(model, setup)  # where the parameters are once wrapped (FSDP2 materialises a meta build)
         stage = PipelineStage(stage_module, stage_index, num_stages, torch.device("cpu"), input_args=example[0],
                               output_args=example[1], group=pp_group)
         _track_chunks(stage, tracker, hooks, autocast, replay)

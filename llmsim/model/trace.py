@@ -90,8 +90,13 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
         directory = header_checkpoint(spec.config_json, num_layers) if fake else real_checkpoint(config)
         return functools.partial(load_quantized, directory, setup)
     build = hf_builder(spec, setup, config)
-    if setup.fsdp is not None and setup.tp > 1:  # FSDP2 x TP: the TP plan on the meta device, fully_shard next
-        return functools.partial(parallel_on_meta, build, spec.name, mesh["tp"])
+    if setup.fsdp is not None and setup.tp > 1 and setup.pp == 1:  # FSDP2 x TP: the TP plan on the meta device,
+        return functools.partial(parallel_on_meta, build, spec.name, mesh["tp"])  # fully_shard next
+    if setup.fsdp is not None and setup.pp > 1 and setup.fsdp.init == "meta":  # FSDP2 x PP: the stage (and its TP
+        # plan) on the meta device, fully_shard next, then `to_empty` (llmsim/model/fsdp.py, `shard`)
+        return functools.partial(parallel_on_meta, build, spec.name, mesh["tp"] if setup.tp > 1 else None,
+                                 functools.partial(cut, stage=setup.pp_stage, num_stages=setup.pp, keep=num_layers,
+                                                   split=setup.pp_split))
     if setup.tp > 1 or setup.pp > 1:
         return functools.partial(
             build_parallel, build, spec.name, mesh["tp"] if setup.tp > 1 else None,
@@ -288,7 +293,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
         stack.enter_context(_older_objects_frozen())
         stack.enter_context(own_bitsandbytes_overrides())  # no earlier trace's 8-bit overrides in this one
         mesh, wrap = None, None
-        if setup.fsdp is not None:  # one rank of FSDP2's mesh (llmsim/model/fsdp.py)
+        if setup.fsdp is not None and setup.pp == 1:  # one rank of FSDP2's mesh (llmsim/model/fsdp.py)
             stack.enter_context(fake_process_group(setup.fsdp_world, rank=setup.fsdp_rank))
             mesh = (fsdp.mesh_1d(setup.fsdp_world) if setup.tp == 1 else  # FSDP2 x TP: a 2-D mesh, TP innermost
                     fsdp.mesh_2d(setup.fsdp_world // setup.tp, setup.tp))
@@ -301,16 +306,21 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
                 stack.enter_context(fsdp.gloo_reduce_scatter_copy())
         elif setup.tp * setup.pp > 1:  # TP rank `tp_rank` (0 but for uneven shards) of the stage's group in
             # data-parallel replica 0; the mesh is built before the fake mode
-            dp = max(setup.replicate_dp, 1)
+            dp = max(setup.replicate_dp, 1) if setup.fsdp is None else setup.fsdp_world // (setup.tp * setup.pp)
             stack.enter_context(fake_process_group(dp * setup.tp * setup.pp,
                                                    rank=setup.pp_stage * setup.tp + setup.tp_rank))
             mesh = parallel_mesh(dp, setup.pp, setup.tp)
+            dp_mesh = functools.partial(fsdp.submesh_made_for_real, mesh, "dp", setup.device is Device.CPU)
             if setup.replicate_dp:  # DDP x TP: torch's replicate over the replicas (llmsim/model/replicate.py)
                 importlib.import_module("torch.distributed._composable.replicate_with_fsdp")  # for real
-
-                wrap = functools.partial(replicate_model, mesh=mesh["dp"])
+                wrap = lambda model: replicate_model(model, dp_mesh())  # noqa: E731
+            elif setup.fsdp is not None:  # FSDP2 x PP (x TP): each stage sharded over the replicas' ranks
+                wrap = lambda model: fsdp.shard(model, setup.fsdp, dp_mesh())  # noqa: E731
+            if wrap is not None:
                 stack.enter_context(fsdp.storages_told_apart())
                 stack.enter_context(fsdp.meshes_made_for_real(counted=setup.device is Device.CPU))
+                if setup.fsdp is not None and setup.device is Device.CPU:
+                    stack.enter_context(fsdp.gloo_reduce_scatter_copy())
         build = model_builder(spec, setup, num_layers, mesh, fake=True)  # a checkpoint is written for real
         if setup.fsdp is not None and setup.fsdp.init == "meta":
             build = fsdp.meta_build(build, untied=setup.fsdp.wrap == "transformers")
@@ -369,11 +379,12 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         # sharded, outside any layer: the same. With its activation checkpointing every layer is a checkpoint_wrapper
         # around the layer: traced whole, its reduced-depth expansion not shown equal.
         depth = num_layers
-    if setup.replicate_dp:
+    if setup.replicate_dp or (setup.fsdp is not None and setup.pp > 1):
         # torch's replicate (DDP x TP, llmsim/model/replicate.py) resizes each layer's unsharded parameters up while
         # the layer before it runs (block -1 for layer 0) and keeps them to the backward: the expansion copies those
         # resizes onto new storages instead of the next layer's own, and the expanded step is not steady (a 12-layer
-        # Llama, 2 stages, traced at 3 of 6: 55 storages left alive). Traced whole, as FSDP2 on a GPU.
+        # Llama, 2 stages, traced at 3 of 6: 55 storages left alive). Traced whole, as FSDP2 on a GPU, and FSDP2's
+        # own pipeline stages (the same hooks).
         depth = num_layers
     if getattr(spec.hf_config(), "output_router_logits", False):
         # The MoE load-balancing loss walks every layer's router logits after the decoder stack, at the model's

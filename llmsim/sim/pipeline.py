@@ -93,7 +93,7 @@ def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile
         if layout.pp > 1 and getattr(model.hf_config(), "tie_word_embeddings", False):
             raise InputError(f"tp({layout.tp}) x pp({layout.pp}) with tied embeddings (tie_word_embeddings) is not "
                              "modelled yet: TP alone and PP alone are")
-        if layout.fsdp is not None:
+        if layout.fsdp is not None and layout.pp == 1:  # (with pp: below)
             from llmsim.sim.strategies.fsdp import rank_classes
 
             if len(tp_rank_classes(model.hf_config(), layout.tp)) > 1 or \
@@ -104,6 +104,13 @@ def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile
             raise InputError(f"tp({layout.tp}) shards {' and '.join(UNEVEN_SIZES)} unevenly; with pp or ep that is "
                              "not modelled yet (TP alone is)")
         setup = replace(setup, tp=layout.tp, ep=layout.ep)
+    if layout.fsdp is not None and layout.pp > 1:
+        from llmsim.sim.strategies.fsdp import rank_classes
+
+        if len(rank_classes(model, setup, layout.dp * layout.tp)) > 1:
+            raise InputError(f"fsdp x pp({layout.pp}) with shards that do not divide evenly over dp({layout.dp}) x "
+                             f"tp({layout.tp}) is not modelled yet; modelled: every parameter's dim 0 a multiple of "
+                             f"{layout.dp * layout.tp}")
     check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
                    setup.precision)
     check_fits_positions(model, setup)
