@@ -114,7 +114,7 @@ def test_a_fresh_fsdp_x_tp_run_is_the_prediction(capsys):
     base = ["predict", "--model", "llama-2-7b", *[a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")],
             "--set", "num_key_value_heads=4", "--seq-len", "32", "--micro-batch", "1", "--strategy", "fsdp",
             "--world-size", "4", "--tp", "2"]
-    for flags, message in (([], "tp with fsdp as transformers composes them (--fsdp-wrap transformers)"),
+    for flags, message in (([], "tp without pp with fsdp as transformers composes them (--fsdp-wrap transformers)"),
                            (["--fsdp-wrap", "transformers", "--set", "intermediate_size=126"],
                             "do not divide evenly over the 4 ranks")):
         assert main([*base, *flags]) == 2, flags
