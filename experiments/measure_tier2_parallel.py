@@ -88,14 +88,17 @@ DP_TP_RUNS = [
     ("pythia-160m", 1, 4, "gpipe", 1, "fp32", False, 1, 2, 64, 2),
     ("llama-2-7b-deep", 4, 2, "1f1b", 4, "bf16", True, 1, 1, 64, 2),
 ]
-# FSDP2 x PP (x TP): each stage sharded by fully_shard per layer, then the stage, over the dp ranks (torchtitan's
-# 3-D layout); the PP_RUNS tuple, dp given, then FsdpSetup's init and reshard_after_forward
+# FSDP2 x PP (x TP), and FSDP2 x TP: each stage (or TP shard) sharded by fully_shard per layer, then the stage, over
+# the dp ranks of the (dp, pp, tp) mesh (torchtitan's 3-D layout); the PP_RUNS tuple, dp given, then FsdpSetup's
+# init and reshard_after_forward
 FSDP_PP_RUNS = [
     ("llama-2-7b", 2, 1, "1f1b", 2, "fp32", False, 1, 2, 64, 2, None, "meta", True),
     ("mistral-7b", 2, 1, "gpipe", 4, "bf16", True, 1, 1, 96, 2, None, "full", False),
     ("qwen2.5-7b", 2, 2, "1f1b", 4, "bf16-autocast", False, 1, 1, 64, 2, None, "meta", True),
     ("pythia-160m", 2, 2, "gpipe", 2, "fp32", True, 1, 2, 64, 2, None, "full", True),
     ("llama-2-7b-deep", 4, 2, "1f1b", 4, "bf16", True, 1, 1, 64, 2, None, "meta", False),
+    ("mistral-7b", 1, 2, "gpipe", 1, "bf16", True, 1, 2, 64, 2, None, "full", False),  # no pipeline: FSDP2 x TP
+    ("qwen2.5-7b", 1, 4, "gpipe", 1, "bf16-autocast", False, 1, 1, 64, 2, None, "meta", True),
 ]
 
 

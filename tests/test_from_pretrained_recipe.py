@@ -99,7 +99,8 @@ def test_transformers_fsdp_plan_options_are_checked_in_one_line(capsys):
 
 def test_a_fresh_fsdp_x_tp_run_is_the_prediction(capsys):
     """DistributedConfig(tp_size=2, fsdp_size=2) on 4 ranks: transformers' TP plan, then its FSDP plan over the
-    data-parallel ranks of a 2-D mesh; the per-layer wrap with TP, and uneven shards, are refused in one line."""
+    data-parallel ranks of a 2-D mesh; uneven shards, and the per-layer wrap with TP and CPU offload, are refused in
+    one line (the per-layer wrap with TP is modelled: tests/test_parallel.py)."""
     from llmsim.inputs.spec import FsdpSetup
     from llmsim.sim.strategies import Strategy
 
@@ -114,7 +115,7 @@ def test_a_fresh_fsdp_x_tp_run_is_the_prediction(capsys):
     base = ["predict", "--model", "llama-2-7b", *[a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")],
             "--set", "num_key_value_heads=4", "--seq-len", "32", "--micro-batch", "1", "--strategy", "fsdp",
             "--world-size", "4", "--tp", "2"]
-    for flags, message in (([], "tp without pp with fsdp as transformers composes them (--fsdp-wrap transformers)"),
+    for flags, message in ((["--fsdp-offload"], "--fsdp-offload or fsdp-init host with --pp or --tp is not modelled"),
                            (["--fsdp-wrap", "transformers", "--set", "intermediate_size=126"],
                             "do not divide evenly over the 4 ranks")):
         assert main([*base, *flags]) == 2, flags

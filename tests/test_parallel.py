@@ -23,9 +23,10 @@ BAD = [
     (["--pp", "5"], "pp(5) is larger than the number of layers(4)"),
     (["--tp", "2", "--world-size", "3"], "does not divide world-size(3)"),
     (["--tp", "2", "--pp", "2", "--world-size", "8", "--strategy", "single"], "world-size(8) must equal pp(2) x tp(2)"),
-    (["--tp", "2", "--world-size", "4", "--strategy", "fsdp"], "pp(1) x tp(2) with strategy fsdp is not modelled yet"),
+    (["--tp", "2", "--world-size", "4", "--strategy", "fsdp", "--fsdp-offload"],
+     "--fsdp-offload or fsdp-init host with --pp or --tp is not modelled yet"),
     (["--pp", "2", "--world-size", "4", "--strategy", "fsdp", "--fsdp-offload"],
-     "--fsdp-offload or fsdp-init host with --pp is not modelled yet"),
+     "--fsdp-offload or fsdp-init host with --pp or --tp is not modelled yet"),
     (["--pp", "2", "--world-size", "4", "--strategy", "fsdp", "--fsdp-wrap", "transformers"],
      "pp(2) x tp(1) with strategy fsdp is not modelled yet"),
     (["--pp", "2", "--world-size", "6", "--strategy", "fsdp"], "do not divide evenly over dp(3) x tp(1)"),
@@ -131,6 +132,9 @@ def test_committed_parallel_rows_cover_the_matrix():
     assert {1, 2, 4} <= set(replicated["pp"]) and replicated["world_size"].max() >= 16
     sharded = rows[(rows["strategy"] == "fsdp") & (rows["pp"] > 1)]  # FSDP2 x PP (x TP)
     assert {1, 2} <= set(sharded["tp"]) and sharded["world_size"].max() >= 16
+    per_layer = rows[(rows["strategy"] == "fsdp") & (rows["pp"] == 1) & ~rows["fsdp_config"].fillna("").str.contains(
+        "transformers")]  # FSDP2 x TP, fully_shard per layer
+    assert {2, 4} <= set(per_layer["tp"])
 
 
 FRESH = [

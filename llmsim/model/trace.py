@@ -73,6 +73,12 @@ def trace_depth(num_layers: int, period: int, lead: int = 0) -> int:
     return min(depth, num_layers)
 
 
+def fsdp_on_parallel_mesh(setup: TrainSetup) -> bool:
+    """FSDP2 per layer (`--fsdp-wrap layers`) with TP or PP: fully_shard over the dp dimension of the (dp, pp, tp) mesh
+    tensor and pipeline parallelism use, each stage and TP shard sharded again over its replicas."""
+    return setup.fsdp is not None and setup.fsdp.wrap == "layers" and setup.tp * setup.pp > 1
+
+
 def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, mesh=None, fake: bool = False):
     """How the canonical step builds the model: fp32 (the cast to bf16 is part of the step), or directly in bf16;
     with tp or pp > 1, this rank's stage and shards over `mesh` (llmsim.model.tensor_parallel.parallel_mesh)."""
@@ -90,13 +96,13 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
         directory = header_checkpoint(spec.config_json, num_layers) if fake else real_checkpoint(config)
         return functools.partial(load_quantized, directory, setup)
     build = hf_builder(spec, setup, config)
-    if setup.fsdp is not None and setup.tp > 1 and setup.pp == 1:  # FSDP2 x TP: the TP plan on the meta device,
-        return functools.partial(parallel_on_meta, build, spec.name, mesh["tp"])  # fully_shard next
-    if setup.fsdp is not None and setup.pp > 1 and setup.fsdp.init == "meta":  # FSDP2 x PP: the stage (and its TP
-        # plan) on the meta device, fully_shard next, then `to_empty` (llmsim/model/fsdp.py, `shard`)
+    if setup.fsdp is not None and setup.tp > 1 and not fsdp_on_parallel_mesh(setup):  # transformers' FSDP2 x TP:
+        return functools.partial(parallel_on_meta, build, spec.name, mesh["tp"])  # the TP plan on the meta device
+    if fsdp_on_parallel_mesh(setup) and setup.fsdp.init == "meta":  # FSDP2 x TP / PP: the stage (and its TP plan)
+        # on the meta device, fully_shard next, then `to_empty` (llmsim/model/fsdp.py, `shard`)
         return functools.partial(parallel_on_meta, build, spec.name, mesh["tp"] if setup.tp > 1 else None,
                                  functools.partial(cut, stage=setup.pp_stage, num_stages=setup.pp, keep=num_layers,
-                                                   split=setup.pp_split))
+                                                   split=setup.pp_split) if setup.pp > 1 else None)
     if setup.tp > 1 or setup.pp > 1:
         return functools.partial(
             build_parallel, build, spec.name, mesh["tp"] if setup.tp > 1 else None,
@@ -293,7 +299,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
         stack.enter_context(_older_objects_frozen())
         stack.enter_context(own_bitsandbytes_overrides())  # no earlier trace's 8-bit overrides in this one
         mesh, wrap = None, None
-        if setup.fsdp is not None and setup.pp == 1:  # one rank of FSDP2's mesh (llmsim/model/fsdp.py)
+        if setup.fsdp is not None and not fsdp_on_parallel_mesh(setup):  # one rank of FSDP2's mesh (model/fsdp.py)
             stack.enter_context(fake_process_group(setup.fsdp_world, rank=setup.fsdp_rank))
             mesh = (fsdp.mesh_1d(setup.fsdp_world) if setup.tp == 1 else  # FSDP2 x TP: a 2-D mesh, TP innermost
                     fsdp.mesh_2d(setup.fsdp_world // setup.tp, setup.tp))
@@ -379,7 +385,7 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         # sharded, outside any layer: the same. With its activation checkpointing every layer is a checkpoint_wrapper
         # around the layer: traced whole, its reduced-depth expansion not shown equal.
         depth = num_layers
-    if setup.replicate_dp or (setup.fsdp is not None and setup.pp > 1):
+    if setup.replicate_dp or fsdp_on_parallel_mesh(setup):
         # torch's replicate (DDP x TP, llmsim/model/replicate.py) resizes each layer's unsharded parameters up while
         # the layer before it runs (block -1 for layer 0) and keeps them to the backward: the expansion copies those
         # resizes onto new storages instead of the next layer's own, and the expanded step is not steady (a 12-layer

@@ -44,9 +44,11 @@ def check_supported(setup, layout) -> None:
     if setup.quant is not None:
         raise InputError("a quantized base with strategy fsdp is not modelled yet; modelled with FSDP2: full "
                          "fine-tuning and LoRA")
-    if layout.pp > 1 and (layout.fsdp.offload or layout.fsdp.init == "host"):
-        raise InputError("--fsdp-offload or fsdp-init host with --pp is not modelled yet (no row measures them under a "
-                         "pipeline); modelled with pp: fully_shard per layer, built on the meta device or whole")
+    if layout.tp * layout.pp > 1 and layout.fsdp.wrap == "layers" and (layout.fsdp.offload or
+                                                                        layout.fsdp.init == "host"):
+        raise InputError("--fsdp-offload or fsdp-init host with --pp or --tp is not modelled yet (no row measures them "
+                         "on a (dp, pp, tp) mesh); modelled there: fully_shard per layer, built on the meta device or "
+                         "whole")
     if layout.fsdp.offload and setup.tp > 1:
         raise InputError("--fsdp-offload with --tp is not modelled yet (no row measures CPUOffloadPolicy on a 2-D "
                          "mesh); modelled: CPUOffloadPolicy over a 1-D mesh (--strategy fsdp --world-size N)")
