@@ -189,22 +189,31 @@ def test_fsdp_shards_the_model_states():
     assert fsdp.ranks[0].peak.allocated_bytes < ddp.ranks[0].peak.allocated_bytes / 2
 
 
-def test_on_a_gpu_the_run_is_traced_whole_and_prints_no_library_noise(capsys):
-    """The caching-allocator model follows each storage; the reduced-depth expansion keeps FSDP2's bytes but not
-    which layer's unsharded parameter each resize acts on, so a GPU prediction traces every layer."""
+@pytest.mark.parametrize("fsdp", [FsdpSetup(False, init="full"), FsdpSetup()], ids=["full-no-reshard", "meta-reshard"])
+def test_on_a_gpu_the_expansion_is_the_full_depth_run_storage_for_storage(fsdp, capsys):
+    """The caching-allocator model follows each storage: the reduced-depth expansion resizes each layer's unsharded
+    parameters on that layer's own storage, up and back to 0 in every step (timeline._pair_serials), so it is the
+    six-layer run event for event and storage for storage, and reserves what it reserves (until 2026-12-05 every
+    FSDP2 GPU prediction was traced whole: a Llama-shaped 8-layer model reserved 394 MB at full depth, 1.59 GB
+    expanded)."""
     from llmsim.inputs.gpus import load_gpu, on_gpu
     from llmsim.sim.allocator import NO_LIMIT, AllocatorConfig, replay_reserved
     from llmsim.sim.replay import on_gpu as gpu_events
+    from test_expansion import assert_same_events
 
     gpu = load_gpu("h100-80gb")
-    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 6, 256, 4))
-    setup = TrainSetup(1, 32, Precision.BF16, Attention.SDPA, True)
-    layout = Layout(Strategy.FSDP, 4, fsdp=FsdpSetup(False, init="full"))
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 512, 6, 4096, 8))
+    setup = TrainSetup(1, 256, Precision.BF16, Attention.SDPA, True)
+    layout = Layout(Strategy.FSDP, 4, fsdp=fsdp)
     predicted = predict(spec, setup, layout, gpu).ranks[0]
-    traced = on_gpu(replace(setup, fsdp=layout.fsdp, fsdp_world=4), gpu)
-    assert trace(spec, traced).depth == 6
+    traced = replace(on_gpu(replace(setup, fsdp=layout.fsdp, fsdp_world=4), gpu), steps=2)
+    reduced = trace(spec, traced)
+    assert reduced.depth < 6
     full, _ = run_fake(spec, traced, None)
-    serials, deltas, _ = gpu_events(full, gpu)  # each thread's workspaces where it first calls cuBLAS
+    expanded = expand(reduced)
+    assert_same_events(*(frame[frame["delta_bytes"] != 0] for frame in (expanded, full)))
+    full3, _ = run_fake(spec, replace(traced, steps=3), None)
+    serials, deltas, _ = gpu_events(full3, gpu)  # each thread's workspaces where it first calls cuBLAS
     reserved = replay_reserved(serials, deltas, NO_LIMIT, AllocatorConfig(), ()).peak_reserved_bytes
     assert predicted.peak_reserved_bytes == reserved
     assert main(["predict", *TINY, "--strategy", "fsdp", "--world-size", "2", "--gpu", "h100-80gb"]) == 0

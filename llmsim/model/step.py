@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from unittest import mock
 from dataclasses import dataclass
 from typing import Callable
 
@@ -568,6 +569,10 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
         example = stage_io(stage_index, num_stages, setup.micro_batch, setup.seq_len, int(model.config.hidden_size),
                            vocab_size, dtype, setup.precision.autocast_dtype or dtype)
         stage_module = wrap(model) if wrap is not None else model
+        if wrap is not None:  # as run_canonical_step: FSDP2's (replicate's) in-place wrap, its parameters named and
+            if stage_module is model:  # placed, and each layer entered before FSDP2's pre-forward runs
+                hooks.label_model()
+            hooks.enter_blocks_first()
         autocast = _autocast(model, setup)  # where the parameters are once wrapped (FSDP2 materialises a meta build)
         stage = PipelineStage(stage_module, stage_index, num_stages, torch.device("cpu"), input_args=example[0],
                               output_args=example[1], group=pp_group)
@@ -579,20 +584,49 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
         hooks.watch(optimizer, gpu=setup.device is Device.CUDA and not setup.cuda_default_device)
         batch = torch.randint(0, vocab_size, (setup.micro_batch * setup.n_microbatches, setup.seq_len))
         tracker.label([batch], Category.INPUT)
-        for step in range(setup.steps):
-            tracker.set_phase(step, Phase.FORWARD)
-            if stage_index == 0:
-                schedule.step(batch)
-            elif stage_index == num_stages - 1:
-                schedule.step(target=batch, losses=[])
-            else:
-                schedule.step()
-            tracker.set_phase(step, Phase.OPTIMIZER)
-            optimizer.step()
-            tracker.frees_by_owner = True
-            optimizer.zero_grad(set_to_none=True)
+        # torch's REDUCE_GRAD (FSDP2's post-backward of every group after the last micro-batch) under each group's layer
+        with _groups_reduced_in_their_layers(hooks) if wrap is not None else contextlib.nullcontext():
+            for step in range(setup.steps):
+                tracker.set_phase(step, Phase.FORWARD)
+                if stage_index == 0:
+                    schedule.step(batch)
+                elif stage_index == num_stages - 1:
+                    schedule.step(target=batch, losses=[])
+                else:
+                    schedule.step()
+                tracker.set_phase(step, Phase.OPTIMIZER)
+                optimizer.step()
+                tracker.frees_by_owner = True
+                optimizer.zero_grad(set_to_none=True)
         tracker.finish()
     return hooks.info(vocab_size)
+
+
+@contextlib.contextmanager
+def _groups_reduced_in_their_layers(hooks: LayerHooks):
+    """FSDP2's (and replicate's) `FSDPParamGroup.post_backward` run as the tracker's layer of the group's module: a
+    pipeline stage calls it for every group at once after its last micro-batch (torch's REDUCE_GRAD,
+    `PipelineStage.perform_reduce_grad`), outside any layer's backward; each group's reduction, gradient buffers and
+    reshard are its own layer's, as the expansion to full depth reads them (llmsim/sim/timeline.py)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    blocks = {id(module): hooks.block_of(name) for name, module in hooks.model.named_modules()}
+    post_backward = FSDPParamGroup.post_backward
+
+    def in_its_layer(group, *args, **kwargs):
+        tracker = hooks.tracker
+        block = max((blocks.get(id(module), NO_BLOCK) for module in group.modules), default=NO_BLOCK)
+        if block == NO_BLOCK or tracker.phase is not Phase.BACKWARD:
+            return post_backward(group, *args, **kwargs)
+        before = tracker.block, tracker.module
+        tracker.block, tracker.module = block, f"{hooks.prefix}.{block}"
+        try:
+            return post_backward(group, *args, **kwargs)
+        finally:
+            tracker.block, tracker.module = before
+
+    with mock.patch.object(FSDPParamGroup, "post_backward", in_its_layer):
+        yield
 
 
 def _track_chunks(stage, tracker: StorageTracker, hooks: LayerHooks, autocast, replay=None) -> None:

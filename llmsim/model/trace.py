@@ -370,27 +370,21 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     num_layers = end - start
     lead, period = layer_structure(spec, setup, start, end)
     depth = trace_depth(num_layers, period, lead)
-    if setup.fsdp is not None and (setup.fsdp_rank != 0 or setup.device is Device.CUDA or setup.fsdp.offload or
+    if setup.fsdp is not None and (setup.fsdp_rank != 0 or setup.fsdp.init == "host" or setup.fsdp.offload or
                                    setup.fsdp.cpu_ram_efficient_loading or setup.fsdp.activation_checkpointing):
         # A rank with shorter FSDP2 shards than rank 0 (llmsim.sim.strategies.fsdp.rank_classes): traced whole. It
         # was for the trace's re-padding of every shard at the root's lazy init (an artefact since mended:
         # fsdp.storages_told_apart); its reduced-depth trace still expands short of the full one by build events
-        # outside any layer (102 on a 6-layer LoRA Llama, rank 2 of 3, the same peaks), not traced down. On a
-        # GPU too: the expansion keeps every byte of FSDP2's unsharded parameters, resized up and back to 0 several
-        # times a step, but not which layer's storage each resize acts on, which the caching-allocator model
-        # needs (a Llama-shaped 8-layer model: 394 MB reserved at full depth, 1.59 GB expanded). With CPUOffloadPolicy
+        # outside any layer (102 on a 6-layer LoRA Llama, rank 2 of 3, the same peaks), not traced down. (On a GPU
+        # the expansion follows each layer's unsharded parameters, resized up and back to 0 several times a step, to
+        # its own storage since 2026-12-05: timeline._pair_serials revives a storage resized to 0; until then
+        # every FSDP2 GPU trace was whole.) The Trainer's build on the host (init "host"), not shown equal. With
+        # CPUOffloadPolicy
         # too: FSDP2's lazy init pins every shard that is not yet pinned (a meta build's, `to_empty` on the host) from
         # the root, all layers at once where no layer runs: events the template layer would not replicate. With
         # accelerate's cpu_ram_efficient_loading the state dict is loaded parameter by parameter once every layer is
         # sharded, outside any layer: the same. With its activation checkpointing every layer is a checkpoint_wrapper
         # around the layer: traced whole, its reduced-depth expansion not shown equal.
-        depth = num_layers
-    if setup.replicate_dp or fsdp_on_parallel_mesh(setup):
-        # torch's replicate (DDP x TP, llmsim/model/replicate.py) resizes each layer's unsharded parameters up while
-        # the layer before it runs (block -1 for layer 0) and keeps them to the backward: the expansion copies those
-        # resizes onto new storages instead of the next layer's own, and the expanded step is not steady (a 12-layer
-        # Llama, 2 stages, traced at 3 of 6: 55 storages left alive). Traced whole, as FSDP2 on a GPU, and FSDP2's
-        # own pipeline stages (the same hooks).
         depth = num_layers
     if getattr(spec.hf_config(), "output_router_logits", False):
         # The MoE load-balancing loss walks every layer's router logits after the decoder stack, at the model's

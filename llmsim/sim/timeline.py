@@ -40,21 +40,24 @@ def expand(trace: Trace) -> pd.DataFrame:
     starts = np.flatnonzero(np.diff(np.concatenate(([False], in_template))) != 0)
     bounds = np.concatenate(([0], starts, [len(frame)]))
     bounds = np.unique(bounds)
-    pieces, shifts, copy_of = [], [], []
+    pieces, shifts, copy_of, downwards = [], [], [], []
     backward = (frame["phase"] == Phase.BACKWARD.value).to_numpy()
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if in_template[lo]:
-            copies = range(extra_groups, -1, -1) if backward[lo] else range(extra_groups + 1)
+            descending = _descending(block, lo, first, after, backward[lo])
+            copies = range(extra_groups, -1, -1) if descending else range(extra_groups + 1)
             for copy in copies:
                 pieces.append(np.arange(lo, hi))
                 shifts.append(np.full(hi - lo, copy * trace.period))
                 copy_of.append(np.full(hi - lo, copy))
+                downwards.append(np.full(hi - lo, descending))
         else:
             rows = _outside_rows(lo, hi, per_copy, extra_groups)
             pieces.append(rows[:, 0])
             tail = block[rows[:, 0]] >= after
             shifts.append(np.where(tail, extra_groups * trace.period, 0))
             copy_of.append(rows[:, 1])
+            downwards.append(backward[rows[:, 0]])
     order = np.concatenate(pieces)
     shift = np.concatenate(shifts)
     copy = np.concatenate(copy_of)
@@ -69,7 +72,7 @@ def expand(trace: Trace) -> pd.DataFrame:
     out["tensor"] = _renumber(out["tensor"].to_numpy(), tensor_block, tensor_shift, trace.info.blocks_prefix)
     micro_batch = _micro_batches(frame)
     layers = _LayerChange(frame, micro_batch, alloc_block, first, trace.period, extra_groups)
-    out["serial"] = _pair_serials(frame, order, out["phase"].to_numpy() == Phase.BACKWARD.value,
+    out["serial"] = _pair_serials(frame, order, np.concatenate(downwards),
                                   np.where(in_template[order] | replicated, copy, -1), replicated,
                                   micro_batch[order], layers.targets(order, out["block"].to_numpy(), replicated),
                                   layers)
@@ -78,6 +81,17 @@ def expand(trace: Trace) -> pd.DataFrame:
     if chunks is not None:
         out.attrs[CHUNKS] = chunks
     return out
+
+
+def _descending(block: np.ndarray, lo: int, first: int, after: int, backward: bool) -> bool:
+    """Whether the copies of the template run starting at row `lo` are emitted from the last layer down: in the
+    backward, which walks the layers in reverse, unless the run follows a lower layer's events (a walk up the layers
+    inside the backward: a pipeline stage's REDUCE_GRAD, FSDP2's post-backward of every layer's group in module
+    order); elsewhere upwards, unless it follows a higher layer's."""
+    before = int(block[lo - 1]) if lo > 0 else NO_BLOCK
+    if backward:
+        return not (0 <= before < first)
+    return before >= after
 
 
 class _LayerChange:
@@ -270,6 +284,7 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
     traced = emitted.tolist()  # Python values: the loop below reads each row once
     result = list(traced)  # a serial per emitted row, the negative ones kept
     live: dict[int, list[list]] = {}  # traced serial -> live copies [new serial, bytes, allocated backward, copy]
+    dormant: dict[int, list[list]] = {}  # traced serial -> its copies freed or resized to 0 bytes, in that order
     serial_batch: dict[int, int] = {}  # traced serial -> the micro-batch that allocated it
     next_serial = int(serials.max()) + 1 if len(serials) else 0
     rows = zip(traced, emitted_sizes.tolist(), backward.tolist(), emitted_first.tolist(), copy_index.tolist(),
@@ -283,6 +298,18 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
             result[i] = next_serial
             next_serial += 1
             continue
+        if delta > 0 and dormant.get(serial):  # resized up again (FSDP2's unsharded parameters): the same storage
+            copies = dormant[serial]
+            position = next((p for p, c in enumerate(copies) if c[3] == copy_of), None)
+            if position is None:
+                position = 0 if copies[0][2] == turned else -1
+            copy = copies.pop(position)
+            copy[1] += delta
+            revived = live.setdefault(serial, [])
+            revived.append(copy)
+            revived.sort(key=lambda c: c[0])  # live copies stay in the order they were made (oldest first)
+            result[i] = copy[0]
+            continue
         change = changes[i] if changes is not None else None
         if change is not None and delta < 0:  # a storage that changed layer: the one at its place (_LayerChange)
             block, wanted = change
@@ -290,12 +317,16 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
             found = live.get(owner, ()) if owner is not None else ()
             position = next((p for p, c in enumerate(found) if c[3] == wanted and c[1] == -delta), None)
             if position is not None:
-                result[i] = found.pop(position)[0]
+                dormant.setdefault(owner, []).append(found.pop(position))
+                result[i] = dormant[owner][-1][0]
+                dormant[owner][-1][1] = 0
                 continue
+        key = serial
         copies = live.get(serial)
         if not copies:
             owners = spare if batch < 0 else {s for s in spare if serial_batch.get(s) == batch}
-            copies = live.get(_spare_copy_owner(live, owners, -delta, turned))
+            key = _spare_copy_owner(live, owners, -delta, turned)
+            copies = live.get(key)
         if not copies:  # nothing to pair with: a storage of its own
             result[i] = next_serial
             next_serial += 1
@@ -306,8 +337,8 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
         copy = copies[position]
         copy[1] += delta
         result[i] = copy[0]
-        if copy[1] <= 0:
-            copies.pop(position)
+        if copy[1] <= 0:  # freed, or resized to nothing (which a later resize may undo)
+            dormant.setdefault(key, []).append(copies.pop(position))
     return np.array(result, dtype=np.int64)
 
 
