@@ -87,6 +87,7 @@ DP_TP_RUNS = [
     ("llama-2-7b", 1, 2, "gpipe", 1, "bf16", True, 1, 2, 64, 2),  # no pipeline: DDP x TP
     ("pythia-160m", 1, 4, "gpipe", 1, "fp32", False, 1, 2, 64, 2),
     ("llama-2-7b-deep", 4, 2, "1f1b", 4, "bf16", True, 1, 1, 64, 2),
+    ("llama-2-7b-deep", 2, 2, "1f1b", 3, "bf16", True, 1, 1, 64, 2),  # 4 layers a stage: traced at 3, expanded
 ]
 # FSDP2 x PP (x TP), and FSDP2 x TP: each stage (or TP shard) sharded by fully_shard per layer, then the stage, over
 # the dp ranks of the (dp, pp, tp) mesh (torchtitan's 3-D layout); the PP_RUNS tuple, dp given, then FsdpSetup's
@@ -99,6 +100,8 @@ FSDP_PP_RUNS = [
     ("llama-2-7b-deep", 4, 2, "1f1b", 4, "bf16", True, 1, 1, 64, 2, None, "meta", False),
     ("mistral-7b", 1, 2, "gpipe", 1, "bf16", True, 1, 2, 64, 2, None, "full", False),  # no pipeline: FSDP2 x TP
     ("qwen2.5-7b", 1, 4, "gpipe", 1, "bf16-autocast", False, 1, 1, 64, 2, None, "meta", True),
+    ("llama-2-7b-deep", 2, 1, "1f1b", 3, "fp32", True, 1, 2, 64, 2, None, "meta", True),  # expanded from 3 of 4
+    ("llama-2-7b-deep", 2, 2, "gpipe", 2, "bf16", False, 1, 1, 64, 2, None, "full", False),
 ]
 
 
