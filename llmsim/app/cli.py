@@ -234,5 +234,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def run() -> None:
+    """The `llmsim` command: `main`, its output flushed, then the process ends without Python's teardown, which
+    collects every object a prediction made (traces, timelines, torch's and transformers' modules): 1.1-1.2 s of a
+    cold 8.3 s Llama-2-70B PP 16 x TP 8 x DP 8 prediction. Every file, pool and process group a command opens is
+    closed inside it; `main` itself (the tests', a script's) returns as usual."""
+    import logging
+
+    status = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # the reader went away, or the stream was closed
+            pass
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -280,7 +280,8 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
     emitted, emitted_sizes, emitted_first = serials[order], sizes[order], first_event[order]
     allocs = pd.Series(emitted[emitted_first]).value_counts()
     frees = pd.Series(emitted[~emitted_first & (emitted_sizes < 0)]).value_counts()
-    spare = {int(s) for s, n in allocs.items() if 0 < frees.get(s, 0) < n}
+    freed = frees.reindex(allocs.index, fill_value=0).to_numpy()
+    spare = set(allocs.index[(freed > 0) & (freed < allocs.to_numpy())].astype(np.int64).tolist())
     traced = emitted.tolist()  # Python values: the loop below reads each row once
     result = list(traced)  # a serial per emitted row, the negative ones kept
     live: dict[int, list[list]] = {}  # traced serial -> live copies [new serial, bytes, allocated backward, copy]
