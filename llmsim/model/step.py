@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from unittest import mock
 from dataclasses import dataclass
 from typing import Callable
+from unittest import mock
 
 import torch
 from torch import nn

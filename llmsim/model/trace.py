@@ -73,6 +73,12 @@ def trace_depth(num_layers: int, period: int, lead: int = 0) -> int:
     return min(depth, num_layers)
 
 
+def _over_dp(wrap, mesh, counted: bool, model):
+    """`wrap(model, mesh=<the mesh's dp dimension>)`, the dimension sliced inside the wrap as the measured run slices
+    it (fsdp.submesh_made_for_real)."""
+    return wrap(model, mesh=fsdp.submesh_made_for_real(mesh, "dp", counted))
+
+
 def fsdp_on_parallel_mesh(setup: TrainSetup) -> bool:
     """FSDP2 per layer (`--fsdp-wrap layers`) with TP or PP: fully_shard over the dp dimension of the (dp, pp, tp) mesh
     tensor and pipeline parallelism use, each stage and TP shard sharded again over its replicas."""
@@ -316,13 +322,13 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
             stack.enter_context(fake_process_group(dp * setup.tp * setup.pp,
                                                    rank=setup.pp_stage * setup.tp + setup.tp_rank))
             mesh = parallel_mesh(dp, setup.pp, setup.tp)
-            dp_mesh = functools.partial(fsdp.submesh_made_for_real, mesh, "dp", setup.device is Device.CPU)
-            if setup.replicate_dp:  # DDP x TP: torch's replicate over the replicas (llmsim/model/replicate.py)
-                importlib.import_module("torch.distributed._composable.replicate_with_fsdp")  # for real
-                wrap = lambda model: replicate_model(model, dp_mesh())  # noqa: E731
-            elif setup.fsdp is not None:  # FSDP2 x PP (x TP): each stage sharded over the replicas' ranks
-                wrap = lambda model: fsdp.shard(model, setup.fsdp, dp_mesh())  # noqa: E731
-            if wrap is not None:
+            if setup.replicate_dp or setup.fsdp is not None:
+                # DDP x TP: torch's replicate over the replicas (llmsim/model/replicate.py); FSDP2 x TP / PP: each
+                # stage (TP shard) sharded again over them
+                if setup.replicate_dp:
+                    importlib.import_module("torch.distributed._composable.replicate_with_fsdp")  # for real
+                over = replicate_model if setup.replicate_dp else functools.partial(fsdp.shard, fsdp=setup.fsdp)
+                wrap = functools.partial(_over_dp, over, mesh, setup.device is Device.CPU)
                 stack.enter_context(fsdp.storages_told_apart())
                 stack.enter_context(fsdp.meshes_made_for_real(counted=setup.device is Device.CPU))
                 if setup.fsdp is not None and setup.device is Device.CPU:
@@ -379,8 +385,7 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         # the expansion follows each layer's unsharded parameters, resized up and back to 0 several times a step, to
         # its own storage since 2026-12-05: timeline._pair_serials revives a storage resized to 0; until then
         # every FSDP2 GPU trace was whole.) The Trainer's build on the host (init "host"), not shown equal. With
-        # CPUOffloadPolicy
-        # too: FSDP2's lazy init pins every shard that is not yet pinned (a meta build's, `to_empty` on the host) from
+        # CPUOffloadPolicy too: FSDP2's lazy init pins every shard that is not yet pinned (a meta build's, `to_empty` on the host) from
         # the root, all layers at once where no layer runs: events the template layer would not replicate. With
         # accelerate's cpu_ram_efficient_loading the state dict is loaded parameter by parameter once every layer is
         # sharded, outside any layer: the same. With its activation checkpointing every layer is a checkpoint_wrapper

@@ -3,7 +3,7 @@
 Order key: events keep the traced execution order. Every maximal run of consecutive events that belong
 to the template group (blocks `lead + period .. lead + 2*period-1`, after the irregular leading layers) stands for the same run in each middle group, so
 it is emitted once per middle group -- in increasing layer order, except in the backward, which walks the
-layers in reverse. Blocks after the template group are renumbered to the end of the real stack. Because
+layers in reverse (unless the trace walks them up there: `_descending`). Blocks after the template group are renumbered to the end of the real stack. Because
 identical layers make identical events, the result is the event stream of the full-depth run (the test
 `test_expansion_matches_full_depth_trace` checks that against traces at full depth).
 
@@ -272,7 +272,11 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
     In a pipeline stage a free takes a spare copy of its own micro-batch (`micro_batch`, per emitted row: the
     micro-batch of its chunk call, -1 outside them): under 1F1B or GPipe later micro-batches' forwards run before
     an earlier one's backward, and their copies are the newest. A free that changes layer (`changes`, per emitted
-    row: `_LayerChange.targets`) takes the copy at its place in the layer it stands for, where that one is live."""
+    row: `_LayerChange.targets`) takes the copy at its place in the layer it stands for, where that one is live.
+    `backward` says, per emitted row, whether it was emitted going down the layers (the backward's walk; a template
+    run that follows a lower layer inside the backward goes up: `_descending`). A copy freed or resized to 0 bytes
+    stays known: a later resize up of its traced storage (FSDP2's unsharded parameters, up and back to 0 in every
+    step) revives it, the copy of the same index where there is one, so every step resizes each layer's own storage."""
     serials = frame["serial"].to_numpy()
     sizes = frame["delta_bytes"].to_numpy()
     first_event = np.zeros(len(frame), dtype=bool)
@@ -318,9 +322,10 @@ def _pair_serials(frame: pd.DataFrame, order: np.ndarray, backward: np.ndarray, 
             found = live.get(owner, ()) if owner is not None else ()
             position = next((p for p, c in enumerate(found) if c[3] == wanted and c[1] == -delta), None)
             if position is not None:
-                dormant.setdefault(owner, []).append(found.pop(position))
-                result[i] = dormant[owner][-1][0]
-                dormant[owner][-1][1] = 0
+                copy = found.pop(position)
+                copy[1] = 0
+                dormant.setdefault(owner, []).append(copy)
+                result[i] = copy[0]
                 continue
         key = serial
         copies = live.get(serial)
