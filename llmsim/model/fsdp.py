@@ -152,14 +152,12 @@ def meshes_made_for_real(counted: bool = False):
     (a CPU trace): under the storage tracker still, as a CPU run counts the int32 tensors the concatenation makes (one
     of world-size ranks kept by FSDP2: 4 bytes a rank); else outside every dispatch mode (on a GPU the mesh lives on
     the host, not in the device's memory)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.utils._python_dispatch import _disable_current_modes
 
     concatenate = DeviceMesh._concatenate
 
     def concatenated(meshes):
-        with unset_fake_temporarily() if counted else _disable_current_modes():
+        with _for_real(counted):
             return concatenate(meshes)
 
     with mock.patch.object(DeviceMesh, "_concatenate", staticmethod(concatenated)):
@@ -170,11 +168,17 @@ def submesh_made_for_real(mesh, name: str, counted: bool):
     """`mesh[name]`, sliced in the trace where the measured run slices it (inside the wrap, under the storage tracker:
     the slice's rank tensor, 8 bytes a rank, stays alive with it), outside FakeTensorMode as `meshes_made_for_real`
     makes meshes (`counted`: under the tracker still, on a CPU trace)."""
+    with _for_real(counted):
+        return mesh[name]
+
+
+def _for_real(counted: bool):
+    """Real tensors inside a trace: FakeTensorMode off and the storage tracker still on (`counted`: what a CPU run
+    holds), or every dispatch mode off (what the traced device does not hold)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with unset_fake_temporarily() if counted else _disable_current_modes():
-        return mesh[name]
+    return unset_fake_temporarily() if counted else _disable_current_modes()
 
 
 @contextlib.contextmanager

@@ -93,24 +93,21 @@ def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile
         if layout.pp > 1 and getattr(model.hf_config(), "tie_word_embeddings", False):
             raise InputError(f"tp({layout.tp}) x pp({layout.pp}) with tied embeddings (tie_word_embeddings) is not "
                              "modelled yet: TP alone and PP alone are")
-        if layout.fsdp is not None and layout.pp == 1:  # (with pp: below)
-            from llmsim.sim.strategies.fsdp import rank_classes
-
-            if len(tp_rank_classes(model.hf_config(), layout.tp)) > 1 or \
-                    len(rank_classes(model, setup, layout.world_size)) > 1:
-                raise InputError(f"fsdp x tp({layout.tp}) with shards that do not divide evenly over the "
-                                 f"{layout.world_size} ranks is not modelled yet (each alone is)")
         if (layout.pp > 1 or layout.ep > 1) and len(tp_rank_classes(model.hf_config(), layout.tp)) > 1:
             raise InputError(f"tp({layout.tp}) shards {' and '.join(UNEVEN_SIZES)} unevenly; with pp or ep that is "
                              "not modelled yet (TP alone is)")
         setup = replace(setup, tp=layout.tp, ep=layout.ep)
-    if layout.fsdp is not None and layout.pp > 1:
+    if layout.fsdp is not None and layout.tp * layout.pp > 1:  # FSDP2 over TP shards or a stage: even shards only
         from llmsim.sim.strategies.fsdp import rank_classes
 
-        if len(rank_classes(model, setup, layout.dp * layout.tp)) > 1:
+        split = layout.dp * layout.tp  # the ranks one stage's parameters are split over (the world without pp)
+        if len(rank_classes(model, setup, split)) > 1 or len(tp_rank_classes(model.hf_config(), layout.tp)) > 1:
+            if layout.pp == 1:
+                raise InputError(f"fsdp x tp({layout.tp}) with shards that do not divide evenly over the {split} ranks "
+                                 "is not modelled yet (each alone is)")
             raise InputError(f"fsdp x pp({layout.pp}) with shards that do not divide evenly over dp({layout.dp}) x "
                              f"tp({layout.tp}) is not modelled yet; modelled: every parameter's dim 0 a multiple of "
-                             f"{layout.dp * layout.tp}")
+                             f"{split}")
     check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
                    setup.precision)
     check_fits_positions(model, setup)

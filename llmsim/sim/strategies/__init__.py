@@ -63,9 +63,10 @@ class Layout:
                      and self.fsdp.wrap == "transformers")  # DistributedConfig(tp_size, fsdp_size): a 2-D mesh
         # DDP over TP shards is torch's replicate (llmsim/model/replicate.py): DistributedDataParallel takes no
         # DTensor parameter
-        fsdp_x_pp = (self.strategy is Strategy.FSDP and self.fsdp is not None
-                     and self.fsdp.wrap == "layers")  # fully_shard per layer, then the stage, over dp: a 3-D mesh
-        if self.tp * self.pp > 1 and not (self.strategy in (Strategy.SINGLE, Strategy.DDP) or fsdp_x_tp or fsdp_x_pp):
+        fsdp_per_layer = (self.strategy is Strategy.FSDP and self.fsdp is not None
+                          and self.fsdp.wrap == "layers")  # fully_shard per layer, then the stage, over dp: a 3-D mesh
+        if self.tp * self.pp > 1 and not (self.strategy in (Strategy.SINGLE, Strategy.DDP) or fsdp_x_tp
+                                          or fsdp_per_layer):
             raise InputError(f"pp({self.pp}) x tp({self.tp}) with strategy {self.strategy.value} is not modelled "
                              "yet; modelled: tp and pp with single (dp = 1) and with ddp (over TP shards torch's "
                              "replicate), and with fsdp per layer (--fsdp-wrap layers); tp without pp with fsdp as "
