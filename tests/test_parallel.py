@@ -87,9 +87,11 @@ def test_predicted_ranks_follow_the_layout():
     assert pp[0].peak_allocated_bytes != pp[1].peak_allocated_bytes  # the first and last stages differ
 
 
-def test_stages_traced_in_processes_give_the_same_prediction():
+@pytest.mark.parametrize("schedule,pp", [(Schedule.GPIPE, 3), (Schedule.ONE_F_ONE_B, 4)])
+def test_stages_traced_in_processes_give_the_same_prediction(schedule, pp):
     """`predict(jobs=2)` traces a pipeline's stages in two processes and caches them as if traced here: every
-    rank's timeline, peak and device total, and the layer graph, are those of tracing every stage here."""
+    rank's timeline, peak and device total, and the layer graph, are those of tracing every stage here. Under 1F1B
+    the middle stage 2 is composed here from stage 1's trace as soon as that one is back, while stage 3's goes on."""
     import pandas as pd
 
     import llmsim.sim.traced as traced
@@ -97,16 +99,18 @@ def test_stages_traced_in_processes_give_the_same_prediction():
     from llmsim.model.trace import trace
 
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 2048, 4))
-    layout, setup, gpu = Layout(Strategy.DDP, 6, pp=3, n_microbatches=3), TrainSetup(2, 64), load_gpu("h100-80gb")
+    layout = Layout(Strategy.DDP, 2 * pp, pp=pp, n_microbatches=pp, schedule=schedule)
+    setup, gpu = TrainSetup(2, 64), load_gpu("h100-80gb")
     traced._EXPANDED.clear()
     trace.cache_clear()
     here = predict(spec, setup, layout, gpu)
-    traced._EXPANDED.clear()
+    for cache in (traced._EXPANDED, traced._TEMPLATES, traced._EXPANDED_TEMPLATES):
+        cache.clear()
     trace.cache_clear()
     there = predict(spec, setup, layout, gpu, jobs=2)
     assert trace.cache_info().currsize == 0  # every stage was traced in the other processes
     assert [r.device_total_bytes for r in there.ranks] == [r.device_total_bytes for r in here.ranks]
-    assert len({r.device_total_bytes for r in here.ranks}) == 3  # the three stages differ
+    assert len({r.device_total_bytes for r in here.ranks}) == 3  # the first, middle and last stages differ
     for ours, theirs in zip(here.ranks, there.ranks):
         assert ours.peak == theirs.peak
         pd.testing.assert_frame_equal(ours.timeline, theirs.timeline)

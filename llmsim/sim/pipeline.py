@@ -4,6 +4,7 @@ replay of each rank's timeline (peak, caching allocator, device total) in `repla
 `prediction`."""
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from llmsim.errors import InputError
@@ -16,7 +17,7 @@ from llmsim.model.tensor_parallel import UNEVEN_SIZES, check_expert_parallel, ch
 from llmsim.sim.allocator import AllocatorConfig
 from llmsim.sim.prediction import Prediction, RankPrediction, renamed_layers
 from llmsim.sim.processes import collector_paused
-from llmsim.sim.replay import as_rank, replay_ranks
+from llmsim.sim.replay import as_rank, replay_ahead, replay_ranks
 from llmsim.sim.strategies import Layout, check_supported, traced_setup
 from llmsim.sim.traced import expanded, plan, stage_ranks, stage_timeline, stage_timelines
 
@@ -35,7 +36,8 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     with collector_paused():
         setup = checked(model, setup, layout, gpu)  # what is refused, one line each; the setup the trace runs
         if layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks in every replica
-            stages = stage_timelines(model, setup, layout, progress, jobs)
+            stages = stage_timelines(model, setup, layout, progress, jobs,
+                                     planned=functools.partial(replay_ahead, gpu=gpu, alloc_conf=alloc_conf))
             rank_timelines = {rank: timeline for stage, (timeline, _) in enumerate(stages)
                               for rank in stage_ranks(layout, stage)}
             graph = stages[-1][1]

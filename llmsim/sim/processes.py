@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 
 from llmsim.errors import InputError, one_line
@@ -41,6 +42,23 @@ def in_processes(function, items: list, jobs: int, progress: bool, unit: str, ch
             results.append(result)
             bar.update()
     return results
+
+
+def as_done_in_processes(function, items: list, jobs: int) -> Iterator[tuple[int, object]]:
+    """`(i, function(items[i]))` for every item, as each comes back from `jobs` local processes (here, in order,
+    with one): the caller works on what is back while the processes go on. Items are handed out in their order,
+    so put first what the caller can use soonest."""
+    from concurrent.futures import as_completed
+
+    if jobs < 1:
+        raise InputError(f"jobs({jobs}) must be >= 1")
+    if jobs == 1:
+        yield from ((index, function(item)) for index, item in enumerate(items))
+        return
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(function, item): index for index, item in enumerate(items)}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
 
 
 def on_cluster(function, items: list, address: str, progress: bool, unit: str, chunksize: int = 1) -> list:

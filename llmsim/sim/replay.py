@@ -40,6 +40,12 @@ def replay_ranks(rank_timelines: dict[int, pd.DataFrame] | LazyRanks, gpu: GpuPr
     return ranks
 
 
+def replay_ahead(timeline: pd.DataFrame, gpu: GpuProfile | None, alloc_conf: AllocatorConfig) -> None:
+    """Replay now a timeline that ranks will share, for `replay_ranks` to find (`_shared_prediction` keeps it): a
+    pipeline replays each stage as it is planned, while other stages are still traced."""
+    _shared_prediction(timeline, gpu, alloc_conf)
+
+
 def as_rank(prediction: RankPrediction, rank: int) -> RankPrediction:
     """`replace(prediction, rank=rank)` at a fraction of its cost: 1,024 ranks share one DDP prediction."""
     clone = object.__new__(RankPrediction)

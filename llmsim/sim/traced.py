@@ -14,7 +14,7 @@ from llmsim.inputs.spec import ModelSpec, TrainSetup
 from llmsim.model.step import StepInfo
 from llmsim.model.trace import Trace, no_decay_names, trace
 from llmsim.model.tracker import CHUNKS
-from llmsim.sim.processes import in_processes
+from llmsim.sim.processes import as_done_in_processes
 from llmsim.sim.strategies import STRATEGIES, Layout, Strategy
 from llmsim.sim.strategies.events import per_timeline
 from llmsim.sim.strategies.zero_common import NO_DECAY
@@ -195,10 +195,14 @@ def stage_kind(model: ModelSpec, layout: Layout, stage: int) -> tuple:
     return tuple(types[start:end]) if types else (end - start,)
 
 
-def stage_timelines(model: ModelSpec, setup: TrainSetup, layout: Layout, progress: bool = False,
-                     jobs: int = 1) -> list[tuple[pd.DataFrame, Callable[[], nx.DiGraph]]]:
+def stage_timelines(model: ModelSpec, setup: TrainSetup, layout: Layout, progress: bool = False, jobs: int = 1,
+                    planned: Callable[[pd.DataFrame], None] | None = None,
+                    ) -> list[tuple[pd.DataFrame, Callable[[], nx.DiGraph]]]:
     """Every stage's `stage_timeline`; with `jobs` > 1 the stages not cached are traced in that many processes
-    (the traces are independent), then cached here as if traced here."""
+    (the traces are independent), then cached here as if traced here. Meanwhile this process plans each stage
+    whose timeline is back, and composes the 1F1B middle stages once their template's trace is (the template is
+    handed out first), and calls `planned` with each stage's timeline as it is planned (the caller replays it):
+    with three traces on two processes, that work fills the core the last trace leaves idle."""
     from tqdm import tqdm
 
     keys = [(model, _stage_setup(setup, layout, traced_stage(model, layout, stage))) for stage in range(layout.pp)]
@@ -206,20 +210,36 @@ def stage_timelines(model: ModelSpec, setup: TrainSetup, layout: Layout, progres
     missing = list(dict.fromkeys(key for key in keys if key not in found))  # a GPipe kind's stages share one
     # a 1F1B stage composed from another's trace is composed here, once that trace is back
     traced_apart = [key for key in missing if _template_stage(*key) is None]
-    if jobs > 1 and len(traced_apart) > 1:
-        # the bar is in_processes' (a stage a tick, as its trace comes back), left on screen like sweep's
-        for key, (timeline, info, template) in zip(traced_apart, in_processes(
-                _expand_keeping_template, traced_apart, min(jobs, len(traced_apart)), progress, "stage")):
-            found[key] = _remember(key, timeline, info)
-            if template is not None:
-                _keep_template(key, template)
-        progress = False
-    stages = []
+    stages: list = [None] * layout.pp
     with tqdm(total=layout.pp, disable=not progress, unit="stage", leave=False) as bar:  # cleared at the end
-        for key in keys:
-            stages.append(_stage_planned(found[key] if key in found else expanded(*key), layout, setup))
-            bar.update()
+        def plan_ready(ready: Callable[[tuple], bool]) -> None:
+            for index, key in enumerate(keys):
+                if stages[index] is None and ready(key):
+                    stages[index] = _stage_planned(found[key] if key in found else expanded(*key), layout, setup)
+                    if planned is not None:
+                        planned(stages[index][0])
+                    bar.update()
+
+        if jobs > 1 and len(traced_apart) > 1:
+            traced_apart.sort(key=lambda key: not _is_template(*key))  # templates first: the most work waits on them
+            for index, (timeline, info, template) in as_done_in_processes(
+                    _expand_keeping_template, traced_apart, min(jobs, len(traced_apart))):
+                key = traced_apart[index]
+                found[key] = _remember(key, timeline, info)
+                if template is not None:
+                    _keep_template(key, template)
+                plan_ready(lambda other: other in found or _template_kept(*other))
+        plan_ready(lambda other: True)
     return stages
+
+
+def _template_kept(model: ModelSpec, setup: TrainSetup) -> bool:
+    """Whether the trace a 1F1B middle stage is composed from is here (a worker's, or expanded already)."""
+    template = _template_stage(model, setup)
+    if template is None:
+        return False
+    key = (model, replace(setup, steps=min(setup.steps, TRACED_STEPS), pp_stage=template))
+    return key in _TEMPLATES or key in _EXPANDED_TEMPLATES
 
 
 def _keep_template(key: tuple[ModelSpec, TrainSetup], template: Trace) -> None:
