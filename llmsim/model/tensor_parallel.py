@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from llmsim.errors import InputError, one_line
 
@@ -142,10 +142,14 @@ def parallel_on_meta(build_on_meta: Callable[[], nn.Module], name: str, mesh=Non
     from transformers import initialization
 
     untied = mesh is not None and cut is None  # TP as from_pretrained builds it: tied after the load (below)
-    with torch.device("meta"), initialization.no_tie_weights() if untied else contextlib.nullcontext():
+    fake_mode = _current_fake_mode()
+    with torch.device("meta"), initialization.no_tie_weights() if untied else contextlib.nullcontext(), \
+            _disable_current_modes() if fake_mode is not None else contextlib.nullcontext():
         model = build_on_meta()
     if cut is not None:
         cut(model)
+    if fake_mode is not None:
+        _as_fakes(model, fake_mode)
     if mesh is not None:  # check_tensor_parallel has made sure the model has a plan
         try:
             config = DistributedConfig(tp_size=mesh.size(), ep_size=ep)
@@ -158,6 +162,27 @@ def parallel_on_meta(build_on_meta: Callable[[], nn.Module], name: str, mesh=Non
         except (KeyError, ValueError) as exc:  # e.g. a tied LM head, which the plan names but the model shares
             raise InputError(f"transformers cannot apply its TP plan to {name}: {one_line(exc)}") from exc
     return model
+
+
+def _current_fake_mode():
+    """The FakeTensorMode a trace runs under (None outside one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return next((mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, FakeTensorMode)), None)
+
+
+def _as_fakes(model: nn.Module, fake_mode) -> None:
+    """A model built on the meta device outside the trace's modes, its parameters and buffers made the fake mode's
+    (meta tensors hold no memory: no row either way). Under the modes, building the whole stack a stage is cut
+    from dispatched every layer's construction through them: 0.15 s of a 1.2 s stage trace of Llama-2-70B."""
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                module._parameters[key] = nn.Parameter(fake_mode.from_tensor(param), requires_grad=param.requires_grad)
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = fake_mode.from_tensor(buffer)
 
 
 def parallel_mesh(dp: int, pp: int, tp: int):
