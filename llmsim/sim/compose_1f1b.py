@@ -156,21 +156,30 @@ def _recategorized(frame: pd.DataFrame, marks: list[tuple[str, int, int, int, in
     """A forward storage is an activation where it outlives its step's last forward (it is freed at or after the
     first backward call that follows the step's last forward call, or never), else a temporary: the tracker's rule
     (`StorageTracker._category`), whose phase ends move with the order of the calls."""
-    inferred = frame["category"].isin([Category.ACTIVATION.value, Category.TEMPORARY.value]).to_numpy()
+    categories = frame["category"].to_numpy(dtype=object)
+    inferred = (categories == Category.ACTIVATION.value) | (categories == Category.TEMPORARY.value)
     serial, delta = frame["serial"].to_numpy(), frame["delta_bytes"].to_numpy()
     forward_end = {}
     for step in {mark[2] for mark in marks}:
         calls = sorted((begin, kind) for kind, _, s, begin, _ in marks if s == step)
         last_forward = max(i for i, (_, kind) in enumerate(calls) if kind == "F")
         forward_end[step] = calls[last_forward + 1][0]
-    rows = np.arange(len(frame))
-    freed = pd.Series(rows[delta < 0], index=serial[delta < 0]).groupby(level=0).last()
-    allocs = pd.DataFrame({"serial": serial, "step": frame["step"], "phase": frame["phase"]})[serial >= 0]
-    allocs = allocs.drop_duplicates("serial")
-    ends = allocs["step"].map(forward_end).fillna(len(frame)).to_numpy()
-    outlives = freed.reindex(allocs["serial"]).fillna(len(frame)).to_numpy() >= ends
-    active = pd.Series((allocs["phase"].to_numpy() == Phase.FORWARD.value) & outlives,
-                       index=allocs["serial"].to_numpy())
-    category = np.where(pd.Series(serial).map(active).fillna(False).to_numpy(dtype=bool),
-                        Category.ACTIVATION.value, Category.TEMPORARY.value)
-    frame.loc[inferred, "category"] = category[inferred]
+    real = serial >= 0
+    if not real.any():
+        return
+    freed = np.full(serial[real].max() + 1, -1)  # each storage's last free, or the frame's end: never freed
+    freeing = np.flatnonzero(real & (delta < 0))
+    np.maximum.at(freed, serial[freeing], freeing)
+    freed[freed < 0] = len(frame)
+    storages, first = np.unique(serial[real], return_index=True)
+    first = np.flatnonzero(real)[first]  # each storage's first row: its allocation
+    steps = frame["step"].to_numpy()[first]
+    ends = np.full(steps.max() + 1, len(frame))  # a step without a forward call: the frame's end
+    ends[list(forward_end)] = list(forward_end.values())
+    ends = ends[steps]
+    active = np.zeros(len(freed), dtype=bool)
+    active[storages] = (frame["phase"].to_numpy(dtype=object)[first] == Phase.FORWARD.value) & (freed[storages] >= ends)
+    fill = real & inferred
+    categories[fill] = np.where(active[serial[fill]], Category.ACTIVATION.value, Category.TEMPORARY.value)
+    categories[inferred & ~real] = Category.TEMPORARY.value  # no storage: never an activation (as before)
+    frame["category"] = pd.array(categories, dtype=frame["category"].dtype)
