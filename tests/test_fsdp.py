@@ -115,10 +115,17 @@ def test_cpu_offload_keeps_the_model_states_on_the_host():
     assert int(plain["delta_bytes"].sum()) - int(device["delta_bytes"].sum()) == 3 * 4 * elements
     assert predict(spec, replace(setup, fsdp=None), Layout(Strategy.FSDP, 2, fsdp=FsdpSetup(offload=True))) \
         .ranks[0].peak.allocated_bytes < replay(plain).allocated_bytes
-    # FSDP2's lazy init pins a meta build's shards from the root, outside any layer: traced at full depth
+    # a meta build's shards, made on the host and re-pinned as the root's `to_empty` reaches each layer, are that
+    # layer's (fsdp._layers_in_their_blocks): traced at 3 layers and expanded, the six-layer run event for event
+    # (traced whole until 2026-12-05)
+    from test_expansion import assert_same_events
+
     six = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 6, 256, 4))
-    assert trace(six, replace(setup, fsdp=FsdpSetup(offload=True))).depth == 6
-    assert trace(six, replace(setup, fsdp=FsdpSetup())).depth < 6
+    offloaded = replace(setup, fsdp=FsdpSetup(offload=True))
+    reduced = trace(six, offloaded)
+    assert reduced.depth < 6
+    full, _ = run_fake(six, offloaded, None)
+    assert_same_events(*(frame[frame["delta_bytes"] != 0] for frame in (expand(reduced), full)))
 
 
 def test_cpu_offload_on_a_gpu_steps_adamw_on_the_host(capsys):
@@ -189,14 +196,17 @@ def test_fsdp_shards_the_model_states():
     assert fsdp.ranks[0].peak.allocated_bytes < ddp.ranks[0].peak.allocated_bytes / 2
 
 
-@pytest.mark.parametrize("fsdp", [FsdpSetup(False, init="full"), FsdpSetup()], ids=["full-no-reshard", "meta-reshard"])
+@pytest.mark.parametrize("fsdp", [FsdpSetup(False, init="full"), FsdpSetup(), FsdpSetup(offload=True)],
+                         ids=["full-no-reshard", "meta-reshard", "meta-offload"])
 def test_on_a_gpu_the_expansion_is_the_full_depth_run_storage_for_storage(fsdp, capsys):
     """The caching-allocator model follows each storage: the reduced-depth expansion resizes each layer's unsharded
     parameters on that layer's own storage, up and back to 0 in every step (timeline._pair_serials), so it is the
     six-layer run event for event and storage for storage, and reserves what it reserves (until 2026-12-05 every
     FSDP2 GPU prediction was traced whole: a Llama-shaped 8-layer model reserved 394 MB at full depth, 1.59 GB
-    expanded)."""
+    expanded). With CPUOffloadPolicy too, since a meta build's `to_empty` on the host and FSDP2's re-pinning of each
+    new shard are each layer's own (fsdp._layers_in_their_blocks; until then traced whole)."""
     from llmsim.inputs.gpus import load_gpu, on_gpu
+    from llmsim.model.offload import split_host
     from llmsim.sim.allocator import NO_LIMIT, AllocatorConfig, replay_reserved
     from llmsim.sim.replay import on_gpu as gpu_events
     from test_expansion import assert_same_events
@@ -213,7 +223,8 @@ def test_on_a_gpu_the_expansion_is_the_full_depth_run_storage_for_storage(fsdp, 
     expanded = expand(reduced)
     assert_same_events(*(frame[frame["delta_bytes"] != 0] for frame in (expanded, full)))
     full3, _ = run_fake(spec, replace(traced, steps=3), None)
-    serials, deltas, _ = gpu_events(full3, gpu)  # each thread's workspaces where it first calls cuBLAS
+    device, _ = split_host(full3)  # as the prediction replays it: the host's storages (offloaded shards) apart
+    serials, deltas, _ = gpu_events(device, gpu)  # each thread's workspaces where it first calls cuBLAS
     reserved = replay_reserved(serials, deltas, NO_LIMIT, AllocatorConfig(), ()).peak_reserved_bytes
     assert predicted.peak_reserved_bytes == reserved
     assert main(["predict", *TINY, "--strategy", "fsdp", "--world-size", "2", "--gpu", "h100-80gb"]) == 0

@@ -61,9 +61,8 @@ class Candidate:
 
 
 FAMILIES = ("single", "ddp", "zero", "offload", "fsdp", "tp", "pp", "tpxpp")
-# Asked for by name (--layouts): FSDP2's CPUOffloadPolicy candidate (`fsdp-offload`) is traced at full depth
-# (llmsim/model/trace.py: its lazy init pins every shard outside any layer), a minute per micro-batch at 70B (plain
-# FSDP2 on a GPU is traced at 3 layers since b532a2a: 4.3 s cold, Llama-2-70B on 64 H100s); ZeRO-Offload ("offload": ZeRO-1/2/3 with the optimizer on
+# Asked for by name (--layouts): FSDP2 (`fsdp`, and `fsdp-offload` with CPUOffloadPolicy: both traced at 3 layers and
+# expanded since 2026-12-05); ZeRO-Offload ("offload": ZeRO-1/2/3 with the optimizer on
 # the host, `zero1-offload` to `zero3-offload`, `zero3-offload-all` with the parameters there too, and in bf16
 # `zero3-offload-params` with the parameters alone) walks and
 # replays every rank (ZeRO-1/2, zero12.plan) or every class of ranks (ZeRO-3, zero3.plan) on its own

@@ -105,7 +105,8 @@ def shard(model: nn.Module, fsdp: FsdpSetup, mesh) -> nn.Module:
         # buffer_device=...)` puts them
         from llmsim.model.host_memory import HOST
 
-        model.to_empty(device=HOST)
+        with _layers_in_their_blocks(model):  # each layer's shards made, and pinned, as that layer's
+            model.to_empty(device=HOST)
         for module in model.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None:
@@ -117,6 +118,38 @@ def shard(model: nn.Module, fsdp: FsdpSetup, mesh) -> nn.Module:
     if fsdp.wrap == "transformers":  # from_pretrained's `_finalize_model_loading`: a tied head tied after the load
         model.tie_weights()
     return model
+
+
+@contextlib.contextmanager
+def _layers_in_their_blocks(model: nn.Module):
+    """`Module._apply` (`to_empty`) of each decoder layer as the tracker's layer: CPUOffloadPolicy re-pins each
+    layer's new shards as the layer's `_apply` returns (FSDPParam.reset_sharded_param), a new page-locked storage
+    per parameter and the pageable one freed, all of it made from the root where no layer runs; as each layer's own
+    events, a reduced-depth trace expands to the full one (llmsim/sim/timeline.py). Nothing where no tracker runs."""
+    from llmsim.model.step import find_blocks
+    from llmsim.model.tracker import StorageTracker
+
+    tracker = StorageTracker.active()
+    if tracker is None:
+        yield
+        return
+    prefix, blocks = find_blocks(model, None)
+
+    def in_its_block(index: int, layer: nn.Module):
+        apply = layer._apply
+
+        def _apply(*args, **kwargs):
+            with tracker.in_layer(index, f"{prefix}.{index}"):
+                return apply(*args, **kwargs)
+        return _apply
+
+    for index, layer in enumerate(blocks):
+        layer._apply = in_its_block(index, layer)
+    try:
+        yield
+    finally:
+        for layer in blocks:
+            del layer._apply
 
 
 class _Meshes:

@@ -376,7 +376,7 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     num_layers = end - start
     lead, period = layer_structure(spec, setup, start, end)
     depth = trace_depth(num_layers, period, lead)
-    if setup.fsdp is not None and (setup.fsdp_rank != 0 or setup.fsdp.init == "host" or setup.fsdp.offload or
+    if setup.fsdp is not None and (setup.fsdp_rank != 0 or setup.fsdp.init == "host" or
                                    setup.fsdp.cpu_ram_efficient_loading or setup.fsdp.activation_checkpointing):
         # A rank with shorter FSDP2 shards than rank 0 (llmsim.sim.strategies.fsdp.rank_classes): traced whole. It
         # was for the trace's re-padding of every shard at the root's lazy init (an artefact since mended:
@@ -384,10 +384,10 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         # outside any layer (102 on a 6-layer LoRA Llama, rank 2 of 3, the same peaks), not traced down. (On a GPU
         # the expansion follows each layer's unsharded parameters, resized up and back to 0 several times a step, to
         # its own storage since 2026-12-05: timeline._pair_serials revives a storage resized to 0; until then
-        # every FSDP2 GPU trace was whole.) The Trainer's build on the host (init "host"), not shown equal. With
-        # CPUOffloadPolicy too: FSDP2's lazy init pins every shard that is not yet pinned (a meta build's, `to_empty` on the host) from
-        # the root, all layers at once where no layer runs: events the template layer would not replicate. With
-        # accelerate's cpu_ram_efficient_loading the state dict is loaded parameter by parameter once every layer is
+        # every FSDP2 GPU trace was whole.) The Trainer's build on the host (init "host"), not shown equal.
+        # (CPUOffloadPolicy was traced whole until 2026-12-05: a meta build's `to_empty` on the host, and FSDP2's
+        # re-pinning of each new shard, ran from the root where no layer runs; fsdp._layers_in_their_blocks makes
+        # them each layer's.) With accelerate's cpu_ram_efficient_loading the state dict is loaded parameter by parameter once every layer is
         # sharded, outside any layer: the same. With its activation checkpointing every layer is a checkpoint_wrapper
         # around the layer: traced whole, its reduced-depth expansion not shown equal.
         depth = num_layers

@@ -334,6 +334,24 @@ class StorageTracker(TorchDispatchMode):
         self._rows.append((self.step, self.phase, self.block, self.module, live.serial, nbytes - live.nbytes))
         live.nbytes = nbytes
 
+    @staticmethod
+    def active() -> StorageTracker | None:
+        """The tracker on the current dispatch-mode stack (None where none runs)."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        return next((mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, StorageTracker)), None)
+
+    @contextlib.contextmanager
+    def in_layer(self, block: int, module: str):
+        """The tracker's layer is `block` (module `module`) meanwhile: work a wrapper does for every layer at once,
+        outside any layer's call, counted as each layer's own."""
+        before = self.block, self.module
+        self.block, self.module = block, module
+        try:
+            yield
+        finally:
+            self.block, self.module = before
+
     def __enter__(self):
         tracker = self
         original = torch.UntypedStorage.resize_
