@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from llmsim.enums import Category, Phase
-from llmsim.model.tracker import CHUNKS
+from llmsim.model.tracker import CHUNKS, Chunks
 
 Chunk = tuple[str, int]  # ("F" or "B", micro-batch)
 
@@ -80,7 +80,7 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int,
     if not _renumbered(frame, template, rows):
         return None
     _recategorized(frame, marks)
-    frame.attrs[CHUNKS] = tuple(marks)
+    frame.attrs[CHUNKS] = Chunks(marks)
     return frame
 
 

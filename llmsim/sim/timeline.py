@@ -23,7 +23,7 @@ import pandas as pd
 
 from llmsim.enums import Phase
 from llmsim.model.trace import Trace
-from llmsim.model.tracker import CHUNKS, NO_BLOCK
+from llmsim.model.tracker import CHUNKS, NO_BLOCK, Chunks
 
 
 def expand(trace: Trace) -> pd.DataFrame:
@@ -168,7 +168,7 @@ def _expanded_chunks(chunks, order: np.ndarray):
         if not len(rows) or rows[-1] - rows[0] + 1 != len(rows):
             return None
         spans.append((kind, mb, step, int(rows[0]), int(rows[-1]) + 1))
-    return tuple(spans)
+    return Chunks(spans)
 
 
 def _outside_rows(lo: int, hi: int, per_copy: np.ndarray, extra_groups: int) -> np.ndarray:
