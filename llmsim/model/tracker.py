@@ -16,6 +16,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
 import pandas as pd
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -385,8 +386,12 @@ class StorageTracker(TorchDispatchMode):
         """One row per event, in execution order; `category` resolved now that every label is known."""
         frame = pd.DataFrame(self._rows, columns=TIMELINE_COLUMNS[:-2])
         free_rows = {row[4]: i for i, row in enumerate(self._rows) if row[5] < 0}
-        frame["category"] = [self._category(s, free_rows) for s in frame["serial"]]
-        frame["tensor"] = [self._serial_name.get(s, "") if s in self._labels else "" for s in frame["serial"]]
+        # a storage's category and name, once per storage (a pipeline stage's replayed micro-batches make many rows)
+        storages, each = np.unique(frame["serial"].to_numpy(), return_inverse=True)
+        storages = storages.tolist()
+        frame["category"] = np.array([self._category(s, free_rows) for s in storages], dtype=object)[each]
+        frame["tensor"] = np.array([self._serial_name.get(s, "") if s in self._labels else "" for s in storages],
+                                   dtype=object)[each]
         markers = (frame["serial"] < 0).to_numpy()
         frame.loc[markers, "tensor"] = frame.loc[markers, "module"]
         for row, name in self._tied_rows.items():
