@@ -139,10 +139,11 @@ def parallel_on_meta(build_on_meta: Callable[[], nn.Module], name: str, mesh=Non
     from transformers.distributed.expert_parallel import apply_expert_parallelism
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
+    from torch._guards import active_fake_mode
     from transformers import initialization
 
     untied = mesh is not None and cut is None  # TP as from_pretrained builds it: tied after the load (below)
-    fake_mode = _current_fake_mode()
+    fake_mode = active_fake_mode()  # a trace's (None outside one)
     with torch.device("meta"), initialization.no_tie_weights() if untied else contextlib.nullcontext(), \
             _disable_current_modes() if fake_mode is not None else contextlib.nullcontext():
         model = build_on_meta()
@@ -164,14 +165,6 @@ def parallel_on_meta(build_on_meta: Callable[[], nn.Module], name: str, mesh=Non
     return model
 
 
-def _current_fake_mode():
-    """The FakeTensorMode a trace runs under (None outside one)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return next((mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, FakeTensorMode)), None)
-
-
 def _as_fakes(model: nn.Module, fake_mode) -> None:
     """A model built on the meta device outside the trace's modes, its parameters and buffers made the fake mode's
     (meta tensors hold no memory: no row either way). Under the modes, building the whole stack a stage is cut
@@ -179,7 +172,8 @@ def _as_fakes(model: nn.Module, fake_mode) -> None:
     for module in model.modules():
         for key, param in module._parameters.items():
             if param is not None:
-                module._parameters[key] = nn.Parameter(fake_mode.from_tensor(param), requires_grad=param.requires_grad)
+                module._parameters[key] = nn.Parameter(fake_mode.from_tensor(param),
+                                                       requires_grad=param.requires_grad)
         for key, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[key] = fake_mode.from_tensor(buffer)

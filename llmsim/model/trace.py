@@ -387,9 +387,9 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         # every FSDP2 GPU trace was whole.) The Trainer's build on the host (init "host"), not shown equal.
         # (CPUOffloadPolicy was traced whole until 2026-12-05: a meta build's `to_empty` on the host, and FSDP2's
         # re-pinning of each new shard, ran from the root where no layer runs; fsdp._layers_in_their_blocks makes
-        # them each layer's.) With accelerate's cpu_ram_efficient_loading the state dict is loaded parameter by parameter once every layer is
-        # sharded, outside any layer: the same. With its activation checkpointing every layer is a checkpoint_wrapper
-        # around the layer: traced whole, its reduced-depth expansion not shown equal.
+        # them each layer's.) With accelerate's cpu_ram_efficient_loading the state dict is loaded parameter by
+        # parameter once every layer is sharded, outside any layer: the same. With its activation checkpointing every
+        # layer is a checkpoint_wrapper around the layer: traced whole, its reduced-depth expansion not shown equal.
         depth = num_layers
     if getattr(spec.hf_config(), "output_router_logits", False):
         # The MoE load-balancing loss walks every layer's router logits after the decoder stack, at the model's
