@@ -3,7 +3,7 @@ The committed rows themselves are re-predicted in test_validate.py."""
 import pytest
 
 from llmsim.app.cli import main
-from llmsim.enums import Precision
+from llmsim.enums import Attention, Precision
 from llmsim.measure.runs import measure_distributed
 from llmsim.sim.pipeline import predict
 from llmsim.model.pipelining import Schedule, layer_range
@@ -206,3 +206,27 @@ def test_predict_pauses_the_cyclic_collector_and_restores_it(monkeypatch):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_stage_built_on_meta_in_a_trace_keeps_its_tied_embedding_one_parameter():
+    """A trace builds the whole stack on the meta device outside its modes and makes the kept parameters its fakes
+    (tensor_parallel._as_fakes): the tied embedding transformers keeps on the last stage stays the LM head's one
+    parameter, as in a real build (FSDP2 x PP shards it once; two objects were two shards, 11 rows more on a
+    4-layer Qwen2.5 stage, until the fakes were made once per parameter)."""
+    import functools
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from llmsim.model.pipelining import cut
+    from llmsim.model.tensor_parallel import parallel_on_meta
+    from llmsim.model.trace import hf_builder
+
+    spec = load_model_spec("qwen2.5-0.5b", shrink("qwen2.5-0.5b", 64, 4, 512, 4))
+    setup = TrainSetup(1, 32, Precision.FP32, Attention.SDPA, pp=2, pp_stage=1)
+    with FakeTensorMode():
+        stage = parallel_on_meta(hf_builder(spec, setup, spec.hf_config()), spec.name, None,
+                                 functools.partial(cut, stage=1, num_stages=2))
+    head, embedding = stage.get_output_embeddings().weight, stage.get_input_embeddings().weight
+    assert isinstance(head, FakeTensor) and head.device.type == "meta"
+    assert head is embedding
+    assert len(list(stage.parameters())) == len({id(p) for _, p in stage.named_parameters(remove_duplicate=False)})
