@@ -618,12 +618,8 @@ def _groups_reduced_in_their_layers(hooks: LayerHooks):
         block = max((blocks.get(id(module), NO_BLOCK) for module in group.modules), default=NO_BLOCK)
         if block == NO_BLOCK or tracker.phase is not Phase.BACKWARD:
             return post_backward(group, *args, **kwargs)
-        before = tracker.block, tracker.module
-        tracker.block, tracker.module = block, f"{hooks.prefix}.{block}"
-        try:
+        with tracker.in_layer(block, f"{hooks.prefix}.{block}"):
             return post_backward(group, *args, **kwargs)
-        finally:
-            tracker.block, tracker.module = before
 
     with mock.patch.object(FSDPParamGroup, "post_backward", in_its_layer):
         yield
