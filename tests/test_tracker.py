@@ -52,6 +52,21 @@ def test_resize_is_recorded():
     assert list(tracker.timeline()["delta_bytes"]) == [1000, -1000, 300]
 
 
+def test_trackers_left_in_another_order_keep_seeing_resizes_then_unpatch():
+    """Two threads of one process (a Dask worker's) enter and leave trackers in any order: the one still entered
+    sees its resizes, and `resize_` is torch's own again once none is."""
+    original = torch.UntypedStorage.resize_
+    first, second = StorageTracker(), StorageTracker()
+    first.__enter__()
+    second.__enter__()
+    t = torch.empty(1000, dtype=torch.uint8)
+    first.__exit__(None, None, None)  # left first, as the thread that entered first may finish first
+    t.untyped_storage().resize_(0)
+    second.__exit__(None, None, None)
+    assert list(second.timeline()["delta_bytes"]) == [1000, -1000]
+    assert torch.UntypedStorage.resize_ is original
+
+
 def test_meta_tensors_hold_no_memory():
     tracker = StorageTracker()
     with tracker:

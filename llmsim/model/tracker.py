@@ -12,6 +12,7 @@ event belongs to, which is what lets the timeline stage replicate one traced lay
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Iterable
@@ -125,7 +126,6 @@ class StorageTracker(TorchDispatchMode):
         self.block = NO_BLOCK
         self.module = ""
         self.frees_by_owner = True
-        self._saved_resize = None
         self._tied_rows: dict[int, str] = {}  # row -> the parameter a TIED row's alias is
         self._loading = False  # inside `loading_checkpoint`
         self._copied: set[int] = set()  # serials counted by `adopt_loaded` at their tensors' bytes
@@ -363,23 +363,19 @@ class StorageTracker(TorchDispatchMode):
             self.block, self.module = before
 
     def __enter__(self):
-        tracker = self
-        original = torch.UntypedStorage.resize_
-
-        def resize_(storage, size):
-            result = original(storage, size)
-            live = tracker._live.get(storage._cdata)
-            if live is not None and live.nbytes != storage.nbytes() and live.serial not in tracker._copied:
-                tracker._resize(live, storage.nbytes())
-            return result
-
-        self._saved_resize = original
-        torch.UntypedStorage.resize_ = resize_
+        _ResizeWatch.enter(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._saved_resize
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _ResizeWatch.exit(self)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        live = self._live.get(storage._cdata)
+        if live is not None and live.nbytes != storage.nbytes() and live.serial not in self._copied:
+            self._resize(live, storage.nbytes())
 
     # ---- the result ------------------------------------------------------------------------------------
     def timeline(self) -> pd.DataFrame:
@@ -420,3 +416,37 @@ class StorageTracker(TorchDispatchMode):
     def _outlives(self, serial: int, step: int, phase: Phase, free_rows: dict[int, int]) -> bool:
         end = self._phase_end.get((step, phase), len(self._rows))
         return free_rows.get(serial, len(self._rows)) >= end
+
+
+class _ResizeWatch:
+    """`UntypedStorage.resize_` (FSDP and DeepSpeed release and refill storage in place with it; no dispatch mode
+    sees it) patched once for the process while any tracker is entered, telling every entered tracker, whichever
+    thread resizes (a backward hook runs on autograd's device thread on a GPU). One patch and a set of trackers, not
+    a patch per tracker that restores "the original" it saw: trackers entered and left in another order (two
+    threads of a Dask worker) would leave a finished tracker's patch in place or a live one's removed."""
+
+    _lock = threading.Lock()
+    _trackers: list[StorageTracker] = []  # each entry of a tracker (one can be entered again inside itself)
+    _original = None
+
+    @classmethod
+    def enter(cls, tracker: StorageTracker) -> None:
+        with cls._lock:
+            if not cls._trackers:
+                cls._original = torch.UntypedStorage.resize_
+                torch.UntypedStorage.resize_ = cls._resize
+            cls._trackers.append(tracker)
+
+    @classmethod
+    def exit(cls, tracker: StorageTracker) -> None:
+        with cls._lock:
+            cls._trackers.remove(tracker)
+            if not cls._trackers:
+                torch.UntypedStorage.resize_ = cls._original
+
+    @staticmethod
+    def _resize(storage, size):
+        result = _ResizeWatch._original(storage, size)
+        for tracker in dict.fromkeys(_ResizeWatch._trackers):  # each once
+            tracker._resized(storage)
+        return result
