@@ -36,6 +36,22 @@ def test_a_sweep_on_the_cluster_is_the_local_sweep(cluster):
     assert (there["error"] != "").sum() == 1  # micro-batch 0, rejected there as here
 
 
+def test_a_prediction_on_a_worker_pauses_its_profiler(cluster):
+    """Dask's sampling profiler holds a worker thread's frames, and with them a returning function's tensors, a
+    moment longer (processes._profiler_paused): a prediction there runs with it stopped, and it runs again after."""
+    def running(dask_worker=None):
+        from distributed import get_worker
+
+        return (dask_worker or get_worker()).periodic_callbacks["profile"].is_running()
+
+    with distributed.Client(cluster, set_as_default=False) as client:
+        assert list(client.run(running).values()) == [True]
+        # items one after another on the worker's two threads: each finds it stopped, the one before it restarted
+        assert client.gather(client.map(processes._alone, [lambda _: running()] * 6, [[0]] * 6, pure=False)) \
+            == [[False]] * 6
+        assert list(client.run(running).values()) == [True]
+
+
 @pytest.mark.slow  # 22 s here; the sweep above runs the same path by default
 def test_size_on_the_cluster_is_the_local_table(cluster):
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 2048, 4))
