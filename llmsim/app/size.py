@@ -4,7 +4,9 @@ micro-batch? Pure compute; the CLI prints the table.
 A layout is a strategy and a number of GPUs: one GPU, DDP, DeepSpeed ZeRO-1/2/3 (defaults, bf16 when the setup
 is bf16), tensor parallelism over all the GPUs (`tp`), a pipeline of one stage per GPU (`pp`: 1F1B over as many
 micro-batches as stages, the fewest it takes), and TP x PP with TP 2, 4 or 8 (`tp2xpp`: pp = GPUs / 2), on
-2, 4, 8, ... up to `max_gpus`; TP and PP only where the model has transformers' plans and its sizes divide.
+2, 4, 8, ... up to `max_gpus`; TP and PP only where the model has transformers' plans and its sizes divide. Asked
+for by name: FSDP2, ZeRO-Offload, and the 3-D layouts, DDP x TP x PP (`ddpxtp2xpp4`, `ddpxpp8` with TP 1) on two
+replicas (REPLICAS_3D: a rank holds the same with more, so each split is shown once, on the fewest GPUs).
 For each, the largest micro-batch up to `max_micro_batch` whose every
 rank fits is found by doubling then bisecting, which assumes that memory grows with the micro-batch. Live bytes
 do; the caching allocator can make "fits" non-monotonic within about one segment of the capacity (a larger
@@ -60,13 +62,18 @@ class Candidate:
     layout_for: object  # (micro_batch) -> Layout
 
 
-FAMILIES = ("single", "ddp", "zero", "offload", "fsdp", "tp", "pp", "tpxpp")
+FAMILIES = ("single", "ddp", "zero", "offload", "fsdp", "tp", "pp", "tpxpp", "3d")
 # Asked for by name (--layouts): FSDP2 (`fsdp`, and `fsdp-offload` with CPUOffloadPolicy: both traced at 3 layers and
 # expanded since 2026-12-05); ZeRO-Offload ("offload": ZeRO-1/2/3 with the optimizer on
 # the host, `zero1-offload` to `zero3-offload`, `zero3-offload-all` with the parameters there too, and in bf16
 # `zero3-offload-params` with the parameters alone) walks and
-# replays every rank (ZeRO-1/2, zero12.plan) or every class of ranks (ZeRO-3, zero3.plan) on its own
-DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("fsdp", "offload"))
+# replays every rank (ZeRO-1/2, zero12.plan) or every class of ranks (ZeRO-3, zero3.plan) on its own; "3d" (DDP x TP x
+# PP, `ddpxtp2xpp4`...) traces a pipeline per TP x PP split again (over TP shards torch's replicate runs in the trace)
+DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("fsdp", "offload", "3d"))
+# The 3-D family's data-parallel degree: a rank of DDP x TP x PP holds the same at any number of replicas (DDP's
+# buckets and replicate's all-reduce buffers are per rank; tests/test_size.py checks 2 against 4), so each TP x PP
+# split is shown once, on the fewest GPUs that replicate it
+REPLICAS_3D = 2
 
 
 def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
@@ -99,6 +106,12 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
             if _model_parallel_refusal(spec, setup, tp, pp) is None:
                 name = "tp" if pp == 1 else "pp" if tp == 1 else f"tp{tp}xpp"
                 out.append(Candidate(name, world, lambda mb, t=tp, p=pp, m=None: _model_parallel(t, p, m)))
+        if "3d" in families and world % REPLICAS_3D == 0:
+            for tp, pp in _splits_3d(world // REPLICAS_3D):
+                if _model_parallel_refusal(spec, setup, tp, pp) is None:
+                    name = f"ddpxtp{tp}xpp{pp}" if tp > 1 else f"ddpxpp{pp}"
+                    out.append(Candidate(name, world, lambda mb, t=tp, p=pp, m=None: _model_parallel(t, p, m,
+                                                                                                   REPLICAS_3D)))
         world *= 2
     return out
 
@@ -114,7 +127,7 @@ def _why_none(spec: ModelSpec, setup: TrainSetup, families: tuple[str, ...], max
         reasons.append(reason)
     if "offload" in families and (reason := _offload_refusal(spec, setup, 2)) is not None:
         reasons.append(reason)
-    if {"tp", "pp", "tpxpp"} & set(families):
+    if {"tp", "pp", "tpxpp", "3d"} & set(families):
         for degree in (2, 4, 8)[: max(1, max_gpus.bit_length() - 1)]:
             for tp, pp in ((degree, 1), (1, degree)):
                 reason = _model_parallel_refusal(spec, setup, tp, pp)
@@ -149,8 +162,16 @@ def _fsdp_refusal(spec: ModelSpec, setup: TrainSetup, world: int) -> str | None:
     return None
 
 
-def _model_parallel(tp: int, pp: int, n_microbatches: int | None = None) -> Layout:
-    return Layout(world_size=tp * pp, tp=tp, pp=pp, schedule=Schedule.ONE_F_ONE_B, n_microbatches=n_microbatches or pp)
+def _model_parallel(tp: int, pp: int, n_microbatches: int | None = None, dp: int = 1) -> Layout:
+    """TP `tp` x PP `pp` under 1F1B (as many micro-batches as stages unless given), in `dp` DDP replicas (torch's
+    replicate over the TP shards) where dp > 1."""
+    return Layout(Strategy.DDP if dp > 1 else Strategy.SINGLE, dp * tp * pp, tp=tp, pp=pp,
+                  schedule=Schedule.ONE_F_ONE_B, n_microbatches=n_microbatches or pp)
+
+
+def _splits_3d(per_replica: int) -> list[tuple[int, int]]:
+    """The (tp, pp) of the 3-D family whose replica has `per_replica` GPUs: TP 1, 2, 4 or 8 and at least 2 stages."""
+    return [(tp, per_replica // tp) for tp in (1, 2, 4, 8) if per_replica % tp == 0 and per_replica // tp >= 2]
 
 
 def _model_parallel_refusal(spec: ModelSpec, setup: TrainSetup, tp: int, pp: int) -> str | None:
@@ -403,7 +424,7 @@ def _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch: int
     accumulation is modelled for one process only, so each takes its share at once); one process may accumulate;
     a pipeline splits its share into micro-batches (1F1B needs at least as many as stages). The largest
     micro-batch that fits wins."""
-    replicas = candidate.gpus if candidate.name == "ddp" or candidate.name.startswith("zero") else 1
+    replicas = candidate.layout_for(1).dp  # DDP's, ZeRO's, FSDP's ranks and the 3-D layouts' replicas
     if global_batch % replicas:
         return _row(0, 1, None, gpu, f"global batch {global_batch} is not a multiple of {replicas} replicas")
     share = global_batch // replicas
