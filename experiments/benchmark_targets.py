@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+from llmsim.app.size import FAMILIES  # `size` runs every family, the 3-D one (DDP x TP x PP) included
+
 PREDICT = ["llmsim", "predict", "--model", "llama-2-70b", "--seq-len", "4096", "--gpu", "h100-80gb", "--precision",
            "bf16", "--grad-ckpt", "--micro-batch", "1", "--quiet", "--format", "json"]
 
@@ -58,7 +60,7 @@ def main() -> None:
         return
     took, done = timed(["llmsim", "size", "--model", "llama-2-70b", "--seq-len", "4096", "--gpu", "h100-80gb",
                         "--precision", "bf16", "--grad-ckpt", "--max-gpus", "64", "--layouts",
-                        "single,ddp,zero,offload,fsdp,tp,pp,tpxpp", "--jobs", "2", "--quiet"], SIZE_LIMIT_S)
+                        ",".join(FAMILIES), "--jobs", "2", "--quiet"], SIZE_LIMIT_S)
     if done is None:
         print(f"size --max-gpus 64, every family, 2 processes: not done after {took:.0f} s = {took / imports:.0f}x "
               "the import (target <= 15x), stopped")
