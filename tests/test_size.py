@@ -129,6 +129,32 @@ def test_3d_family_needs_what_its_replica_needs_and_more():
     assert largest_micro_batch(spec, setup, three_d, TINY_GPU, 8)[0] == sum(fitting) <= sum(ok for ok, _ in pipeline)
 
 
+def test_fsdp_pipeline_family_shards_more_with_more_replicas():
+    """`--layouts fsdpxpp`: FSDP2 per layer x PP on every split of every GPU count (dp = GPUs / stages); a stage's
+    rank holds less with more data-parallel ranks to shard over."""
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 2048, 4))
+    setup = TrainSetup(1, 128)
+    found = {(c.name, c.gpus): c for c in candidates(spec, setup, max_gpus=8, families=("fsdpxpp",))}
+    assert set(found) == {("fsdpxpp2", 4), ("fsdpxpp2", 8), ("fsdpxpp4", 8)}
+    layout = found["fsdpxpp4", 8].layout_for(1)
+    assert (layout.dp, layout.pp, layout.fsdp.wrap) == (2, 4, "layers")
+    from llmsim.sim.pipeline import predict_stage
+
+    two, four = (predict_stage(spec, setup, found["fsdpxpp2", gpus].layout_for(1), 0, TINY_GPU)[0].peak_allocated_bytes
+                 for gpus in (4, 8))
+    assert four < two  # stage 0's shards halved (within one allocator segment here: its allocated bytes)
+
+
+@pytest.mark.slow  # 7 s here: the search itself is the one every family shares, checked against brute force above
+def test_fsdp_pipeline_search_agrees_with_brute_force():
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 2048, 4))
+    setup = TrainSetup(1, 128)
+    candidate = next(c for c in candidates(spec, setup, 4, ("fsdpxpp",)) if c.name == "fsdpxpp2")
+    fitting = [fits(spec, setup, candidate, mb, TINY_GPU)[0] for mb in range(1, 9)]
+    assert fitting == sorted(fitting, reverse=True) and 0 < sum(fitting) < 8  # monotonic, and the case bites
+    assert largest_micro_batch(spec, setup, candidate, TINY_GPU, 8)[0] == sum(fitting)
+
+
 def test_global_batch_is_made_up_by_the_largest_fitting_micro_batch():
     """DDP splits the global batch over its replicas; one process accumulates: the chosen micro-batch is the
     largest divisor whose prediction fits, as trying them one by one finds."""

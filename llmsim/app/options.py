@@ -542,12 +542,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-gpus", type=int, default=8)
     p.add_argument("--max-micro-batch", type=int, default=64)
     p.add_argument("--layouts", default=None, help="layout families to try, comma-separated (default all but "
-                   "offload, fsdp and 3d): single, ddp, zero, offload (ZeRO-1/2 with the optimizer offloaded to the CPU, "
-                   "pinned, the client AdamW), fsdp (FSDP2 built on the meta device, no mixed-precision policy, without "
-                   "and with CPUOffloadPolicy; its GPU trace runs every layer, about a minute at 70B), tp, pp, tpxpp, 3d (DDP x "
-                   "TP x PP, torch's replicate over the TP shards, on 2 replicas: a rank holds the same with more)")
+                   "offload, fsdp, 3d and fsdpxpp): single, ddp, zero, offload (ZeRO-1/2/3 with the optimizer "
+                   "offloaded to the CPU, pinned, the client AdamW), fsdp (FSDP2 built on the meta device, no "
+                   "mixed-precision policy, without and with CPUOffloadPolicy), tp, pp, tpxpp, 3d (DDP x TP x PP, "
+                   "torch's replicate over the TP shards, on 2 replicas: a rank holds the same with more), fsdpxpp "
+                   "(FSDP2 per layer x PP, every split)")
     p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step each layout must "
-                   "make up (DDP/ZeRO replicas split it, one process accumulates, a pipeline splits it into "
+                   "make up (data-parallel replicas split it, one process accumulates, a pipeline splits it into "
                    "micro-batches)")
     p.add_argument("--allow", default=None, help="levers size may switch on to make a layout fit, comma-separated, "
                    "fewest first: ckpt, bf16, lora, offload")

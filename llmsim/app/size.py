@@ -6,15 +6,17 @@ is bf16), tensor parallelism over all the GPUs (`tp`), a pipeline of one stage p
 micro-batches as stages, the fewest it takes), and TP x PP with TP 2, 4 or 8 (`tp2xpp`: pp = GPUs / 2), on
 2, 4, 8, ... up to `max_gpus`; TP and PP only where the model has transformers' plans and its sizes divide. Asked
 for by name: FSDP2, ZeRO-Offload, and the 3-D layouts, DDP x TP x PP (`ddpxtp2xpp4`, `ddpxpp8` with TP 1) on two
-replicas (REPLICAS_3D: a rank holds the same with more, so each split is shown once, on the fewest GPUs).
+replicas (REPLICAS_3D: a rank holds the same with more, so each split is shown once, on the fewest GPUs) and FSDP2 x
+PP (`fsdpxpp4`: every split of every GPU count, a rank's shards shrinking as the data-parallel degree grows).
 For each, the largest micro-batch up to `max_micro_batch` whose every
 rank fits is found by doubling then bisecting, which assumes that memory grows with the micro-batch. Live bytes
 do; the caching allocator can make "fits" non-monotonic within about one segment of the capacity (a larger
 micro-batch can fit where a smaller one did not). The answer is always a micro-batch that fits next to one that
 does not (or the maximum), and equals trying every micro-batch whenever "fits" is monotonic (tests check both).
-With `global_batch` (samples per optimizer step) each layout must make up that batch: DDP and ZeRO replicas split
-it evenly (gradient accumulation is modelled for one process only), one process may accumulate over passes, and a
-pipeline splits its share into micro-batches (at least one per stage); the largest micro-batch that fits wins.
+With `global_batch` (samples per optimizer step) each layout must make up that batch: its data-parallel replicas
+(DDP's, ZeRO's and FSDP2's ranks, a 3-D layout's replicas) split it evenly (gradient accumulation is modelled for
+one process only), one process may accumulate over passes, and a pipeline splits its share into micro-batches (at
+least one per stage); the largest micro-batch that fits wins.
 With `allow`, levers the user accepts (checkpointing, a bf16 build, LoRA, offloaded checkpoints) are switched on,
 fewest first, until the layout fits; a layout that never fits says why (the bytes it needs, or what is not
 modelled).
@@ -62,14 +64,16 @@ class Candidate:
     layout_for: object  # (micro_batch) -> Layout
 
 
-FAMILIES = ("single", "ddp", "zero", "offload", "fsdp", "tp", "pp", "tpxpp", "3d")
+FAMILIES = ("single", "ddp", "zero", "offload", "fsdp", "tp", "pp", "tpxpp", "3d", "fsdpxpp")
 # Asked for by name (--layouts): FSDP2 (`fsdp`, and `fsdp-offload` with CPUOffloadPolicy: both traced at 3 layers and
 # expanded since 2026-12-05); ZeRO-Offload ("offload": ZeRO-1/2/3 with the optimizer on
 # the host, `zero1-offload` to `zero3-offload`, `zero3-offload-all` with the parameters there too, and in bf16
 # `zero3-offload-params` with the parameters alone) walks and
 # replays every rank (ZeRO-1/2, zero12.plan) or every class of ranks (ZeRO-3, zero3.plan) on its own; "3d" (DDP x TP x
 # PP, `ddpxtp2xpp4`...) traces a pipeline per TP x PP split again (over TP shards torch's replicate runs in the trace)
-DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("fsdp", "offload", "3d"))
+# "fsdpxpp" (FSDP2 per layer over the data-parallel ranks of each stage, `fsdpxpp4` on 16 GPUs: dp = GPUs / stages)
+# a pipeline search per split too, whose shards shrink with the data-parallel degree (each split on every GPU count)
+DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("fsdp", "offload", "3d", "fsdpxpp"))
 # The 3-D family's data-parallel degree: a rank of DDP x TP x PP holds the same at any number of replicas (DDP's
 # buckets and replicate's all-reduce buffers are per rank; tests/test_size.py checks 2 against 4), so each TP x PP
 # split is shown once, on the fewest GPUs that replicate it
@@ -100,6 +104,11 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
             out.append(Candidate("fsdp", world, lambda mb, w=world: Layout(Strategy.FSDP, w, fsdp=FsdpSetup())))
             out.append(Candidate("fsdp-offload", world,  # CPUOffloadPolicy: shards, gradients and states on the host
                                  lambda mb, w=world: Layout(Strategy.FSDP, w, fsdp=FsdpSetup(offload=True))))
+        if "fsdpxpp" in families:  # FSDP2 x PP as `predict --strategy fsdp --pp N` runs it: a (dp, pp) mesh
+            for pp in sorted(p for p in _divisors(world) if 2 <= p <= world // 2):
+                if _fsdp_pipeline_refusal(spec, setup, world, pp) is None:
+                    out.append(Candidate(f"fsdpxpp{pp}", world,
+                                         lambda mb, w=world, p=pp, m=None: _fsdp_pipeline(w, p, m)))
         splits = ([(world, 1)] if "tp" in families else []) + ([(1, world)] if "pp" in families else []) + \
             ([(t, world // t) for t in (2, 4, 8) if t < world and world % t == 0] if "tpxpp" in families else [])
         for tp, pp in splits:
@@ -127,7 +136,7 @@ def _why_none(spec: ModelSpec, setup: TrainSetup, families: tuple[str, ...], max
         reasons.append(reason)
     if "offload" in families and (reason := _offload_refusal(spec, setup, 2)) is not None:
         reasons.append(reason)
-    if {"tp", "pp", "tpxpp", "3d"} & set(families):
+    if {"tp", "pp", "tpxpp", "3d", "fsdpxpp"} & set(families):
         for degree in (2, 4, 8)[: max(1, max_gpus.bit_length() - 1)]:
             for tp, pp in ((degree, 1), (1, degree)):
                 reason = _model_parallel_refusal(spec, setup, tp, pp)
@@ -160,6 +169,27 @@ def _fsdp_refusal(spec: ModelSpec, setup: TrainSetup, world: int) -> str | None:
     except InputError as error:
         return str(error)
     return None
+
+
+def _fsdp_pipeline_refusal(spec: ModelSpec, setup: TrainSetup, world: int, pp: int) -> str | None:
+    """Why FSDP2 x PP `pp` over `world` ranks is not modelled for this model and setup, or None where it is."""
+    from llmsim.sim.strategies import fsdp
+
+    reason = _fsdp_refusal(spec, setup, world) or _model_parallel_refusal(spec, setup, 1, pp)
+    if reason is not None:
+        return reason
+    try:
+        fsdp.check_supported(setup, _fsdp_pipeline(world, pp))
+    except InputError as error:
+        return str(error)
+    return None
+
+
+def _fsdp_pipeline(world: int, pp: int, n_microbatches: int | None = None) -> Layout:
+    """FSDP2 (fully_shard per layer, built on the meta device) over each stage's world / pp ranks, PP `pp` under
+    1F1B over as many micro-batches as stages unless given."""
+    return Layout(Strategy.FSDP, world, fsdp=FsdpSetup(), pp=pp, schedule=Schedule.ONE_F_ONE_B,
+                  n_microbatches=n_microbatches or pp)
 
 
 def _model_parallel(tp: int, pp: int, n_microbatches: int | None = None, dp: int = 1) -> Layout:
@@ -420,7 +450,7 @@ def _evaluate(spec: ModelSpec, setup: TrainSetup, candidate: Candidate, gpu: Gpu
 
 
 def _for_global_batch(spec, setup, candidate, gpu, alloc_conf, global_batch: int) -> dict:
-    """The global batch is micro-batch x replicas x passes: DDP and ZeRO replicas split it (gradient
+    """The global batch is micro-batch x replicas x passes: the data-parallel replicas split it (gradient
     accumulation is modelled for one process only, so each takes its share at once); one process may accumulate;
     a pipeline splits its share into micro-batches (1F1B needs at least as many as stages). The largest
     micro-batch that fits wins."""
