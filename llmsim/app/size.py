@@ -70,9 +70,9 @@ FAMILIES = ("single", "ddp", "zero", "offload", "fsdp", "tp", "pp", "tpxpp", "3d
 # the host, `zero1-offload` to `zero3-offload`, `zero3-offload-all` with the parameters there too, and in bf16
 # `zero3-offload-params` with the parameters alone) walks and
 # replays every rank (ZeRO-1/2, zero12.plan) or every class of ranks (ZeRO-3, zero3.plan) on its own; "3d" (DDP x TP x
-# PP, `ddpxtp2xpp4`...) traces a pipeline per TP x PP split again (over TP shards torch's replicate runs in the trace)
-# "fsdpxpp" (FSDP2 per layer over the data-parallel ranks of each stage, `fsdpxpp4` on 16 GPUs: dp = GPUs / stages)
-# a pipeline search per split too, whose shards shrink with the data-parallel degree (each split on every GPU count)
+# PP, `ddpxtp2xpp4`...) traces a pipeline per TP x PP split again (over TP shards torch's replicate runs in the
+# trace); "fsdpxpp" (FSDP2 per layer over the data-parallel ranks of each stage, `fsdpxpp4` on 16 GPUs: dp = GPUs /
+# stages) is a pipeline search per split too, whose shards shrink with the data-parallel degree (every GPU count)
 DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("fsdp", "offload", "3d", "fsdpxpp"))
 # The 3-D family's data-parallel degree: a rank of DDP x TP x PP holds the same at any number of replicas (DDP's
 # buckets and replicate's all-reduce buffers are per rank; tests/test_size.py checks 2 against 4), so each TP x PP
@@ -132,7 +132,7 @@ def _why_none(spec: ModelSpec, setup: TrainSetup, families: tuple[str, ...], max
     reasons = []
     if "zero" in families and setup.precision not in (Precision.FP32, Precision.BF16):
         reasons.append(f"DeepSpeed ZeRO takes fp32 or bf16, not {setup.precision.value}")
-    if "fsdp" in families and (reason := _fsdp_refusal(spec, setup, 2)) is not None:
+    if {"fsdp", "fsdpxpp"} & set(families) and (reason := _fsdp_refusal(spec, setup, 2)) is not None:
         reasons.append(reason)
     if "offload" in families and (reason := _offload_refusal(spec, setup, 2)) is not None:
         reasons.append(reason)

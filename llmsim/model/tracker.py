@@ -421,7 +421,7 @@ class StorageTracker(TorchDispatchMode):
 class _ResizeWatch:
     """`UntypedStorage.resize_` (FSDP and DeepSpeed release and refill storage in place with it; no dispatch mode
     sees it) patched once for the process while any tracker is entered, telling every entered tracker, whichever
-    thread resizes (a backward hook runs on autograd's device thread on a GPU). One patch and a set of trackers, not
+    thread resizes (a backward hook runs on autograd's device thread on a GPU). One patch and a list of trackers, not
     a patch per tracker that restores "the original" it saw: trackers entered and left in another order (two
     threads of a Dask worker) would leave a finished tracker's patch in place or a live one's removed."""
 
