@@ -106,9 +106,9 @@ def candidates(spec: ModelSpec, setup: TrainSetup, max_gpus: int,
                                  lambda mb, w=world: Layout(Strategy.FSDP, w, fsdp=FsdpSetup(offload=True))))
         if "fsdpxpp" in families:  # FSDP2 x PP as `predict --strategy fsdp --pp N` runs it: a (dp, pp) mesh
             for pp in sorted(p for p in _divisors(world) if 2 <= p <= world // 2):
-                if _fsdp_pipeline_refusal(spec, setup, world, pp) is None:
-                    out.append(Candidate(f"fsdpxpp{pp}", world,
-                                         lambda mb, w=world, p=pp, m=None: _fsdp_pipeline(w, p, m)))
+                if _fsdp_refusal(spec, setup, world, pp) is None:
+                    out.append(Candidate(f"fsdpxpp{pp}", world, lambda mb, p=pp, d=world // pp, m=None:
+                                         _model_parallel(1, p, m, d, FsdpSetup())))
         splits = ([(world, 1)] if "tp" in families else []) + ([(1, world)] if "pp" in families else []) + \
             ([(t, world // t) for t in (2, 4, 8) if t < world and world % t == 0] if "tpxpp" in families else [])
         for tp, pp in splits:
@@ -158,45 +158,31 @@ def _offload_refusal(spec: ModelSpec, setup: TrainSetup, world: int) -> str | No
     return None
 
 
-def _fsdp_refusal(spec: ModelSpec, setup: TrainSetup, world: int) -> str | None:
-    """Why FSDP2 over `world` ranks is not modelled for this model and setup (as `predict` words it), or None."""
+def _fsdp_refusal(spec: ModelSpec, setup: TrainSetup, world: int, pp: int = 1) -> str | None:
+    """Why FSDP2 over `world` ranks (in `pp` pipeline stages) is not modelled for this model and setup (as `predict`
+    words it), or None."""
     from llmsim.sim.strategies import fsdp
 
     if spec.config_json is None:
         return "FSDP2 needs an HF config (its decoder layers), not a module factory"
-    try:
-        fsdp.check_supported(setup, Layout(Strategy.FSDP, world, fsdp=FsdpSetup()))
-    except InputError as error:
-        return str(error)
-    return None
-
-
-def _fsdp_pipeline_refusal(spec: ModelSpec, setup: TrainSetup, world: int, pp: int) -> str | None:
-    """Why FSDP2 x PP `pp` over `world` ranks is not modelled for this model and setup, or None where it is."""
-    from llmsim.sim.strategies import fsdp
-
-    reason = _fsdp_refusal(spec, setup, world) or _model_parallel_refusal(spec, setup, 1, pp)
-    if reason is not None:
+    if pp > 1 and (reason := _model_parallel_refusal(spec, setup, 1, pp)) is not None:
         return reason
     try:
-        fsdp.check_supported(setup, _fsdp_pipeline(world, pp))
+        fsdp.check_supported(setup, _model_parallel(1, pp, dp=world // pp, fsdp=FsdpSetup()) if pp > 1
+                             else Layout(Strategy.FSDP, world, fsdp=FsdpSetup()))
     except InputError as error:
         return str(error)
     return None
 
 
-def _fsdp_pipeline(world: int, pp: int, n_microbatches: int | None = None) -> Layout:
-    """FSDP2 (fully_shard per layer, built on the meta device) over each stage's world / pp ranks, PP `pp` under
-    1F1B over as many micro-batches as stages unless given."""
-    return Layout(Strategy.FSDP, world, fsdp=FsdpSetup(), pp=pp, schedule=Schedule.ONE_F_ONE_B,
+def _model_parallel(tp: int, pp: int, n_microbatches: int | None = None, dp: int = 1,
+                    fsdp: FsdpSetup | None = None) -> Layout:
+    """TP `tp` x PP `pp` under 1F1B (as many micro-batches as stages unless given), in `dp` data-parallel replicas
+    where dp > 1: DDP (torch's replicate over the TP shards), or with `fsdp` FSDP2 (fully_shard per layer over each
+    stage's dp ranks)."""
+    strategy = Strategy.FSDP if fsdp is not None else Strategy.DDP if dp > 1 else Strategy.SINGLE
+    return Layout(strategy, dp * tp * pp, tp=tp, pp=pp, fsdp=fsdp, schedule=Schedule.ONE_F_ONE_B,
                   n_microbatches=n_microbatches or pp)
-
-
-def _model_parallel(tp: int, pp: int, n_microbatches: int | None = None, dp: int = 1) -> Layout:
-    """TP `tp` x PP `pp` under 1F1B (as many micro-batches as stages unless given), in `dp` DDP replicas (torch's
-    replicate over the TP shards) where dp > 1."""
-    return Layout(Strategy.DDP if dp > 1 else Strategy.SINGLE, dp * tp * pp, tp=tp, pp=pp,
-                  schedule=Schedule.ONE_F_ONE_B, n_microbatches=n_microbatches or pp)
 
 
 def _splits_3d(per_replica: int) -> list[tuple[int, int]]:
