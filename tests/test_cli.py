@@ -24,6 +24,22 @@ def test_predict_json_contract(capsys):
     assert out["peak_host_bytes"] == rank["peak_host_bytes"] == 0  # nothing offloaded without --ckpt-offload
 
 
+@pytest.mark.parametrize("command, exits, collects", [
+    (["predict", *TINY, "--seq-len", "16", "--micro-batch", "2"], True, False),  # the `llmsim` command: ends after
+    (["predict", *TINY, "--seq-len", "16", "--micro-batch", "2"], False, True),  # a test's or a script's main
+    (["gpus"], True, True),  # a command other than predict (size, sweep: many predictions) collects between them
+])
+def test_the_llmsim_command_keeps_the_collector_off_for_a_predict(command, exits, collects, capsys):
+    import gc
+
+    assert gc.isenabled()
+    try:
+        assert main(command, exits=exits) == 0
+        assert gc.isenabled() is collects
+    finally:
+        gc.enable()
+
+
 def test_list_and_dict_overrides_predict(capsys):
     """`--set` takes any JSON value: a list (layer types) or a dict (rope scaling) too, not only scalars."""
     for value in ('rope_scaling={"rope_type": "linear", "factor": 2.0}', 'layer_types=["full_attention", "full_attention"]'):

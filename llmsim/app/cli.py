@@ -2,6 +2,7 @@
 the arguments themselves are read in `llmsim.app.options`."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -220,9 +221,16 @@ COMMANDS = {"predict": cmd_predict, "compare": cmd_compare, "size": cmd_size, "s
             "gpus": cmd_gpus}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, exits: bool = False) -> int:
+    """The command `argv` says (sys.argv's by default), its exit status. `exits`: the process ends after it without
+    a collection (`run`), so a `predict` keeps Python's cyclic collector off from the start, as the prediction
+    itself does (`processes.collector_paused`): importing torch, transformers and the model's modeling code makes
+    enough objects to set off full collections, each walking all of them (6 in importing modeling_llama, 0.53 s of
+    its 2.5 s); a command that predicts many times (`size`, `sweep`, `compare`) collects between predictions."""
     try:
         args = build_parser().parse_args(argv)  # --help and argument errors answer here, before torch is imported
+        if exits and args.command == "predict":
+            gc.disable()
         quiet_libraries()
         return COMMANDS[args.command](args)
     except InputError as exc:
@@ -241,7 +249,7 @@ def run() -> None:
     closed inside it; `main` itself (the tests', a script's) returns as usual."""
     import logging
 
-    status = main()
+    status = main(exits=True)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
