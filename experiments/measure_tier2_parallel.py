@@ -10,7 +10,8 @@ user-given layer splits.
 Writes data/measurements/tier2_pp_cpu.csv.
 DP_TP_RUNS: DDP x TP and DDP x TP x PP, the replicas in torch's replicate (8-16 ranks). Writes
 data/measurements/tier2_dp_tp_pp_cpu.csv.
-FSDP_PP_RUNS: FSDP2 x PP and FSDP2 x TP x PP, fully_shard per layer then the stage over the dp ranks (4-16 ranks).
+FSDP_PP_RUNS: FSDP2 x PP and FSDP2 x TP x PP, fully_shard per layer then the stage over the dp ranks (4-16 ranks;
+12 in the six-stage runs).
 Writes data/measurements/tier2_fsdp_pp_cpu.csv.
 Run: python experiments/measure_tier2_parallel.py [--pp | --dp-tp | --fsdp-pp] (about 5 minutes each on 2 cores).
 """
@@ -37,6 +38,7 @@ SHAPES = {  # zoo model -> (hidden, layers, vocab, heads): every size divides by
     "pythia-160m": (128, 3, 2048, 4), "llama-3.1-8b": (128, 5, 2500, 16),
     "qwen2.5-0.5b": (112, 4, 3000, 28),
     "llama-2-7b-deep": (128, 8, 2000, 4), "mistral-7b-deep": (128, 6, 1500, 16), "qwen2.5-7b-deep": (112, 5, 3000, 28),
+    "llama-2-7b-deep12": (128, 12, 2000, 4),  # six stages of two layers
 }
 # (model, tp, precision, grad_ckpt, ckpt_every, micro_batch, seq_len)
 TP_RUNS = [
@@ -102,6 +104,11 @@ FSDP_PP_RUNS = [
     ("qwen2.5-7b", 1, 4, "gpipe", 1, "bf16-autocast", False, 1, 1, 64, 2, None, "meta", True),
     ("llama-2-7b-deep", 2, 1, "1f1b", 3, "fp32", True, 1, 2, 64, 2, None, "meta", True),  # expanded from 3 of 4
     ("llama-2-7b-deep", 2, 2, "gpipe", 2, "bf16", False, 1, 1, 64, 2, None, "full", False),
+    # six 1F1B stages over 2 replicas (12 ranks): four middle stages, each with its own warm-up, whose order of
+    # chunk calls decides what FSDP2 leaves unsharded from one call to the next (llmsim/sim/traced.py,
+    # _template_stage); with and without resharding after the forward
+    ("llama-2-7b-deep12", 6, 1, "1f1b", 6, "bf16", True, 1, 1, 64, 2, None, "meta", True),
+    ("llama-2-7b-deep12", 6, 1, "1f1b", 8, "fp32", False, 1, 1, 64, 2, None, "meta", False),
 ]
 
 
@@ -118,7 +125,7 @@ def measure(runs: list[tuple], out: Path, timeout: int) -> int:
             dp = run[10] if len(run) > 10 else 1
             split = run[11] if len(run) > 11 else None
             fsdp = FsdpSetup(init=run[12], reshard_after_forward=run[13]) if len(run) > 12 else None
-        zoo_name = model.removesuffix("-deep")
+        zoo_name = model.split("-deep")[0]
         spec = load_model_spec(zoo_name, shrink(zoo_name, *SHAPES[model]))
         setup = TrainSetup(mb, seq, Precision(precision), None, ckpt, every)
         strategy = Strategy.FSDP if fsdp else Strategy.DDP if dp > 1 else Strategy.SINGLE
