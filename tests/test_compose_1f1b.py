@@ -1,7 +1,9 @@
 """Under 1F1B a middle stage's timeline is composed from the first middle stage of its kind
 (llmsim/sim/compose_1f1b.py): each is traced here on its own and compared, event for event, with its composition,
 on the committed 1F1B rows' middle stages and on shapes that move the held output's free (M < 2W - 2), tie the
-embedding, checkpoint, autocast, and alternate attention in a mixture-of-experts model."""
+embedding, checkpoint, autocast, and alternate attention in a mixture-of-experts model; under FSDP2, with each
+call's rows taken from a template call that follows the same kind."""
+import functools
 from dataclasses import replace
 
 import pandas as pd
@@ -19,6 +21,7 @@ from llmsim.sim import compose_1f1b
 from llmsim.sim.pipeline import checked
 from llmsim.sim.strategies import Layout, Strategy
 from llmsim.sim.timeline import TRACED_STEPS, expand, repeat_last_step
+from test_expansion import _allocation_order
 from test_pipeline_stages import frees_in_serial_order
 
 ROWS = "data/measurements/tier2_pp_cpu.csv"
@@ -78,25 +81,65 @@ def test_a_composed_1f1b_stage_runs_the_events_of_its_own_trace(spec, setup, lay
     assert composed_stages >= 1
 
 
-def test_fsdp2_middle_stages_are_traced_not_composed():
-    """FSDP2 x PP: torch's PipelineStage runs FSDP2's backward of every micro-batch but the last without resharding
-    or reducing, so what a chunk call leaves for the next depends on the stage's call order, which the composition's
-    reordering does not follow: composed from stage 1, stage 3 would not run its own trace's events (its GPU peak
-    came out 0.2 MB over). Every FSDP2 middle stage is traced (traced._template_stage)."""
+def in_allocation_order(frame: pd.DataFrame) -> pd.DataFrame:
+    """`frees_in_serial_order` with serials numbered from 0 in order of allocation (test_expansion's): a composed
+    FSDP2 stage at full depth numbers its storages from its template's first, which has other temporaries."""
+    return frees_in_serial_order(_allocation_order(frame))
+
+
+FSDP2_CASES = [  # (shrink(hidden, layers, vocab, heads), setup, pp, micro-batches, tp, reshard_after_forward)
+    ((64, 12, 512, 4), TrainSetup(1, 64, Precision.BF16, grad_ckpt=True), 6, 6, 1, True),  # the measured 6-stage run
+    pytest.param((64, 12, 512, 4), TrainSetup(2, 32), 6, 8, 1, False, marks=pytest.mark.slow),
+    ((64, 12, 512, 4), TrainSetup(1, 32, Precision.BF16, grad_ckpt=True), 6, 6, 2, True),  # FSDP2 x TP x PP
+    pytest.param((64, 24, 512, 4), TrainSetup(1, 32, Precision.BF16_AUTOCAST), 4, 5, 1, True,  # 6 layers a stage,
+                 marks=pytest.mark.slow),  # traced at 3
+]
+
+
+@pytest.mark.parametrize("shape,setup,pp,microbatches,tp,reshard", FSDP2_CASES)
+def test_fsdp2_middle_stages_composed_by_the_previous_call_run_their_own_events(shape, setup, pp, microbatches, tp,
+                                                                              reshard):
+    """FSDP2 x PP: torch's PipelineStage runs every backward without resharding, so a chunk call all-gathers or not
+    as the call before it was a forward or a backward. Each middle stage is composed from stage 1 with every call
+    taken from a template call that follows the same kind (compose_1f1b, `follow_previous`) and runs its own
+    trace's events, traced at reduced depth and at full depth; reordering stage 1's own calls instead (as before
+    435ff17) does not, where FSDP2 reshards after the forward."""
     from llmsim.inputs.spec import FsdpSetup
 
-    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 12, 512, 4))
-    layout = Layout(Strategy.FSDP, 12, fsdp=FsdpSetup(), pp=6, schedule=F1B, n_microbatches=6)
-    setup = checked(spec, TrainSetup(1, 64, Precision.BF16, grad_ckpt=True), layout)
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", *shape))
+    layout = Layout(Strategy.FSDP, 2 * pp * tp, fsdp=FsdpSetup(reshard_after_forward=reshard), tp=tp, pp=pp,
+                    schedule=F1B, n_microbatches=microbatches)
+    setup = checked(spec, setup, layout)
 
     def stage_setup(stage: int) -> TrainSetup:
         return replace(traced._stage_setup(setup, layout, stage), steps=min(setup.steps, TRACED_STEPS))
 
-    assert [traced._template_stage(spec, stage_setup(stage)) for stage in range(6)] == [None] * 6
-    composed = traced._composed(trace(spec, stage_setup(1)).timeline, 1, stage_setup(3))
-    own = trace(spec, stage_setup(3)).timeline
-    assert composed is not None and len(composed) == len(own)  # the composition runs, and goes wrong
-    assert not frees_in_serial_order(composed).equals(frees_in_serial_order(own))
+    template = trace(spec, stage_setup(1))
+    warmup = functools.partial(compose_1f1b.warmup, microbatches, pp)
+    reordered_differs = []
+    for stage in range(2, pp - 1):
+        assert traced._template_stage(spec, stage_setup(stage)) == 1
+        own = trace(spec, stage_setup(stage))
+        composed = traced._traced(spec, stage_setup(stage))
+        assert composed is not own and composed.timeline.attrs[CHUNKS] == own.timeline.attrs[CHUNKS]
+        pd.testing.assert_frame_equal(frees_in_serial_order(composed.timeline), frees_in_serial_order(own.timeline))
+        at_depth = traced._composed_at_depth(spec, stage_setup(stage))
+        assert at_depth is not None
+        pd.testing.assert_frame_equal(in_allocation_order(repeat_last_step(at_depth[0], setup.steps)),
+                                      in_allocation_order(repeat_last_step(expand(own), setup.steps)))
+        reordered = compose_1f1b.composed(template.timeline, warmup(1), warmup(stage), microbatches)
+        reordered_differs.append(not frees_in_serial_order(reordered).equals(frees_in_serial_order(own.timeline)))
+    assert any(reordered_differs) == reshard
+
+
+def test_a_call_takes_the_rows_of_a_template_call_after_the_same_kind():
+    """Stage 3 of 6 (warm-up 3) from stage 1 (warm-up 5), 6 micro-batches: stage 1 runs F0-F4, B0, F5, B1, then
+    B2-B5 after backwards; stage 3's steady forwards F3 and F4 follow a backward (stage 1's F5 does), its B2 and B3
+    a forward (stage 1's B1 does)."""
+    sources = compose_1f1b._sources(6, 5, 3)
+    assert {call: source for call, source in sources.items() if call != source} == {
+        ("F", 3): ("F", 5), ("F", 4): ("F", 5), ("B", 2): ("B", 1), ("B", 3): ("B", 1)}
+    assert compose_1f1b._sources(6, 6, 3) is None  # a template without steady calls has no forward after a backward
 
 
 def test_the_call_order_is_schedule_1f1b_s():

@@ -55,13 +55,17 @@ def held_output(n_microbatches: int, warmup_chunks: int) -> int | None:
 
 
 def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int,
-             n_microbatches: int) -> pd.DataFrame | None:
+             n_microbatches: int, follow_previous: bool = False) -> pd.DataFrame | None:
     """The timeline of the middle stage with warm-up `warmup_chunks`, from `template`, a traced middle stage's
     (tracker.CHUNKS in its attrs) of equal layers whose warm-up is `template_warmup`; None where the template's
-    rows between chunk calls are not the frees the module docstring names (then trace the stage)."""
+    rows between chunk calls are not the frees the module docstring names (then trace the stage).
+    `follow_previous` (FSDP2): a chunk call's rows depend on the kind of the call before it, and each is taken from
+    a template call that follows a call of the kind its own does (`_composed_following`)."""
     chunks = template.attrs.get(CHUNKS)
     if not chunks or min(template_warmup, warmup_chunks) < 2:
         return None
+    if follow_previous:
+        return _composed_following(template, chunks, template_warmup, warmup_chunks, n_microbatches)
     pieces, marks, done, count = [], [], 0, 0  # done: template rows taken in order; count: rows composed
     for step in sorted({chunk[2] for chunk in chunks}):
         spans = {(kind, mb): (begin, end) for kind, mb, s, begin, end in chunks if s == step}
@@ -183,3 +187,150 @@ def _recategorized(frame: pd.DataFrame, marks: list[tuple[str, int, int, int, in
     categories[fill] = np.where(active[serial[fill]], Category.ACTIVATION.value, Category.TEMPORARY.value)
     categories[inferred & ~real] = Category.TEMPORARY.value  # no storage: never an activation (as before)
     frame["category"] = pd.array(categories, dtype=frame["category"].dtype)
+
+
+def previous_kinds(order: list[Chunk]) -> dict[Chunk, str | None]:
+    """The kind of the chunk call before each one in a step's `order` (None for the step's first)."""
+    return {call: (order[i - 1][0] if i else None) for i, call in enumerate(order)}
+
+
+def _sources(m: int, template_warmup: int, warmup_chunks: int) -> dict[Chunk, Chunk] | None:
+    """For each chunk call of the stage with `warmup_chunks`, the template's call whose rows it runs: its own where
+    the call before it is of the same kind in both orders, else the nearest template call of its kind (not the
+    micro-batch 0 one, which makes the step's gradients) that follows a call of that kind; None where the template
+    has none."""
+    template_previous = previous_kinds(call_order(m, template_warmup))
+    sources = {}
+    for call, previous in previous_kinds(call_order(m, warmup_chunks)).items():
+        if template_previous[call] == previous:
+            sources[call] = call
+            continue
+        kind, mb = call
+        alike = [other for other, before in template_previous.items()
+                 if other[0] == kind and other[1] != 0 and before == previous]
+        if mb == 0 or not alike:
+            return None
+        sources[call] = min(alike, key=lambda other: (abs(other[1] - mb), other[1]))
+    return sources
+
+
+def _composed_following(template: pd.DataFrame, chunks, template_warmup: int, warmup_chunks: int,
+                        m: int) -> pd.DataFrame | None:
+    """`composed` under FSDP2, which torch's PipelineStage runs without resharding after a backward: a forward that
+    follows a forward all-gathers its layers' parameters, one that follows a backward finds them unsharded; a
+    backward that follows a forward all-gathers them, one that follows a backward does not. Each chunk call runs the
+    rows of the template call `_sources` gives it; the storages a call allocates are its own (new ones where the
+    rows are another call's), and the storages of a micro-batch that later rows name (what a forward leaves for its
+    backward, the output; the input's gradient a backward leaves) are those its own calls allocated: the template's
+    of one call stand for those of another in the order each allocated them (`_crossing`), where they are as many
+    and of equal sizes. Serials
+    are then numbered in order of allocation, from the template's first. None where the template lacks a call of
+    the kind needed, or two calls' storages do not correspond."""
+    serial, delta = template["serial"].to_numpy(), template["delta_bytes"].to_numpy()
+    first_row, last_row = _first_and_last_rows(serial)
+
+    def sizes(storages: list[int]) -> list[int]:
+        return delta[first_row[storages]].tolist() if storages else []
+
+    fresh = iter(range(int(serial.max()) + 1, 2**62))
+    pieces: list[tuple[np.ndarray, dict[int, int]]] = []
+    marks, done, count = [], 0, 0
+    carried: dict[int, int] = {}  # the template's storages of a micro-batch -> this stage's, for the rows after
+
+    def emit(rows: np.ndarray, mapping: dict[int, int], kind: str = "", mb: int = 0, step: int = 0) -> None:
+        nonlocal count
+        if kind:
+            marks.append((kind, mb, step, count, count + len(rows)))
+        pieces.append((rows, mapping))
+        count += len(rows)
+
+    for step in sorted({chunk[2] for chunk in chunks}):
+        spans = {(kind, mb): (begin, end) for kind, mb, s, begin, end in chunks if s == step}
+        cut = _cut(template, spans, template_warmup, m)
+        sources = _sources(m, template_warmup, warmup_chunks)
+        if cut is None or sources is None:
+            return None
+        body, after, output_free = cut
+        crossing = {call: _crossing(serial, first_row, last_row, *span) for call, span in spans.items()}
+        emit(np.arange(done, min(begin for begin, _ in spans.values())), dict(carried))  # the optimizer, the start
+        made: dict[Chunk, list[int]] = {}  # each call's storages that outlive it, as this stage numbers them
+        held = held_output(m, warmup_chunks)
+        for kind, mb in call_order(m, warmup_chunks):
+            source = sources[(kind, mb)]
+            begin, end = spans[source]
+            own = serial[begin:end]
+            allocated = np.unique(own[(own >= 0) & (first_row[np.maximum(own, 0)] >= begin)])
+            mapping = {} if source == (kind, mb) else {int(s): next(fresh) for s in allocated}
+            if kind == "B":  # the forward's storages this backward frees are its own micro-batch's
+                if sizes(crossing[("F", source[1])]) != sizes(crossing[sources[("F", mb)]]):
+                    return None
+                mapping.update(_as_made(crossing[("F", source[1])], made[("F", mb)]))
+            if sizes(crossing[source]) != sizes(crossing[(kind, mb)]):
+                return None
+            made[(kind, mb)] = [mapping.get(s, s) for s in crossing[source]]
+            rows = body[source]
+            if kind == "B" and mb not in (held, m - 1):  # the output freed as the backward returns, its last row
+                mapping = {**mapping, **_as_made(crossing[("F", mb)], made[("F", mb)])}
+                rows = np.append(rows, output_free[mb])
+            emit(rows, mapping, kind, mb, step)
+            if kind == "B" and mb > 0:  # the previous backward's input gradient, freed after this one
+                emit(after[(kind, mb)], _as_made(crossing[("B", mb - 1)], made[("B", mb - 1)]))
+            else:
+                emit(after[(kind, mb)], {})
+            if kind == "B" and mb == m - warmup_chunks and held is not None:
+                emit(np.array([output_free[held]]), _as_made(crossing[("F", held)], made[("F", held)]))
+        carried = {}
+        for call, storages in made.items():
+            carried.update(_as_made(crossing[call], storages))
+        done = max(end for _, end in spans.values())
+    emit(np.arange(done, len(template)), carried)
+    rows = np.concatenate([piece for piece, _ in pieces])
+    serials = np.concatenate([_mapped(serial[piece], mapping) for piece, mapping in pieces])
+    frame = template.iloc[rows].reset_index(drop=True)
+    if not _numbered_in_allocation_order(frame, serials, int(serial[serial >= 0].min())):
+        return None
+    _recategorized(frame, marks)
+    frame.attrs[CHUNKS] = Chunks(marks)
+    return frame
+
+
+def _first_and_last_rows(serial: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each storage's first and last row (indexed by serial; -1 for a serial no row names)."""
+    size = int(serial.max()) + 1 if len(serial) else 0
+    first, last = np.full(size, -1), np.full(size, -1)
+    real = np.flatnonzero(serial >= 0)
+    np.maximum.at(last, serial[real], real)
+    first[serial[real][::-1]] = real[::-1]  # the last assignment wins: the smallest row
+    return first, last
+
+
+def _crossing(serial: np.ndarray, first_row: np.ndarray, last_row: np.ndarray, begin: int, end: int) -> list[int]:
+    """The storages a chunk call (rows begin..end-1) allocates that a later row names, in order of allocation."""
+    own = serial[begin:end]
+    storages = np.unique(own[own >= 0])
+    storages = storages[(first_row[storages] >= begin) & (last_row[storages] >= end)]
+    return storages[np.argsort(first_row[storages])].tolist()
+
+
+def _as_made(template_storages: list[int], made: list[int]) -> dict[int, int]:
+    return dict(zip(template_storages, made))
+
+
+def _mapped(serials: np.ndarray, mapping: dict[int, int]) -> np.ndarray:
+    if not mapping:
+        return serials
+    return np.fromiter((mapping.get(s, s) for s in serials.tolist()), dtype=serials.dtype, count=len(serials))
+
+
+def _numbered_in_allocation_order(frame: pd.DataFrame, serials: np.ndarray, base: int) -> bool:
+    """`frame`'s serials: `serials` numbered from `base` in order of first row, as the tracker numbers storages;
+    False where a storage's first row is not its allocation (a free or a resize to nothing before it)."""
+    real = np.flatnonzero(serials >= 0)
+    storages, first = np.unique(serials[real], return_index=True)
+    delta = frame["delta_bytes"].to_numpy()
+    if np.any(delta[real[first]] < 0):
+        return False
+    number = dict(zip(storages[np.argsort(first)].tolist(), range(base, base + len(storages))))
+    frame.loc[real, "serial"] = np.fromiter((number[s] for s in serials[real].tolist()), dtype=np.int64,
+                                            count=len(real))
+    return True

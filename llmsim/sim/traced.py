@@ -94,24 +94,22 @@ def _composed(source: pd.DataFrame, template: int, setup: TrainSetup) -> pd.Data
     from llmsim.sim import compose_1f1b
 
     warmup = functools.partial(compose_1f1b.warmup, setup.n_microbatches, setup.pp)
-    return compose_1f1b.composed(source, warmup(template), warmup(setup.pp_stage), setup.n_microbatches)
+    return compose_1f1b.composed(source, warmup(template), warmup(setup.pp_stage), setup.n_microbatches,
+                                 follow_previous=setup.fsdp is not None)
 
 
 def _template_stage(model: ModelSpec, setup: TrainSetup) -> int | None:
     """The stage whose 1F1B trace `_traced` composes `setup`'s stage from: the first middle stage of its kind,
-    where that is another stage. None under FSDP2 (each stage traced): torch's PipelineStage runs FSDP2's backward
-    of every micro-batch but the last without resharding or reducing (`set_reshard_after_backward`,
-    `set_requires_gradient_sync` on the last one only), so what a chunk call leaves allocated for the next depends
-    on the stage's order of calls, which compose_1f1b's reordering does not follow: composed, the middle stages of
-    a 6-stage FSDP2 x PP Llama came out up to 0.2 MB over their traces, and stages 27-29 of Llama-2-70B over 32
-    stages (dp 2) 53-59 GiB where traced they hold 18 GiB (tests/test_compose_1f1b.py). replicate (DDP x TP x PP)
-    keeps its parameters whole and composes exactly."""
+    where that is another stage. Under FSDP2 torch's PipelineStage runs every backward without resharding or
+    reducing (`set_reshard_after_backward(False)`, `set_requires_gradient_sync(False)`; `perform_reduce_grad` after
+    the last), so what a chunk call does depends on the kind of the call before it, and the composition takes each
+    call's rows from a template call that follows the same kind (compose_1f1b, `follow_previous`): reordering the
+    template's own calls instead had stages 27-29 of Llama-2-70B over 32 stages (dp 2) at 53-59 GiB where traced
+    they hold 18 GiB, and missed a measured six-stage run by up to 40.5 % (tests/test_compose_1f1b.py)."""
     from llmsim.model.pipelining import Schedule
 
     stage = setup.pp_stage
     if setup.pp < 3 or setup.schedule != Schedule.ONE_F_ONE_B.value or stage in (0, setup.pp - 1):
-        return None
-    if setup.fsdp is not None:
         return None
     layout = Layout(world_size=setup.pp, pp=setup.pp, pp_split=setup.pp_split)  # what stage_kind reads
     kind = stage_kind(model, layout, stage)
