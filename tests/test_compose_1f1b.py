@@ -98,12 +98,12 @@ FSDP2_CASES = [  # (shrink(hidden, layers, vocab, heads), setup, pp, micro-batch
 
 @pytest.mark.parametrize("shape,setup,pp,microbatches,tp,reshard", FSDP2_CASES)
 def test_fsdp2_middle_stages_composed_by_the_previous_call_run_their_own_events(shape, setup, pp, microbatches, tp,
-                                                                              reshard):
+                                                                              reshard, monkeypatch):
     """FSDP2 x PP: torch's PipelineStage runs every backward without resharding, so a chunk call all-gathers or not
     as the call before it was a forward or a backward. Each middle stage is composed from stage 1 with every call
-    taken from a template call that follows the same kind (compose_1f1b, `follow_previous`) and runs its own
-    trace's events, traced at reduced depth and at full depth; reordering stage 1's own calls instead (as before
-    435ff17) does not, where FSDP2 reshards after the forward."""
+    taken from a template call that follows the same kind (compose_1f1b, `_sources`) and runs its own trace's
+    events, traced at reduced depth and at full depth; each call running its own template call's rows instead (as
+    before 435ff17) does not, where FSDP2 reshards after the forward."""
     from llmsim.inputs.spec import FsdpSetup
 
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", *shape))
@@ -127,7 +127,10 @@ def test_fsdp2_middle_stages_composed_by_the_previous_call_run_their_own_events(
         assert at_depth is not None
         pd.testing.assert_frame_equal(in_allocation_order(repeat_last_step(at_depth[0], setup.steps)),
                                       in_allocation_order(repeat_last_step(expand(own), setup.steps)))
-        reordered = compose_1f1b.composed(template.timeline, warmup(1), warmup(stage), microbatches)
+        with monkeypatch.context() as patched:  # every call from its own template call: a reordering alone
+            patched.setattr(compose_1f1b, "_sources", lambda m, *_: {("F", mb): ("F", mb) for mb in range(m)}
+                            | {("B", mb): ("B", mb) for mb in range(m)})
+            reordered = compose_1f1b.composed(template.timeline, warmup(1), warmup(stage), microbatches)
         reordered_differs.append(not frees_in_serial_order(reordered).equals(frees_in_serial_order(own.timeline)))
     assert any(reordered_differs) == reshard
 

@@ -14,12 +14,20 @@ sent forward) and input gradient G_b (sent back) are freed, decided by the Pytho
   (`send_work = _batch_p2p(bwd_sends)`): where B_{W-2} has returned by then (W - 2 <= M - W), O_{W-2} is freed
   right after B_{M-W}, after G_{M-W-1}.
 
-So a template stage's rows, cut at its chunk calls (tracker.CHUNKS), are reordered into the other stage's call
-order with O_f's free moved to where that stage's schedule frees it: every row moves whole (no layer runs between
-a backward's return and the next chunk call, so the frees there name the same block and module). Serials are then
-numbered again in allocation order, as the tracker numbers them, and a forward storage's activation/temporary
-category taken again from whether it outlives the step's last forward (tracker.StorageTracker._category).
-`tests/test_compose_1f1b.py` traces each stage and compares."""
+Under FSDP2 a call's events also depend on the kind of the call before it: torch's PipelineStage runs every
+backward without resharding (`set_reshard_after_backward(False)`; `perform_reduce_grad` reshards and reduces after
+the step's last), so a forward or backward that follows a forward all-gathers its layers' parameters (where FSDP2
+reshards after the forward) and one that follows a backward finds them unsharded.
+
+So a template stage's rows, cut at its chunk calls (tracker.CHUNKS), are put in the other stage's call order, each
+call running the rows of a template call of its kind that follows a call of the same kind (`_sources`: its own
+where the orders agree), with O_f's free moved to where that stage's schedule frees it: every row moves whole (no
+layer runs between a backward's return and the next chunk call, so the frees there name the same block and
+module). The storages a call allocates are its own, and those of a micro-batch that later rows name (what its
+forward leaves for its backward, its output, the input's gradient its backward leaves) are those its own calls
+allocated (`_crossing`). Serials are then numbered in allocation order, as the tracker numbers them, and a forward
+storage's activation/temporary category taken again from whether it outlives the step's last forward
+(tracker.StorageTracker._category). `tests/test_compose_1f1b.py` traces each stage and compares."""
 from __future__ import annotations
 
 import numpy as np
@@ -55,177 +63,15 @@ def held_output(n_microbatches: int, warmup_chunks: int) -> int | None:
 
 
 def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int,
-             n_microbatches: int, follow_previous: bool = False) -> pd.DataFrame | None:
+             n_microbatches: int) -> pd.DataFrame | None:
     """The timeline of the middle stage with warm-up `warmup_chunks`, from `template`, a traced middle stage's
-    (tracker.CHUNKS in its attrs) of equal layers whose warm-up is `template_warmup`; None where the template's
-    rows between chunk calls are not the frees the module docstring names (then trace the stage).
-    `follow_previous` (FSDP2): a chunk call's rows depend on the kind of the call before it, and each is taken from
-    a template call that follows a call of the kind its own does (`_composed_following`)."""
+    (tracker.CHUNKS in its attrs) of equal layers whose warm-up is `template_warmup` (module docstring); None where
+    the template's rows between chunk calls are not the frees the module docstring names, it has no call of the
+    kind a call needs, or two calls' storages do not correspond (then trace the stage)."""
     chunks = template.attrs.get(CHUNKS)
     if not chunks or min(template_warmup, warmup_chunks) < 2:
         return None
-    if follow_previous:
-        return _composed_following(template, chunks, template_warmup, warmup_chunks, n_microbatches)
-    pieces, marks, done, count = [], [], 0, 0  # done: template rows taken in order; count: rows composed
-    for step in sorted({chunk[2] for chunk in chunks}):
-        spans = {(kind, mb): (begin, end) for kind, mb, s, begin, end in chunks if s == step}
-        cut = _cut(template, spans, template_warmup, n_microbatches)
-        if cut is None:
-            return None
-        between = np.arange(done, min(begin for begin, _ in spans.values()))  # the optimizer, the step's start
-        for kind, mb, piece in [("", 0, between), *_reordered(cut, warmup_chunks, n_microbatches)]:
-            if kind:
-                marks.append((kind, mb, step, count, count + len(piece)))
-            pieces.append(piece)
-            count += len(piece)
-        done = max(end for _, end in spans.values())
-    rows = np.concatenate([*pieces, np.arange(done, len(template))])
-    frame = template.iloc[rows].reset_index(drop=True)
-    if not _renumbered(frame, template, rows):
-        return None
-    _recategorized(frame, marks)
-    frame.attrs[CHUNKS] = Chunks(marks)
-    return frame
-
-
-Cut = tuple[dict[Chunk, np.ndarray], dict[Chunk, np.ndarray], dict[int, int]]
-
-
-def _cut(template: pd.DataFrame, spans: dict[Chunk, tuple[int, int]], template_warmup: int, m: int) -> Cut | None:
-    """One step of the template cut up: each chunk call's rows without its output's free, the rows after it up to
-    the next call without O_{W-2}'s free (G_{b-1}'s free after B_b), and the row of each O_f's free (f < M - 1);
-    None where the rows between calls are not those frees."""
-    serial, delta = template["serial"].to_numpy(), template["delta_bytes"].to_numpy()
-    calls = sorted(spans, key=lambda chunk: spans[chunk][0])
-    body, after, output_free = {}, {}, {}
-    for call, following in zip(calls, calls[1:] + [None]):
-        begin, end = spans[call]
-        body[call] = np.arange(begin, end)
-        after[call] = np.arange(end, spans[following][0] if following else end)
-    w = template_warmup
-    for f in range(m - 1):
-        if f == held_output(m, w):  # held by the warm-up's send_work: the last row after B_{M-W}
-            row = after[("B", m - w)][-1] if len(after[("B", m - w)]) == 2 else -1
-            after[("B", m - w)] = after[("B", m - w)][:-1]
-        else:  # freed as B_f returns: its last row
-            row = body[("B", f)][-1]
-            body[("B", f)] = body[("B", f)][:-1]
-        forward = spans[("F", f)]
-        if row < 0 or delta[row] >= 0 or not _allocated_in(serial, serial[row], forward):
-            return None
-        output_free[f] = row
-    expected = {("B", b): 1 for b in range(1, m)} | {("B", 0): 0, ("B", m - 1): 0}
-    if any(len(after[call]) != expected.get(call, 0) or np.any(delta[after[call]] >= 0) for call in calls):
-        return None
-    return body, after, output_free
-
-
-def _allocated_in(serial: np.ndarray, storage: int, span: tuple[int, int]) -> bool:
-    return bool(np.any(serial[span[0]:span[1]] == storage))
-
-
-def _reordered(cut: Cut, warmup_chunks: int, m: int):
-    """(kind, micro-batch, rows) of one step in the order of the stage with `warmup_chunks`; kind "" for the
-    moved frees and the rows after a chunk."""
-    body, after, output_free = cut
-    held = held_output(m, warmup_chunks)
-    for kind, mb in call_order(m, warmup_chunks):
-        freed_on_return = kind == "B" and mb not in (held, m - 1)
-        yield kind, mb, np.append(body[(kind, mb)], output_free[mb]) if freed_on_return else body[(kind, mb)]
-        yield "", mb, after[(kind, mb)]
-        if kind == "B" and mb == m - warmup_chunks and held is not None:
-            yield "", mb, np.array([output_free[held]])
-
-
-def _renumbered(frame: pd.DataFrame, template: pd.DataFrame, rows: np.ndarray) -> bool:
-    """Serials in order of allocation, `frame` being `template`'s `rows`: the template's own serials, which count up
-    in allocation order (the tracker's `_next_serial`, the expansion's from its first new one), given out again in
-    the new order; False where a storage's first row is no longer its allocation (a free or resize moved before
-    it)."""
-    serial = frame["serial"].to_numpy()
-    real = np.flatnonzero(serial >= 0)
-    storages, first = np.unique(serial[real], return_index=True)
-    traced = template["serial"].to_numpy()
-    traced_real = np.flatnonzero(traced >= 0)
-    given, allocation = np.unique(traced[traced_real], return_index=True)  # the same storages, sorted alike
-    if not np.array_equal(rows[real[first]], traced_real[allocation]):
-        return False
-    number = np.empty(storages.max() + 1 if len(storages) else 0, dtype=serial.dtype)
-    number[storages[np.argsort(first)]] = given
-    frame.loc[real, "serial"] = number[serial[real]]
-    return True
-
-
-def _recategorized(frame: pd.DataFrame, marks: list[tuple[str, int, int, int, int]]) -> None:
-    """A forward storage is an activation where it outlives its step's last forward (it is freed at or after the
-    first backward call that follows the step's last forward call, or never), else a temporary: the tracker's rule
-    (`StorageTracker._category`), whose phase ends move with the order of the calls."""
-    categories = frame["category"].to_numpy(dtype=object)
-    inferred = (categories == Category.ACTIVATION.value) | (categories == Category.TEMPORARY.value)
-    serial, delta = frame["serial"].to_numpy(), frame["delta_bytes"].to_numpy()
-    forward_end = {}
-    for step in {mark[2] for mark in marks}:
-        calls = sorted((begin, kind) for kind, _, s, begin, _ in marks if s == step)
-        last_forward = max(i for i, (_, kind) in enumerate(calls) if kind == "F")
-        forward_end[step] = calls[last_forward + 1][0]
-    real = serial >= 0
-    if not real.any():
-        return
-    freed = np.full(serial[real].max() + 1, -1)  # each storage's last free, or the frame's end: never freed
-    freeing = np.flatnonzero(real & (delta < 0))
-    np.maximum.at(freed, serial[freeing], freeing)
-    freed[freed < 0] = len(frame)
-    storages, first = np.unique(serial[real], return_index=True)
-    first = np.flatnonzero(real)[first]  # each storage's first row: its allocation
-    steps = frame["step"].to_numpy()[first]
-    ends = np.full(steps.max() + 1, len(frame))  # a step without a forward call: the frame's end
-    ends[list(forward_end)] = list(forward_end.values())
-    ends = ends[steps]
-    active = np.zeros(len(freed), dtype=bool)
-    active[storages] = (frame["phase"].to_numpy(dtype=object)[first] == Phase.FORWARD.value) & (freed[storages] >= ends)
-    fill = real & inferred
-    categories[fill] = np.where(active[serial[fill]], Category.ACTIVATION.value, Category.TEMPORARY.value)
-    categories[inferred & ~real] = Category.TEMPORARY.value  # no storage: never an activation (as before)
-    frame["category"] = pd.array(categories, dtype=frame["category"].dtype)
-
-
-def previous_kinds(order: list[Chunk]) -> dict[Chunk, str | None]:
-    """The kind of the chunk call before each one in a step's `order` (None for the step's first)."""
-    return {call: (order[i - 1][0] if i else None) for i, call in enumerate(order)}
-
-
-def _sources(m: int, template_warmup: int, warmup_chunks: int) -> dict[Chunk, Chunk] | None:
-    """For each chunk call of the stage with `warmup_chunks`, the template's call whose rows it runs: its own where
-    the call before it is of the same kind in both orders, else the nearest template call of its kind (not the
-    micro-batch 0 one, which makes the step's gradients) that follows a call of that kind; None where the template
-    has none."""
-    template_previous = previous_kinds(call_order(m, template_warmup))
-    sources = {}
-    for call, previous in previous_kinds(call_order(m, warmup_chunks)).items():
-        if template_previous[call] == previous:
-            sources[call] = call
-            continue
-        kind, mb = call
-        alike = [other for other, before in template_previous.items()
-                 if other[0] == kind and other[1] != 0 and before == previous]
-        if mb == 0 or not alike:
-            return None
-        sources[call] = min(alike, key=lambda other: (abs(other[1] - mb), other[1]))
-    return sources
-
-
-def _composed_following(template: pd.DataFrame, chunks, template_warmup: int, warmup_chunks: int,
-                        m: int) -> pd.DataFrame | None:
-    """`composed` under FSDP2, which torch's PipelineStage runs without resharding after a backward: a forward that
-    follows a forward all-gathers its layers' parameters, one that follows a backward finds them unsharded; a
-    backward that follows a forward all-gathers them, one that follows a backward does not. Each chunk call runs the
-    rows of the template call `_sources` gives it; the storages a call allocates are its own (new ones where the
-    rows are another call's), and the storages of a micro-batch that later rows name (what a forward leaves for its
-    backward, the output; the input's gradient a backward leaves) are those its own calls allocated: the template's
-    of one call stand for those of another in the order each allocated them (`_crossing`), where they are as many
-    and of equal sizes. Serials
-    are then numbered in order of allocation, from the template's first. None where the template lacks a call of
-    the kind needed, or two calls' storages do not correspond."""
+    m = n_microbatches
     serial, delta = template["serial"].to_numpy(), template["delta_bytes"].to_numpy()
     first_row, last_row = _first_and_last_rows(serial)
 
@@ -234,7 +80,7 @@ def _composed_following(template: pd.DataFrame, chunks, template_warmup: int, wa
 
     fresh = iter(range(int(serial.max()) + 1, 2**62))
     pieces: list[tuple[np.ndarray, dict[int, int]]] = []
-    marks, done, count = [], 0, 0
+    marks, done, count = [], 0, 0  # done: template rows taken in order; count: rows composed
     carried: dict[int, int] = {}  # the template's storages of a micro-batch -> this stage's, for the rows after
 
     def emit(rows: np.ndarray, mapping: dict[int, int], kind: str = "", mb: int = 0, step: int = 0) -> None:
@@ -244,11 +90,13 @@ def _composed_following(template: pd.DataFrame, chunks, template_warmup: int, wa
         pieces.append((rows, mapping))
         count += len(rows)
 
+    sources = _sources(m, template_warmup, warmup_chunks)
+    if sources is None:
+        return None
     for step in sorted({chunk[2] for chunk in chunks}):
         spans = {(kind, mb): (begin, end) for kind, mb, s, begin, end in chunks if s == step}
         cut = _cut(template, spans, template_warmup, m)
-        sources = _sources(m, template_warmup, warmup_chunks)
-        if cut is None or sources is None:
+        if cut is None:
             return None
         body, after, output_free = cut
         crossing = {call: _crossing(serial, first_row, last_row, *span) for call, span in spans.items()}
@@ -292,6 +140,100 @@ def _composed_following(template: pd.DataFrame, chunks, template_warmup: int, wa
     _recategorized(frame, marks)
     frame.attrs[CHUNKS] = Chunks(marks)
     return frame
+
+
+Cut = tuple[dict[Chunk, np.ndarray], dict[Chunk, np.ndarray], dict[int, int]]
+
+
+def _cut(template: pd.DataFrame, spans: dict[Chunk, tuple[int, int]], template_warmup: int, m: int) -> Cut | None:
+    """One step of the template cut up: each chunk call's rows without its output's free, the rows after it up to
+    the next call without O_{W-2}'s free (G_{b-1}'s free after B_b), and the row of each O_f's free (f < M - 1);
+    None where the rows between calls are not those frees."""
+    serial, delta = template["serial"].to_numpy(), template["delta_bytes"].to_numpy()
+    calls = sorted(spans, key=lambda chunk: spans[chunk][0])
+    body, after, output_free = {}, {}, {}
+    for call, following in zip(calls, calls[1:] + [None]):
+        begin, end = spans[call]
+        body[call] = np.arange(begin, end)
+        after[call] = np.arange(end, spans[following][0] if following else end)
+    w = template_warmup
+    for f in range(m - 1):
+        if f == held_output(m, w):  # held by the warm-up's send_work: the last row after B_{M-W}
+            row = after[("B", m - w)][-1] if len(after[("B", m - w)]) == 2 else -1
+            after[("B", m - w)] = after[("B", m - w)][:-1]
+        else:  # freed as B_f returns: its last row
+            row = body[("B", f)][-1]
+            body[("B", f)] = body[("B", f)][:-1]
+        forward = spans[("F", f)]
+        if row < 0 or delta[row] >= 0 or not _allocated_in(serial, serial[row], forward):
+            return None
+        output_free[f] = row
+    expected = {("B", b): 1 for b in range(1, m)} | {("B", 0): 0, ("B", m - 1): 0}
+    if any(len(after[call]) != expected.get(call, 0) or np.any(delta[after[call]] >= 0) for call in calls):
+        return None
+    return body, after, output_free
+
+
+def _allocated_in(serial: np.ndarray, storage: int, span: tuple[int, int]) -> bool:
+    return bool(np.any(serial[span[0]:span[1]] == storage))
+
+
+def _recategorized(frame: pd.DataFrame, marks: list[tuple[str, int, int, int, int]]) -> None:
+    """A forward storage is an activation where it outlives its step's last forward (it is freed at or after the
+    first backward call that follows the step's last forward call, or never), else a temporary: the tracker's rule
+    (`StorageTracker._category`), whose phase ends move with the order of the calls."""
+    categories = frame["category"].to_numpy(dtype=object)
+    inferred = (categories == Category.ACTIVATION.value) | (categories == Category.TEMPORARY.value)
+    serial, delta = frame["serial"].to_numpy(), frame["delta_bytes"].to_numpy()
+    forward_end = {}
+    for step in {mark[2] for mark in marks}:
+        calls = sorted((begin, kind) for kind, _, s, begin, _ in marks if s == step)
+        last_forward = max(i for i, (_, kind) in enumerate(calls) if kind == "F")
+        forward_end[step] = calls[last_forward + 1][0]
+    real = serial >= 0
+    if not real.any():
+        return
+    freed = np.full(serial[real].max() + 1, -1)  # each storage's last free, or the frame's end: never freed
+    freeing = np.flatnonzero(real & (delta < 0))
+    np.maximum.at(freed, serial[freeing], freeing)
+    freed[freed < 0] = len(frame)
+    storages, first = np.unique(serial[real], return_index=True)
+    first = np.flatnonzero(real)[first]  # each storage's first row: its allocation
+    steps = frame["step"].to_numpy()[first]
+    ends = np.full(steps.max() + 1, len(frame))  # a step without a forward call: the frame's end
+    ends[list(forward_end)] = list(forward_end.values())
+    ends = ends[steps]
+    active = np.zeros(len(freed), dtype=bool)
+    active[storages] = (frame["phase"].to_numpy(dtype=object)[first] == Phase.FORWARD.value) & (freed[storages] >= ends)
+    fill = real & inferred
+    categories[fill] = np.where(active[serial[fill]], Category.ACTIVATION.value, Category.TEMPORARY.value)
+    categories[inferred & ~real] = Category.TEMPORARY.value  # no storage: never an activation (as before)
+    frame["category"] = pd.array(categories, dtype=frame["category"].dtype)
+
+
+def _previous_kinds(order: list[Chunk]) -> dict[Chunk, str | None]:
+    """The kind of the chunk call before each one in a step's `order` (None for the step's first)."""
+    return {call: (order[i - 1][0] if i else None) for i, call in enumerate(order)}
+
+
+def _sources(m: int, template_warmup: int, warmup_chunks: int) -> dict[Chunk, Chunk] | None:
+    """For each chunk call of the stage with `warmup_chunks`, the template's call whose rows it runs: its own where
+    the call before it is of the same kind in both orders, else the nearest template call of its kind (not the
+    micro-batch 0 one, which makes the step's gradients) that follows a call of that kind; None where the template
+    has none."""
+    template_previous = _previous_kinds(call_order(m, template_warmup))
+    sources = {}
+    for call, previous in _previous_kinds(call_order(m, warmup_chunks)).items():
+        if template_previous[call] == previous:
+            sources[call] = call
+            continue
+        kind, mb = call
+        alike = [other for other, before in template_previous.items()
+                 if other[0] == kind and other[1] != 0 and before == previous]
+        if mb == 0 or not alike:
+            return None
+        sources[call] = min(alike, key=lambda other: (abs(other[1] - mb), other[1]))
+    return sources
 
 
 def _first_and_last_rows(serial: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -94,8 +94,7 @@ def _composed(source: pd.DataFrame, template: int, setup: TrainSetup) -> pd.Data
     from llmsim.sim import compose_1f1b
 
     warmup = functools.partial(compose_1f1b.warmup, setup.n_microbatches, setup.pp)
-    return compose_1f1b.composed(source, warmup(template), warmup(setup.pp_stage), setup.n_microbatches,
-                                 follow_previous=setup.fsdp is not None)
+    return compose_1f1b.composed(source, warmup(template), warmup(setup.pp_stage), setup.n_microbatches)
 
 
 def _template_stage(model: ModelSpec, setup: TrainSetup) -> int | None:
@@ -103,7 +102,7 @@ def _template_stage(model: ModelSpec, setup: TrainSetup) -> int | None:
     where that is another stage. Under FSDP2 torch's PipelineStage runs every backward without resharding or
     reducing (`set_reshard_after_backward(False)`, `set_requires_gradient_sync(False)`; `perform_reduce_grad` after
     the last), so what a chunk call does depends on the kind of the call before it, and the composition takes each
-    call's rows from a template call that follows the same kind (compose_1f1b, `follow_previous`): reordering the
+    call's rows from a template call that follows the same kind (compose_1f1b, `_sources`): reordering the
     template's own calls instead had stages 27-29 of Llama-2-70B over 32 stages (dp 2) at 53-59 GiB where traced
     they hold 18 GiB, and missed a measured six-stage run by up to 40.5 % (tests/test_compose_1f1b.py)."""
     from llmsim.model.pipelining import Schedule
