@@ -370,3 +370,28 @@ def test_size_with_no_applicable_layout_says_why(capsys):
     assert "not modelled: tp(2) x pp(2) with tied embeddings" in capsys.readouterr().out
     assert main([*base, "--layouts", "tp,pp", "--lora-rank", "8"]) == 2
     assert "LoRA is not modelled with tensor or pipeline parallelism" in capsys.readouterr().err
+
+
+def test_a_3d_layout_of_tp_1_is_searched_where_its_pp_layout_is(monkeypatch):
+    """`ddpxppN` is DDP around each of `pp`'s N stages: the same stage traces. It goes to the process that searches
+    the `pp` layout, after it, so those traces are made once; each keeps its own search, and the table is what each
+    family finds alone."""
+    import llmsim.app.size as size_module
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 2048, 4))
+    handed_out = []
+    in_processes = size_module.in_processes
+
+    def recording(work, items, *args, **kwargs):
+        handed_out.extend([[key for chain in item for key, _ in chain] for item in items])
+        return in_processes(work, items, *args, **kwargs)
+
+    monkeypatch.setattr(size_module, "in_processes", recording)
+    both = size(spec, TrainSetup(1, 128), TINY_GPU, max_gpus=4, max_micro_batch=8, families=("pp", "3d"))
+    assert [("pp", 2), ("ddpxpp2", 4)] in handed_out and [("pp", 4)] in handed_out
+    assert sum(("ddpxpp2", 4) in item for item in handed_out) == 1
+    alone = pd.concat([size(spec, TrainSetup(1, 128), TINY_GPU, max_gpus=4, max_micro_batch=8, families=(family,))
+                       for family in ("pp", "3d")])
+    key = ["layout", "gpus"]
+    pd.testing.assert_frame_equal(both.sort_values(key).reset_index(drop=True),
+                                  alone.sort_values(key).reset_index(drop=True))

@@ -374,22 +374,36 @@ def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
     if not keys:
         raise InputError(f"no layout of the families {', '.join(families)} applies to {spec.name} on up to "
                          f"{max_gpus} GPU(s): {_why_none(spec, setup, families, max_gpus)}")
-    work = functools.partial(_layout_rows, spec, setup, gpu, max_gpus, max_micro_batch, alloc_conf, families,
+    work = functools.partial(_chains_rows, spec, setup, gpu, max_gpus, max_micro_batch, alloc_conf, families,
                              global_batch)
     # The longest first: each pipeline on its own (a trace per stage; the most GPUs, the most stages, first), then
-    # the other layouts each as a chain of its GPU counts, fewest first, ZeRO-3's first (traces of its own).
+    # the other layouts each as a chain of its GPU counts, fewest first, ZeRO-3's first (traces of its own). A
+    # 3-D layout of TP 1 (`ddpxppN`, DDP around each of the `pp` layout's stages) goes with the `pp` layout of its
+    # stages, after it: the same stage traces (DDP's buffers are planned, not traced), made once in one process.
     pipelines = sorted((key for key in keys if "pp" in key[0]), key=lambda key: -key[1])
+    partner = {key: ("pp", key[1] // REPLICAS_3D) for key in pipelines
+               if key[0] == f"ddpxpp{key[1] // REPLICAS_3D}" and ("pp", key[1] // REPLICAS_3D) in keys}
     chains: dict[str, list[tuple[tuple[str, int], list[tuple[str, ...]]]]] = {}
     for key in sorted(keys, key=lambda key: key[1]):
         if "pp" not in key[0]:
             chains.setdefault(key[0], []).append((key, keys[key]))
-    items = [[(key, keys[key])] for key in pipelines] + \
-        [chains[name] for name in sorted(chains, key=lambda name: (name != "zero3", -len(chains[name])))]
-    chains_done = in_processes(work, items, jobs, progress, "layout", cluster=cluster)
-    rows = {row_key: row for chain in chains_done for row_key, row in chain}
+    items = [[[(key, keys[key])]] + [[(other, keys[other])] for other, of in partner.items() if of == key]
+             for key in pipelines if key not in partner] + \
+        [[chains[name]] for name in sorted(chains, key=lambda name: (name != "zero3", -len(chains[name])))]
+    items_done = in_processes(work, items, jobs, progress, "layout", cluster=cluster)
+    rows = {row_key: row for chains_rows in items_done for chain in chains_rows for row_key, row in chain}
     frame = pd.DataFrame([rows[key] for key in keys])
     return frame.sort_values(["fits", "gpus", "largest_micro_batch"], ascending=[False, True, False],
                              kind="stable").reset_index(drop=True)
+
+
+def _chains_rows(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int, max_micro_batch: int,
+                 alloc_conf: AllocatorConfig, families: tuple[str, ...], global_batch: int | None,
+                 chains: list[list[tuple[tuple[str, int], list[tuple[str, ...]]]]]) -> list[list]:
+    """`_layout_rows` of each chain, in turn, in one process (each chain its own search: no hint passes from one
+    to the next)."""
+    return [_layout_rows(spec, setup, gpu, max_gpus, max_micro_batch, alloc_conf, families, global_batch, chain)
+            for chain in chains]
 
 
 def _layout_rows(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int, max_micro_batch: int,
