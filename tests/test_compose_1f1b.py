@@ -24,7 +24,8 @@ from llmsim.sim.timeline import TRACED_STEPS, expand, repeat_last_step
 from test_expansion import _allocation_order
 from test_pipeline_stages import frees_in_serial_order
 
-ROWS = "data/measurements/tier2_pp_cpu.csv"
+ROWS = ["data/measurements/tier2_pp_cpu.csv", "data/measurements/tier2_dp_tp_pp_cpu.csv",  # every committed PP row
+        "data/measurements/tier2_fsdp_pp_cpu.csv"]
 F1B = Schedule.ONE_F_ONE_B
 CASES = [  # (zoo model, shrink(hidden, layers, vocab, heads), setup, layout)
     ("llama-2-7b", (64, 12, 512, 4), TrainSetup(1, 32, Precision.BF16),
@@ -44,12 +45,19 @@ CASES = [  # (zoo model, shrink(hidden, layers, vocab, heads), setup, layout)
 ]
 
 
+def in_allocation_order(frame: pd.DataFrame) -> pd.DataFrame:
+    """`frees_in_serial_order` with serials numbered from 0 in order of allocation (test_expansion's): a composed
+    FSDP2 stage at full depth numbers its storages from its template's first, which has other temporaries."""
+    return frees_in_serial_order(_allocation_order(frame))
+
+
 def middle_stage_cases():
-    rows = pd.read_csv(ROWS)
-    runs = rows[(rows["schedule"] == "1f1b") & (rows["pp"] > 2)].drop_duplicates(
-        [c for c in rows.columns if c not in ("rank", "peak_allocated_bytes", "measured_at", "wall_s")])
-    for index, row in runs.iterrows():
-        yield pytest.param(*row_inputs(row), id=f"row{index}")
+    for path in ROWS:
+        rows = pd.read_csv(path)
+        runs = rows[(rows["schedule"] == "1f1b") & (rows["pp"] > 2)].drop_duplicates(
+            [c for c in rows.columns if c not in ("rank", "peak_allocated_bytes", "measured_at", "wall_s")])
+        for index, row in runs.iterrows():
+            yield pytest.param(*row_inputs(row), id=f"{path.split('/')[-1].removesuffix('.csv')}-row{index}")
     for name, shape, setup, layout in CASES:
         yield pytest.param(load_model_spec(name, shrink(name, *shape)), setup, layout, id=name)
 
@@ -71,20 +79,14 @@ def test_a_composed_1f1b_stage_runs_the_events_of_its_own_trace(spec, setup, lay
         composed = traced._traced(spec, stage_setup)
         assert composed is not own and composed.timeline.attrs[CHUNKS] == own.timeline.attrs[CHUNKS]
         pd.testing.assert_frame_equal(frees_in_serial_order(composed.timeline), frees_in_serial_order(own.timeline))
-        own_at_depth = frees_in_serial_order(repeat_last_step(expand(own), setup.steps))
+        own_at_depth = in_allocation_order(repeat_last_step(expand(own), setup.steps))
         pd.testing.assert_frame_equal(  # and at full depth, every step
-            frees_in_serial_order(repeat_last_step(expand(composed), setup.steps)), own_at_depth)
+            in_allocation_order(repeat_last_step(expand(composed), setup.steps)), own_at_depth)
         at_depth = traced._composed_at_depth(spec, stage_setup)  # what a prediction does: compose at full depth
         assert at_depth is not None
-        pd.testing.assert_frame_equal(frees_in_serial_order(repeat_last_step(at_depth[0], setup.steps)),
+        pd.testing.assert_frame_equal(in_allocation_order(repeat_last_step(at_depth[0], setup.steps)),
                                       own_at_depth)
     assert composed_stages >= 1
-
-
-def in_allocation_order(frame: pd.DataFrame) -> pd.DataFrame:
-    """`frees_in_serial_order` with serials numbered from 0 in order of allocation (test_expansion's): a composed
-    FSDP2 stage at full depth numbers its storages from its template's first, which has other temporaries."""
-    return frees_in_serial_order(_allocation_order(frame))
 
 
 FSDP2_CASES = [  # (shrink(hidden, layers, vocab, heads), setup, pp, micro-batches, tp, reshard_after_forward)
