@@ -381,8 +381,11 @@ def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
     # 3-D layout of TP 1 (`ddpxppN`, DDP around each of the `pp` layout's stages) goes with the `pp` layout of its
     # stages, after it: the same stage traces (DDP's buffers are planned, not traced), made once in one process.
     pipelines = sorted((key for key in keys if "pp" in key[0]), key=lambda key: -key[1])
-    partner = {key: ("pp", key[1] // REPLICAS_3D) for key in pipelines
-               if key[0] == f"ddpxpp{key[1] // REPLICAS_3D}" and ("pp", key[1] // REPLICAS_3D) in keys}
+    partner = {}  # ddpxppN on 2N GPUs -> pp on N
+    for key in pipelines:
+        pp_key = ("pp", key[1] // REPLICAS_3D)
+        if key[0] == f"ddpxpp{pp_key[1]}" and pp_key in keys:
+            partner[key] = pp_key
     chains: dict[str, list[tuple[tuple[str, int], list[tuple[str, ...]]]]] = {}
     for key in sorted(keys, key=lambda key: key[1]):
         if "pp" not in key[0]:
