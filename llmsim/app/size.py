@@ -390,8 +390,10 @@ def size(spec: ModelSpec, setup: TrainSetup, gpu: GpuProfile, max_gpus: int = 8,
     for key in sorted(keys, key=lambda key: key[1]):
         if "pp" not in key[0]:
             chains.setdefault(key[0], []).append((key, keys[key]))
-    items = [[[(key, keys[key])]] + [[(other, keys[other])] for other, of in partner.items() if of == key]
-             for key in pipelines if key not in partner] + \
+    grouped = {key: [[(key, keys[key])]] for key in pipelines if key not in partner}  # item: its chains
+    for key, pp_key in partner.items():
+        grouped[pp_key].append([(key, keys[key])])
+    items = list(grouped.values()) + \
         [[chains[name]] for name in sorted(chains, key=lambda name: (name != "zero3", -len(chains[name])))]
     items_done = in_processes(work, items, jobs, progress, "layout", cluster=cluster)
     rows = {row_key: row for chains_rows in items_done for chain in chains_rows for row_key, row in chain}

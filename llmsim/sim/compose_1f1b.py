@@ -100,7 +100,7 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int,
             return None
         body, after, output_free = cut
         crossing = {call: _crossing(serial, first_row, last_row, *span) for call, span in spans.items()}
-        emit(np.arange(done, min(begin for begin, _ in spans.values())), dict(carried))  # the optimizer, the start
+        emit(np.arange(done, min(begin for begin, _ in spans.values())), carried)  # the optimizer, the step's start
         made: dict[Chunk, list[int]] = {}  # each call's storages that outlive it, as this stage numbers them
         held = held_output(m, warmup_chunks)
         for kind, mb in call_order(m, warmup_chunks):
@@ -259,9 +259,15 @@ def _as_made(template_storages: list[int], made: list[int]) -> dict[int, int]:
 
 
 def _mapped(serials: np.ndarray, mapping: dict[int, int]) -> np.ndarray:
+    """`serials` with each key of `mapping` replaced by its value."""
     if not mapping:
         return serials
-    return np.fromiter((mapping.get(s, s) for s in serials.tolist()), dtype=serials.dtype, count=len(serials))
+    keys = np.fromiter(mapping, dtype=serials.dtype, count=len(mapping))
+    values = np.fromiter(mapping.values(), dtype=serials.dtype, count=len(mapping))
+    order = np.argsort(keys)
+    keys, values = keys[order], values[order]
+    at = np.minimum(np.searchsorted(keys, serials), len(keys) - 1)
+    return np.where(keys[at] == serials, values[at], serials)
 
 
 def _numbered_in_allocation_order(frame: pd.DataFrame, serials: np.ndarray, base: int) -> bool:
@@ -269,10 +275,9 @@ def _numbered_in_allocation_order(frame: pd.DataFrame, serials: np.ndarray, base
     False where a storage's first row is not its allocation (a free or a resize to nothing before it)."""
     real = np.flatnonzero(serials >= 0)
     storages, first = np.unique(serials[real], return_index=True)
-    delta = frame["delta_bytes"].to_numpy()
-    if np.any(delta[real[first]] < 0):
+    if np.any(frame["delta_bytes"].to_numpy()[real[first]] < 0):
         return False
-    number = dict(zip(storages[np.argsort(first)].tolist(), range(base, base + len(storages))))
-    frame.loc[real, "serial"] = np.fromiter((number[s] for s in serials[real].tolist()), dtype=np.int64,
-                                            count=len(real))
+    number = np.empty(len(storages), dtype=np.int64)
+    number[np.argsort(first)] = np.arange(base, base + len(storages))
+    frame.loc[real, "serial"] = number[np.searchsorted(storages, serials[real])]
     return True
