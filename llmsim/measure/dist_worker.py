@@ -92,6 +92,17 @@ def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
     del keep_alive
 
 
+def run_deepspeed_pipe(job: dict, tracker: StorageTracker) -> None:
+    """DeepSpeed's pipeline engine on the model's layers (llmsim/model/ds_pipe.py): `deepspeed.initialize` on a
+    PipelineModule, then `engine.train_batch` per step."""
+    from llmsim.model import ds_pipe
+
+    with _deepspeed_settled(bool(job.get("ds_gloo_settle"))):
+        ds_pipe.run_step(job["config_json"], job["ds_config"], job["pp"], job["micro_batch"], job["seq_len"],
+                         job["steps"], job["ckpt_every"] if job["grad_ckpt"] else 0, tracker,
+                         job.get("partition_method") or ds_pipe.PARTITION_METHOD)
+
+
 def _deepspeed_settled(settle: bool):
     """With `settle`, gloo's worker thread is given GLOO_SETTLE_S after each of DeepSpeed's collectives to drop
     its reference to their tensors, as NCCL's work does at the wait: after a synchronous one returns, and inside the
@@ -238,7 +249,7 @@ def main() -> int:
     args = parser.parse_args()
     job = json.loads(args.job.read_text())
     torch.manual_seed(0)
-    if job["framework"] == "deepspeed":
+    if job["framework"] in ("deepspeed", "deepspeed_pipe"):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
@@ -246,7 +257,8 @@ def main() -> int:
         torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()
     tracker = StorageTracker()
-    runners = {"deepspeed": run_deepspeed, "ddp": run_ddp, "model_parallel": run_model_parallel, "fsdp": run_fsdp}
+    runners = {"deepspeed": run_deepspeed, "ddp": run_ddp, "model_parallel": run_model_parallel, "fsdp": run_fsdp,
+               "deepspeed_pipe": run_deepspeed_pipe}
     runners[job["framework"]](job, tracker)
     timeline = tracker.timeline()
     timeline.to_csv(args.out / f"rank{rank}.timeline.csv", index=False)

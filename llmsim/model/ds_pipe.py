@@ -1,0 +1,255 @@
+"""A Hugging Face causal LM trained with DeepSpeed's pipeline engine (recipe "deepspeed-pipe"): the run as a DeepSpeed
+pipeline script writes it,
+
+    module = PipelineModule(layers=layer_specs(config), loss_fn=loss, num_stages=pp,
+                            partition_method=..., activation_checkpoint_interval=...)
+    engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config, model_parameters=...)
+    for step in range(steps):
+        engine.train_batch(data_iter)      # gradient_accumulation_steps micro-batches through the stages
+
+and the same code run twice: measured (torchrun, gloo, the storage tracker in every rank:
+llmsim/measure/dist_worker.py) and traced (one rank under a fake process group and fake tensors: `traced_patches`).
+Everything that decides the stage's memory is DeepSpeed's own: the partition of the layers (`partition_method`,
+DeepSpeed's default "parameters"), TrainSchedule's order and its `num_pipe_buffers` activation slots, the received
+and sent buffers, the buffers the last stage keeps across steps, ZeRO-0's or ZeRO-1's gradient reduction and
+optimizer (DeepSpeed asserts ZeRO-2 and -3 away under a pipeline), its own activation checkpointing.
+
+The layers. Transformers has no PipelineModule of its models, and DeepSpeed's pipeline takes one tensor (or a
+tuple) from stage to stage, so every pipeline script wraps the model's pieces itself. `layer_specs` is the plain
+wrapping: one LayerSpec for the input embedding (token ids -> hidden states), one per decoder layer of the model's
+own class (hidden states -> hidden states), one for the final norm and one for the LM head (-> logits), and the
+model's own loss function (`ForCausalLMLoss`) as the pipeline's `loss_fn`. What wrappers differ in, and this one
+chooses: each decoder layer computes its rotary cos/sin from its input with its own rotary module (the model computes
+them once for all layers), so each layer keeps its own pair for its backward (2 x seq x head_dim in the activation
+dtype: a few MiB at 4,096 tokens, against the layer's hundreds); no attention mask is passed (SDPA's causal
+kernel, as transformers calls it for a batch without padding); no tied embeddings (TiedLayerSpec)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import json
+import os
+from unittest import mock
+
+import torch
+from torch import nn
+
+from llmsim.enums import Category, Phase
+from llmsim.errors import InputError
+from llmsim.model.tracker import StorageTracker
+
+PARTITION_METHOD = "parameters"  # PipelineModule's default: the layers split so each stage holds as many parameters
+
+
+def _parts(config_json: str):
+    """The model's own decoder-layer, norm and rotary classes (from its modeling module, read off a meta build)."""
+    return _parts_of(config_json)
+
+
+@functools.lru_cache(maxsize=8)
+def _parts_of(config_json: str):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(config_json))
+    base = getattr(model, model.base_model_prefix)
+    return type(base.layers[0]), type(base.norm), type(base.rotary_emb)
+
+
+def hf_config(config_json: str):
+    """The model's transformers config, SDPA attention (the causal kernel the layers rely on)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**json.loads(config_json))
+    config._attn_implementation = "sdpa"
+    return config
+
+
+class EmbeddingPipe(nn.Module):
+    """Token ids -> hidden states: the model's input embedding."""
+
+    def __init__(self, config_json: str) -> None:
+        super().__init__()
+        config = hf_config(config_json)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+
+class DecoderLayerPipe(nn.Module):
+    """Hidden states -> hidden states: one decoder layer of the model's own class, its rotary cos/sin computed
+    here from the input's length (positions 0 .. seq-1, as the model numbers them without a cache)."""
+
+    def __init__(self, config_json: str, index: int) -> None:
+        super().__init__()
+        layer_class, _, rotary_class = _parts(config_json)
+        config = hf_config(config_json)
+        self.layer = layer_class(config, index)
+        self.rotary_emb = rotary_class(config=config)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        return self.layer(hidden, position_ids=position_ids, position_embeddings=position_embeddings)
+
+
+class NormPipe(nn.Module):
+    def __init__(self, config_json: str) -> None:
+        super().__init__()
+        config = hf_config(config_json)
+        self.norm = _parts(config_json)[1](config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+
+class HeadPipe(nn.Module):
+    def __init__(self, config_json: str) -> None:
+        super().__init__()
+        config = hf_config(config_json)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+def check_model(config_json: str) -> None:
+    """What `layer_specs` wraps: a decoder-only model with RMS norm and rotary positions, untied."""
+    config = hf_config(config_json)
+    if getattr(config, "tie_word_embeddings", False):
+        raise InputError("the deepspeed-pipe recipe with tied embeddings (tie_word_embeddings, DeepSpeed's "
+                         "TiedLayerSpec) is not modelled yet; modelled: untied models (Llama, Mistral, Qwen2 7B+)")
+    if not hasattr(config, "rms_norm_eps") or getattr(config, "num_local_experts", None) or \
+            getattr(config, "num_experts", None):
+        raise InputError(f"the deepspeed-pipe recipe wraps decoder layers with RMS norm and rotary positions, "
+                         f"dense; {config.model_type} is not modelled yet (modelled: llama, mistral, qwen2)")
+
+
+def layer_specs(config_json: str) -> list:
+    from deepspeed.pipe import LayerSpec
+
+    layers = int(hf_config(config_json).num_hidden_layers)
+    return [LayerSpec(EmbeddingPipe, config_json), *(LayerSpec(DecoderLayerPipe, config_json, index)
+                                                     for index in range(layers)),
+            LayerSpec(NormPipe, config_json), LayerSpec(HeadPipe, config_json)]
+
+
+def causal_lm_loss(vocab_size: int):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return ForCausalLMLoss(logits, labels, vocab_size)
+    return loss
+
+
+def run_step(config_json: str, ds_config: dict, num_stages: int, micro_batch: int, seq_len: int, steps: int,
+             ckpt_interval: int, tracker: StorageTracker, partition_method: str = PARTITION_METHOD) -> None:
+    """The pipeline script above under `tracker`, in a process group of pp x dp ranks (DeepSpeed's topology: rank
+    = stage x dp + data-parallel rank). Each micro-batch is a new pair of tensors (input ids, labels), as a data
+    loader hands them: the first stage loads the ids, the last the labels (DeepSpeed sends neither)."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    from llmsim.model.step import LayerHooks
+
+    vocab_size = int(hf_config(config_json).vocab_size)
+    with tracker:
+        module = PipelineModule(layers=layer_specs(config_json), loss_fn=causal_lm_loss(vocab_size),
+                                num_stages=num_stages, partition_method=partition_method,
+                                activation_checkpoint_interval=ckpt_interval)
+        hooks = LayerHooks(tracker, module, None)
+        engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config,
+                                               model_parameters=[p for p in module.parameters() if p.requires_grad])
+        hooks.label_model()
+        _phases_followed(engine, tracker)
+        generator = torch.Generator().manual_seed(0)
+
+        def batches():
+            for _ in itertools.count():
+                ids = torch.randint(0, vocab_size, (micro_batch, seq_len), generator=generator)
+                labels = ids.clone()
+                tracker.label([ids, labels], Category.INPUT)
+                yield ids, labels
+        data = batches()
+        for step in range(steps):
+            tracker.set_phase(step, Phase.FORWARD)
+            engine.train_batch(data)
+        tracker.finish()
+
+
+def _phases_followed(engine, tracker: StorageTracker) -> None:
+    """The tracker's phase follows the engine's instructions: forward, backward, then the reduction and the
+    optimizer step (the schedule interleaves micro-batches' forwards and backwards)."""
+    from deepspeed.runtime.pipe import schedule
+
+    phases = {schedule.ForwardPass: Phase.FORWARD, schedule.BackwardPass: Phase.BACKWARD,
+              schedule.ReduceGrads: Phase.OPTIMIZER, schedule.OptimizerStep: Phase.OPTIMIZER}
+    instructions = dict(engine._INSTRUCTION_MAP)
+
+    def following(kind, run):
+        def instruction(self, *args, **kwargs):
+            tracker.set_phase(tracker.step, phases[kind])
+            return run(self, *args, **kwargs)
+        return instruction
+    for kind in phases:
+        instructions[kind] = following(kind, instructions[kind])
+    engine._INSTRUCTION_MAP = instructions  # read as self._INSTRUCTION_MAP[type(cmd)] (engine._exec_schedule)
+
+
+@contextlib.contextmanager
+def traced_patches(micro_batch: int, seq_len: int, hidden: int):
+    """What a fake-tensor trace of `run_step` answers for DeepSpeed, each as the real run has it:
+    - a receiving stage reads the shape of what it receives from the sender's first send (`_recv_tensor_meta`:
+      `.item()` of a received int32 buffer, which a fake receive leaves without values): the 256-int32 meta
+      buffer is allocated as the real one is, and the receive buffer made for the previous stage's output, one
+      (micro_batch, seq_len, hidden) tensor in the module's dtype, as `_allocate_or_extend_buffers` makes it;
+    - the engine's logging of the parameter counts (`.tolist()` of an all-reduced count) and the overflow check of
+      the gradient norm (`bool(~isfinite(norm).any())`: no overflow) read values: answered 0 and False;
+    - FusedAdam's multi-tensor kernel (`MultiTensorApply.__call__`), compiled code that updates the parameters and
+      both states in place and would read a fake tensor's data pointer, does nothing (it allocates nothing)."""
+    from deepspeed.ops.adam.multi_tensor_apply import MultiTensorApply
+    from deepspeed.runtime.pipe.engine import TENSOR_META_SIZE, PipelineEngine
+
+    from llmsim.model.optimizer_values import _AnswerScalars
+
+    def recv_tensor_meta(self, send_stage):
+        torch.empty(TENSOR_META_SIZE, dtype=torch.int32, device=self.device)
+        dtype = next(self.module.parameters()).dtype
+        return self._allocate_or_extend_buffers(0, [micro_batch, seq_len, hidden], dtype)
+
+    with mock.patch.object(PipelineEngine, "_recv_tensor_meta", recv_tensor_meta), \
+            mock.patch.object(MultiTensorApply, "__call__", lambda self, *args, **kwargs: None), \
+            _AnswerScalars(0, False):
+        yield
+
+
+def run_fake(config_json: str, ds_config: dict, num_stages: int, dp: int, stage: int, dp_rank: int,
+             micro_batch: int, seq_len: int, steps: int, ckpt_interval: int,
+             partition_method: str = PARTITION_METHOD):
+    """`run_step` as rank (`stage`, `dp_rank`) of pp x dp runs it, under fake tensors and a fake process group:
+    the tracker's timeline, no memory used."""
+    import deepspeed
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from llmsim.model.tensor_parallel import fake_process_group
+    from llmsim.model.trace import _apply_as_on_cpu, _deepcopy_as_on_cpu
+
+    tracker = StorageTracker()
+    hidden = int(hf_config(config_json).hidden_size)
+    _parts(config_json)  # the modeling module imported and read off a meta build, outside the fake mode
+    with contextlib.ExitStack() as stack:
+        rank = stage * dp + dp_rank
+        stack.enter_context(fake_process_group(num_stages * dp, rank=rank))
+        # PipelineModule reads its local rank (the device index it builds on) from the launcher's environment
+        stack.enter_context(mock.patch.dict(os.environ, {"LOCAL_RANK": "0", "RANK": str(rank),
+                                                         "WORLD_SIZE": str(num_stages * dp)}))
+        deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm over the fake group made above
+        stack.enter_context(FakeTensorMode())
+        stack.enter_context(mock.patch.object(torch.nn.Module, "_apply", _apply_as_on_cpu))
+        stack.enter_context(mock.patch.object(FakeTensor, "__deepcopy__", _deepcopy_as_on_cpu, create=True))
+        stack.enter_context(traced_patches(micro_batch, seq_len, hidden))
+        run_step(config_json, ds_config, num_stages, micro_batch, seq_len, steps, ckpt_interval, tracker,
+                 partition_method)
+    return tracker.timeline()
