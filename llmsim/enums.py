@@ -117,6 +117,9 @@ class Recipe(str, Enum):
     # TRL's SFTTrainer (a Trainer subclass) on the same model: `SFTTrainer(model, SFTConfig(...), train_dataset=...,
     # peft_config=...).train()`, with TRL's fused LM head and collator (llmsim/model/trainer_trace.py)
     TRL_SFT = "trl-sft"
+    # DeepSpeed's pipeline engine: the model's pieces as a PipelineModule of LayerSpecs, `deepspeed.initialize`, then
+    # `engine.train_batch()` per step (llmsim/model/ds_pipe.py); what `--ds-config` with `--pp` describes
+    DEEPSPEED_PIPE = "deepspeed-pipe"
 
     @property
     def trainer(self) -> bool:

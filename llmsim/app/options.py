@@ -129,9 +129,13 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp-split", default=None, help="layers per stage, e.g. 9,10,10,11 (default: transformers' "
                    "balanced split, the remainder one layer each to the first stages)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world-size / (pp x tp))")
-    p.add_argument("--schedule", default="gpipe", help="pipeline schedule with --pp: gpipe | 1f1b")
-    p.add_argument("--microbatches", type=int, default=1, help="micro-batches through the pipeline per step, each "
-                   "of --micro-batch samples (with --pp)")
+    p.add_argument("--schedule", default=None, help="pipeline schedule with --pp: gpipe (default) | 1f1b")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches through the pipeline per step, "
+                   "each of --micro-batch samples (with --pp; default 1; with --ds-config the JSON's "
+                   "gradient_accumulation_steps)")
+    p.add_argument("--partition-method", default=None, help="with --ds-config and --pp (DeepSpeed's pipeline "
+                   "engine): PipelineModule's partition_method: parameters (DeepSpeed's default) | uniform | "
+                   "type:REGEX")
     p.add_argument("--ds-config", default=None, help="DeepSpeed JSON, as passed to deepspeed.initialize")
     p.add_argument("--accelerate-config", default=None, metavar="FILE", help="accelerate's YAML (accelerate launch "
                    "--config_file): its distributed_type (NO, MULTI_GPU, DEEPSPEED), num_processes, mixed_precision "
@@ -312,10 +316,16 @@ def inputs(args):
             raise InputError(f"--strategy {strategy.value} contradicts --ds-config (a DeepSpeed run)")
         strategy = Strategy.DEEPSPEED
         hidden = int(spec.hf_config().hidden_size)
+        if args.pp > 1 and accelerate_ds is not None:
+            raise InputError(f"--accelerate-config with --pp {args.pp}: accelerate's DeepSpeed plugin does not run "
+                             "DeepSpeed's pipeline engine (a PipelineModule script does: --ds-config with --pp)")
+        # under DeepSpeed's pipeline engine the batch is split over the data-parallel ranks, world / pp
+        ds_world = world_size // (args.pp * args.tp) if args.pp > 1 and not world_size % (args.pp * args.tp) \
+            else world_size
         deepspeed = (ds_setup(accelerate_ds, world_size, hidden, args.micro_batch, precision, args.grad_accum,
                               launcher="accelerate")
                      if accelerate_ds is not None else
-                     load_ds_config(args.ds_config, world_size, hidden, args.micro_batch, precision, args.grad_accum))
+                     load_ds_config(args.ds_config, ds_world, hidden, args.micro_batch, precision, args.grad_accum))
         micro_batch, precision = deepspeed.micro_batch, deepspeed.precision
         grad_accum = deepspeed.gradient_accumulation_steps
     else:
@@ -325,8 +335,9 @@ def inputs(args):
         grad_accum = 1 if args.grad_accum is None else args.grad_accum
     layout = Layout(strategy or (Strategy.DDP if world_size > args.tp * args.pp else Strategy.SINGLE), world_size,
                     deepspeed, fsdp=_fsdp_setup(args, strategy), tp=args.tp, ep=args.ep, pp=args.pp,
-                    schedule=parse_enum(Schedule, args.schedule, "schedule"),
-                    n_microbatches=args.microbatches, pp_split=_split(args.pp_split))
+                    schedule=parse_enum(Schedule, args.schedule or Schedule.GPIPE.value, "schedule"),
+                    n_microbatches=1 if args.microbatches is None else args.microbatches,
+                    pp_split=_split(args.pp_split))
     setup = TrainSetup(
         micro_batch=micro_batch, seq_len=args.seq_len, precision=precision or Precision.FP32,
         attention=parse_enum(Attention, args.attn, "attention") if args.attn else None,
@@ -341,7 +352,39 @@ def inputs(args):
         loss=parse_enum(Loss, args.loss, "loss"),
         loss_chunk=args.loss_chunk, lora_modules_to_save=_names(args.lora_modules_to_save),
         trainable_tokens=_token_indices(args.trainable_tokens), routing=args.routing)
+    if deepspeed is not None and layout.pp > 1:
+        return spec, *_on_ds_pipeline(args, setup, layout)
+    if getattr(args, "partition_method", None):
+        raise InputError("--partition-method is PipelineModule's: it needs --ds-config with --pp (DeepSpeed's "
+                         "pipeline engine)")
     return spec, setup, layout
+
+
+def _on_ds_pipeline(args, setup, layout):
+    """--ds-config with --pp: DeepSpeed's pipeline engine (the deepspeed-pipe recipe, llmsim/model/ds_pipe.py). Its
+    micro-batches per step are the JSON's gradient_accumulation_steps and its order DeepSpeed's TrainSchedule, so
+    --microbatches may only repeat the one and --schedule, --pp-split are not taken (PipelineModule's
+    partition_method splits the layers: --partition-method)."""
+    from llmsim.enums import Recipe
+    from llmsim.inputs.spec import DsPipeSetup
+
+    micro_batches = layout.deepspeed.gradient_accumulation_steps
+    if args.microbatches is not None and args.microbatches != micro_batches:
+        raise InputError(f"--microbatches({args.microbatches}) contradicts the DeepSpeed config's "
+                         f"gradient_accumulation_steps({micro_batches}): DeepSpeed's pipeline engine runs that many "
+                         "micro-batches per train_batch")
+    for flag, value in (("--schedule", args.schedule), ("--pp-split", args.pp_split)):
+        if value is not None:
+            raise InputError(f"{flag} with --ds-config and --pp: DeepSpeed's pipeline engine runs its own "
+                             "TrainSchedule and splits the layers by PipelineModule's partition_method "
+                             "(--partition-method)")
+    method = getattr(args, "partition_method", None) or "parameters"
+    if method not in ("parameters", "uniform") and not method.startswith("type:"):
+        raise InputError(f"partition-method {method!r}: valid choices: parameters (DeepSpeed's default), uniform, "
+                         "type:REGEX (PipelineModule's partition_method)")
+    setup = replace(setup, recipe=Recipe.DEEPSPEED_PIPE, grad_accum=1, n_microbatches=micro_batches, pp=layout.pp,
+                    ds_pipe=DsPipeSetup(layout.deepspeed.config_json, layout.dp, 0, method))
+    return setup, replace(layout, n_microbatches=micro_batches)
 
 
 def _apply_accelerate_config(args) -> dict | None:

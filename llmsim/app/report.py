@@ -60,7 +60,10 @@ def layout_text(layout) -> str:
         parts.append(f"tp {layout.tp}" + (" (ddp as torch's replicate)" if layout.strategy.value == "ddp" else ""))
     if layout.ep > 1:
         parts.append(f"ep {layout.ep}")
-    if layout.pp > 1:
+    if layout.pp > 1 and layout.deepspeed is not None:  # DeepSpeed's own pipeline engine, ranks stage x dp + replica
+        parts.append(f"pp {layout.pp} x dp {layout.dp}, DeepSpeed's pipeline engine (TrainSchedule) over "
+                     f"{layout.n_microbatches} micro-batches, rank = stage x {layout.dp} + replica")
+    elif layout.pp > 1:
         parts.append(f"pp {layout.pp}, {layout.schedule.value} over {layout.n_microbatches} micro-batches")
     return f"{layout.strategy.value} x {layout.world_size}" + (f" ({', '.join(parts)})" if parts else "")
 

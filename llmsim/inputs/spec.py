@@ -76,6 +76,22 @@ FSDP_WRAPS = ("layers", "transformers", "accelerate")
 
 
 @dataclass(frozen=True)
+class DsPipeSetup:
+    """DeepSpeed's pipeline engine (recipe deepspeed-pipe, llmsim/model/ds_pipe.py): the resolved DeepSpeed config
+    (canonical JSON), the data-parallel degree, the traced rank's place among the replicas, and PipelineModule's
+    `partition_method` (DeepSpeed's default "parameters", or "uniform", or "type:<regex>")."""
+
+    config_json: str
+    dp: int = 1
+    dp_rank: int = 0
+    partition_method: str = "parameters"
+
+    @property
+    def config(self) -> dict:
+        return json.loads(self.config_json)
+
+
+@dataclass(frozen=True)
 class FsdpSetup:
     """PyTorch FSDP2 as `fully_shard(module, mesh=..., reshard_after_forward=..., mp_policy=MixedPrecisionPolicy(
     param_dtype, reduce_dtype))` is called on every decoder layer and then on the root (llmsim/model/fsdp.py).
@@ -253,6 +269,9 @@ class TrainSetup:
     # layer, then the model or pipeline stage) over this many data-parallel replicas of a fake process group of
     # replicate_dp x pp x tp ranks, traced as replica 0's rank (llmsim/model/replicate.py); 0: no replicate
     replicate_dp: int = 0
+    # The deepspeed-pipe recipe's DeepSpeed config and traced rank (its pp_stage above; the steps' micro-batches are
+    # n_microbatches, DeepSpeed's gradient_accumulation_steps)
+    ds_pipe: DsPipeSetup | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "ep", "pp", "n_microbatches",
@@ -280,6 +299,8 @@ class TrainSetup:
                 raise InputError(f"weights loaded in {self.load_dtype} train as "
                                  f"{', '.join(p.value for p in allowed)}, not {self.precision.value} (the canonical "
                                  "loop casts nothing after from_pretrained)")
+        if (self.recipe is Recipe.DEEPSPEED_PIPE) != (self.ds_pipe is not None):
+            raise InputError("the deepspeed-pipe recipe needs its DeepSpeed config (DsPipeSetup), and only it takes one")
         if (self.quantization_config is not None or self.kbit_prep) and not self.recipe.trainer:
             raise InputError("a BitsAndBytesConfig file is read with --training-args (the hf-trainer recipe); for "
                              "the canonical step use --quant")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import itertools
 import json
 import os
@@ -145,7 +146,7 @@ def causal_lm_loss(vocab_size: int):
 
 
 def run_step(config_json: str, ds_config: dict, num_stages: int, micro_batch: int, seq_len: int, steps: int,
-             ckpt_interval: int, tracker: StorageTracker, partition_method: str = PARTITION_METHOD) -> None:
+             ckpt_interval: int, tracker: StorageTracker, partition_method: str = PARTITION_METHOD):
     """The pipeline script above under `tracker`, in a process group of pp x dp ranks (DeepSpeed's topology: rank
     = stage x dp + data-parallel rank). Each micro-batch is a new pair of tensors (input ids, labels), as a data
     loader hands them: the first stage loads the ids, the last the labels (DeepSpeed sends neither)."""
@@ -177,6 +178,7 @@ def run_step(config_json: str, ds_config: dict, num_stages: int, micro_batch: in
             tracker.set_phase(step, Phase.FORWARD)
             engine.train_batch(data)
         tracker.finish()
+    return hooks.info(vocab_size)
 
 
 def _phases_followed(engine, tracker: StorageTracker) -> None:
@@ -208,7 +210,9 @@ def traced_patches(micro_batch: int, seq_len: int, hidden: int):
     - the engine's logging of the parameter counts (`.tolist()` of an all-reduced count) and the overflow check of
       the gradient norm (`bool(~isfinite(norm).any())`: no overflow) read values: answered 0 and False;
     - FusedAdam's multi-tensor kernel (`MultiTensorApply.__call__`), compiled code that updates the parameters and
-      both states in place and would read a fake tensor's data pointer, does nothing (it allocates nothing)."""
+      both states in place and would read a fake tensor's data pointer, does nothing (it allocates nothing), and its
+      op is not built (`FusedAdamBuilder().load()`: a JIT build of 20 s in every process on this machine)."""
+    import types
     from deepspeed.ops.adam.multi_tensor_apply import MultiTensorApply
     from deepspeed.runtime.pipe.engine import TENSOR_META_SIZE, PipelineEngine
 
@@ -221,35 +225,134 @@ def traced_patches(micro_batch: int, seq_len: int, hidden: int):
 
     with mock.patch.object(PipelineEngine, "_recv_tensor_meta", recv_tensor_meta), \
             mock.patch.object(MultiTensorApply, "__call__", lambda self, *args, **kwargs: None), \
+            mock.patch("deepspeed.ops.adam.fused_adam.FusedAdamBuilder",
+                       lambda: types.SimpleNamespace(load=lambda: types.SimpleNamespace(multi_tensor_adam=None))), \
             _AnswerScalars(0, False):
         yield
 
 
-def run_fake(config_json: str, ds_config: dict, num_stages: int, dp: int, stage: int, dp_rank: int,
-             micro_batch: int, seq_len: int, steps: int, ckpt_interval: int,
-             partition_method: str = PARTITION_METHOD):
-    """`run_step` as rank (`stage`, `dp_rank`) of pp x dp runs it, under fake tensors and a fake process group:
-    the tracker's timeline, no memory used."""
+def trace(spec, setup):
+    """`run_step` as the rank of `setup` (stage `pp_stage`, replica `ds_pipe.dp_rank`) runs it, under fake tensors and
+    a fake process group of pp x dp ranks, with the kernels of `setup`'s target (llmsim/model/kernels.py): the
+    tracker's timeline and the step's StepInfo, no memory used. Every stage is traced whole (no reduced depth)."""
     import deepspeed
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+    from llmsim.model.kernels import cuda_kernels
     from llmsim.model.tensor_parallel import fake_process_group
     from llmsim.model.trace import _apply_as_on_cpu, _deepcopy_as_on_cpu
 
+    pipe = setup.ds_pipe
     tracker = StorageTracker()
-    hidden = int(hf_config(config_json).hidden_size)
-    _parts(config_json)  # the modeling module imported and read off a meta build, outside the fake mode
+    hidden = int(hf_config(spec.config_json).hidden_size)
+    _parts(spec.config_json)  # the modeling module imported and read off a meta build, outside the fake mode
+    rank, world = setup.pp_stage * pipe.dp + pipe.dp_rank, setup.pp * pipe.dp
     with contextlib.ExitStack() as stack:
-        rank = stage * dp + dp_rank
-        stack.enter_context(fake_process_group(num_stages * dp, rank=rank))
+        stack.enter_context(fake_process_group(world, rank=rank))
+        stack.enter_context(_deepspeed_groups_kept_apart())
         # PipelineModule reads its local rank (the device index it builds on) from the launcher's environment
         stack.enter_context(mock.patch.dict(os.environ, {"LOCAL_RANK": "0", "RANK": str(rank),
-                                                         "WORLD_SIZE": str(num_stages * dp)}))
-        deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm over the fake group made above
+                                                         "WORLD_SIZE": str(world)}))
+        # DeepSpeed's comm over the fake group made above, without its CPU shared-memory kernel: a JIT-built op (20 s
+        # on this machine, rebuilt by every process) that only `inference_all_reduce` calls (deepspeed/comm/torch.py)
+        with mock.patch("deepspeed.comm.torch.build_shm_op", lambda: None):
+            deepspeed.init_distributed(dist_backend="gloo")
+        stack.enter_context(contextlib.redirect_stdout(io.StringIO()))  # DeepSpeed prints the partition, the topology
         stack.enter_context(FakeTensorMode())
         stack.enter_context(mock.patch.object(torch.nn.Module, "_apply", _apply_as_on_cpu))
         stack.enter_context(mock.patch.object(FakeTensor, "__deepcopy__", _deepcopy_as_on_cpu, create=True))
-        stack.enter_context(traced_patches(micro_batch, seq_len, hidden))
-        run_step(config_json, ds_config, num_stages, micro_batch, seq_len, steps, ckpt_interval, tracker,
-                 partition_method)
-    return tracker.timeline()
+        stack.enter_context(cuda_kernels(setup))
+        stack.enter_context(traced_patches(setup.micro_batch, setup.seq_len, hidden))
+        info = run_step(spec.config_json, pipe.config, setup.pp, setup.micro_batch, setup.seq_len, setup.steps,
+                        ckpt_interval(setup), tracker, pipe.partition_method)
+    return tracker.timeline(), info
+
+
+@contextlib.contextmanager
+def _deepspeed_groups_kept_apart():
+    """DeepSpeed keeps the process groups it made in module globals (deepspeed.utils.groups, the pipeline's p2p
+    groups): each trace's fake process group is destroyed after it, so its groups are forgotten with it."""
+    import copy
+
+    from deepspeed.runtime.pipe import p2p
+    from deepspeed.utils import groups
+
+    kept = {module: {name: copy.copy(value) for name, value in vars(module).items()
+                     if name.startswith("_") and not name.startswith("__") and not callable(value)
+                     and not isinstance(value, (type(contextlib), str))}
+            for module in (groups, p2p)}
+    try:
+        yield
+    finally:
+        for module, values in kept.items():
+            for name, value in values.items():
+                setattr(module, name, value)
+
+
+def ckpt_interval(setup) -> int:
+    """PipelineModule's activation_checkpoint_interval: every `ckpt_every` layers with checkpointing, else 0."""
+    return setup.ckpt_every if setup.grad_ckpt else 0
+
+
+# The canonical step's levers this recipe does not take (the DeepSpeed JSON and the wrapping decide the run), with
+# their defaults: each is refused rather than dropped
+_NOT_TAKEN = (("lora_rank", 0, "--lora-rank"), ("quant", None, "--quant"), ("ckpt_offload", False, "--ckpt-offload"),
+              ("build_bf16", False, "--build-dtype"), ("load_dtype", None, "--dtype"), ("foreach", False, "--foreach"),
+              ("fused", False, "--fused"), ("grad_accum", 1, "--grad-accum (the pipeline's micro-batches are "
+                                                                "DeepSpeed's gradient_accumulation_steps)"))
+
+
+def checked_setup(spec, setup, layout):
+    """What the deepspeed-pipe recipe models, one line of InputError for the rest; the setup its traces run."""
+    from dataclasses import replace
+
+    from llmsim.enums import Attention, Loss, Optimizer
+    from llmsim.inputs.spec import check_fits_positions
+    from llmsim.sim.strategies import Strategy
+
+    if layout.strategy is not Strategy.DEEPSPEED or layout.pp < 2 or setup.ds_pipe is None:
+        raise InputError("the deepspeed-pipe recipe is DeepSpeed's pipeline engine: a DeepSpeed config (--ds-config) "
+                         f"and pp >= 2 (got strategy {layout.strategy.value}, pp({layout.pp}))")
+    if layout.tp > 1:
+        raise InputError(f"DeepSpeed's pipeline engine with tp({layout.tp}) is Megatron's model parallelism (an mpu), "
+                         "not modelled; modelled: pp x dp")
+    config = setup.ds_pipe.config
+    stage = int(config.get("zero_optimization", {}).get("stage", 0))
+    if stage > 1:
+        raise InputError(f"ZeRO stage {stage} with pp({layout.pp}): DeepSpeed's pipeline engine refuses it ('ZeRO-2 "
+                         "and ZeRO-3 are incompatible with pipeline parallelism', runtime/pipe/engine.py); valid "
+                         "stages: 0, 1")
+    zero = config.get("zero_optimization", {})
+    for key in ("offload_optimizer", "offload_param"):
+        if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none":
+            raise InputError(f"DeepSpeed config zero_optimization.{key} with pp({layout.pp}) is not modelled yet "
+                             "(DeepSpeed's pipeline engine without offload is)")
+    if config.get("fp16", {}).get("enabled"):
+        raise InputError("fp16 with DeepSpeed's pipeline engine is not modelled: DeepSpeed refuses fp16 on the CPU "
+                         "its engine is traced on; modelled: bf16 and fp32")
+    if "optimizer" not in config:
+        raise InputError("the deepspeed-pipe recipe builds its optimizer from the DeepSpeed config's \"optimizer\" "
+                         "section (as pipeline scripts pass no client optimizer); add one, e.g. {\"type\": \"AdamW\", "
+                         "\"params\": {\"lr\": 1e-5}}")
+    if setup.n_microbatches != int(config.get("gradient_accumulation_steps", 1)):
+        raise InputError(f"microbatches({setup.n_microbatches}) contradicts the DeepSpeed config's "
+                         f"gradient_accumulation_steps({config.get('gradient_accumulation_steps', 1)}), which is "
+                         "the number of micro-batches train_batch runs through the pipeline")
+    for name, default, flag in _NOT_TAKEN:
+        if getattr(setup, name) != default:
+            raise InputError(f"{flag} with DeepSpeed's pipeline engine is not modelled yet (the deepspeed-pipe "
+                             "recipe runs the DeepSpeed config's optimizer and precision on the whole model)")
+    if setup.loss is not Loss.HF or setup.optimizer is not Optimizer.ADAMW or setup.lora_targets is not None:
+        raise InputError("--loss, --optimizer and LoRA with DeepSpeed's pipeline engine are not modelled yet (the "
+                         "DeepSpeed config's \"optimizer\" section sets the optimizer)")
+    if setup.attention not in (None, Attention.SDPA):
+        raise InputError(f"attention {setup.attention.value} with DeepSpeed's pipeline engine is not modelled: the "
+                         "wrapped decoder layers pass no mask and rely on SDPA's causal kernel; valid choices: sdpa")
+    check_model(spec.config_json)
+    specs = int(hf_config(spec.config_json).num_hidden_layers) + 3  # the embedding, the layers, the norm, the head
+    if layout.pp > specs:
+        raise InputError(f"pp({layout.pp}) is more stages than the PipelineModule's {specs} layers (the embedding, "
+                         "each decoder layer, the norm and the LM head)")
+    setup = replace(setup, attention=Attention.SDPA)
+    check_fits_positions(spec, setup)
+    return setup

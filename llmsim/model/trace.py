@@ -369,6 +369,11 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
 
 @functools.lru_cache(maxsize=128)  # a sizing sweep reuses a model's traces across GPUs of one architecture
 def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
+    if setup.recipe is Recipe.DEEPSPEED_PIPE:  # DeepSpeed's own pipeline engine, the stage traced whole
+        from llmsim.model import ds_pipe
+
+        timeline, info = ds_pipe.trace(spec, setup)
+        return Trace(timeline, info, 1, 1, 1)
     if spec.factory is not None:  # an arbitrary nn.Module cannot be cut to fewer layers: trace it whole
         timeline, info = run_fake(spec, setup, None)
         return Trace(timeline, info, info.num_blocks, 1, info.num_blocks)

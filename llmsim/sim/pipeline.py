@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
+from llmsim.enums import Recipe
 from llmsim.errors import InputError
 from llmsim.inputs.gpus import GpuProfile, on_gpu
 from llmsim.inputs.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
@@ -35,7 +36,9 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     nvme = None
     with collector_paused():
         setup = checked(model, setup, layout, gpu)  # what is refused, one line each; the setup the trace runs
-        if layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks in every replica
+        if setup.recipe is Recipe.DEEPSPEED_PIPE:  # DeepSpeed's pipeline engine: each rank traced as it runs
+            rank_timelines, graph = _ds_pipe_ranks(model, setup, layout)
+        elif layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks in every replica
             stages = stage_timelines(model, setup, layout, progress, jobs,
                                      planned=functools.partial(replay_ahead, gpu=gpu, alloc_conf=alloc_conf))
             rank_timelines = {rank: timeline for stage, (timeline, _) in enumerate(stages)
@@ -58,13 +61,27 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
 
                 nvme = nvme_bytes(timeline, layout, setup)
         ranks = replay_ranks(rank_timelines, gpu, alloc_conf, jobs)  # peak, reserved and device total per rank
-        if layout.pp > 1:
+        if layout.pp > 1 and setup.recipe is not Recipe.DEEPSPEED_PIPE:
             ranks = _in_model_names(ranks, model, layout)
         bound = None
         if setup.ep > 1 and setup.routing != "collapsed":  # the routing's worst case beside the stated one
             worst = replace(setup, routing="collapsed")
             bound = replay_ranks(plan(expanded(model, worst)[0], layout, worst), gpu, alloc_conf, jobs)
         return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf, routing_bound=bound, nvme_bytes=nvme)
+
+
+def _ds_pipe_ranks(model: ModelSpec, setup: TrainSetup, layout: Layout):
+    """Every rank of DeepSpeed's pipeline engine, numbered as DeepSpeed's topology numbers them (stage x dp +
+    data-parallel rank), each its own trace: the engine, ZeRO-1's partition and the stage's buffers are DeepSpeed's
+    code run under fake tensors (llmsim/model/ds_pipe.py), no strategy plans them. The replicas of a stage differ
+    only where ZeRO-1 partitions the flat parameters (the last rank's padding); each is traced."""
+    rank_timelines, graph = {}, None
+    for stage in range(layout.pp):
+        for dp_rank in range(layout.dp):
+            rank_setup = replace(setup, pp_stage=stage, ds_pipe=replace(setup.ds_pipe, dp_rank=dp_rank))
+            timeline, graph = expanded(model, rank_setup)
+            rank_timelines[stage * layout.dp + dp_rank] = timeline
+    return rank_timelines, graph
 
 
 def _traced_per_class(model: ModelSpec, setup: TrainSetup, classes: list[list[int]], rank_field: str):
@@ -82,6 +99,10 @@ def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile
     traces: on this GPU, transformers' attention resolved, the strategy's tracing flags, the TP degree."""
     if gpu is not None:
         setup = on_gpu(setup, gpu)
+    if setup.recipe is Recipe.DEEPSPEED_PIPE:
+        from llmsim.model.ds_pipe import checked_setup
+
+        return checked_setup(model, setup, layout)
     setup = resolve_attention(model, setup)
     check_supported(setup, layout)
     check_quantized(model, setup)

@@ -65,12 +65,14 @@ class Layout:
         # DTensor parameter
         fsdp_per_layer = (self.strategy is Strategy.FSDP and self.fsdp is not None
                           and self.fsdp.wrap == "layers")  # fully_shard per layer, then the stage, over dp: a 3-D mesh
+        ds_pipe = self.strategy is Strategy.DEEPSPEED and self.tp == 1  # DeepSpeed's pipeline engine, over dp
         if self.tp * self.pp > 1 and not (self.strategy in (Strategy.SINGLE, Strategy.DDP) or fsdp_x_tp
-                                          or fsdp_per_layer):
+                                          or fsdp_per_layer or ds_pipe):
             raise InputError(f"pp({self.pp}) x tp({self.tp}) with strategy {self.strategy.value} is not modelled "
                              "yet; modelled: tp and pp with single (dp = 1) and with ddp (over TP shards torch's "
                              "replicate), and with fsdp per layer (--fsdp-wrap layers); tp without pp with fsdp as "
-                             "transformers composes them (--fsdp-wrap transformers)")
+                             "transformers composes them (--fsdp-wrap transformers); pp with deepspeed (its pipeline "
+                             "engine)")
         if (self.strategy is Strategy.DEEPSPEED) != (self.deepspeed is not None):
             raise InputError("strategy deepspeed needs a DeepSpeed config (--ds-config), and only it takes one")
         if (self.strategy is Strategy.FSDP) != (self.fsdp is not None):
@@ -303,6 +305,9 @@ def check_supported(setup, layout: Layout) -> None:
         raise InputError(f"recipe {setup.recipe.value} with strategy {layout.strategy.value} (world size "
                          f"{layout.world_size}, tp {layout.tp}, pp {layout.pp}) is not modelled yet; modelled: one "
                          "process, ddp (the Trainer under torchrun), DeepSpeed ZeRO-1/2/3 and the Trainer's FSDP2")
+    if layout.deepspeed is not None and layout.pp > 1:
+        raise InputError(f"DeepSpeed with pp({layout.pp}) runs DeepSpeed's pipeline engine: the deepspeed-pipe "
+                         f"recipe (llmsim/model/ds_pipe.py), not recipe {setup.recipe.value}")
     if layout.deepspeed is not None:
         check_deepspeed_optimizer(setup, layout.deepspeed)
         if layout.deepspeed.offloads_optimizer:
