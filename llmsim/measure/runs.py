@@ -275,6 +275,16 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     (llmsim/model/fsdp.py); False measures gloo's own timing (the row says which). `ds_gloo_settle` (DeepSpeed): the
     same after each of DeepSpeed's synchronous collectives (llmsim/measure/dist_worker.py; off by default, as the
     DeepSpeed rows before it were measured; a row with it says `gloo_settle`)."""
+    if setup.recipe is Recipe.DEEPSPEED_PIPE:  # DeepSpeed's pipeline engine: its own checks, its own runner
+        from llmsim.model.ds_pipe import checked_setup
+
+        return _rows(spec, checked_setup(spec, setup, layout), layout, {
+            "framework": "deepspeed_pipe", "config_json": spec.config_json, "ds_config": layout.deepspeed.config,
+            "pp": layout.pp, "micro_batch": setup.micro_batch, "seq_len": setup.seq_len, "steps": setup.steps,
+            "grad_ckpt": setup.grad_ckpt, "ckpt_every": setup.ckpt_every,
+            "partition_method": setup.ds_pipe.partition_method, "ds_gloo_settle": ds_gloo_settle},
+            timeout_s, {"partition_method": setup.ds_pipe.partition_method,
+                        **({"gloo_settle": True} if ds_gloo_settle else {})})
     setup = resolve_attention(spec, setup)
     check_fits_positions(spec, setup)
     check_supported(setup, layout)  # what is not modelled (e.g. ckpt-offload with ZeRO) is not measured either
@@ -304,19 +314,24 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
            "foreach": setup.foreach, "fused": setup.fused,
            "ds_config": layout.deepspeed.config if layout.deepspeed else None,
            "fsdp_config": fsdp_config, "gloo_settle": gloo_settle, "ds_gloo_settle": ds_gloo_settle}
-    start = time.perf_counter()
-    results = run_ranks(job, layout.world_size, timeout_s)
-    wall_s = round(time.perf_counter() - start, 2)
-    stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    ds_config = layout.deepspeed.config_json if layout.deepspeed else ""
     columns = {"fsdp_config": fsdp_config, "gloo_settle": gloo_settle} if layout.fsdp else {}
     if job["replicate"]:  # replicate's collectives settle as FSDP2's (llmsim/measure/dist_worker.py)
         columns["gloo_settle"] = gloo_settle
     if ds_gloo_settle:  # DeepSpeed's collectives settled as well (the offload rows)
         columns["gloo_settle"] = True
+    return _rows(spec, setup, layout, job, timeout_s, columns)
+
+
+def _rows(spec: ModelSpec, setup: TrainSetup, layout: Layout, job: dict, timeout_s: int, columns: dict) -> list[dict]:
+    """Run `job` on `layout.world_size` ranks: one tier-2 row per rank."""
+    start = time.perf_counter()
+    results = run_ranks(job, layout.world_size, timeout_s)
+    wall_s = round(time.perf_counter() - start, 2)
+    stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    ds_config = layout.deepspeed.config_json if layout.deepspeed else ""
     return [{"tier": 2, "recipe": setup.recipe.value, **setup_columns(spec, setup), "strategy": layout.strategy.value,
              "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
-             "schedule": layout.schedule.value if layout.pp > 1 else "", "n_microbatches": layout.n_microbatches,
+             "schedule": layout.schedule.value if layout.pp > 1 and not setup.ds_pipe else "", "n_microbatches": layout.n_microbatches,
              "pp_split": ",".join(map(str, layout.pp_split)) if layout.pp_split else "",
              "rank": r.rank, "ds_config": ds_config, **columns,
              "peak_allocated_bytes": r.peak_allocated_bytes, "peak_host_bytes": r.peak_host_bytes,

@@ -14,7 +14,7 @@ from llmsim.enums import Attention, Loss, Optimizer, Precision, Recipe
 from llmsim.measure.runs import MEASUREMENTS_DIR
 from llmsim.model.quiet import quiet_libraries
 from llmsim.sim.pipeline import predict
-from llmsim.inputs.spec import LLM_INT8_THRESHOLD, FsdpSetup, ModelSpec, TrainSetup, load_model_spec
+from llmsim.inputs.spec import LLM_INT8_THRESHOLD, DsPipeSetup, FsdpSetup, ModelSpec, TrainSetup, load_model_spec
 from llmsim.inputs.dsconfig import DeepSpeedSetup
 from llmsim.inputs.hf import trainer_setup
 from llmsim.model.pipelining import Schedule
@@ -79,6 +79,14 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
                          "copy past the call, which NCCL and the prediction do not (llmsim/model/fsdp.py)")
     fsdp = FsdpSetup.from_json(fsdp_config) if isinstance(fsdp_config, str) and fsdp_config else None
     schedule = row.get("schedule")
+    if row.get("recipe") == Recipe.DEEPSPEED_PIPE.value:  # DeepSpeed's pipeline engine: the batch over dp = world / pp
+        pp, world = int(row["pp"]), int(row["world_size"])
+        method = row.get("partition_method")
+        layout = Layout(Strategy.DEEPSPEED, world, DeepSpeedSetup(ds_config, world // pp), pp=pp,
+                        n_microbatches=int(row["n_microbatches"]))
+        return spec, replace(setup, recipe=Recipe.DEEPSPEED_PIPE, pp=pp, n_microbatches=layout.n_microbatches,
+                             ds_pipe=DsPipeSetup(ds_config, world // pp, 0, method if isinstance(method, str) and
+                                                 method else "parameters")), layout
     layout = Layout(Strategy(row["strategy"]), int(row["world_size"]), deepspeed, fsdp=fsdp, tp=_int(row, "tp", 1),
                     ep=_int(row, "ep", 1), pp=_int(row, "pp", 1), n_microbatches=_int(row, "n_microbatches", 1),
                     schedule=Schedule(schedule) if isinstance(schedule, str) and schedule else Schedule.GPIPE,
