@@ -41,6 +41,14 @@ from llmsim.errors import InputError
 from llmsim.model.tracker import StorageTracker
 
 PARTITION_METHOD = "parameters"  # PipelineModule's default: the layers split so each stage holds as many parameters
+# Each rank is traced whole, its own trace (a replica's ZeRO partition is its own): 7-9 s a rank for a stage of five
+# Llama-2-70B layers over 16 micro-batches, so a layout of more ranks is refused rather than left running for an hour
+MAX_TRACED_RANKS = 64
+# PipelineModule's checkpointable_layers: only the decoder layers, as the DeepSpeed pipeline models of Megatron and
+# GPT-NeoX restrict it (GPTModelPipe: ParallelTransformerLayerPipe). DeepSpeed's default checkpoints every chunk with
+# parameters, the input embedding too, whose reentrant checkpoint of integer ids gives an output without a gradient
+# on the first stage: its backward raises ("element 0 of tensors does not require grad"), in a real run as in the trace
+CHECKPOINTED = ["DecoderLayerPipe"]
 
 
 def _parts(config_json: str):
@@ -159,7 +167,7 @@ def run_step(config_json: str, ds_config: dict, num_stages: int, micro_batch: in
     with tracker:
         module = PipelineModule(layers=layer_specs(config_json), loss_fn=causal_lm_loss(vocab_size),
                                 num_stages=num_stages, partition_method=partition_method,
-                                activation_checkpoint_interval=ckpt_interval)
+                                activation_checkpoint_interval=ckpt_interval, checkpointable_layers=CHECKPOINTED)
         hooks = LayerHooks(tracker, module, None)
         engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config,
                                                model_parameters=[p for p in module.parameters() if p.requires_grad])

@@ -37,7 +37,7 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     with collector_paused():
         setup = checked(model, setup, layout, gpu)  # what is refused, one line each; the setup the trace runs
         if setup.recipe is Recipe.DEEPSPEED_PIPE:  # DeepSpeed's pipeline engine: each rank traced as it runs
-            rank_timelines, graph = _ds_pipe_ranks(model, setup, layout)
+            rank_timelines, graph = _ds_pipe_ranks(model, setup, layout, jobs)
         elif layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks in every replica
             stages = stage_timelines(model, setup, layout, progress, jobs,
                                      planned=functools.partial(replay_ahead, gpu=gpu, alloc_conf=alloc_conf))
@@ -70,18 +70,30 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
         return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf, routing_bound=bound, nvme_bytes=nvme)
 
 
-def _ds_pipe_ranks(model: ModelSpec, setup: TrainSetup, layout: Layout):
+def _ds_pipe_ranks(model: ModelSpec, setup: TrainSetup, layout: Layout, jobs: int = 1):
     """Every rank of DeepSpeed's pipeline engine, numbered as DeepSpeed's topology numbers them (stage x dp +
-    data-parallel rank), each its own trace: the engine, ZeRO-1's partition and the stage's buffers are DeepSpeed's
-    code run under fake tensors (llmsim/model/ds_pipe.py), no strategy plans them. The replicas of a stage differ
-    only where ZeRO-1 partitions the flat parameters (the last rank's padding); each is traced."""
-    rank_timelines, graph = {}, None
-    for stage in range(layout.pp):
-        for dp_rank in range(layout.dp):
-            rank_setup = replace(setup, pp_stage=stage, ds_pipe=replace(setup.ds_pipe, dp_rank=dp_rank))
-            timeline, graph = expanded(model, rank_setup)
-            rank_timelines[stage * layout.dp + dp_rank] = timeline
-    return rank_timelines, graph
+    data-parallel rank), each its own trace (in `jobs` local processes): the engine, ZeRO's partitions and the
+    stage's buffers are DeepSpeed's code run under fake tensors (llmsim/model/ds_pipe.py), no strategy plans them.
+    A stage's replicas differ where ZeRO-1 (and bf16's optimizer under ZeRO-0) partition the flat parameters over
+    them, so each is traced: at most ds_pipe.MAX_TRACED_RANKS ranks."""
+    from llmsim.model.ds_pipe import MAX_TRACED_RANKS
+    from llmsim.sim.processes import as_done_in_processes
+    from llmsim.sim.traced import _EXPANDED, _expand_key, _remember
+
+    if layout.world_size > MAX_TRACED_RANKS:
+        raise InputError(f"DeepSpeed's pipeline engine is traced rank by rank (each replica's ZeRO partition is its "
+                         f"own): pp({layout.pp}) x dp({layout.dp}) = {layout.world_size} ranks is more than the "
+                         f"{MAX_TRACED_RANKS} llmsim traces")
+    keys = [(model, replace(setup, pp_stage=stage, ds_pipe=replace(setup.ds_pipe, dp_rank=dp_rank)))
+            for stage in range(layout.pp) for dp_rank in range(layout.dp)]
+    found = {index: _EXPANDED[key] for index, key in enumerate(keys) if key in _EXPANDED}
+    missing = [index for index in range(len(keys)) if index not in found]
+    work = as_done_in_processes(_expand_key, [keys[index] for index in missing], min(jobs, len(missing))) \
+        if jobs > 1 and len(missing) > 1 else ((position, _expand_key(keys[index]))
+                                               for position, index in enumerate(missing))
+    for position, (timeline, info) in work:
+        found[missing[position]] = _remember(keys[missing[position]], timeline, info)
+    return {rank: found[rank][0] for rank in range(len(keys))}, found[len(keys) - 1][1]
 
 
 def _traced_per_class(model: ModelSpec, setup: TrainSetup, classes: list[list[int]], rank_field: str):
@@ -97,12 +109,13 @@ def _traced_per_class(model: ModelSpec, setup: TrainSetup, classes: list[list[in
 def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile | None = None) -> TrainSetup:
     """What `predict` checks before any trace (one line of InputError for what is refused), and the setup it
     traces: on this GPU, transformers' attention resolved, the strategy's tracing flags, the TP degree."""
-    if gpu is not None:
-        setup = on_gpu(setup, gpu)
-    if setup.recipe is Recipe.DEEPSPEED_PIPE:
+    if setup.recipe is Recipe.DEEPSPEED_PIPE:  # checked as the user gave it (on_gpu sets the CUDA optimizer defaults)
         from llmsim.model.ds_pipe import checked_setup
 
-        return checked_setup(model, setup, layout)
+        setup = checked_setup(model, setup, layout)
+        return setup if gpu is None else on_gpu(setup, gpu)
+    if gpu is not None:
+        setup = on_gpu(setup, gpu)
     setup = resolve_attention(model, setup)
     check_supported(setup, layout)
     check_quantized(model, setup)
