@@ -9,6 +9,7 @@ DeepSpeed would reject is rejected here with DeepSpeed's words.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -253,9 +254,51 @@ def _validate_aio(config: dict) -> None:
             raise InputError(f"DeepSpeed config aio.{key}({aio[key]!r}) must be a positive integer")
 
 
+# DeepSpeed's modules whose upper-case constants name the config's keys (its own vocabulary, read rather than copied)
+_KEY_MODULES = ("deepspeed.runtime.constants", "deepspeed.runtime.zero.constants", "deepspeed.runtime.zero.config",
+                "deepspeed.runtime.activation_checkpointing.config", "deepspeed.profiling.constants",
+                "deepspeed.comm.constants", "deepspeed.compression.constants",
+                "deepspeed.runtime.data_pipeline.constants", "deepspeed.autotuning.constants",
+                "deepspeed.elasticity.constants", "deepspeed.nebula.constants",
+                "deepspeed.runtime.swap_tensor.constants", "deepspeed.monitor.config", "deepspeed.runtime.config")
+# top-level sections DeepSpeed's config classes read by a literal name rather than a constant
+_SECTIONS = ("pipeline", "tensorboard", "wandb", "csv_monitor", "comet", "compile", "tensor_parallel", "amp",
+             "elasticity", "nebula", "sparse_attention", "hybrid_engine", "timers", "sequence_parallel_size")
+
+
+@functools.cache
+def _deepspeed_keys() -> frozenset[str]:
+    import importlib
+
+    keys = set(_SECTIONS)
+    for name in _KEY_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # a module another release moved: its keys are still checked by closeness to the rest
+            continue
+        keys |= {value for constant, value in vars(module).items() if isinstance(value, str) and constant.isupper()
+                 and not constant.endswith("_DEFAULT") and value.islower() and value.replace("_", "").isalnum()}
+    return frozenset(keys)
+
+
+def _check_keys(config: dict) -> None:
+    """A top-level key DeepSpeed does not read is ignored by it without a word: one that is a near miss of a key it
+    reads ("zero_optimizatoin") is refused, naming that key; others (a newer release's) pass."""
+    import difflib
+
+    known = _deepspeed_keys()
+    for key in config:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+            if close:
+                raise InputError(f"DeepSpeed config key {key!r} is not one DeepSpeed reads (did you mean "
+                                 f"{close[0]!r}?); DeepSpeed would ignore it")
+
+
 def _validate(config: dict, launcher: str = "deepspeed") -> None:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
+    _check_keys(config)
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise InputError("DeepSpeed config: zero_optimization must be an object")

@@ -191,7 +191,8 @@ def run_step(config_json: str, ds_config: dict, num_stages: int, micro_batch: in
 
 def _phases_followed(engine, tracker: StorageTracker) -> None:
     """The tracker's phase follows the engine's instructions: forward, backward, then the reduction and the
-    optimizer step (the schedule interleaves micro-batches' forwards and backwards)."""
+    optimizer step (the schedule interleaves micro-batches' forwards and backwards); after each instruction what
+    DeepSpeed holds is named (`_label_engine`)."""
     from deepspeed.runtime.pipe import schedule
 
     phases = {schedule.ForwardPass: Phase.FORWARD, schedule.BackwardPass: Phase.BACKWARD,
@@ -200,12 +201,65 @@ def _phases_followed(engine, tracker: StorageTracker) -> None:
 
     def following(kind, run):
         def instruction(self, *args, **kwargs):
-            tracker.set_phase(tracker.step, phases[kind])
-            return run(self, *args, **kwargs)
+            if kind in phases:
+                tracker.set_phase(tracker.step, phases[kind])
+            result = run(self, *args, **kwargs)
+            _label_engine(self, tracker)
+            return result
         return instruction
-    for kind in phases:
+    for kind in instructions:
         instructions[kind] = following(kind, instructions[kind])
     engine._INSTRUCTION_MAP = instructions  # read as self._INSTRUCTION_MAP[type(cmd)] (engine._exec_schedule)
+    reduce = getattr(engine.optimizer, "reduce_ready_partitions_and_remove_grads", None)
+    if reduce is not None:  # ZeRO-1's reduction under a pipeline: the bucket it appends lives inside ReduceGrads
+        def bucket_named(*args, **kwargs):
+            tracker.label(_buckets(engine.optimizer), Category.REDUCE_BUCKET)
+            return reduce(*args, **kwargs)
+        engine.optimizer.reduce_ready_partitions_and_remove_grads = bucket_named
+
+
+# What DeepSpeed's optimizers hold, by attribute (runtime/zero/stage_1_and_2.py, runtime/bf16_optimizer.py): the
+# breakdown's names for them. Only names: the bytes are the trace's either way.
+_HELD = (("bit16_groups_flat", Category.PARAMETER), ("bf16_groups_flat", Category.PARAMETER),
+         ("single_partition_of_fp32_groups", Category.MASTER_WEIGHTS),
+         ("fp32_groups_flat_partition", Category.MASTER_WEIGHTS),
+         ("fp32_groups_gradients_flat", Category.GRADIENT), ("grads_in_partition", Category.GRADIENT),
+         ("averaged_gradients", Category.GRADIENT))
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _buckets(optimizer) -> list[torch.Tensor]:
+    """ZeRO-1's reduce buckets: each dtype's `ipg_buckets[dtype].buffer` (runtime/zero/stage_1_and_2.py)."""
+    return [tensor for bucket in getattr(optimizer, "ipg_buckets", {}).values()
+            for tensor in _tensors(getattr(bucket, "buffer", None))]
+
+
+def _label_engine(engine, tracker: StorageTracker) -> None:
+    """Name what the engine holds now: the optimizer's flat parameters, fp32 masters, gradient buffers, reduce
+    buckets and states, the parameters' gradients, the pipe buffers and receive buffers (activations at the stage's
+    boundary; the labels an input)."""
+    optimizer = engine.optimizer
+    for attribute, category in _HELD:
+        tracker.label(list(_tensors(getattr(optimizer, attribute, None))), category)
+    tracker.label(_buckets(optimizer), Category.REDUCE_BUCKET)
+    basic = getattr(optimizer, "optimizer", optimizer)
+    tracker.label(list(_tensors(getattr(basic, "state", {}))), Category.OPTIMIZER_STATE)
+    tracker.label([p.grad for p in engine.module.parameters() if p.grad is not None], Category.GRADIENT)
+    buffers = getattr(engine, "pipe_buffers", {})
+    tracker.label(list(_tensors([buffers.get(name) for name in ("inputs", "outputs", "output_tensors")])),
+                  Category.ACTIVATION)
+    tracker.label(list(_tensors(buffers.get("labels"))), Category.INPUT)
+    tracker.label(list(_tensors(getattr(engine, "_grad_layer_buf", None))), Category.ACTIVATION)
 
 
 @contextlib.contextmanager
