@@ -356,6 +356,17 @@ def recipe_facts(setup: TrainSetup, deepspeed=None) -> dict[str, Any]:
                 "max_grad_norm": args.max_grad_norm,
                 "peft": "LoRA r=%d" % setup.lora_rank if setup.lora_rank else "none",
                 "quantization": _quantization_words(setup), **sft}
+    if setup.recipe is Recipe.DEEPSPEED_PIPE:  # the JSON decides: DeepSpeed casts to bf16 and clips (its defaults)
+        from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+        config = setup.ds_pipe.config
+        bf16 = config.get("bf16", {}).get("enabled")
+        return {"recipe": setup.recipe.value,
+                "load_dtype": "float32" + (", cast to bfloat16 by DeepSpeed's engine" if bf16 else ""),
+                "mixed_precision": "no", "optimizer": _deepspeed_optimizer(deepspeed, "none"),
+                "grad_accum": setup.n_microbatches,
+                "max_grad_norm": config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT),
+                "peft": "none", "quantization": "none"}
     build = "bfloat16" if setup.build_bf16 else "float32"  # build_bf16 holds with precision bf16 only
     mixed = {Precision.BF16_AUTOCAST: "bf16", Precision.FP16_AUTOCAST: "fp16"}.get(setup.precision, "no")
     cast = {Precision.BF16: ", then cast to bfloat16", Precision.FP16: ", then cast to float16"}.get(setup.precision, "")
