@@ -8,7 +8,8 @@ pipeline script writes it,
         engine.train_batch(data_iter)      # gradient_accumulation_steps micro-batches through the stages
 
 and the same code run twice: measured (torchrun, gloo, the storage tracker in every rank:
-llmsim/measure/dist_worker.py) and traced (one rank under a fake process group and fake tensors: `traced_patches`).
+llmsim/measure/dist_worker.py) and traced (one rank under a fake process group and fake tensors: llmsim/model/trace.py,
+`trace_ds_pipe`, with `traced_patches`).
 Everything that decides the stage's memory is DeepSpeed's own: the partition of the layers (`partition_method`,
 DeepSpeed's default "parameters"), TrainSchedule's order and its `num_pipe_buffers` activation slots, the received
 and sent buffers, the buffers the last stage keeps across steps, ZeRO-0's or ZeRO-1's gradient reduction and
@@ -27,10 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
 import itertools
 import json
-import os
 from unittest import mock
 
 import torch
@@ -293,45 +292,8 @@ def traced_patches(micro_batch: int, seq_len: int, hidden: int):
         yield
 
 
-def trace(spec, setup):
-    """`run_step` as the rank of `setup` (stage `pp_stage`, replica `ds_pipe.dp_rank`) runs it, under fake tensors and
-    a fake process group of pp x dp ranks, with the kernels of `setup`'s target (llmsim/model/kernels.py): the
-    tracker's timeline and the step's StepInfo, no memory used. Every stage is traced whole (no reduced depth)."""
-    import deepspeed
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    from llmsim.model.kernels import cuda_kernels
-    from llmsim.model.tensor_parallel import fake_process_group
-    from llmsim.model.trace import _apply_as_on_cpu, _deepcopy_as_on_cpu
-
-    pipe = setup.ds_pipe
-    tracker = StorageTracker()
-    hidden = int(hf_config(spec.config_json).hidden_size)
-    _parts(spec.config_json)  # the modeling module imported and read off a meta build, outside the fake mode
-    rank, world = setup.pp_stage * pipe.dp + pipe.dp_rank, setup.pp * pipe.dp
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(fake_process_group(world, rank=rank))
-        stack.enter_context(_deepspeed_groups_kept_apart())
-        # PipelineModule reads its local rank (the device index it builds on) from the launcher's environment
-        stack.enter_context(mock.patch.dict(os.environ, {"LOCAL_RANK": "0", "RANK": str(rank),
-                                                         "WORLD_SIZE": str(world)}))
-        # DeepSpeed's comm over the fake group made above, without its CPU shared-memory kernel: a JIT-built op (20 s
-        # on this machine, rebuilt by every process) that only `inference_all_reduce` calls (deepspeed/comm/torch.py)
-        with mock.patch("deepspeed.comm.torch.build_shm_op", lambda: None):
-            deepspeed.init_distributed(dist_backend="gloo")
-        stack.enter_context(contextlib.redirect_stdout(io.StringIO()))  # DeepSpeed prints the partition, the topology
-        stack.enter_context(FakeTensorMode())
-        stack.enter_context(mock.patch.object(torch.nn.Module, "_apply", _apply_as_on_cpu))
-        stack.enter_context(mock.patch.object(FakeTensor, "__deepcopy__", _deepcopy_as_on_cpu, create=True))
-        stack.enter_context(cuda_kernels(setup))
-        stack.enter_context(traced_patches(setup.micro_batch, setup.seq_len, hidden))
-        info = run_step(spec.config_json, pipe.config, setup.pp, setup.micro_batch, setup.seq_len, setup.steps,
-                        ckpt_interval(setup), tracker, pipe.partition_method)
-    return tracker.timeline(), info
-
-
 @contextlib.contextmanager
-def _deepspeed_groups_kept_apart():
+def deepspeed_groups_kept_apart():
     """DeepSpeed keeps the process groups it made in module globals (deepspeed.utils.groups, the pipeline's p2p
     groups): each trace's fake process group is destroyed after it, so its groups are forgotten with it."""
     import copy
@@ -370,9 +332,8 @@ def checked_setup(spec, setup, layout):
 
     from llmsim.enums import Attention, Loss, Optimizer
     from llmsim.inputs.spec import check_fits_positions
-    from llmsim.sim.strategies import Strategy
 
-    if layout.strategy is not Strategy.DEEPSPEED or layout.pp < 2 or setup.ds_pipe is None:
+    if layout.deepspeed is None or layout.pp < 2 or setup.ds_pipe is None:  # a Layout has one with strategy deepspeed
         raise InputError("the deepspeed-pipe recipe is DeepSpeed's pipeline engine: a DeepSpeed config (--ds-config) "
                          f"and pp >= 2 (got strategy {layout.strategy.value}, pp({layout.pp}))")
     if layout.tp > 1:

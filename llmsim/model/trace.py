@@ -370,9 +370,7 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
 @functools.lru_cache(maxsize=128)  # a sizing sweep reuses a model's traces across GPUs of one architecture
 def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     if setup.recipe is Recipe.DEEPSPEED_PIPE:  # DeepSpeed's own pipeline engine, the stage traced whole
-        from llmsim.model import ds_pipe
-
-        timeline, info = ds_pipe.trace(spec, setup)
+        timeline, info = trace_ds_pipe(spec, setup)
         return Trace(timeline, info, 1, 1, 1)
     if spec.factory is not None:  # an arbitrary nn.Module cannot be cut to fewer layers: trace it whole
         timeline, info = run_fake(spec, setup, None)
@@ -403,6 +401,44 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         depth = num_layers
     timeline, info = _run_replaying_chunks(spec, setup, depth)
     return Trace(timeline, info, depth, period, num_layers, lead)
+
+
+def trace_ds_pipe(spec: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, StepInfo]:
+    """The deepspeed-pipe recipe (llmsim/model/ds_pipe.py, `run_step`) as the rank of `setup` (stage `pp_stage`,
+    replica `ds_pipe.dp_rank`) runs it, under fake tensors and a fake process group of pp x dp ranks, with the
+    kernels of `setup`'s target: the tracker's timeline and the step's StepInfo, no memory used. Every stage is
+    traced whole (no reduced depth)."""
+    import io
+    import os
+
+    import deepspeed
+
+    from llmsim.model import ds_pipe
+
+    pipe = setup.ds_pipe
+    tracker = StorageTracker()
+    hidden = int(ds_pipe.hf_config(spec.config_json).hidden_size)
+    ds_pipe._parts(spec.config_json)  # the modeling module imported and read off a meta build, outside the fake mode
+    rank, world = setup.pp_stage * pipe.dp + pipe.dp_rank, setup.pp * pipe.dp
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fake_process_group(world, rank=rank))
+        stack.enter_context(ds_pipe.deepspeed_groups_kept_apart())
+        # PipelineModule reads its local rank (the device index it builds on) from the launcher's environment
+        stack.enter_context(mock.patch.dict(os.environ, {"LOCAL_RANK": "0", "RANK": str(rank),
+                                                         "WORLD_SIZE": str(world)}))
+        # DeepSpeed's comm over the fake group made above, without its CPU shared-memory kernel: a JIT-built op (20 s
+        # on this machine, rebuilt by every process) that only `inference_all_reduce` calls (deepspeed/comm/torch.py)
+        with mock.patch("deepspeed.comm.torch.build_shm_op", lambda: None):
+            deepspeed.init_distributed(dist_backend="gloo")
+        stack.enter_context(contextlib.redirect_stdout(io.StringIO()))  # DeepSpeed prints the partition, the topology
+        stack.enter_context(FakeTensorMode())
+        stack.enter_context(mock.patch.object(torch.nn.Module, "_apply", _apply_as_on_cpu))
+        stack.enter_context(mock.patch.object(FakeTensor, "__deepcopy__", _deepcopy_as_on_cpu, create=True))
+        stack.enter_context(cuda_kernels(setup))
+        stack.enter_context(ds_pipe.traced_patches(setup.micro_batch, setup.seq_len, hidden))
+        info = ds_pipe.run_step(spec.config_json, pipe.config, setup.pp, setup.micro_batch, setup.seq_len,
+                                setup.steps, ds_pipe.ckpt_interval(setup), tracker, pipe.partition_method)
+    return tracker.timeline(), info
 
 
 def _run_replaying_chunks(spec: ModelSpec, setup: TrainSetup, depth: int) -> tuple[pd.DataFrame, StepInfo]:
