@@ -103,6 +103,7 @@ BAD = [
     ({}, ["--partition-method", "balanced"], "valid choices: parameters"),
     ({}, ["--lora-rank", "8"], "--lora-rank with DeepSpeed's pipeline engine is not modelled yet"),
     ({}, ["--attn", "eager"], "valid choices: sdpa"),
+    ({}, ["--precision", "bf16"], "bf16"),  # the JSON says fp32: refused where the CLI resolves the JSON
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, [],
      "offload_optimizer with pp(2) is not modelled yet"),
     ({"zero_optimizatoin": {"stage": 1}}, [], "did you mean 'zero_optimization'"),  # a near miss DeepSpeed would ignore
@@ -130,3 +131,19 @@ def test_layouts_it_cannot_trace_are_one_line_and_status_2(tmp_path, capsys):
     tied = ["--model", "qwen2.5-0.5b", "--set", "num_hidden_layers=2", "--seq-len", "16"]
     assert main(["predict", *tied, "--ds-config", config, "--pp", "2", "--world-size", "2"]) == 2
     assert "tied embeddings" in capsys.readouterr().err
+
+
+def test_compare_takes_checkpointing_as_the_lever(tmp_path):
+    """Under DeepSpeed's pipeline engine the JSON sets precision and optimizer: compare tries the module's
+    activation_checkpoint_interval (off, 2, 1), which here lowers the fullest rank's peak."""
+    from llmsim.app.compare import compare_levers
+    from llmsim.app.options import build_parser, inputs
+
+    spec, setup, layout = inputs(build_parser().parse_args(
+        ["predict", *TINY[:-2], "--seq-len", "128", "--ds-config", _config(tmp_path), "--pp", "2",
+         "--world-size", "2"]))
+    frame = compare_levers(spec, setup, layout)
+    assert list(frame["lever"]) == ["baseline: the DeepSpeed JSON",
+                                    "checkpointing every 2 layers (activation_checkpoint_interval=2)",
+                                    "checkpointing (activation_checkpoint_interval=1)"]
+    assert frame["peak_allocated_bytes"].iloc[2] < frame["peak_allocated_bytes"].iloc[0]

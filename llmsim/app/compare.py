@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pandas as pd
 
-from llmsim.enums import Loss, Optimizer, Precision
+from llmsim.enums import Loss, Optimizer, Precision, Recipe
 from llmsim.errors import InputError
 from llmsim.sim.allocator import AllocatorConfig
 from llmsim.inputs.gpus import GpuProfile, on_gpu
@@ -51,6 +51,15 @@ LEVERS: list[tuple[str, dict]] = [
 ]
 
 
+# DeepSpeed's pipeline engine (recipe deepspeed-pipe): its JSON decides the precision and the optimizer, and the
+# canonical step's other levers are not modelled with it; PipelineModule's activation_checkpoint_interval is the lever
+PIPE_LEVERS: list[tuple[str, dict]] = [
+    ("baseline: the DeepSpeed JSON", {}),
+    ("checkpointing every 2 layers (activation_checkpoint_interval=2)", {"grad_ckpt": True, "ckpt_every": 2}),
+    ("checkpointing (activation_checkpoint_interval=1)", {"grad_ckpt": True}),
+]
+
+
 def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout(),
                    gpu: GpuProfile | None = None, alloc_conf: AllocatorConfig = AllocatorConfig(),
                    jobs: int = 1, progress: bool = False) -> pd.DataFrame:
@@ -59,6 +68,14 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
     lever set is its own trace: `jobs` local processes share them."""
     from llmsim.sim.processes import in_processes
 
+    if base.recipe is Recipe.DEEPSPEED_PIPE:  # the JSON sets the precision and the optimizer: checkpointing is the lever
+        base = replace(base, grad_ckpt=False, ckpt_every=1)
+        chosen = [(label, replace(base, **overrides)) for label, overrides in PIPE_LEVERS]
+        rows = in_processes(functools.partial(_lever_row, model, layout, gpu, alloc_conf), chosen, jobs, progress,
+                            "lever")
+        frame = pd.DataFrame(rows)
+        frame["saving_vs_baseline"] = 1 - frame["device_total_bytes"] / frame["device_total_bytes"].iloc[0]
+        return frame
     base = replace(base, precision=Precision.FP32, grad_ckpt=False, ckpt_every=1, build_bf16=False, lora_rank=0,
                    lora_targets=None, optimizer=Optimizer.ADAMW, quant=None, double_quant=False, grad_accum=1,
                    ckpt_offload=False, fused=False,

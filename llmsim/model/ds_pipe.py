@@ -330,7 +330,7 @@ def checked_setup(spec, setup, layout):
     """What the deepspeed-pipe recipe models, one line of InputError for the rest; the setup its traces run."""
     from dataclasses import replace
 
-    from llmsim.enums import Attention, Loss, Optimizer
+    from llmsim.enums import Attention, Loss, Optimizer, Precision
     from llmsim.inputs.spec import check_fits_positions
 
     if layout.deepspeed is None or layout.pp < 2 or setup.ds_pipe is None:  # a Layout has one with strategy deepspeed
@@ -353,6 +353,10 @@ def checked_setup(spec, setup, layout):
     if config.get("fp16", {}).get("enabled"):
         raise InputError("fp16 with DeepSpeed's pipeline engine is not modelled: DeepSpeed refuses fp16 on the CPU "
                          "its engine is traced on; modelled: bf16 and fp32")
+    precision = Precision.BF16 if config.get("bf16", {}).get("enabled") else Precision.FP32
+    if setup.precision is not precision:
+        raise InputError(f"precision {setup.precision.value} contradicts the DeepSpeed config's ({precision.value}): "
+                         "DeepSpeed's engine casts the model as its JSON says")
     if "optimizer" not in config:
         raise InputError("the deepspeed-pipe recipe builds its optimizer from the DeepSpeed config's \"optimizer\" "
                          "section (as pipeline scripts pass no client optimizer); add one, e.g. {\"type\": \"AdamW\", "
