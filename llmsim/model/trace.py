@@ -431,6 +431,8 @@ def trace_ds_pipe(spec: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, Ste
         with mock.patch("deepspeed.comm.torch.build_shm_op", lambda: None):
             deepspeed.init_distributed(dist_backend="gloo")
         stack.enter_context(contextlib.redirect_stdout(io.StringIO()))  # DeepSpeed prints the partition, the topology
+        # and the engine sets its logger's level from the JSON's log_level (default info): kept as llmsim set it
+        stack.enter_context(mock.patch("deepspeed.runtime.engine.set_log_level_from_string", lambda level: None))
         stack.enter_context(FakeTensorMode())
         stack.enter_context(mock.patch.object(torch.nn.Module, "_apply", _apply_as_on_cpu))
         stack.enter_context(mock.patch.object(FakeTensor, "__deepcopy__", _deepcopy_as_on_cpu, create=True))
