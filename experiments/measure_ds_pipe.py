@@ -7,9 +7,10 @@ a moment to drop its reference to a collective's tensors, as NCCL does at the wa
 unsettled, the last stage of the Mistral run held a 4-byte scalar past the loss's broadcast in one of two runs.
 
 RUNS: ZeRO-0 and ZeRO-1, fp32 and bf16 (ZeRO-0 in bf16 is DeepSpeed's BF16_Optimizer), 2-4 stages over 1-2 replicas,
-DeepSpeed's activation checkpointing every 1 and 2 layers, three architectures (Llama MHA, Mistral GQA, Qwen2 with
-q/k/v biases), both partition methods, and DeepSpeed's default reduce_bucket_size (5e8 elements: two such buckets
-under a pipeline, a 2 GB peak on a model of 3 MB); the others set 2e5 elements so the model's own memory decides.
+DeepSpeed's activation checkpointing every 1 and 2 layers, four architectures (Llama MHA, Mistral GQA, Qwen2 with
+q/k/v biases; Qwen2.5-0.5B's head tied to its embedding), both partition methods, and DeepSpeed's default
+reduce_bucket_size (5e8 elements: two such buckets under a pipeline, a 2 GB peak on a model of 3 MB); the others set
+2e5 elements so the model's own memory decides.
 Writes data/measurements/tier2_ds_pipe_cpu.csv.
 Run: python experiments/measure_ds_pipe.py [--only N ...]  (about 10 minutes on 2 cores: DeepSpeed JIT-builds its
 FusedAdam op in every rank, 20-60 s, on this machine)."""
@@ -29,7 +30,7 @@ from llmsim.measure.runs import MEASUREMENTS_DIR, append_rows, measure_distribut
 OUT = MEASUREMENTS_DIR / "tier2_ds_pipe_cpu.csv"
 SHAPES = {  # zoo model -> (hidden, layers, vocab, heads), shrunk as experiments/measure_tier2_parallel.py shrinks them
     "llama-2-7b": (128, 4, 2000, 4), "llama-2-7b-deep": (128, 8, 2000, 4), "mistral-7b": (128, 3, 1500, 16),
-    "qwen2.5-7b": (112, 3, 3000, 28),
+    "qwen2.5-7b": (112, 3, 3000, 28), "qwen2.5-0.5b": (112, 4, 3000, 28),  # 0.5B: the head tied to the embedding
 }
 SMALL_BUCKET = 200_000  # reduce_bucket_size, elements
 # (model, pp, dp, ZeRO stage, bf16, micro-batches, checkpoint every (0: off), micro-batch, seq, extra JSON, partition)
@@ -44,6 +45,9 @@ RUNS = [
     ("mistral-7b", 2, 1, 1, True, 4, 1, 1, 96, {}, "uniform"),
     ("qwen2.5-7b", 3, 1, 0, False, 6, 0, 2, 64, {"gradient_clipping": 0.0}, None),
     ("llama-2-7b", 4, 1, 1, False, 8, 1, 1, 64, {}, "uniform"),
+    # tie_word_embeddings: DeepSpeed's TiedLayerSpec on the first and last stages, ReduceTiedGrads between them
+    ("qwen2.5-0.5b", 2, 1, 1, True, 4, 0, 2, 64, {}, None),
+    ("qwen2.5-0.5b", 3, 2, 0, False, 3, 1, 1, 64, {}, "uniform"),
 ]
 
 

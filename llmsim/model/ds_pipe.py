@@ -23,7 +23,8 @@ model's own loss function (`ForCausalLMLoss`) as the pipeline's `loss_fn`. What 
 chooses: each decoder layer computes its rotary cos/sin from its input with its own rotary module (the model computes
 them once for all layers), so each layer keeps its own pair for its backward (2 x seq x head_dim in the activation
 dtype: a few MiB at 4,096 tokens, against the layer's hundreds); no attention mask is passed (SDPA's causal
-kernel, as transformers calls it for a batch without padding); no tied embeddings (TiedLayerSpec)."""
+kernel, as transformers calls it for a batch without padding); a head tied to the embedding is DeepSpeed's
+TiedLayerSpec on the first and last stages (`layer_specs`)."""
 from __future__ import annotations
 
 import contextlib
@@ -123,12 +124,15 @@ class HeadPipe(nn.Module):
         return self.lm_head(hidden)
 
 
+def tied_lm_head(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head of a model whose head is its input embedding (tie_word_embeddings): the logits against the
+    embedding's weight, as transformers' tied `lm_head` computes them (no bias)."""
+    return nn.functional.linear(hidden, embedding.embed_tokens.weight)
+
+
 def check_model(config_json: str) -> None:
-    """What `layer_specs` wraps: a decoder-only model with RMS norm and rotary positions, untied."""
+    """What `layer_specs` wraps: a decoder-only model with RMS norm and rotary positions."""
     config = hf_config(config_json)
-    if getattr(config, "tie_word_embeddings", False):
-        raise InputError("the deepspeed-pipe recipe with tied embeddings (tie_word_embeddings, DeepSpeed's "
-                         "TiedLayerSpec) is not modelled yet; modelled: untied models (Llama, Mistral, Qwen2 7B+)")
     if not hasattr(config, "rms_norm_eps") or getattr(config, "num_local_experts", None) or \
             getattr(config, "num_experts", None):
         raise InputError(f"the deepspeed-pipe recipe wraps decoder layers with RMS norm and rotary positions, "
@@ -136,12 +140,20 @@ def check_model(config_json: str) -> None:
 
 
 def layer_specs(config_json: str) -> list:
-    from deepspeed.pipe import LayerSpec
+    """The embedding, the decoder layers, the norm and the head. A head tied to the embedding
+    (tie_word_embeddings) is DeepSpeed's TiedLayerSpec on both ends, as its pipeline models tie them: the embedding
+    module itself where the first and last stages are one, else a copy on the last stage whose weight DeepSpeed
+    broadcasts at initialize and whose gradient it all-reduces with the first stage's (ReduceTiedGrads)."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    layers = int(hf_config(config_json).num_hidden_layers)
-    return [LayerSpec(EmbeddingPipe, config_json), *(LayerSpec(DecoderLayerPipe, config_json, index)
-                                                     for index in range(layers)),
-            LayerSpec(NormPipe, config_json), LayerSpec(HeadPipe, config_json)]
+    config = hf_config(config_json)
+    layers = [LayerSpec(DecoderLayerPipe, config_json, index) for index in range(int(config.num_hidden_layers))]
+    if getattr(config, "tie_word_embeddings", False):
+        tied = functools.partial(TiedLayerSpec, "embed", EmbeddingPipe, config_json,
+                                 tied_weight_attr=["embed_tokens.weight"])
+        return [tied(), *layers, LayerSpec(NormPipe, config_json), tied(forward_fn=tied_lm_head)]
+    return [LayerSpec(EmbeddingPipe, config_json), *layers, LayerSpec(NormPipe, config_json),
+            LayerSpec(HeadPipe, config_json)]
 
 
 def causal_lm_loss(vocab_size: int):

@@ -149,7 +149,9 @@ class Prediction:
                 "routing": self.setup.routing if self.layout.ep > 1 else None,
                 "routing_bound": [r.to_dict() for r in self.routing_bound] if self.routing_bound else None,
                 "pp": self.layout.pp,
-                "schedule": self.layout.schedule.value if self.layout.pp > 1 else None,
+                "schedule": ("deepspeed-train-schedule" if self.setup.ds_pipe is not None  # DeepSpeed's TrainSchedule
+                             else self.layout.schedule.value if self.layout.pp > 1 else None),
+                "recipe": self.setup.recipe.value,
                 "n_microbatches": self.layout.n_microbatches,
                 "pp_split": list(self.layout.pp_split) if self.layout.pp_split else None,
                 "micro_batch": self.setup.micro_batch, "seq_len": self.setup.seq_len,
