@@ -108,7 +108,8 @@ BAD = [
     ({}, ["--precision", "bf16"], "bf16"),  # the JSON says fp32: refused where the CLI resolves the JSON
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, [],
      "offload_optimizer with pp(2) is not modelled yet"),
-    ({"zero_optimizatoin": {"stage": 1}}, [], "did you mean 'zero_optimization'"),  # a near miss DeepSpeed would ignore
+    ({"zero_optimizatoin": {"stage": 1}}, [], "did you mean 'zero_optimization'"),
+    ({"activation_checkpointing": {"cpu_checkpointing": True}}, [], "deepspeed.checkpointing.configure"),  # a near miss DeepSpeed would ignore
 ]
 
 

@@ -362,6 +362,13 @@ def checked_setup(spec, setup, layout):
         if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none":
             raise InputError(f"DeepSpeed config zero_optimization.{key} with pp({layout.pp}) is not modelled yet "
                              "(DeepSpeed's pipeline engine without offload is)")
+    checkpointing = config.get("activation_checkpointing") or {}
+    if any(value for key, value in checkpointing.items() if key != "number_checkpoints"):
+        raise InputError("DeepSpeed config activation_checkpointing (" + ", ".join(
+            key for key, value in checkpointing.items() if value) + ") with the pipeline engine is not modelled: "
+            "it acts only where the script calls deepspeed.checkpointing.configure (partitioned or CPU-held "
+            "checkpoints), which the deepspeed-pipe recipe does not; modelled: PipelineModule's own checkpointing "
+            "(--grad-ckpt, --ckpt-every)")
     if config.get("fp16", {}).get("enabled"):
         raise InputError("fp16 with DeepSpeed's pipeline engine is not modelled: DeepSpeed refuses fp16 on the CPU "
                          "its engine is traced on; modelled: bf16 and fp32")
