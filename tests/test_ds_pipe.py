@@ -147,3 +147,24 @@ def test_compare_takes_checkpointing_as_the_lever(tmp_path):
                                     "checkpointing every 2 layers (activation_checkpoint_interval=2)",
                                     "checkpointing (activation_checkpoint_interval=1)"]
     assert frame["peak_allocated_bytes"].iloc[2] < frame["peak_allocated_bytes"].iloc[0]
+
+
+def test_sweep_passes_the_engines_options():
+    """A sweep file's ds_config, pp and partition_method reach predict's parser as the CLI's flags."""
+    from llmsim.app.sweep import _argv
+
+    argv = _argv({"model": "llama-2-7b", "seq_len": 64, "ds_config": "ds.json", "pp": 2, "world_size": 4,
+                  "partition_method": "uniform", "grad_ckpt": True})
+    assert argv[argv.index("--partition-method") + 1] == "uniform" and "--grad-ckpt" in argv
+    assert argv[argv.index("--ds-config") + 1] == "ds.json" and argv[argv.index("--pp") + 1] == "2"
+
+
+def test_a_batch_that_does_not_divide_names_the_data_parallel_ranks(tmp_path, capsys):
+    """Under the pipeline engine train_batch_size is split over world-size / pp replicas, not the world."""
+    config = _config(tmp_path, train_batch_size=8)  # 2 x 4 micro-batches x 1 replica
+    assert main(["predict", *TINY, "--ds-config", config, "--pp", "2", "--world-size", "2", "--quiet",
+                 "--jobs", "1"]) == 0
+    capsys.readouterr()
+    assert main(["predict", *TINY, "--ds-config", config, "--pp", "2", "--world-size", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "x data-parallel ranks(2) = 16 (world-size / pp under a pipeline)" in err and len(err.splitlines()) == 1

@@ -325,7 +325,8 @@ def inputs(args):
         deepspeed = (ds_setup(accelerate_ds, world_size, hidden, args.micro_batch, precision, args.grad_accum,
                               launcher="accelerate")
                      if accelerate_ds is not None else
-                     load_ds_config(args.ds_config, ds_world, hidden, args.micro_batch, precision, args.grad_accum))
+                     load_ds_config(args.ds_config, ds_world, hidden, args.micro_batch, precision, args.grad_accum,
+                                    pipeline=args.pp > 1))
         micro_batch, precision = deepspeed.micro_batch, deepspeed.precision
         grad_accum = deepspeed.gradient_accumulation_steps
     else:

@@ -34,7 +34,7 @@ OPTIONS = {"model": "--model", "seq_len": "--seq-len", "micro_batch": "--micro-b
            "int8_threshold": "--int8-threshold",
            "ds_config": "--ds-config", "gpu": "--gpu", "alloc_conf": "--alloc-conf", "margin": "--margin",
            "fsdp_param_dtype": "--fsdp-param-dtype", "fsdp_reduce_dtype": "--fsdp-reduce-dtype",
-           "fsdp_init": "--fsdp-init"}
+           "fsdp_init": "--fsdp-init", "partition_method": "--partition-method"}
 FLAGS = {"grad_ckpt": "--grad-ckpt", "double_quant": "--double-quant", "ckpt_offload": "--ckpt-offload",
          "foreach": "--foreach", "fused": "--fused", "fsdp_no_reshard": "--fsdp-no-reshard",
          "fsdp_offload": "--fsdp-offload"}

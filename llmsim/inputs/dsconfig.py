@@ -134,8 +134,11 @@ class DeepSpeedSetup:
 
 
 def load_ds_config(path: str | Path, world_size: int, hidden_size: int, micro_batch: int | None,
-                   precision: Precision | None, grad_accum: int | None = None) -> DeepSpeedSetup:
-    """Read, resolve and validate; `micro_batch`/`precision`/`grad_accum` are the CLI's, None when not given."""
+                   precision: Precision | None, grad_accum: int | None = None,
+                   pipeline: bool = False) -> DeepSpeedSetup:
+    """Read, resolve and validate; `micro_batch`/`precision`/`grad_accum` are the CLI's, None when not given.
+    `world_size`: the data-parallel ranks the batch is split over (under DeepSpeed's pipeline engine, `pipeline`,
+    the world size over pp)."""
     if world_size < 1:
         raise InputError(f"world-size({world_size}) must be >= 1")
     try:
@@ -144,23 +147,24 @@ def load_ds_config(path: str | Path, world_size: int, hidden_size: int, micro_ba
         raise InputError(f"cannot read DeepSpeed config {str(path)!r}: {one_line(exc)}") from None
     if not isinstance(config, dict):
         raise InputError(f"DeepSpeed config {str(path)!r} is not a JSON object")
-    return ds_setup(config, world_size, hidden_size, micro_batch, precision, grad_accum)
+    return ds_setup(config, world_size, hidden_size, micro_batch, precision, grad_accum, pipeline=pipeline)
 
 
 def ds_setup(config: dict[str, Any], world_size: int, hidden_size: int, micro_batch: int | None,
              precision: Precision | None, grad_accum: int | None = None,
-             launcher: str = "deepspeed") -> DeepSpeedSetup:
+             launcher: str = "deepspeed", pipeline: bool = False) -> DeepSpeedSetup:
     """A DeepSpeed config given as a dict (as `deepspeed.initialize(config=...)` takes one): resolved, validated.
     `launcher`: "deepspeed" (the script calls deepspeed.initialize) or "accelerate" (the Trainer, accelerate launch)."""
     config = json.loads(json.dumps(config))  # a copy: resolving fills in "auto" values
-    _resolve_batch(config, world_size, micro_batch, grad_accum)
+    _resolve_batch(config, world_size, micro_batch, grad_accum, pipeline)
     _resolve_precision(config, precision)
     _resolve_hidden_size_autos(config, hidden_size)
     _validate(config, launcher)
     return DeepSpeedSetup(json.dumps(config, sort_keys=True), world_size, launcher)
 
 
-def _resolve_batch(config: dict, world_size: int, micro_batch: int | None, grad_accum: int | None) -> None:
+def _resolve_batch(config: dict, world_size: int, micro_batch: int | None, grad_accum: int | None,
+                   pipeline: bool = False) -> None:
     """train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size. `--grad-accum`
     is the JSON's gradient_accumulation_steps: "auto" takes it (1 when not given), as transformers resolves "auto"
     from TrainingArguments.gradient_accumulation_steps; a number must equal it. With no gradient_accumulation_steps
@@ -200,7 +204,8 @@ def _resolve_batch(config: dict, world_size: int, micro_batch: int | None, grad_
         config["train_batch_size"] = expected
     elif total != expected:
         raise InputError(f"train_batch_size({total}) != train_micro_batch_size_per_gpu({mb}) x "
-                         f"gradient_accumulation_steps({accumulation}) x world-size({world_size}) = {expected}")
+                         f"gradient_accumulation_steps({accumulation}) x data-parallel ranks({world_size}) = "
+                         f"{expected}" + (" (world-size / pp under a pipeline)" if pipeline else ""))
     if config.get("gradient_clipping") == AUTO:
         config["gradient_clipping"] = HF_DEFAULT_MAX_GRAD_NORM
 
