@@ -103,6 +103,8 @@ BAD = [
     ({}, ["--schedule", "1f1b"], "runs its own TrainSchedule"),
     ({}, ["--pp-split", "2,2"], "partition_method"),
     ({}, ["--partition-method", "balanced"], "valid choices: parameters"),
+    ({}, ["--partition-method", "type:Foo"], "matches none of the pipeline's layer classes"),
+    ({}, ["--partition-method", "type:["], "the regex does not compile"),
     ({}, ["--lora-rank", "8"], "--lora-rank with DeepSpeed's pipeline engine is not modelled yet"),
     ({}, ["--attn", "eager"], "valid choices: sdpa"),
     ({}, ["--precision", "bf16"], "bf16"),  # the JSON says fp32: refused where the CLI resolves the JSON

@@ -379,10 +379,7 @@ def _on_ds_pipeline(args, setup, layout):
             raise InputError(f"{flag} with --ds-config and --pp: DeepSpeed's pipeline engine runs its own "
                              "TrainSchedule and splits the layers by PipelineModule's partition_method "
                              "(--partition-method)")
-    method = getattr(args, "partition_method", None) or "parameters"
-    if method not in ("parameters", "uniform") and not method.startswith("type:"):
-        raise InputError(f"partition-method {method!r}: valid choices: parameters (DeepSpeed's default), uniform, "
-                         "type:REGEX (PipelineModule's partition_method)")
+    method = getattr(args, "partition_method", None) or "parameters"  # checked with the rest (ds_pipe.checked_setup)
     setup = replace(setup, recipe=Recipe.DEEPSPEED_PIPE, grad_accum=1, n_microbatches=micro_batches, pp=layout.pp,
                     ds_pipe=DsPipeSetup(layout.deepspeed.config_json, layout.dp, 0, method))
     return setup, replace(layout, n_microbatches=micro_batches)

@@ -338,6 +338,27 @@ _NOT_TAKEN = (("lora_rank", 0, "--lora-rank"), ("quant", None, "--quant"), ("ckp
                                                                 "DeepSpeed's gradient_accumulation_steps)"))
 
 
+def _check_partition_method(method: str) -> None:
+    """PipelineModule's partition_method: "parameters", "uniform", or "type:REGEX", which DeepSpeed searches in each
+    layer's class name, case-insensitive (module.py, `_find_layer_type`): a regex that does not compile or matches
+    none of the wrapper's classes fails inside DeepSpeed with a traceback, so it is refused here."""
+    import re
+
+    if method in ("parameters", "uniform"):
+        return
+    names = [EmbeddingPipe.__name__, DecoderLayerPipe.__name__, NormPipe.__name__, HeadPipe.__name__]
+    if not method.startswith("type:"):
+        raise InputError(f"partition-method {method!r}: valid choices: parameters (DeepSpeed's default), uniform, "
+                         "type:REGEX (PipelineModule's partition_method)")
+    try:
+        pattern = re.compile(method[len("type:"):], re.IGNORECASE)
+    except re.error as exc:
+        raise InputError(f"partition-method {method!r}: the regex does not compile ({exc})") from None
+    if not any(pattern.search(name) for name in names):
+        raise InputError(f"partition-method {method!r} matches none of the pipeline's layer classes "
+                         f"({', '.join(names)})")
+
+
 def checked_setup(spec, setup, layout):
     """What the deepspeed-pipe recipe models, one line of InputError for the rest; the setup its traces run."""
     from dataclasses import replace
@@ -395,6 +416,7 @@ def checked_setup(spec, setup, layout):
         raise InputError(f"attention {setup.attention.value} with DeepSpeed's pipeline engine is not modelled: the "
                          "wrapped decoder layers pass no mask and rely on SDPA's causal kernel; valid choices: sdpa")
     check_model(spec.config_json)
+    _check_partition_method(setup.ds_pipe.partition_method)
     specs = int(hf_config(spec.config_json).num_hidden_layers) + 3  # the embedding, the layers, the norm, the head
     if layout.pp > specs:
         raise InputError(f"pp({layout.pp}) is more stages than the PipelineModule's {specs} layers (the embedding, "
