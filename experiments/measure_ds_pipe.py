@@ -92,14 +92,15 @@ def main() -> int:
         model, pp, dp, stage, bf16, micro_batches, _, micro_batch, _, extra, _ = run
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
             json.dump(ds_config(pp, dp, stage, bf16, micro_batches, micro_batch, extra), file)
-        spec, setup, layout = inputs(build_parser().parse_args(argv(run, file.name)))
         try:
+            spec, setup, layout = inputs(build_parser().parse_args(argv(run, file.name)))
             rows = measure_distributed(spec, setup, layout, args.timeout, ds_gloo_settle=True)
         except LaunchFailure as exc:
             failures += 1
             print(f"FAILED {index} {run}: {exc}", flush=True)
             continue
-        Path(file.name).unlink()
+        finally:  # the JSON is read when the run is parsed and again by every rank
+            Path(file.name).unlink()
         append_rows(rows, args.out)
         print(index, run, [r["peak_allocated_bytes"] for r in rows], rows[0]["wall_s"], flush=True)
     return 1 if failures else 0

@@ -366,8 +366,7 @@ def _on_ds_pipeline(args, setup, layout):
     micro-batches per step are the JSON's gradient_accumulation_steps and its order DeepSpeed's TrainSchedule, so
     --microbatches may only repeat the one and --schedule, --pp-split are not taken (PipelineModule's
     partition_method splits the layers: --partition-method)."""
-    from llmsim.enums import Recipe
-    from llmsim.inputs.spec import DsPipeSetup
+    from llmsim.model.ds_pipe import on_engine
 
     micro_batches = layout.deepspeed.gradient_accumulation_steps
     if args.microbatches is not None and args.microbatches != micro_batches:
@@ -379,10 +378,9 @@ def _on_ds_pipeline(args, setup, layout):
             raise InputError(f"{flag} with --ds-config and --pp: DeepSpeed's pipeline engine runs its own "
                              "TrainSchedule and splits the layers by PipelineModule's partition_method "
                              "(--partition-method)")
+    layout = replace(layout, n_microbatches=micro_batches)
     method = getattr(args, "partition_method", None) or "parameters"  # checked with the rest (ds_pipe.checked_setup)
-    setup = replace(setup, recipe=Recipe.DEEPSPEED_PIPE, grad_accum=1, n_microbatches=micro_batches, pp=layout.pp,
-                    ds_pipe=DsPipeSetup(layout.deepspeed.config_json, layout.dp, 0, method))
-    return setup, replace(layout, n_microbatches=micro_batches)
+    return on_engine(setup, layout, method), layout
 
 
 def _apply_accelerate_config(args) -> dict | None:

@@ -14,9 +14,10 @@ from llmsim.enums import Attention, Loss, Optimizer, Precision, Recipe
 from llmsim.measure.runs import MEASUREMENTS_DIR
 from llmsim.model.quiet import quiet_libraries
 from llmsim.sim.pipeline import predict
-from llmsim.inputs.spec import LLM_INT8_THRESHOLD, DsPipeSetup, FsdpSetup, ModelSpec, TrainSetup, load_model_spec
+from llmsim.inputs.spec import LLM_INT8_THRESHOLD, FsdpSetup, ModelSpec, TrainSetup, load_model_spec
 from llmsim.inputs.dsconfig import DeepSpeedSetup
 from llmsim.inputs.hf import trainer_setup
+from llmsim.model.ds_pipe import on_engine
 from llmsim.model.pipelining import Schedule
 from llmsim.sim.strategies import Layout, Strategy, trainer_layout
 from llmsim.errors import InputError
@@ -84,9 +85,7 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
         method = row.get("partition_method")
         layout = Layout(Strategy.DEEPSPEED, world, DeepSpeedSetup(ds_config, world // pp), pp=pp,
                         n_microbatches=int(row["n_microbatches"]))
-        return spec, replace(setup, recipe=Recipe.DEEPSPEED_PIPE, pp=pp, n_microbatches=layout.n_microbatches,
-                             ds_pipe=DsPipeSetup(ds_config, world // pp, 0, method if isinstance(method, str) and
-                                                 method else "parameters")), layout
+        return spec, on_engine(setup, layout, method if isinstance(method, str) and method else "parameters"), layout
     layout = Layout(Strategy(row["strategy"]), int(row["world_size"]), deepspeed, fsdp=fsdp, tp=_int(row, "tp", 1),
                     ep=_int(row, "ep", 1), pp=_int(row, "pp", 1), n_microbatches=_int(row, "n_microbatches", 1),
                     schedule=Schedule(schedule) if isinstance(schedule, str) and schedule else Schedule.GPIPE,

@@ -51,13 +51,9 @@ MAX_TRACED_RANKS = 64
 CHECKPOINTED = ["DecoderLayerPipe"]
 
 
+@functools.lru_cache(maxsize=8)
 def _parts(config_json: str):
     """The model's own decoder-layer, norm and rotary classes (from its modeling module, read off a meta build)."""
-    return _parts_of(config_json)
-
-
-@functools.lru_cache(maxsize=8)
-def _parts_of(config_json: str):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -325,6 +321,20 @@ def deepspeed_groups_kept_apart():
                 setattr(module, name, value)
 
 
+def on_engine(setup, layout, partition_method: str):
+    """`setup` as DeepSpeed's pipeline engine runs it over `layout` (strategy deepspeed, pp > 1): the deepspeed-pipe
+    recipe, its micro-batches the JSON's gradient_accumulation_steps (`layout.n_microbatches`, nothing accumulated
+    beside them), the traced replica 0 of dp; the CLI and `llmsim validate` both build it here."""
+    from dataclasses import replace
+
+    from llmsim.enums import Recipe
+    from llmsim.inputs.spec import DsPipeSetup
+
+    return replace(setup, recipe=Recipe.DEEPSPEED_PIPE, grad_accum=1, pp=layout.pp,
+                   n_microbatches=layout.n_microbatches,
+                   ds_pipe=DsPipeSetup(layout.deepspeed.config_json, layout.dp, 0, partition_method))
+
+
 def ckpt_interval(setup) -> int:
     """PipelineModule's activation_checkpoint_interval: every `ckpt_every` layers with checkpointing, else 0."""
     return setup.ckpt_every if setup.grad_ckpt else 0
@@ -373,12 +383,12 @@ def checked_setup(spec, setup, layout):
         raise InputError(f"DeepSpeed's pipeline engine with tp({layout.tp}) is Megatron's model parallelism (an mpu), "
                          "not modelled; modelled: pp x dp")
     config = setup.ds_pipe.config
-    stage = int(config.get("zero_optimization", {}).get("stage", 0))
+    zero = config.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
     if stage > 1:
         raise InputError(f"ZeRO stage {stage} with pp({layout.pp}): DeepSpeed's pipeline engine refuses it ('ZeRO-2 "
                          "and ZeRO-3 are incompatible with pipeline parallelism', runtime/pipe/engine.py); valid "
                          "stages: 0, 1")
-    zero = config.get("zero_optimization", {})
     for key in ("offload_optimizer", "offload_param"):
         if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none":
             raise InputError(f"DeepSpeed config zero_optimization.{key} with pp({layout.pp}) is not modelled yet "
