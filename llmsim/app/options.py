@@ -129,7 +129,11 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp-split", default=None, help="layers per stage, e.g. 9,10,10,11 (default: transformers' "
                    "balanced split, the remainder one layer each to the first stages)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world-size / (pp x tp))")
-    p.add_argument("--schedule", default=None, help="pipeline schedule with --pp: gpipe (default) | 1f1b")
+    p.add_argument("--schedule", default=None, help="pipeline schedule with --pp: gpipe (default) | 1f1b | "
+                   "interleaved-1f1b (torch's ScheduleInterleaved1F1B: needs --stages-per-rank)")
+    p.add_argument("--stages-per-rank", type=int, default=None, help="with --schedule interleaved-1f1b: pipeline "
+                   "stages each rank holds (Megatron's virtual pipeline size, >= 2); the layers split over pp x this "
+                   "many stages, rank r holding stages r, r + pp, ...")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches through the pipeline per step, "
                    "each of --micro-batch samples (with --pp; default 1; with --ds-config the JSON's "
                    "gradient_accumulation_steps)")
@@ -338,7 +342,7 @@ def inputs(args):
                     deepspeed, fsdp=_fsdp_setup(args, strategy), tp=args.tp, ep=args.ep, pp=args.pp,
                     schedule=parse_enum(Schedule, args.schedule or Schedule.GPIPE.value, "schedule"),
                     n_microbatches=1 if args.microbatches is None else args.microbatches,
-                    pp_split=_split(args.pp_split))
+                    pp_split=_split(args.pp_split), stages_per_rank=getattr(args, "stages_per_rank", None) or 1)
     setup = TrainSetup(
         micro_batch=micro_batch, seq_len=args.seq_len, precision=precision or Precision.FP32,
         attention=parse_enum(Attention, args.attn, "attention") if args.attn else None,
@@ -373,7 +377,8 @@ def _on_ds_pipeline(args, setup, layout):
         raise InputError(f"--microbatches({args.microbatches}) contradicts the DeepSpeed config's "
                          f"gradient_accumulation_steps({micro_batches}): DeepSpeed's pipeline engine runs that many "
                          "micro-batches per train_batch")
-    for flag, value in (("--schedule", args.schedule), ("--pp-split", args.pp_split)):
+    for flag, value in (("--schedule", args.schedule), ("--pp-split", args.pp_split),
+                        ("--stages-per-rank", getattr(args, "stages_per_rank", None))):
         if value is not None:
             raise InputError(f"{flag} with --ds-config and --pp: DeepSpeed's pipeline engine runs its own "
                              "TrainSchedule and splits the layers by PipelineModule's partition_method "

@@ -212,6 +212,8 @@ class TrainSetup:
     schedule: str = "gpipe"  # llmsim.model.pipelining.Schedule
     n_microbatches: int = 1  # micro-batches per step through the pipeline (each `micro_batch` samples)
     pp_split: tuple[int, ...] | None = None  # layers per stage; None: transformers' balanced split
+    # stages each pipeline rank holds (schedule interleaved-1f1b): rank pp_stage holds pp_stage, pp_stage + pp, ...
+    stages_per_rank: int = 1
     grad_accum: int = 1  # forward/backward passes per optimizer step (the loss divided by it)
     quant: str | None = None  # "nf4" | "fp4" | "int8": a bitsandbytes 4-/8-bit base under LoRA (llmsim/model/quantized.py)
     double_quant: bool = False  # bnb_4bit_use_double_quant
@@ -275,7 +277,7 @@ class TrainSetup:
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "ep", "pp", "n_microbatches",
-                     "grad_accum"):
+                     "grad_accum", "stages_per_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")

@@ -30,7 +30,7 @@ from llmsim.inputs.spec import ModelSpec, TrainSetup
 from llmsim.model.step import (LayerHooks, add_peft, enable_checkpointing, import_peft, make_optimizer, optimizer_class,
                          run_canonical_step, run_pipeline_step, uses_peft)
 from llmsim.model.tensor_parallel import parallel_mesh
-from llmsim.model.trace import model_builder
+from llmsim.model.trace import model_builder, rank_builders
 from llmsim.model.tracker import StorageTracker
 
 
@@ -139,7 +139,7 @@ def _setup(job: dict) -> TrainSetup:
     return TrainSetup(job["micro_batch"], job["seq_len"], Precision(job["precision"]), Attention(job["attention"]),
                       job["grad_ckpt"], job["ckpt_every"], job["steps"], build_bf16=bool(job.get("build_bf16")),
                       tp=job.get("tp", 1), pp=job.get("pp", 1), schedule=job.get("schedule", "gpipe"),
-                      n_microbatches=job.get("n_microbatches", 1),
+                      n_microbatches=job.get("n_microbatches", 1), stages_per_rank=job.get("stages_per_rank", 1),
                       pp_split=tuple(job["pp_split"]) if job.get("pp_split") else None,
                       lora_rank=job.get("lora_rank", 0), lora_alpha=job.get("lora_alpha", 16),
                       lora_targets=tuple(job["lora_targets"]) if job.get("lora_targets") else None,
@@ -220,7 +220,9 @@ def run_model_parallel(job: dict, tracker: StorageTracker) -> None:
     if fsdp is not None:  # FSDP2 x PP (x TP): fully_shard per layer, then the stage, over the mesh's dp
         setup = replace(setup, fsdp=fsdp, fsdp_world=torch.distributed.get_world_size())
     spec = ModelSpec(job["model"], job["config_json"])
-    build = model_builder(spec, setup, None, mesh)
+    build, first_blocks = model_builder(spec, setup, None, mesh), None
+    if setup.stages_per_rank > 1:  # interleaved 1F1B: one model per stage this rank holds
+        build, first_blocks = rank_builders(spec, setup, mesh)
     wrap, settled = None, contextlib.nullcontext()
     if fsdp is not None:
         build = meta_build(build) if fsdp.init == "meta" else build
@@ -237,7 +239,7 @@ def run_model_parallel(job: dict, tracker: StorageTracker) -> None:
                                            bucket_cap_mb=DDP_BUCKET_CAP_MB)
     with GlooWorkSettles(), settled:
         if setup.pp > 1:
-            run_pipeline_step(build, setup, tracker, mesh["pp"].get_group(), wrap)
+            run_pipeline_step(build, setup, tracker, mesh["pp"].get_group(), wrap, first_blocks=first_blocks)
         else:
             run_canonical_step(build, setup, tracker, wrap=wrap)
 

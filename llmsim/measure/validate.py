@@ -89,7 +89,7 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
     layout = Layout(Strategy(row["strategy"]), int(row["world_size"]), deepspeed, fsdp=fsdp, tp=_int(row, "tp", 1),
                     ep=_int(row, "ep", 1), pp=_int(row, "pp", 1), n_microbatches=_int(row, "n_microbatches", 1),
                     schedule=Schedule(schedule) if isinstance(schedule, str) and schedule else Schedule.GPIPE,
-                    pp_split=_split(row))
+                    pp_split=_split(row), stages_per_rank=_int(row, "stages_per_rank", 1))
     return spec, setup, layout
 
 

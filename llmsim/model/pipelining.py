@@ -1,4 +1,5 @@
-"""Pipeline parallelism with torch.distributed.pipelining: one stage per rank, GPipe or 1F1B.
+"""Pipeline parallelism with torch.distributed.pipelining: one stage per rank, GPipe or 1F1B; or several stages per
+rank under interleaved 1F1B.
 
 The canonical PP step (what `--pp N` predicts and what a measured PP rank runs), for stage s of N:
 
@@ -27,6 +28,12 @@ single-process step computes inside the forward.
 `schedule.step` keeps torch's default `return_outputs=True`: the last stage concatenates the micro-batches'
 logits into one tensor, as every caller that does not turn it off gets.
 
+Interleaved 1F1B (`ScheduleInterleaved1F1B`, Megatron's virtual pipeline): the model is cut into
+pp x stages_per_rank stages as above (`layer_range` over that many), and rank r holds stages r, r + pp, r + 2 pp,
+... (`rank_stages`: torch's schedule maps stage s to rank s % pp). Each is its own cut model, with its own
+PipelineStage (and its own DistributedDataParallel); one AdamW steps all of the rank's parameters, as one
+optimizer over a list of modules does in a plain script; `ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn)`.
+
 The predictor runs this under FakeTensorMode on a fake process group whose rank is the stage's: the
 sends and receives allocate their buffers as the real ones do and move no data.
 """
@@ -43,12 +50,26 @@ from llmsim.errors import InputError
 class Schedule(str, Enum):
     GPIPE = "gpipe"  # torch.distributed.pipelining.ScheduleGPipe: all forwards, then all backwards
     ONE_F_ONE_B = "1f1b"  # Schedule1F1B: warm-up forwards, then one forward / one backward
+    # ScheduleInterleaved1F1B: several stages per rank (TrainSetup.stages_per_rank), stage s on rank s % pp
+    INTERLEAVED_1F1B = "interleaved-1f1b"
 
     @property
     def schedule_class(self):
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        return {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B}[self]
+        return {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
+                Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B}[self]
+
+    @property
+    def multi_stage(self) -> bool:
+        """Whether the schedule takes a list of stages per rank (torch's PipelineScheduleMulti)."""
+        return self is Schedule.INTERLEAVED_1F1B
+
+
+def rank_stages(rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The stages rank `rank` of `pp` holds: itself under one stage per rank; r, r + pp, ... under interleaved
+    1F1B (torch's `stage_index_to_group_rank` of a looped schedule: stage s on rank s % pp)."""
+    return [rank + k * pp for k in range(stages_per_rank)]
 
 
 def layer_range(stage: int, num_stages: int, num_layers: int,
@@ -64,7 +85,15 @@ def layer_range(stage: int, num_stages: int, num_layers: int,
 
 
 def check_pipeline(config, pp: int, n_microbatches: int, schedule: Schedule,
-                   split: tuple[int, ...] | None = None, precision=None) -> None:
+                   split: tuple[int, ...] | None = None, precision=None, stages_per_rank: int = 1) -> None:
+    if schedule.multi_stage != (stages_per_rank > 1):
+        raise InputError(f"schedule {schedule.value} runs one stage per rank: stages-per-rank({stages_per_rank}) "
+                         "must be 1; several stages per rank run under schedule interleaved-1f1b"
+                         if not schedule.multi_stage else
+                         f"schedule {schedule.value} runs several stages on each rank: stages-per-rank"
+                         f"({stages_per_rank}) must be >= 2 (Megatron's virtual pipeline size)")
+    if stages_per_rank > 1:
+        _check_interleaved(config, pp, n_microbatches, split, stages_per_rank)
     if split is not None and (len(split) != pp or min(split) < 1 or sum(split) != config.num_hidden_layers):
         raise InputError(f"pp-split({','.join(map(str, split))}) must give pp({pp}) stages of >= 1 layer summing to "
                          f"the number of layers({config.num_hidden_layers})")
@@ -82,6 +111,25 @@ def check_pipeline(config, pp: int, n_microbatches: int, schedule: Schedule,
     if not getattr(config, "base_model_pp_plan", None):
         raise InputError(f"model type {config.model_type!r} has no pipeline plan in transformers "
                          "(base_model_pp_plan); pp must be 1")
+
+
+def _check_interleaved(config, pp: int, n_microbatches: int, split, stages_per_rank: int) -> None:
+    """What ScheduleInterleaved1F1B and the cut into pp x stages_per_rank stages refuse, as one line each."""
+    if pp < 2:
+        raise InputError(f"schedule interleaved-1f1b needs a pipeline: pp({pp}) must be >= 2")
+    stages, layers = pp * stages_per_rank, int(config.num_hidden_layers)
+    if stages > layers:
+        raise InputError(f"pp({pp}) x stages-per-rank({stages_per_rank}) = {stages} stages is more than the "
+                         f"number of layers({layers}); valid stages-per-rank: 2..{max(layers // pp, 1)}")
+    if split is not None:
+        raise InputError("pp-split with schedule interleaved-1f1b is not modelled: its stages take transformers' "
+                         "balanced split over pp x stages-per-rank stages")
+    rounds = max(1, n_microbatches // pp)  # torch's flexible interleaving: micro-batches in rounds of about pp
+    if n_microbatches % rounds:
+        valid = [n for n in range(1, 4 * pp + 1) if n % max(1, n // pp) == 0]
+        raise InputError(f"schedule interleaved-1f1b runs microbatches({n_microbatches}) in {rounds} rounds of "
+                         f"microbatches // pp({pp}), which must divide them (torch's ScheduleInterleaved1F1B); "
+                         f"valid up to {4 * pp}: {', '.join(map(str, valid))}")
 
 
 def cut(model: nn.Module, stage: int, num_stages: int, keep: int | None = None,

@@ -67,16 +67,20 @@ def find_blocks(model: nn.Module, expected: int | None) -> tuple[str, nn.ModuleL
 class LayerHooks:
     """Keeps the tracker's (block, module) context in step with the model while it runs."""
 
-    def __init__(self, tracker: StorageTracker, model: nn.Module, expected_blocks: int | None) -> None:
+    def __init__(self, tracker: StorageTracker, model: nn.Module, expected_blocks: int | None,
+                 first_block: int = 0) -> None:
+        """`first_block`: the number of the model's first layer (a rank's later pipeline stage under interleaved
+        1F1B: its layers, and every name under them, are numbered from there, as the whole model numbers them)."""
         self.tracker = tracker
         self.model = model
         self.prefix, blocks = find_blocks(model, expected_blocks)
+        self.first_block = first_block
         self.num_blocks = len(blocks)
         self.leaf_order: list[str] = []
         self._stack: list[str] = []
         self.label_model()
         for name, module in model.named_modules():
-            module.register_forward_pre_hook(self._pre(name), with_kwargs=True)
+            module.register_forward_pre_hook(self._pre(self.named(name)), with_kwargs=True)
             module.register_forward_hook(self._post(name))
         self._blocks = list(blocks)
         self._block_pre_handles = [block.register_forward_pre_hook(self._block_pre(index), with_kwargs=True)
@@ -86,8 +90,16 @@ class LayerHooks:
         self._hooked: set[str] = set()
         for name, param in model.named_parameters():
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._grad_ready(name))
+                param.register_post_accumulate_grad_hook(self._grad_ready(self.named(name)))
                 self._hooked.add(name)
+
+    def named(self, fqn: str) -> str:
+        """`fqn` with its layer numbered from `first_block` (`prefix.<i>` -> `prefix.<first_block + i>`)."""
+        head = self.prefix + "."
+        if not self.first_block or not self.prefix or not fqn.startswith(head):
+            return fqn
+        index, _, rest = fqn[len(head):].partition(".")
+        return f"{head}{int(index) + self.first_block}" + (f".{rest}" if rest else "")
 
     def enter_blocks_first(self) -> None:
         """Move each layer's entry hook ahead of hooks a wrapper put first (FSDP2's pre-forward, registered with
@@ -101,7 +113,7 @@ class LayerHooks:
     def block_of(self, fqn: str) -> int:
         head = self.prefix + "."
         if self.prefix and fqn.startswith(head):
-            return int(fqn[len(head):].split(".", 1)[0])
+            return int(fqn[len(head):].split(".", 1)[0]) + self.first_block
         return NO_BLOCK
 
     def label_model(self) -> None:
@@ -110,14 +122,15 @@ class LayerHooks:
                                 (Category.BUFFER, self.model.named_buffers())):
             named = list(named)
             names, tensors = zip(*named) if named else ((), ())
-            self.tracker.label(tensors, category, names, [self.block_of(n) for n in names], retag=True)
+            self.tracker.label(tensors, category, [self.named(n) for n in names], [self.block_of(n) for n in names],
+                               retag=True)
 
     def adopt_new_parameters(self) -> None:
         """Label the parameters peft added (by their FQN in the base model) and hook their gradients."""
         self.label_model()
         for name, param in self.model.named_parameters():
             if param.requires_grad and name not in self._hooked:
-                param.register_post_accumulate_grad_hook(self._grad_ready(name))
+                param.register_post_accumulate_grad_hook(self._grad_ready(self.named(name)))
                 self._hooked.add(name)
 
     def watch(self, optimizer: torch.optim.Optimizer, gpu: bool = False) -> None:
@@ -127,7 +140,7 @@ class LayerHooks:
 
         def grads(opt, args, kwargs):
             params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None and id(p) in names]
-            self.tracker.label([p.grad for p in params], Category.GRADIENT, [names[id(p)] for p in params],
+            self.tracker.label([p.grad for p in params], Category.GRADIENT, [self.named(names[id(p)]) for p in params],
                                [self.block_of(names[id(p)]) for p in params])
 
         def states(opt, args, kwargs):
@@ -151,7 +164,7 @@ class LayerHooks:
     def _incoming_grad(self, name: str, param: torch.Tensor):
         def hook(grad):
             if param.grad is not None:
-                self.tracker.label([grad], Category.GRADIENT, [name], [self.block_of(name)])
+                self.tracker.label([grad], Category.GRADIENT, [self.named(name)], [self.block_of(name)])
         return hook
 
     def enter_backward(self) -> None:
@@ -185,7 +198,7 @@ class LayerHooks:
         def hook(module, args, kwargs):
             if not self._forward():
                 return
-            self.tracker.block = index
+            self.tracker.block = self.first_block + index
             self.tracker.frees_by_owner = False
             if index == 0:  # the gradient of layer 0's input is where the backward leaves the layers
                 _on_grad(_first_grad_tensor((args, kwargs)), self._enter(NO_BLOCK, self.leaf_order[0]))
@@ -197,7 +210,8 @@ class LayerHooks:
                 return
             # The block stays current until the next one starts: what runs between two layers (the
             # decoder loop rebinding `hidden_states`) happens once per layer, so it belongs to a layer.
-            _on_grad(_first_grad_tensor(output), self._enter(index, f"{self.prefix}.{index}"))
+            block = self.first_block + index
+            _on_grad(_first_grad_tensor(output), self._enter(block, f"{self.prefix}.{block}"))
         return hook
 
     def _grad_ready(self, name: str):
@@ -437,10 +451,10 @@ def base_fqn(fqn: str) -> str:
 
 
 def _build_for_training(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
-                        expected_blocks: int | None) -> tuple[nn.Module, LayerHooks]:
+                        expected_blocks: int | None, first_block: int = 0) -> tuple[nn.Module, LayerHooks]:
     """The opening of both canonical steps: build, hook the layers, cast (bf16/fp16 precision), train mode."""
     model = build()
-    hooks = LayerHooks(tracker, model, expected_blocks)
+    hooks = LayerHooks(tracker, model, expected_blocks, first_block)
     as_loaded = setup.load_dtype is not None and setup.recipe is Recipe.CANONICAL  # from_pretrained's, no cast
     if setup.precision.cast_dtype is not None and not setup.cast_after_peft and not as_loaded:
         model.to(setup.precision.cast_dtype)
@@ -539,58 +553,78 @@ def run_canonical_step(build: Callable[[], nn.Module], setup: TrainSetup, tracke
     return hooks.info(vocab_size)
 
 
-def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker: StorageTracker,
-                      pp_group, wrap: Callable[[nn.Module], nn.Module] | None = None,
-                      replay_chunks: bool = False) -> StepInfo:
-    """One stage of the canonical PP step (llmsim/model/pipelining.py) under `tracker`: `build` gives the stage's
-    model, `pp_group` the process group of the pipeline; `wrap` puts DistributedDataParallel around the stage
-    (torch's PipelineStage runs DDP's no_sync for every micro-batch but the last). With `replay_chunks` (a fake
-    trace), the model's forward and backward of micro-batches 2 and later, and of micro-batch 1 after the first
-    step, are micro-batch 1's events replayed (llmsim/model/chunk_replay.py)."""
+def run_pipeline_step(build: Callable[[], nn.Module] | list[Callable[[], nn.Module]], setup: TrainSetup,
+                      tracker: StorageTracker, pp_group, wrap: Callable[[nn.Module], nn.Module] | None = None,
+                      replay_chunks: bool = False, first_blocks: list[int] | None = None) -> StepInfo:
+    """One rank of the canonical PP step (llmsim/model/pipelining.py) under `tracker`: `build` gives the stage's
+    model (under interleaved 1F1B a list, one per stage the rank holds, `pipelining.rank_stages`, whose layers are
+    numbered from `first_blocks`), `pp_group` the process group of the pipeline; `wrap` puts DistributedDataParallel
+    around each stage (torch's PipelineStage runs DDP's no_sync for every micro-batch but the last). With
+    `replay_chunks` (a fake trace), the model's forward and backward of micro-batches 2 and later, and of
+    micro-batch 1 after the first step, are micro-batch 1's events replayed (llmsim/model/chunk_replay.py)."""
     from torch.distributed.pipelining import PipelineStage
 
     from llmsim.model.chunk_replay import ChunkReplay
-    from llmsim.model.pipelining import Schedule, stage_forward, stage_io
+    from llmsim.model.pipelining import Schedule, rank_stages, stage_forward, stage_io
 
     torch.manual_seed(0)
     optimizer_class(setup.optimizer)
-    stage_index, num_stages = setup.pp_stage, setup.pp
+    schedule_kind = Schedule(setup.schedule)
+    stage_indices = rank_stages(setup.pp_stage, setup.pp, setup.stages_per_rank)
+    num_stages = setup.pp * setup.stages_per_rank
+    builds = build if isinstance(build, list) else [build]
+    if len(builds) != len(stage_indices):
+        raise ValueError(f"{len(builds)} builds for stages {stage_indices}")
     with tracker:
-        model, hooks = _build_for_training(build, setup, tracker, None)
-        if setup.grad_ckpt:
-            enable_checkpointing(model, setup.ckpt_every)
-        model.forward = stage_forward(model, stage_index, num_stages)
-        replay = None
-        if replay_chunks:
-            replay = ChunkReplay(tracker)
-            model.forward = replay.wrap(model.forward)
-        vocab_size = int(model.config.vocab_size)
-        dtype = setup.precision.cast_dtype or torch.float32
-        example = stage_io(stage_index, num_stages, setup.micro_batch, setup.seq_len, int(model.config.hidden_size),
-                           vocab_size, dtype, setup.precision.autocast_dtype or dtype)
-        stage_module = wrap(model) if wrap is not None else model
-        if wrap is not None:  # as run_canonical_step: FSDP2's (replicate's) in-place wrap, its parameters named and
-            if stage_module is model:  # placed, and each layer entered before FSDP2's pre-forward runs
-                hooks.label_model()
-            hooks.enter_blocks_first()
-        autocast = _autocast(model, setup)  # where the parameters are once wrapped (FSDP2 materialises a meta build)
-        stage = PipelineStage(stage_module, stage_index, num_stages, torch.device("cpu"), input_args=example[0],
-                              output_args=example[1], group=pp_group)
-        _track_chunks(stage, tracker, hooks, autocast, replay)
-        schedule = Schedule(setup.schedule).schedule_class(
-            stage, setup.n_microbatches, loss_fn=lambda logits, labels: model.loss_function(logits, labels,
-                                                                                             vocab_size))
-        optimizer = make_optimizer(stage_module.parameters(), setup)
-        hooks.watch(optimizer, gpu=setup.device is Device.CUDA and not setup.cuda_default_device)
+        stages, modules, all_hooks = [], [], []
+        for stage_index, stage_build, first in zip(stage_indices, builds, first_blocks or [0] * len(builds)):
+            model, hooks = _build_for_training(stage_build, setup, tracker, None, first)
+            if setup.grad_ckpt:
+                enable_checkpointing(model, setup.ckpt_every)
+            model.forward = stage_forward(model, stage_index, num_stages)
+            replay = None
+            if replay_chunks:
+                replay = ChunkReplay(tracker)
+                model.forward = replay.wrap(model.forward)
+            vocab_size = int(model.config.vocab_size)
+            dtype = setup.precision.cast_dtype or torch.float32
+            example = stage_io(stage_index, num_stages, setup.micro_batch, setup.seq_len,
+                               int(model.config.hidden_size), vocab_size, dtype, setup.precision.autocast_dtype or dtype)
+            stage_module = wrap(model) if wrap is not None else model
+            if wrap is not None:  # as run_canonical_step: FSDP2's (replicate's) in-place wrap, its parameters named
+                if stage_module is model:  # and placed, and each layer entered before FSDP2's pre-forward runs
+                    hooks.label_model()
+                hooks.enter_blocks_first()
+            autocast = _autocast(model, setup)  # where the parameters are once wrapped (FSDP2 materialises a meta
+            # build)
+            stage = PipelineStage(stage_module, stage_index, num_stages, torch.device("cpu"), input_args=example[0],
+                                  output_args=example[1], group=pp_group)
+            _track_chunks(stage, tracker, hooks, autocast, replay)
+            stages.append(stage)
+            modules.append(stage_module)
+            all_hooks.append(hooks)
+
+        def loss_fn(logits, labels):
+            return model.loss_function(logits, labels, vocab_size)  # transformers' causal-LM loss, the last stage's
+
+        schedule = schedule_kind.schedule_class(stages if schedule_kind.multi_stage else stages[0],
+                                                setup.n_microbatches, loss_fn=loss_fn)
+        # one optimizer over every stage the rank holds, as a plain script steps a list of modules
+        optimizer = make_optimizer([p for module in modules for p in module.parameters()], setup)
+        for hooks in all_hooks:
+            hooks.watch(optimizer, gpu=setup.device is Device.CUDA and not setup.cuda_default_device)
         batch = torch.randint(0, vocab_size, (setup.micro_batch * setup.n_microbatches, setup.seq_len))
         tracker.label([batch], Category.INPUT)
-        # torch's REDUCE_GRAD (FSDP2's post-backward of every group after the last micro-batch) under each group's layer
-        with _groups_reduced_in_their_layers(hooks) if wrap is not None else contextlib.nullcontext():
+        first_rank, last_rank = setup.pp_stage == 0, setup.pp_stage == setup.pp - 1
+        with contextlib.ExitStack() as reduced:
+            if wrap is not None:  # torch's REDUCE_GRAD (FSDP2's post-backward of every group after the last
+                for hooks in all_hooks:  # micro-batch) under each group's layer
+                    reduced.enter_context(_groups_reduced_in_their_layers(hooks))
             for step in range(setup.steps):
                 tracker.set_phase(step, Phase.FORWARD)
-                if stage_index == 0:
+                if first_rank:
                     schedule.step(batch)
-                elif stage_index == num_stages - 1:
+                elif last_rank:
                     schedule.step(target=batch, losses=[])
                 else:
                     schedule.step()
@@ -599,7 +633,9 @@ def run_pipeline_step(build: Callable[[], nn.Module], setup: TrainSetup, tracker
                 tracker.frees_by_owner = True
                 optimizer.zero_grad(set_to_none=True)
         tracker.finish()
-    return hooks.info(vocab_size)
+    first, last = all_hooks[0], all_hooks[-1]
+    return StepInfo(first.prefix, sum(hooks.num_blocks for hooks in all_hooks), first.leaf_order[0],
+                    last.leaf_order[-1], vocab_size)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import importlib
 import json
 import math
 from unittest import mock
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pandas as pd
 import torch
@@ -116,6 +116,18 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
                               split=setup.pp_split) if setup.pp > 1
             else None, setup.ep)
     return build
+
+
+def rank_builders(spec: ModelSpec, setup: TrainSetup, mesh=None, fake: bool = False) -> tuple[list, list[int]]:
+    """Under interleaved 1F1B, `model_builder` for each stage pipeline rank `pp_stage` holds (stage s of pp x
+    stages_per_rank, cut whole; `pipelining.rank_stages`), and the model's number of each one's first layer."""
+    from llmsim.model.pipelining import layer_range, rank_stages
+
+    stages = setup.pp * setup.stages_per_rank
+    held = rank_stages(setup.pp_stage, setup.pp, setup.stages_per_rank)
+    builds = [model_builder(spec, replace(setup, pp=stages, pp_stage=stage, stages_per_rank=1), None, mesh, fake)
+              for stage in held]
+    return builds, [layer_range(stage, stages, spec.num_layers)[0] for stage in held]
 
 
 def _build_dtype(setup: TrainSetup) -> torch.dtype:
@@ -334,6 +346,9 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
                 if setup.fsdp is not None and setup.device is Device.CPU:
                     stack.enter_context(fsdp.gloo_reduce_scatter_copy())
         build = model_builder(spec, setup, num_layers, mesh, fake=True)  # a checkpoint is written for real
+        first_blocks = None
+        if setup.stages_per_rank > 1:  # interleaved 1F1B: one model per stage the rank holds
+            build, first_blocks = rank_builders(spec, setup, mesh, fake=True)
         if setup.fsdp is not None and setup.fsdp.init == "meta":
             build = fsdp.meta_build(build, untied=setup.fsdp.wrap == "transformers")
         optimizer_class(setup.optimizer)  # imported for real: a module imported under the fake mode keeps fakes
@@ -359,7 +374,8 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
                       _cache_layers_of_the_real_model(spec, setup, num_layers), cuda_kernels(setup), answered_optimizer_values(setup.optimizer)):
             stack.enter_context(patch)
         if setup.pp > 1:
-            info = run_pipeline_step(build, setup, tracker, mesh["pp"].get_group(), wrap, replay_chunks=replay_chunks)
+            info = run_pipeline_step(build, setup, tracker, mesh["pp"].get_group(), wrap, replay_chunks=replay_chunks,
+                                     first_blocks=first_blocks)
         elif setup.recipe.trainer:
             info = run_trainer_step(build, setup, tracker, num_layers)
         else:
@@ -374,6 +390,10 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         return Trace(timeline, info, 1, 1, 1)
     if spec.factory is not None:  # an arbitrary nn.Module cannot be cut to fewer layers: trace it whole
         timeline, info = run_fake(spec, setup, None)
+        return Trace(timeline, info, info.num_blocks, 1, info.num_blocks)
+    if setup.stages_per_rank > 1:  # interleaved 1F1B: the rank's stages traced whole, their layers numbered as
+        timeline, info = _run_replaying_chunks(spec, setup, None)  # the model numbers them (expand leaves a whole
+        # trace as it is)
         return Trace(timeline, info, info.num_blocks, 1, info.num_blocks)
     start, end = stage_layers(spec, setup)  # a pipeline stage: traced at reduced depth like a model
     num_layers = end - start

@@ -145,7 +145,7 @@ def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile
                              f"tp({layout.tp}) is not modelled yet; modelled: every parameter's dim 0 a multiple of "
                              f"{split}")
     check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
-                   setup.precision)
+                   setup.precision, layout.stages_per_rank)
     check_fits_positions(model, setup)
     return setup
 
@@ -165,6 +165,8 @@ def predict_stage(model: ModelSpec, setup: TrainSetup, layout: Layout, stage: in
 def _in_model_names(ranks: list[RankPrediction], model: ModelSpec, layout: Layout) -> list[RankPrediction]:
     """Pipeline ranks with their stage's layers named as the model names them (a stage's trace counts them from 0:
     `renamed_layers`); the ranks of one stage (its TP ranks, every replica) share one renamed prediction."""
+    if layout.stages_per_rank > 1:  # each stage's layers numbered as the model numbers them (LayerHooks)
+        return ranks
     config = model.hf_config()
     prefix = layers_prefix(config)
     renamed: dict[tuple[int, int], RankPrediction] = {}

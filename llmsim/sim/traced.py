@@ -254,7 +254,8 @@ def _keep_template(key: tuple[ModelSpec, TrainSetup], template: Trace) -> None:
 
 def _stage_setup(setup: TrainSetup, layout: Layout, stage: int) -> TrainSetup:
     return replace(setup, pp=layout.pp, pp_stage=stage, schedule=layout.schedule.value,
-                   n_microbatches=layout.n_microbatches, pp_split=layout.pp_split)
+                   n_microbatches=layout.n_microbatches, pp_split=layout.pp_split,
+                   stages_per_rank=layout.stages_per_rank)
 
 
 def _stage_planned(traced: tuple[pd.DataFrame, Callable[[], nx.DiGraph]], layout: Layout, setup: TrainSetup):

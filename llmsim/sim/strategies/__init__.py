@@ -42,10 +42,11 @@ class Layout:
     schedule: Schedule = Schedule.GPIPE
     n_microbatches: int = 1  # micro-batches through the pipeline per step (pp > 1)
     pp_split: tuple[int, ...] | None = None  # layers per stage (pp > 1); None: transformers' balanced split
+    stages_per_rank: int = 1  # stages each pipeline rank holds (schedule interleaved-1f1b)
 
     def __post_init__(self) -> None:
         for name, flag in (("tp", "tp"), ("ep", "ep"), ("pp", "pp"), ("n_microbatches", "microbatches"),
-                           ("world_size", "world-size")):
+                           ("world_size", "world-size"), ("stages_per_rank", "stages-per-rank")):
             if getattr(self, name) < 1:
                 raise InputError(f"{flag}({getattr(self, name)}) must be >= 1")
         if self.ep > 1 and (self.ep != self.tp or self.pp > 1):
@@ -308,6 +309,10 @@ def check_supported(setup, layout: Layout) -> None:
     if layout.deepspeed is not None and layout.pp > 1:
         raise InputError(f"DeepSpeed with pp({layout.pp}) runs DeepSpeed's pipeline engine: the deepspeed-pipe "
                          f"recipe (llmsim/model/ds_pipe.py), not recipe {setup.recipe.value}")
+    if layout.stages_per_rank > 1 and (layout.tp > 1 or layout.strategy not in (Strategy.SINGLE, Strategy.DDP)):
+        raise InputError(f"schedule interleaved-1f1b with tp({layout.tp}) and strategy {layout.strategy.value} is not "
+                         "modelled yet; modelled: several stages per rank with tp 1, one replica (single) or "
+                         "DistributedDataParallel around each stage (ddp)")
     if layout.deepspeed is not None:
         check_deepspeed_optimizer(setup, layout.deepspeed)
         if layout.deepspeed.offloads_optimizer:
