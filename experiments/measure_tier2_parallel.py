@@ -13,7 +13,10 @@ data/measurements/tier2_dp_tp_pp_cpu.csv.
 FSDP_PP_RUNS: FSDP2 x PP and FSDP2 x TP x PP, fully_shard per layer then the stage over the dp ranks (4-16 ranks;
 12 in the six-stage runs).
 Writes data/measurements/tier2_fsdp_pp_cpu.csv.
-Run: python experiments/measure_tier2_parallel.py [--pp | --dp-tp | --fsdp-pp] (about 5 minutes each on 2 cores).
+INTERLEAVED_RUNS: interleaved 1F1B (torch's ScheduleInterleaved1F1B), 2-3 stages per rank over pp 2-4, alone and with
+DistributedDataParallel around each stage. Writes data/measurements/tier2_interleaved_cpu.csv.
+Run: python experiments/measure_tier2_parallel.py [--pp | --dp-tp | --fsdp-pp | --interleaved] (about 5 minutes each
+on 2 cores).
 """
 from __future__ import annotations
 
@@ -33,12 +36,14 @@ TP_CSV = MEASUREMENTS_DIR / "tier2_tp_cpu.csv"
 PP_CSV = MEASUREMENTS_DIR / "tier2_pp_cpu.csv"
 DP_TP_CSV = MEASUREMENTS_DIR / "tier2_dp_tp_pp_cpu.csv"
 FSDP_PP_CSV = MEASUREMENTS_DIR / "tier2_fsdp_pp_cpu.csv"
+INTERLEAVED_CSV = MEASUREMENTS_DIR / "tier2_interleaved_cpu.csv"
 SHAPES = {  # zoo model -> (hidden, layers, vocab, heads): every size divides by 4 (kv-heads included)
     "llama-2-7b": (128, 4, 2000, 4), "mistral-7b": (128, 3, 1500, 16), "qwen2.5-7b": (112, 3, 3000, 28),
     "pythia-160m": (128, 3, 2048, 4), "llama-3.1-8b": (128, 5, 2500, 16),
     "qwen2.5-0.5b": (112, 4, 3000, 28),
     "llama-2-7b-deep": (128, 8, 2000, 4), "mistral-7b-deep": (128, 6, 1500, 16), "qwen2.5-7b-deep": (112, 5, 3000, 28),
     "llama-2-7b-deep12": (128, 12, 2000, 4),  # six stages of two layers
+    "pythia-160m-deep": (128, 4, 2048, 4), "qwen2.5-0.5b-deep": (112, 6, 3000, 28),
 }
 # (model, tp, precision, grad_ckpt, ckpt_every, micro_batch, seq_len)
 TP_RUNS = [
@@ -111,6 +116,46 @@ FSDP_PP_RUNS = [
     ("llama-2-7b-deep12", 6, 1, "1f1b", 8, "fp32", False, 1, 1, 64, 2, None, "meta", False),
 ]
 
+# Interleaved 1F1B: (model[-deep], pp, stages per rank, n_microbatches, precision, grad_ckpt, ckpt_every, micro_batch,
+# seq_len[, dp]); torch runs micro-batches in rounds of about pp (max(1, n // pp) rounds, which must divide them)
+INTERLEAVED_RUNS = [
+    ("llama-2-7b-deep", 2, 2, 4, "bf16", False, 1, 1, 64),
+    ("llama-2-7b-deep", 4, 2, 8, "bf16", True, 1, 1, 64),  # one layer a stage
+    ("llama-2-7b-deep12", 2, 3, 6, "fp32", True, 1, 2, 64),
+    ("llama-2-7b-deep12", 3, 2, 3, "fp32", False, 1, 1, 64),  # one round
+    ("mistral-7b-deep", 3, 2, 6, "bf16", True, 1, 1, 96),
+    ("qwen2.5-7b-deep", 2, 2, 4, "fp32", False, 1, 1, 64),  # 5 layers over 4 stages: 2, 1, 1, 1
+    ("qwen2.5-0.5b-deep", 2, 3, 2, "fp32", False, 1, 2, 64),  # tied embeddings: the last stage keeps it
+    ("pythia-160m-deep", 2, 2, 4, "bf16-autocast", False, 1, 2, 64),
+    ("llama-2-7b-deep", 4, 2, 10, "fp32", False, 1, 1, 64),  # 10 micro-batches on 4 ranks: 2 rounds of 5
+    ("llama-3.1-8b", 2, 2, 3, "bf16", True, 2, 1, 64),
+    ("llama-2-7b-deep", 2, 2, 4, "fp32", False, 1, 2, 64, 2),  # + dp: DDP around each stage
+    ("mistral-7b-deep", 2, 3, 2, "bf16", True, 1, 1, 96, 2),
+]
+
+
+def measure_interleaved(runs: list[tuple], out: Path, timeout: int) -> int:
+    """`measure` for INTERLEAVED_RUNS."""
+    failures = 0
+    for run in runs:
+        model, pp, stages_per_rank, n_microbatches, precision, ckpt, every, mb, seq = run[:9]
+        dp = run[9] if len(run) > 9 else 1
+        zoo_name = model.split("-deep")[0]
+        spec = load_model_spec(zoo_name, shrink(zoo_name, *SHAPES[model]))
+        layout = Layout(Strategy.DDP if dp > 1 else Strategy.SINGLE, dp * pp, pp=pp,
+                        schedule=Schedule.INTERLEAVED_1F1B, n_microbatches=n_microbatches,
+                        stages_per_rank=stages_per_rank)
+        try:
+            rows = measure_distributed(spec, TrainSetup(mb, seq, Precision(precision), None, ckpt, every), layout,
+                                       timeout)
+        except LaunchFailure as exc:
+            failures += 1
+            print(f"FAILED {run}: {exc}", flush=True)
+            continue
+        append_rows(rows, out)
+        print(run, [r["peak_allocated_bytes"] for r in rows], rows[0]["wall_s"], flush=True)
+    return failures
+
 
 def measure(runs: list[tuple], out: Path, timeout: int) -> int:
     """Measure each run (failures are reported and skipped); append the rank rows to `out`; the failures."""
@@ -147,10 +192,14 @@ def main() -> int:
     parser.add_argument("--pp", action="store_true", help=f"run PP_RUNS into {PP_CSV} instead of TP_RUNS")
     parser.add_argument("--dp-tp", action="store_true", help=f"run DP_TP_RUNS into {DP_TP_CSV}")
     parser.add_argument("--fsdp-pp", action="store_true", help=f"run FSDP_PP_RUNS into {FSDP_PP_CSV}")
+    parser.add_argument("--interleaved", action="store_true", help=f"run INTERLEAVED_RUNS into {INTERLEAVED_CSV}")
     parser.add_argument("--out", type=Path, default=None, help=f"default {TP_CSV}, with --pp {PP_CSV}")
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--only", type=int, nargs="*", help="indices into the runs (default: all)")
     args = parser.parse_args()
+    if args.interleaved:
+        chosen = [run for i, run in enumerate(INTERLEAVED_RUNS) if args.only is None or i in args.only]
+        return 1 if measure_interleaved(chosen, args.out or INTERLEAVED_CSV, args.timeout) else 0
     runs, out = ((DP_TP_RUNS, DP_TP_CSV) if args.dp_tp else (FSDP_PP_RUNS, FSDP_PP_CSV) if args.fsdp_pp
                  else (PP_RUNS, PP_CSV) if args.pp else (TP_RUNS, TP_CSV))
     chosen = [run for i, run in enumerate(runs) if args.only is None or i in args.only]

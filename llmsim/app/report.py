@@ -64,7 +64,9 @@ def layout_text(layout) -> str:
         parts.append(f"pp {layout.pp} x dp {layout.dp}, DeepSpeed's pipeline engine (TrainSchedule) over "
                      f"{layout.n_microbatches} micro-batches, rank = stage x {layout.dp} + replica")
     elif layout.pp > 1:
-        parts.append(f"pp {layout.pp}, {layout.schedule.value} over {layout.n_microbatches} micro-batches")
+        parts.append(f"pp {layout.pp}, {layout.schedule.value} over {layout.n_microbatches} micro-batches"
+                     + (f", {layout.stages_per_rank} stages a rank (rank r: stages r, r + {layout.pp}, ...)"
+                        if layout.stages_per_rank > 1 else ""))
     return f"{layout.strategy.value} x {layout.world_size}" + (f" ({', '.join(parts)})" if parts else "")
 
 

@@ -30,7 +30,7 @@ OPTIONS = {"model": "--model", "seq_len": "--seq-len", "micro_batch": "--micro-b
            "lora_targets": "--lora-targets", "lora_modules_to_save": "--lora-modules-to-save",
            "trainable_tokens": "--trainable-tokens", "strategy": "--strategy", "world_size": "--world-size",
            "tp": "--tp", "pp": "--pp", "dp": "--dp", "pp_split": "--pp-split", "schedule": "--schedule",
-           "microbatches": "--microbatches", "grad_accum": "--grad-accum", "quant": "--quant",
+           "stages_per_rank": "--stages-per-rank", "microbatches": "--microbatches", "grad_accum": "--grad-accum", "quant": "--quant",
            "int8_threshold": "--int8-threshold",
            "ds_config": "--ds-config", "gpu": "--gpu", "alloc_conf": "--alloc-conf", "margin": "--margin",
            "fsdp_param_dtype": "--fsdp-param-dtype", "fsdp_reduce_dtype": "--fsdp-reduce-dtype",

@@ -154,6 +154,7 @@ class Prediction:
                 "recipe": self.setup.recipe.value,
                 "n_microbatches": self.layout.n_microbatches,
                 "pp_split": list(self.layout.pp_split) if self.layout.pp_split else None,
+                "stages_per_rank": self.layout.stages_per_rank,
                 "micro_batch": self.setup.micro_batch, "seq_len": self.setup.seq_len,
                 "precision": self.setup.precision.value, "attention": self.setup.attention.value,
                 "grad_ckpt": self.setup.grad_ckpt, "ckpt_every": self.setup.ckpt_every,
