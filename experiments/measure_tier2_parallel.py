@@ -13,8 +13,8 @@ data/measurements/tier2_dp_tp_pp_cpu.csv.
 FSDP_PP_RUNS: FSDP2 x PP and FSDP2 x TP x PP, fully_shard per layer then the stage over the dp ranks (4-16 ranks;
 12 in the six-stage runs).
 Writes data/measurements/tier2_fsdp_pp_cpu.csv.
-INTERLEAVED_RUNS: interleaved 1F1B (torch's ScheduleInterleaved1F1B), 2-3 stages per rank over pp 2-4, alone and with
-DistributedDataParallel around each stage. Writes data/measurements/tier2_interleaved_cpu.csv.
+INTERLEAVED_RUNS: interleaved 1F1B (torch's ScheduleInterleaved1F1B), 2-3 stages per rank over pp 2-4, alone, with
+DistributedDataParallel around each stage, TP x PP, DDP x TP x PP (replicate), FSDP2 x PP and FSDP2 x TP x PP. Writes data/measurements/tier2_interleaved_cpu.csv.
 Run: python experiments/measure_tier2_parallel.py [--pp | --dp-tp | --fsdp-pp | --interleaved] (about 5 minutes each
 on 2 cores).
 """
@@ -117,7 +117,8 @@ FSDP_PP_RUNS = [
 ]
 
 # Interleaved 1F1B: (model[-deep], pp, stages per rank, n_microbatches, precision, grad_ckpt, ckpt_every, micro_batch,
-# seq_len[, dp]); torch runs micro-batches in rounds of about pp (max(1, n // pp) rounds, which must divide them)
+# seq_len[, dp[, tp[, FsdpSetup's init and reshard_after_forward]]]); torch runs micro-batches in rounds of about pp
+# (max(1, n // pp) rounds, which must divide them)
 INTERLEAVED_RUNS = [
     ("llama-2-7b-deep", 2, 2, 4, "bf16", False, 1, 1, 64),
     ("llama-2-7b-deep", 4, 2, 8, "bf16", True, 1, 1, 64),  # one layer a stage
@@ -131,6 +132,12 @@ INTERLEAVED_RUNS = [
     ("llama-3.1-8b", 2, 2, 3, "bf16", True, 2, 1, 64),
     ("llama-2-7b-deep", 2, 2, 4, "fp32", False, 1, 2, 64, 2),  # + dp: DDP around each stage
     ("mistral-7b-deep", 2, 3, 2, "bf16", True, 1, 1, 96, 2),
+    ("llama-2-7b-deep", 2, 2, 4, "bf16", False, 1, 1, 64, 1, 2),  # TP x PP
+    ("mistral-7b-deep", 2, 3, 4, "fp32", True, 1, 1, 64, 1, 2),
+    ("llama-2-7b-deep", 2, 2, 4, "bf16", True, 1, 1, 64, 2, 2),  # DDP x TP x PP: torch's replicate per stage
+    ("llama-2-7b-deep", 2, 2, 4, "bf16", False, 1, 1, 64, 2, 1, ("meta", True)),  # FSDP2 x PP, torchtitan's
+    ("qwen2.5-7b-deep", 2, 2, 4, "bf16-autocast", False, 1, 1, 64, 2, 1, ("full", False)),
+    ("llama-2-7b-deep", 2, 2, 2, "bf16", True, 1, 1, 64, 2, 2, ("meta", True)),  # FSDP2 x TP x PP
 ]
 
 
@@ -139,12 +146,13 @@ def measure_interleaved(runs: list[tuple], out: Path, timeout: int) -> int:
     failures = 0
     for run in runs:
         model, pp, stages_per_rank, n_microbatches, precision, ckpt, every, mb, seq = run[:9]
-        dp = run[9] if len(run) > 9 else 1
+        dp, tp = (run[9] if len(run) > 9 else 1), (run[10] if len(run) > 10 else 1)
+        fsdp = FsdpSetup(init=run[11][0], reshard_after_forward=run[11][1]) if len(run) > 11 else None
         zoo_name = model.split("-deep")[0]
         spec = load_model_spec(zoo_name, shrink(zoo_name, *SHAPES[model]))
-        layout = Layout(Strategy.DDP if dp > 1 else Strategy.SINGLE, dp * pp, pp=pp,
-                        schedule=Schedule.INTERLEAVED_1F1B, n_microbatches=n_microbatches,
-                        stages_per_rank=stages_per_rank)
+        strategy = Strategy.FSDP if fsdp else Strategy.DDP if dp > 1 else Strategy.SINGLE
+        layout = Layout(strategy, dp * pp * tp, fsdp=fsdp, tp=tp, pp=pp, schedule=Schedule.INTERLEAVED_1F1B,
+                        n_microbatches=n_microbatches, stages_per_rank=stages_per_rank)
         try:
             rows = measure_distributed(spec, TrainSetup(mb, seq, Precision(precision), None, ckpt, every), layout,
                                        timeout)

@@ -28,9 +28,15 @@ def test_rank_stages_follow_torchs_looped_placement():
 def test_committed_rows_cover_the_schedule():
     """2 and 3 stages a rank over pp 2-4, one round of micro-batches and several (10 on 4 ranks: torch's flexible
     rounds), fp32, bf16 and autocast, checkpointing every 1 and 2 layers, five architectures (a tied embedding on the
-    last stage), uneven stages, and DistributedDataParallel around each stage."""
+    last stage), uneven stages; DistributedDataParallel around each stage, TP x PP, DDP x TP x PP (torch's replicate
+    per stage), FSDP2 x PP (reshard after forward on and off) and FSDP2 x TP x PP."""
     rows = load_measurements([CSV])
-    assert len(rows) >= 30 and set(rows["schedule"]) == {"interleaved-1f1b"}
+    assert len(rows) >= 60 and set(rows["schedule"]) == {"interleaved-1f1b"}
+    assert {"single", "ddp", "fsdp"} == set(rows["strategy"]) and set(rows["tp"]) == {1, 2}
+    fsdp = rows[rows["strategy"] == "fsdp"]
+    assert set(fsdp["tp"]) == {1, 2} and fsdp["fsdp_config"].map(lambda c: json.loads(c)["reshard_after_forward"]
+                                                                  ).nunique() == 2
+    assert ((rows["strategy"] == "ddp") & (rows["tp"] == 2)).sum() == 8
     assert set(rows["stages_per_rank"]) == {2, 3} and {2, 3, 4} <= set(rows["pp"])
     assert set(rows["precision"]) == {"fp32", "bf16", "bf16-autocast"}
     assert set(rows.loc[rows["grad_ckpt"], "ckpt_every"]) == {1, 2} and rows["model"].nunique() >= 5
@@ -38,20 +44,22 @@ def test_committed_rows_cover_the_schedule():
 
 
 def test_committed_runs_predicted_to_the_byte():
-    """Two runs re-predicted from their rows: 4 ranks of one layer a stage with checkpointing, and DDP around each of
-    3 stages a rank over 2 replicas. Every run: the slow test below."""
+    """Three runs re-predicted from their rows: 4 ranks of one layer a stage with checkpointing, DDP around each of
+    3 stages a rank over 2 replicas, and FSDP2 x PP without resharding after the forward. Every run: the slow test
+    below."""
     rows = load_measurements([CSV])
-    chosen = rows[((rows["pp"] == 4) & rows["grad_ckpt"]) | ((rows["strategy"] == "ddp") & (rows["stages_per_rank"]
-                                                                                           == 3))]
+    fsdp = rows["fsdp_config"].map(lambda c: isinstance(c, str) and not json.loads(c)["reshard_after_forward"])
+    chosen = rows[((rows["pp"] == 4) & rows["grad_ckpt"]) | fsdp
+                  | ((rows["strategy"] == "ddp") & (rows["stages_per_rank"] == 3))]
     report = validate(chosen)
-    assert len(report) == 8 and report["ok"].all()
+    assert len(report) == 12 and report["ok"].all()
     assert (report["measured_bytes"] - report["predicted_bytes"] == _over(report)).all()
 
 
 def _over(report):
-    """What a measured rank holds beyond the prediction: 16 B on a DDP rank, as on the DDP x PP ranks of
-    tier2_pp_cpu.csv; none otherwise."""
-    return (report["strategy"] == "ddp") * 16
+    """What a measured rank holds beyond the prediction: 16 B on a DistributedDataParallel rank, as on the DDP x PP
+    ranks of tier2_pp_cpu.csv; none otherwise (torch's replicate under DDP x TP included)."""
+    return ((report["strategy"] == "ddp") & (report["tp"] == 1)) * 16
 
 
 @pytest.mark.slow
@@ -127,19 +135,28 @@ BAD = [
      "in 2 rounds of microbatches // pp(2), which must divide them"),
     (["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--pp-split", "4,4"], "pp-split with schedule "
      "interleaved-1f1b is not modelled"),
-    (["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--tp", "2", "--world-size", "4"],
-     "modelled: several stages per rank with tp 1"),
-    (["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--strategy", "fsdp", "--world-size", "4"],
-     "modelled: several stages per rank with tp 1"),
+    (["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--pp", "1"], "needs a pipeline: pp(1)"),
 ]
 
 
 @pytest.mark.parametrize("extra,message", BAD, ids=["no-stages", "stages-without-it", "too-many-stages",
-                                                   "rounds", "pp-split", "tp", "fsdp"])
+                                                   "rounds", "pp-split", "no-pipeline"])
 def test_refused_with_one_line(extra, message, capsys):
-    argv = ["predict", *TINY, "--pp", "2", "--microbatches", "4", *extra]
-    if "--world-size" not in extra:
-        argv += ["--world-size", "2"]
+    argv = ["predict", *TINY, "--microbatches", "4", *extra]
+    if "--pp" not in extra:
+        argv += ["--pp", "2", "--world-size", "2"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_deepspeeds_pipeline_engine_takes_no_stages_per_rank(tmp_path, capsys):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                  "zero_optimization": {"stage": 1}}))
+    argv = ["predict", *TINY[:-2], "--ds-config", str(config), "--pp", "2", "--world-size", "2",
+            "--stages-per-rank", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--stages-per-rank with --ds-config and --pp" in err and len(err.strip().splitlines()) == 1

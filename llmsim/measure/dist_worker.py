@@ -225,7 +225,8 @@ def run_model_parallel(job: dict, tracker: StorageTracker) -> None:
         build, first_blocks = rank_builders(spec, setup, mesh)
     wrap, settled = None, contextlib.nullcontext()
     if fsdp is not None:
-        build = meta_build(build) if fsdp.init == "meta" else build
+        if fsdp.init == "meta":
+            build = [meta_build(each) for each in build] if isinstance(build, list) else meta_build(build)
         def wrap(model):
             return shard(model, fsdp, mesh["dp"])
         settled = settled_collectives(job.get("gloo_settle", True))

@@ -350,7 +350,9 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
         if setup.stages_per_rank > 1:  # interleaved 1F1B: one model per stage the rank holds
             build, first_blocks = rank_builders(spec, setup, mesh, fake=True)
         if setup.fsdp is not None and setup.fsdp.init == "meta":
-            build = fsdp.meta_build(build, untied=setup.fsdp.wrap == "transformers")
+            untied = setup.fsdp.wrap == "transformers"
+            build = ([fsdp.meta_build(each, untied=untied) for each in build] if isinstance(build, list)
+                     else fsdp.meta_build(build, untied=untied))
         optimizer_class(setup.optimizer)  # imported for real: a module imported under the fake mode keeps fakes
         if setup.recipe.trainer:
             import transformers.trainer  # noqa: F401  (and accelerate with it)

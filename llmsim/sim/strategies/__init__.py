@@ -309,10 +309,6 @@ def check_supported(setup, layout: Layout) -> None:
     if layout.deepspeed is not None and layout.pp > 1:
         raise InputError(f"DeepSpeed with pp({layout.pp}) runs DeepSpeed's pipeline engine: the deepspeed-pipe "
                          f"recipe (llmsim/model/ds_pipe.py), not recipe {setup.recipe.value}")
-    if layout.stages_per_rank > 1 and (layout.tp > 1 or layout.strategy not in (Strategy.SINGLE, Strategy.DDP)):
-        raise InputError(f"schedule interleaved-1f1b with tp({layout.tp}) and strategy {layout.strategy.value} is not "
-                         "modelled yet; modelled: several stages per rank with tp 1, one replica (single) or "
-                         "DistributedDataParallel around each stage (ddp)")
     if layout.deepspeed is not None:
         check_deepspeed_optimizer(setup, layout.deepspeed)
         if layout.deepspeed.offloads_optimizer:
