@@ -474,11 +474,27 @@ def _run_replaying_chunks(spec: ModelSpec, setup: TrainSetup, depth: int) -> tup
             and not num_experts(spec.hf_config())):
         return run_fake(spec, setup, depth)
     try:
-        return run_fake(spec, setup, depth, replay_chunks=True)
+        with _schedule_errors_unlogged():
+            return run_fake(spec, setup, depth, replay_chunks=True)
     except Exception as error:  # the refusal can come back through torch's schedule and autograd engine
         if not chunk_replay.refused(error):
             raise
     return run_fake(spec, setup, depth)
+
+
+@contextlib.contextmanager
+def _schedule_errors_unlogged():
+    """torch's multi-stage schedules (`_PipelineScheduleRuntime`: interleaved 1F1B) log an exception raised in an
+    action, with the whole schedule, before re-raising it: a replay's refusal (under FSDP2) is not an error of the
+    user's job, and an error is raised all the same."""
+    import logging
+
+    schedules = logging.getLogger("torch.distributed.pipelining.schedules")
+    disabled, schedules.disabled = schedules.disabled, True
+    try:
+        yield
+    finally:
+        schedules.disabled = disabled
 
 
 def no_decay_names(spec, setup: TrainSetup) -> frozenset[str]:
