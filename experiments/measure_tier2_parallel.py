@@ -14,9 +14,10 @@ FSDP_PP_RUNS: FSDP2 x PP and FSDP2 x TP x PP, fully_shard per layer then the sta
 12 in the six-stage runs).
 Writes data/measurements/tier2_fsdp_pp_cpu.csv.
 INTERLEAVED_RUNS: interleaved 1F1B (torch's ScheduleInterleaved1F1B), 2-3 stages per rank over pp 2-4, alone, with
-DistributedDataParallel around each stage, TP x PP, DDP x TP x PP (replicate), FSDP2 x PP and FSDP2 x TP x PP. Writes data/measurements/tier2_interleaved_cpu.csv.
-Run: python experiments/measure_tier2_parallel.py [--pp | --dp-tp | --fsdp-pp | --interleaved] (about 5 minutes each
-on 2 cores).
+DistributedDataParallel around each stage, TP x PP, DDP x TP x PP (replicate), FSDP2 x PP and FSDP2 x TP x PP; and
+LOOPED_BFS_RUNS, torch's ScheduleLoopedBFS over the same stages (--looped-bfs). Writes data/measurements/tier2_interleaved_cpu.csv.
+Run: python experiments/measure_tier2_parallel.py [--pp | --dp-tp | --fsdp-pp | --interleaved | --looped-bfs] (about 5
+minutes each on 2 cores).
 """
 from __future__ import annotations
 
@@ -140,9 +141,17 @@ INTERLEAVED_RUNS = [
     ("llama-2-7b-deep", 2, 2, 2, "bf16", True, 1, 1, 64, 2, 2, ("meta", True)),  # FSDP2 x TP x PP
 ]
 
+# torch's ScheduleLoopedBFS over the same stages per rank (the INTERLEAVED_RUNS tuple)
+LOOPED_BFS_RUNS = [
+    ("llama-2-7b-deep", 2, 2, 4, "bf16", False, 1, 1, 64),
+    ("mistral-7b-deep", 3, 2, 5, "fp32", True, 1, 1, 64),
+    ("llama-2-7b-deep", 2, 2, 3, "bf16", True, 1, 1, 64, 2, 2),  # DDP x TP x PP
+]
 
-def measure_interleaved(runs: list[tuple], out: Path, timeout: int) -> int:
-    """`measure` for INTERLEAVED_RUNS."""
+
+def measure_interleaved(runs: list[tuple], out: Path, timeout: int,
+                        schedule: Schedule = Schedule.INTERLEAVED_1F1B) -> int:
+    """`measure` for INTERLEAVED_RUNS (LOOPED_BFS_RUNS under `schedule` looped-bfs)."""
     failures = 0
     for run in runs:
         model, pp, stages_per_rank, n_microbatches, precision, ckpt, every, mb, seq = run[:9]
@@ -151,7 +160,7 @@ def measure_interleaved(runs: list[tuple], out: Path, timeout: int) -> int:
         zoo_name = model.split("-deep")[0]
         spec = load_model_spec(zoo_name, shrink(zoo_name, *SHAPES[model]))
         strategy = Strategy.FSDP if fsdp else Strategy.DDP if dp > 1 else Strategy.SINGLE
-        layout = Layout(strategy, dp * pp * tp, fsdp=fsdp, tp=tp, pp=pp, schedule=Schedule.INTERLEAVED_1F1B,
+        layout = Layout(strategy, dp * pp * tp, fsdp=fsdp, tp=tp, pp=pp, schedule=schedule,
                         n_microbatches=n_microbatches, stages_per_rank=stages_per_rank)
         try:
             rows = measure_distributed(spec, TrainSetup(mb, seq, Precision(precision), None, ckpt, every), layout,
@@ -201,13 +210,16 @@ def main() -> int:
     parser.add_argument("--dp-tp", action="store_true", help=f"run DP_TP_RUNS into {DP_TP_CSV}")
     parser.add_argument("--fsdp-pp", action="store_true", help=f"run FSDP_PP_RUNS into {FSDP_PP_CSV}")
     parser.add_argument("--interleaved", action="store_true", help=f"run INTERLEAVED_RUNS into {INTERLEAVED_CSV}")
+    parser.add_argument("--looped-bfs", action="store_true", help=f"run LOOPED_BFS_RUNS into {INTERLEAVED_CSV}")
     parser.add_argument("--out", type=Path, default=None, help=f"default {TP_CSV}, with --pp {PP_CSV}")
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--only", type=int, nargs="*", help="indices into the runs (default: all)")
     args = parser.parse_args()
-    if args.interleaved:
-        chosen = [run for i, run in enumerate(INTERLEAVED_RUNS) if args.only is None or i in args.only]
-        return 1 if measure_interleaved(chosen, args.out or INTERLEAVED_CSV, args.timeout) else 0
+    if args.interleaved or args.looped_bfs:
+        runs = LOOPED_BFS_RUNS if args.looped_bfs else INTERLEAVED_RUNS
+        chosen = [run for i, run in enumerate(runs) if args.only is None or i in args.only]
+        schedule = Schedule.LOOPED_BFS if args.looped_bfs else Schedule.INTERLEAVED_1F1B
+        return 1 if measure_interleaved(chosen, args.out or INTERLEAVED_CSV, args.timeout, schedule) else 0
     runs, out = ((DP_TP_RUNS, DP_TP_CSV) if args.dp_tp else (FSDP_PP_RUNS, FSDP_PP_CSV) if args.fsdp_pp
                  else (PP_RUNS, PP_CSV) if args.pp else (TP_RUNS, TP_CSV))
     chosen = [run for i, run in enumerate(runs) if args.only is None or i in args.only]

@@ -31,12 +31,13 @@ def test_committed_rows_cover_the_schedule():
     last stage), uneven stages; DistributedDataParallel around each stage, TP x PP, DDP x TP x PP (torch's replicate
     per stage), FSDP2 x PP (reshard after forward on and off) and FSDP2 x TP x PP."""
     rows = load_measurements([CSV])
-    assert len(rows) >= 60 and set(rows["schedule"]) == {"interleaved-1f1b"}
+    assert len(rows) >= 60 and set(rows["schedule"]) == {"interleaved-1f1b", "looped-bfs"}
+    assert (rows["schedule"] == "looped-bfs").sum() >= 13
     assert {"single", "ddp", "fsdp"} == set(rows["strategy"]) and set(rows["tp"]) == {1, 2}
     fsdp = rows[rows["strategy"] == "fsdp"]
     assert set(fsdp["tp"]) == {1, 2} and fsdp["fsdp_config"].map(lambda c: json.loads(c)["reshard_after_forward"]
                                                                   ).nunique() == 2
-    assert ((rows["strategy"] == "ddp") & (rows["tp"] == 2)).sum() == 8
+    assert ((rows["strategy"] == "ddp") & (rows["tp"] == 2)).sum() >= 16
     assert set(rows["stages_per_rank"]) == {2, 3} and {2, 3, 4} <= set(rows["pp"])
     assert set(rows["precision"]) == {"fp32", "bf16", "bf16-autocast"}
     assert set(rows.loc[rows["grad_ckpt"], "ckpt_every"]) == {1, 2} and rows["model"].nunique() >= 5
@@ -100,7 +101,9 @@ def test_replayed_micro_batches_make_the_computed_events(pp, stages_per_rank, mi
                 trace.cache_clear()
                 calls = chunk_replay.ChunkReplay.calls
                 timelines.append(trace(spec, setup).timeline.reset_index(drop=True))
-                assert (chunk_replay.ChunkReplay.calls > calls) == replayed
+                # each stage: every micro-batch from the third on in both steps, and the second in the second step
+                assert chunk_replay.ChunkReplay.calls - calls == replayed * stages_per_rank * (
+                    2 * (microbatches - chunk_replay.FIRST_REPLAYED) + 1)
             finally:
                 chunk_replay.ENABLED = True
         replayed, computed = timelines
@@ -136,11 +139,12 @@ BAD = [
     (["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--pp-split", "4,4"], "pp-split with schedule "
      "interleaved-1f1b is not modelled"),
     (["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--pp", "1"], "needs a pipeline: pp(1)"),
+    (["--schedule", "looped-bfs"], "schedule looped-bfs runs several stages on each rank"),
 ]
 
 
 @pytest.mark.parametrize("extra,message", BAD, ids=["no-stages", "stages-without-it", "too-many-stages",
-                                                   "rounds", "pp-split", "no-pipeline"])
+                                                   "rounds", "pp-split", "no-pipeline", "bfs-no-stages"])
 def test_refused_with_one_line(extra, message, capsys):
     argv = ["predict", *TINY, "--microbatches", "4", *extra]
     if "--pp" not in extra:

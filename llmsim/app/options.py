@@ -130,10 +130,11 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    "balanced split, the remainder one layer each to the first stages)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world-size / (pp x tp))")
     p.add_argument("--schedule", default=None, help="pipeline schedule with --pp: gpipe (default) | 1f1b | "
-                   "interleaved-1f1b (torch's ScheduleInterleaved1F1B: needs --stages-per-rank)")
-    p.add_argument("--stages-per-rank", type=int, default=None, help="with --schedule interleaved-1f1b: pipeline "
-                   "stages each rank holds (Megatron's virtual pipeline size, >= 2); the layers split over pp x this "
-                   "many stages, rank r holding stages r, r + pp, ...")
+                   "interleaved-1f1b | looped-bfs (torch's ScheduleInterleaved1F1B, ScheduleLoopedBFS: they need "
+                   "--stages-per-rank)")
+    p.add_argument("--stages-per-rank", type=int, default=None, help="with --schedule interleaved-1f1b or "
+                   "looped-bfs: pipeline stages each rank holds (Megatron's virtual pipeline size, >= 2); the layers "
+                   "split over pp x this many stages, rank r holding stages r, r + pp, ...")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches through the pipeline per step, "
                    "each of --micro-batch samples (with --pp; default 1; with --ds-config the JSON's "
                    "gradient_accumulation_steps)")

@@ -52,18 +52,21 @@ class Schedule(str, Enum):
     ONE_F_ONE_B = "1f1b"  # Schedule1F1B: warm-up forwards, then one forward / one backward
     # ScheduleInterleaved1F1B: several stages per rank (TrainSetup.stages_per_rank), stage s on rank s % pp
     INTERLEAVED_1F1B = "interleaved-1f1b"
+    # ScheduleLoopedBFS: the same stages per rank, each rank running every ready micro-batch of its earliest stage
+    LOOPED_BFS = "looped-bfs"
 
     @property
     def schedule_class(self):
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                  ScheduleLoopedBFS)
 
         return {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
-                Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B}[self]
+                Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B, Schedule.LOOPED_BFS: ScheduleLoopedBFS}[self]
 
     @property
     def multi_stage(self) -> bool:
         """Whether the schedule takes a list of stages per rank (torch's PipelineScheduleMulti)."""
-        return self is Schedule.INTERLEAVED_1F1B
+        return self in (Schedule.INTERLEAVED_1F1B, Schedule.LOOPED_BFS)
 
 
 def rank_stages(rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -88,12 +91,12 @@ def check_pipeline(config, pp: int, n_microbatches: int, schedule: Schedule,
                    split: tuple[int, ...] | None = None, precision=None, stages_per_rank: int = 1) -> None:
     if schedule.multi_stage != (stages_per_rank > 1):
         raise InputError(f"schedule {schedule.value} runs one stage per rank: stages-per-rank({stages_per_rank}) "
-                         "must be 1; several stages per rank run under schedule interleaved-1f1b"
+                         "must be 1; several stages per rank run under schedule interleaved-1f1b or looped-bfs"
                          if not schedule.multi_stage else
                          f"schedule {schedule.value} runs several stages on each rank: stages-per-rank"
                          f"({stages_per_rank}) must be >= 2 (Megatron's virtual pipeline size)")
     if stages_per_rank > 1:
-        _check_interleaved(config, pp, n_microbatches, split, stages_per_rank)
+        _check_interleaved(config, pp, n_microbatches, split, stages_per_rank, schedule)
     if split is not None and (len(split) != pp or min(split) < 1 or sum(split) != config.num_hidden_layers):
         raise InputError(f"pp-split({','.join(map(str, split))}) must give pp({pp}) stages of >= 1 layer summing to "
                          f"the number of layers({config.num_hidden_layers})")
@@ -113,17 +116,20 @@ def check_pipeline(config, pp: int, n_microbatches: int, schedule: Schedule,
                          "(base_model_pp_plan); pp must be 1")
 
 
-def _check_interleaved(config, pp: int, n_microbatches: int, split, stages_per_rank: int) -> None:
-    """What ScheduleInterleaved1F1B and the cut into pp x stages_per_rank stages refuse, as one line each."""
+def _check_interleaved(config, pp: int, n_microbatches: int, split, stages_per_rank: int,
+                       schedule: Schedule = Schedule.INTERLEAVED_1F1B) -> None:
+    """What torch's multi-stage schedules and the cut into pp x stages_per_rank stages refuse, as one line each."""
     if pp < 2:
-        raise InputError(f"schedule interleaved-1f1b needs a pipeline: pp({pp}) must be >= 2")
+        raise InputError(f"schedule {schedule.value} needs a pipeline: pp({pp}) must be >= 2")
     stages, layers = pp * stages_per_rank, int(config.num_hidden_layers)
     if stages > layers:
         raise InputError(f"pp({pp}) x stages-per-rank({stages_per_rank}) = {stages} stages is more than the "
                          f"number of layers({layers}); valid stages-per-rank: 2..{max(layers // pp, 1)}")
     if split is not None:
-        raise InputError("pp-split with schedule interleaved-1f1b is not modelled: its stages take transformers' "
+        raise InputError(f"pp-split with schedule {schedule.value} is not modelled: its stages take transformers' "
                          "balanced split over pp x stages-per-rank stages")
+    if schedule is not Schedule.INTERLEAVED_1F1B:
+        return
     rounds = max(1, n_microbatches // pp)  # torch's flexible interleaving: micro-batches in rounds of about pp
     if n_microbatches % rounds:
         valid = [n for n in range(1, 4 * pp + 1) if n % max(1, n // pp) == 0]
