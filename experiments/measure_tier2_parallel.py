@@ -15,9 +15,10 @@ FSDP_PP_RUNS: FSDP2 x PP and FSDP2 x TP x PP, fully_shard per layer then the sta
 Writes data/measurements/tier2_fsdp_pp_cpu.csv.
 INTERLEAVED_RUNS: interleaved 1F1B (torch's ScheduleInterleaved1F1B), 2-3 stages per rank over pp 2-4, alone, with
 DistributedDataParallel around each stage, TP x PP, DDP x TP x PP (replicate), FSDP2 x PP and FSDP2 x TP x PP; and
-LOOPED_BFS_RUNS, torch's ScheduleLoopedBFS over the same stages (--looped-bfs). Writes data/measurements/tier2_interleaved_cpu.csv.
-Run: python experiments/measure_tier2_parallel.py [--pp | --dp-tp | --fsdp-pp | --interleaved | --looped-bfs] (about 5
-minutes each on 2 cores).
+LOOPED_BFS_RUNS, torch's ScheduleLoopedBFS over the same stages (--looped-bfs); ZERO_BUBBLE_RUNS, its
+ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV (--zero-bubble). Writes data/measurements/tier2_interleaved_cpu.csv.
+Run: python experiments/measure_tier2_parallel.py [--pp | --dp-tp | --fsdp-pp | --interleaved | --looped-bfs |
+--zero-bubble] (about 5 minutes each on 2 cores).
 """
 from __future__ import annotations
 
@@ -148,6 +149,27 @@ LOOPED_BFS_RUNS = [
     ("llama-2-7b-deep", 2, 2, 3, "bf16", True, 1, 1, 64, 2, 2),  # DDP x TP x PP
 ]
 
+# torch's zero-bubble schedules (each backward split into the input's gradient and the weights'): the INTERLEAVED_RUNS
+# tuple per schedule; ZBV and DualPipeV place 2 stages a rank in a V (rank 0: the first and the last)
+ZERO_BUBBLE_RUNS = {
+    "interleaved-zero-bubble": [
+        ("llama-2-7b-deep", 2, 2, 4, "bf16", False, 1, 1, 64),
+        ("mistral-7b-deep", 3, 2, 6, "fp32", True, 1, 1, 64),
+        ("llama-2-7b-deep", 2, 2, 4, "bf16", False, 1, 1, 64, 2),  # DDP around each stage
+    ],
+    "zbv-zero-bubble": [
+        ("llama-2-7b-deep", 2, 2, 4, "bf16", False, 1, 1, 64),
+        ("llama-2-7b-deep12", 3, 2, 6, "fp32", True, 1, 2, 64),
+        ("qwen2.5-0.5b-deep", 2, 2, 4, "fp32", False, 1, 1, 64),  # tied: rank 0 holds the embedding and the head
+        ("llama-2-7b-deep", 2, 2, 4, "bf16", False, 1, 1, 64, 2, 1, ("meta", True)),  # FSDP2 x PP
+    ],
+    "dualpipev": [
+        ("llama-2-7b-deep", 2, 2, 4, "bf16", False, 1, 1, 64),
+        ("mistral-7b-deep", 3, 2, 6, "bf16-autocast", True, 1, 1, 64),
+        ("llama-2-7b-deep", 2, 2, 4, "bf16", True, 1, 1, 64, 1, 2),  # TP x PP
+    ],
+}
+
 
 def measure_interleaved(runs: list[tuple], out: Path, timeout: int,
                         schedule: Schedule = Schedule.INTERLEAVED_1F1B) -> int:
@@ -211,10 +233,15 @@ def main() -> int:
     parser.add_argument("--fsdp-pp", action="store_true", help=f"run FSDP_PP_RUNS into {FSDP_PP_CSV}")
     parser.add_argument("--interleaved", action="store_true", help=f"run INTERLEAVED_RUNS into {INTERLEAVED_CSV}")
     parser.add_argument("--looped-bfs", action="store_true", help=f"run LOOPED_BFS_RUNS into {INTERLEAVED_CSV}")
+    parser.add_argument("--zero-bubble", action="store_true", help=f"run ZERO_BUBBLE_RUNS into {INTERLEAVED_CSV}")
     parser.add_argument("--out", type=Path, default=None, help=f"default {TP_CSV}, with --pp {PP_CSV}")
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--only", type=int, nargs="*", help="indices into the runs (default: all)")
     args = parser.parse_args()
+    if args.zero_bubble:
+        failures = sum(measure_interleaved(runs, args.out or INTERLEAVED_CSV, args.timeout, Schedule(schedule))
+                       for schedule, runs in ZERO_BUBBLE_RUNS.items())
+        return 1 if failures else 0
     if args.interleaved or args.looped_bfs:
         runs = LOOPED_BFS_RUNS if args.looped_bfs else INTERLEAVED_RUNS
         chosen = [run for i, run in enumerate(runs) if args.only is None or i in args.only]

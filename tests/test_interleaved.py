@@ -12,7 +12,7 @@ from llmsim.inputs.zoo import shrink
 from llmsim.measure.runs import MEASUREMENTS_DIR
 from llmsim.measure.validate import load_measurements, validate
 from llmsim.model import chunk_replay
-from llmsim.model.pipelining import rank_stages
+from llmsim.model.pipelining import Schedule, rank_stages
 from llmsim.model.trace import trace
 
 CSV = MEASUREMENTS_DIR / "tier2_interleaved_cpu.csv"
@@ -25,14 +25,19 @@ def test_rank_stages_follow_torchs_looped_placement():
     assert rank_stages(1, 4, 2) == [1, 5] and rank_stages(0, 2, 3) == [0, 2, 4] and rank_stages(3, 4, 1) == [3]
 
 
-def test_committed_rows_cover_the_schedule():
-    """2 and 3 stages a rank over pp 2-4, one round of micro-batches and several (10 on 4 ranks: torch's flexible
+def test_committed_rows_cover_the_schedules():
+    """Interleaved 1F1B: 2 and 3 stages a rank over pp 2-4, one round of micro-batches and several (10 on 4 ranks: torch's flexible
     rounds), fp32, bf16 and autocast, checkpointing every 1 and 2 layers, five architectures (a tied embedding on the
     last stage), uneven stages; DistributedDataParallel around each stage, TP x PP, DDP x TP x PP (torch's replicate
-    per stage), FSDP2 x PP (reshard after forward on and off) and FSDP2 x TP x PP."""
+    per stage), FSDP2 x PP (reshard after forward on and off) and FSDP2 x TP x PP. Looped BFS, and the zero-bubble
+    schedules (ZBV and DualPipeV in a V: rank 0 holds the first and the last stage) alone and with DDP, FSDP2, TP."""
     rows = load_measurements([CSV])
-    assert len(rows) >= 60 and set(rows["schedule"]) == {"interleaved-1f1b", "looped-bfs"}
+    assert len(rows) >= 100 and set(rows["schedule"]) == {"interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble",
+                                                          "zbv-zero-bubble", "dualpipev"}
     assert (rows["schedule"] == "looped-bfs").sum() >= 13
+    v_shaped = rows[rows["schedule"].isin(["zbv-zero-bubble", "dualpipev"])]
+    assert {"single", "fsdp"} <= set(v_shaped["strategy"]) and set(v_shaped["tp"]) == {1, 2}
+    assert (v_shaped["model"] == "qwen2.5-0.5b").any()  # tied: rank 0 holds the embedding and the head
     assert {"single", "ddp", "fsdp"} == set(rows["strategy"]) and set(rows["tp"]) == {1, 2}
     fsdp = rows[rows["strategy"] == "fsdp"]
     assert set(fsdp["tp"]) == {1, 2} and fsdp["fsdp_config"].map(lambda c: json.loads(c)["reshard_after_forward"]
@@ -140,11 +145,17 @@ BAD = [
      "interleaved-1f1b is not modelled"),
     (["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--pp", "1"], "needs a pipeline: pp(1)"),
     (["--schedule", "looped-bfs"], "schedule looped-bfs runs several stages on each rank"),
+    (["--schedule", "zbv-zero-bubble", "--stages-per-rank", "3"], "exactly 2 stages on each rank (a V)"),
+    (["--schedule", "dualpipev", "--stages-per-rank", "2", "--microbatches", "3"],
+     "dualpipev needs microbatches(3) >= its 4 stages"),
+    (["--schedule", "interleaved-zero-bubble", "--stages-per-rank", "2", "--microbatches", "5"],
+     "which must divide them (torch's ScheduleInterleavedZeroBubble)"),
 ]
 
 
 @pytest.mark.parametrize("extra,message", BAD, ids=["no-stages", "stages-without-it", "too-many-stages",
-                                                   "rounds", "pp-split", "no-pipeline", "bfs-no-stages"])
+                                                   "rounds", "pp-split", "no-pipeline", "bfs-no-stages", "v-of-3",
+                                                   "dualpipev-microbatches", "zero-bubble-rounds"])
 def test_refused_with_one_line(extra, message, capsys):
     argv = ["predict", *TINY, "--microbatches", "4", *extra]
     if "--pp" not in extra:
@@ -175,3 +186,15 @@ def test_a_refused_replay_logs_nothing(caplog):
     with caplog.at_level("ERROR"):
         assert main(argv) == 0
     assert not [record for record in caplog.records if record.name.startswith("torch.distributed.pipelining")]
+
+
+def test_a_v_puts_the_first_and_last_stages_on_rank_0():
+    """zbv-zero-bubble over pp 2: rank 0 holds stages 0 and 3 (layers 0-1 and 6-7), rank 1 stages 1 and 2."""
+    from llmsim.app.options import build_parser, inputs
+    from llmsim.sim.pipeline import predict
+
+    argv = ["predict", *TINY, "--precision", "bf16", "--pp", "2", "--world-size", "2", "--schedule",
+            "zbv-zero-bubble", "--stages-per-rank", "2", "--microbatches", "4", "--jobs", "1"]
+    prediction = predict(*inputs(build_parser().parse_args(argv)))
+    assert [set(rank.timeline["block"]) - {-1} for rank in prediction.ranks] == [{0, 1, 6, 7}, {2, 3, 4, 5}]
+    assert rank_stages(0, 2, 2, Schedule.ZBV_ZERO_BUBBLE) == [0, 3] and rank_stages(3, 4, 2, Schedule.DUALPIPEV) == [3, 4]

@@ -129,12 +129,14 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp-split", default=None, help="layers per stage, e.g. 9,10,10,11 (default: transformers' "
                    "balanced split, the remainder one layer each to the first stages)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world-size / (pp x tp))")
-    p.add_argument("--schedule", default=None, help="pipeline schedule with --pp: gpipe (default) | 1f1b | "
-                   "interleaved-1f1b | looped-bfs (torch's ScheduleInterleaved1F1B, ScheduleLoopedBFS: they need "
-                   "--stages-per-rank)")
-    p.add_argument("--stages-per-rank", type=int, default=None, help="with --schedule interleaved-1f1b or "
-                   "looped-bfs: pipeline stages each rank holds (Megatron's virtual pipeline size, >= 2); the layers "
-                   "split over pp x this many stages, rank r holding stages r, r + pp, ...")
+    p.add_argument("--schedule", default=None, help="pipeline schedule with --pp: gpipe (default) | 1f1b, one "
+                   "stage a rank; several a rank (--stages-per-rank): interleaved-1f1b | looped-bfs | "
+                   "interleaved-zero-bubble | zbv-zero-bubble | dualpipev (torch's ScheduleInterleaved1F1B, "
+                   "ScheduleLoopedBFS, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)")
+    p.add_argument("--stages-per-rank", type=int, default=None, help="with a schedule of several stages a rank: "
+                   "the stages each rank holds (Megatron's virtual pipeline size, >= 2; 2 for zbv-zero-bubble and "
+                   "dualpipev); the layers split over pp x this many stages, rank r holding stages r, r + pp, ... (r "
+                   "and 2 pp - 1 - r in a V)")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches through the pipeline per step, "
                    "each of --micro-batch samples (with --pp; default 1; with --ds-config the JSON's "
                    "gradient_accumulation_steps)")

@@ -28,11 +28,13 @@ single-process step computes inside the forward.
 `schedule.step` keeps torch's default `return_outputs=True`: the last stage concatenates the micro-batches'
 logits into one tensor, as every caller that does not turn it off gets.
 
-Interleaved 1F1B (`ScheduleInterleaved1F1B`, Megatron's virtual pipeline): the model is cut into
-pp x stages_per_rank stages as above (`layer_range` over that many), and rank r holds stages r, r + pp, r + 2 pp,
-... (`rank_stages`: torch's schedule maps stage s to rank s % pp). Each is its own cut model, with its own
-PipelineStage (and its own DistributedDataParallel); one AdamW steps all of the rank's parameters, as one
-optimizer over a list of modules does in a plain script; `ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn)`.
+Several stages a rank (`ScheduleInterleaved1F1B`, Megatron's virtual pipeline; `ScheduleLoopedBFS`; the zero-bubble
+schedules): the model is cut into pp x stages_per_rank stages as above (`layer_range` over that many), and rank r
+holds stages r, r + pp, r + 2 pp, ... (`rank_stages`: torch's looped schedules map stage s to rank s % pp), or r and
+2 pp - 1 - r under ZBV and DualPipeV (a V). Each is its own cut model, with its own PipelineStage (and its own
+DistributedDataParallel or fully_shard); one AdamW steps all of the rank's parameters, as one optimizer over a list
+of modules does in a plain script; `Schedule...(stages, n_microbatches, loss_fn)`, whose `step` gets the batch on the
+rank with stage 0 and the labels on the rank with the last stage (rank 0 both in a V).
 
 The predictor runs this under FakeTensorMode on a fake process group whose rank is the stage's: the
 sends and receives allocate their buffers as the real ones do and move no data.
@@ -54,24 +56,43 @@ class Schedule(str, Enum):
     INTERLEAVED_1F1B = "interleaved-1f1b"
     # ScheduleLoopedBFS: the same stages per rank, each rank running every ready micro-batch of its earliest stage
     LOOPED_BFS = "looped-bfs"
+    # the zero-bubble schedules split each backward into the input's gradient and, later, the weights'
+    INTERLEAVED_ZERO_BUBBLE = "interleaved-zero-bubble"  # ScheduleInterleavedZeroBubble (ZB1P), looped stages
+    ZBV_ZERO_BUBBLE = "zbv-zero-bubble"  # ScheduleZBVZeroBubble: 2 stages a rank placed in a V
+    DUALPIPEV = "dualpipev"  # ScheduleDualPipeV (DeepSeek's DualPipe, V placement): 2 stages a rank
 
     @property
     def schedule_class(self):
-        from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                                  ScheduleLoopedBFS)
+        from torch.distributed import pipelining
 
-        return {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
-                Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B, Schedule.LOOPED_BFS: ScheduleLoopedBFS}[self]
+        return getattr(pipelining, {
+            Schedule.GPIPE: "ScheduleGPipe", Schedule.ONE_F_ONE_B: "Schedule1F1B",
+            Schedule.INTERLEAVED_1F1B: "ScheduleInterleaved1F1B", Schedule.LOOPED_BFS: "ScheduleLoopedBFS",
+            Schedule.INTERLEAVED_ZERO_BUBBLE: "ScheduleInterleavedZeroBubble",
+            Schedule.ZBV_ZERO_BUBBLE: "ScheduleZBVZeroBubble", Schedule.DUALPIPEV: "ScheduleDualPipeV"}[self])
 
     @property
     def multi_stage(self) -> bool:
         """Whether the schedule takes a list of stages per rank (torch's PipelineScheduleMulti)."""
-        return self in (Schedule.INTERLEAVED_1F1B, Schedule.LOOPED_BFS)
+        return self not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+
+    @property
+    def v_shaped(self) -> bool:
+        """Whether torch places the stages in a V (`generate_stage_to_rank_mapping(style="v")`): rank r holds stages
+        r and 2 pp - 1 - r, so the last rank holds the middle two and rank 0 the first and the last."""
+        return self in (Schedule.ZBV_ZERO_BUBBLE, Schedule.DUALPIPEV)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs each backward as the input's gradient, then the weights' (zero bubble)."""
+        return self in (Schedule.INTERLEAVED_ZERO_BUBBLE, Schedule.ZBV_ZERO_BUBBLE, Schedule.DUALPIPEV)
 
 
-def rank_stages(rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    """The stages rank `rank` of `pp` holds: itself under one stage per rank; r, r + pp, ... under interleaved
-    1F1B (torch's `stage_index_to_group_rank` of a looped schedule: stage s on rank s % pp)."""
+def rank_stages(rank: int, pp: int, stages_per_rank: int, schedule: Schedule = Schedule.ONE_F_ONE_B) -> list[int]:
+    """The stages rank `rank` of `pp` holds: itself under one stage per rank; r, r + pp, ... under a looped
+    schedule (torch's `stage_index_to_group_rank`: stage s on rank s % pp); r and 2 pp - 1 - r in a V."""
+    if schedule.v_shaped:
+        return [rank, 2 * pp - 1 - rank]
     return [rank + k * pp for k in range(stages_per_rank)]
 
 
@@ -91,7 +112,8 @@ def check_pipeline(config, pp: int, n_microbatches: int, schedule: Schedule,
                    split: tuple[int, ...] | None = None, precision=None, stages_per_rank: int = 1) -> None:
     if schedule.multi_stage != (stages_per_rank > 1):
         raise InputError(f"schedule {schedule.value} runs one stage per rank: stages-per-rank({stages_per_rank}) "
-                         "must be 1; several stages per rank run under schedule interleaved-1f1b or looped-bfs"
+                         "must be 1; several stages per rank run under schedule interleaved-1f1b, looped-bfs, "
+                         "interleaved-zero-bubble, zbv-zero-bubble or dualpipev"
                          if not schedule.multi_stage else
                          f"schedule {schedule.value} runs several stages on each rank: stages-per-rank"
                          f"({stages_per_rank}) must be >= 2 (Megatron's virtual pipeline size)")
@@ -128,13 +150,19 @@ def _check_interleaved(config, pp: int, n_microbatches: int, split, stages_per_r
     if split is not None:
         raise InputError(f"pp-split with schedule {schedule.value} is not modelled: its stages take transformers' "
                          "balanced split over pp x stages-per-rank stages")
-    if schedule is not Schedule.INTERLEAVED_1F1B:
+    if schedule.v_shaped and stages_per_rank != 2:
+        raise InputError(f"schedule {schedule.value} places exactly 2 stages on each rank (a V): stages-per-rank"
+                         f"({stages_per_rank}) must be 2")
+    if schedule is Schedule.DUALPIPEV and n_microbatches < 2 * pp:
+        raise InputError(f"schedule dualpipev needs microbatches({n_microbatches}) >= its {2 * pp} stages (torch's "
+                         f"ScheduleDualPipeV); valid: microbatches >= {2 * pp}")
+    if schedule not in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZERO_BUBBLE):
         return
     rounds = max(1, n_microbatches // pp)  # torch's flexible interleaving: micro-batches in rounds of about pp
     if n_microbatches % rounds:
         valid = [n for n in range(1, 4 * pp + 1) if n % max(1, n // pp) == 0]
-        raise InputError(f"schedule interleaved-1f1b runs microbatches({n_microbatches}) in {rounds} rounds of "
-                         f"microbatches // pp({pp}), which must divide them (torch's ScheduleInterleaved1F1B); "
+        raise InputError(f"schedule {schedule.value} runs microbatches({n_microbatches}) in {rounds} rounds of "
+                         f"microbatches // pp({pp}), which must divide them (torch's {schedule.schedule_class.__name__}); "
                          f"valid up to {4 * pp}: {', '.join(map(str, valid))}")
 
 

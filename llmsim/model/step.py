@@ -570,7 +570,7 @@ def run_pipeline_step(build: Callable[[], nn.Module] | list[Callable[[], nn.Modu
     torch.manual_seed(0)
     optimizer_class(setup.optimizer)
     schedule_kind = Schedule(setup.schedule)
-    stage_indices = rank_stages(setup.pp_stage, setup.pp, setup.stages_per_rank)
+    stage_indices = rank_stages(setup.pp_stage, setup.pp, setup.stages_per_rank, schedule_kind)
     num_stages = setup.pp * setup.stages_per_rank
     builds = build if isinstance(build, list) else [build]
     if len(builds) != len(stage_indices):
@@ -615,19 +615,16 @@ def run_pipeline_step(build: Callable[[], nn.Module] | list[Callable[[], nn.Modu
             hooks.watch(optimizer, gpu=setup.device is Device.CUDA and not setup.cuda_default_device)
         batch = torch.randint(0, vocab_size, (setup.micro_batch * setup.n_microbatches, setup.seq_len))
         tracker.label([batch], Category.INPUT)
-        first_rank, last_rank = setup.pp_stage == 0, setup.pp_stage == setup.pp - 1
+        # the rank with the first stage feeds the batch, the one with the last its labels (rank 0 both in a V), and a
+        # new list for each step's losses
+        inputs, targets = (batch,) if 0 in stage_indices else (), num_stages - 1 in stage_indices
         with contextlib.ExitStack() as reduced:
             if wrap is not None:  # torch's REDUCE_GRAD (FSDP2's post-backward of every group after the last
                 for hooks in all_hooks:  # micro-batch) under each group's layer
                     reduced.enter_context(_groups_reduced_in_their_layers(hooks))
             for step in range(setup.steps):
                 tracker.set_phase(step, Phase.FORWARD)
-                if first_rank:
-                    schedule.step(batch)
-                elif last_rank:
-                    schedule.step(target=batch, losses=[])
-                else:
-                    schedule.step()
+                schedule.step(*inputs, **({"target": batch, "losses": []} if targets else {}))
                 tracker.set_phase(step, Phase.OPTIMIZER)
                 optimizer.step()
                 tracker.frees_by_owner = True
@@ -686,6 +683,15 @@ def _track_chunks(stage, tracker: StorageTracker, hooks: LayerHooks, autocast, r
         tracker.chunks.append(("B", chunk, tracker.step, begin, len(tracker._rows)))
 
     stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    weight = stage.backward_weight_one_chunk
+
+    def backward_weight_one_chunk(chunk, *args, **kwargs):  # a zero-bubble schedule's weight gradients
+        tracker.set_phase(tracker.step, Phase.BACKWARD)
+        begin = len(tracker._rows)
+        weight(chunk, *args, **kwargs)
+        tracker.chunks.append(("W", chunk, tracker.step, begin, len(tracker._rows)))
+
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
     if replay is not None:
         engine = stage.backward_maybe_with_nosync
 

@@ -121,10 +121,10 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
 def rank_builders(spec: ModelSpec, setup: TrainSetup, mesh=None, fake: bool = False) -> tuple[list, list[int]]:
     """Under interleaved 1F1B, `model_builder` for each stage pipeline rank `pp_stage` holds (stage s of pp x
     stages_per_rank, cut whole; `pipelining.rank_stages`), and the model's number of each one's first layer."""
-    from llmsim.model.pipelining import layer_range, rank_stages
+    from llmsim.model.pipelining import Schedule, layer_range, rank_stages
 
     stages = setup.pp * setup.stages_per_rank
-    held = rank_stages(setup.pp_stage, setup.pp, setup.stages_per_rank)
+    held = rank_stages(setup.pp_stage, setup.pp, setup.stages_per_rank, Schedule(setup.schedule))
     builds = [model_builder(spec, replace(setup, pp=stages, pp_stage=stage, stages_per_rank=1), None, mesh, fake)
               for stage in held]
     return builds, [layer_range(stage, stages, spec.num_layers)[0] for stage in held]
@@ -470,8 +470,11 @@ def _run_replaying_chunks(spec: ModelSpec, setup: TrainSetup, depth: int) -> tup
     a mixture of experts routes each micro-batch on its own), every micro-batch computed where it refuses."""
     from llmsim.model import chunk_replay
 
+    from llmsim.model.pipelining import Schedule
+
     if not (chunk_replay.ENABLED and setup.pp > 1 and setup.n_microbatches > chunk_replay.FIRST_REPLAYED
-            and not num_experts(spec.hf_config())):
+            and not num_experts(spec.hf_config()) and not Schedule(setup.schedule).splits_backward):
+        # (a zero-bubble schedule's weight backward runs on the graph of the micro-batch's own forward)
         return run_fake(spec, setup, depth)
     try:
         with _schedule_errors_unlogged():
