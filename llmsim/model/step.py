@@ -687,6 +687,7 @@ def _track_chunks(stage, tracker: StorageTracker, hooks: LayerHooks, autocast, r
 
     def backward_weight_one_chunk(chunk, *args, **kwargs):  # a zero-bubble schedule's weight gradients
         tracker.set_phase(tracker.step, Phase.BACKWARD)
+        hooks.enter_backward()
         begin = len(tracker._rows)
         weight(chunk, *args, **kwargs)
         tracker.chunks.append(("W", chunk, tracker.step, begin, len(tracker._rows)))
