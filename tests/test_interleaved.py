@@ -64,7 +64,9 @@ def test_committed_runs_predicted_to_the_byte():
 
 def _over(report):
     """What a measured rank holds beyond the prediction: 16 B on a DistributedDataParallel rank, as on the DDP x PP
-    ranks of tier2_pp_cpu.csv; none otherwise (torch's replicate under DDP x TP included)."""
+    ranks of tier2_pp_cpu.csv (the rank tensor of the `mesh["dp"]` sub-mesh dist_worker slices inside the tracked step
+    for DDP's group, made at the build and kept by the mesh: host memory on a GPU); none otherwise (torch's replicate
+    under DDP x TP included)."""
     return ((report["strategy"] == "ddp") & (report["tp"] == 1)) * 16
 
 
