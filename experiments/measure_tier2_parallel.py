@@ -171,9 +171,21 @@ ZERO_BUBBLE_RUNS = {
 }
 
 
-def measure_interleaved(runs: list[tuple], out: Path, timeout: int,
-                        schedule: Schedule = Schedule.INTERLEAVED_1F1B) -> int:
-    """`measure` for INTERLEAVED_RUNS (LOOPED_BFS_RUNS under `schedule` looped-bfs)."""
+def _measured(run: tuple, spec, setup: TrainSetup, layout: Layout, out: Path, timeout: int) -> bool:
+    """Measure `run` (as `spec`, `setup`, `layout`) and append its rank rows to `out`; False where it failed (reported,
+    not raised)."""
+    try:
+        rows = measure_distributed(spec, setup, layout, timeout)
+    except LaunchFailure as exc:
+        print(f"FAILED {run}: {exc}", flush=True)
+        return False
+    append_rows(rows, out)
+    print(run, [r["peak_allocated_bytes"] for r in rows], rows[0]["wall_s"], flush=True)
+    return True
+
+
+def measure_interleaved(runs: list[tuple], out: Path, timeout: int, schedule: Schedule) -> int:
+    """`measure` for INTERLEAVED_RUNS, LOOPED_BFS_RUNS and ZERO_BUBBLE_RUNS, under `schedule`."""
     failures = 0
     for run in runs:
         model, pp, stages_per_rank, n_microbatches, precision, ckpt, every, mb, seq = run[:9]
@@ -184,15 +196,8 @@ def measure_interleaved(runs: list[tuple], out: Path, timeout: int,
         strategy = Strategy.FSDP if fsdp else Strategy.DDP if dp > 1 else Strategy.SINGLE
         layout = Layout(strategy, dp * pp * tp, fsdp=fsdp, tp=tp, pp=pp, schedule=schedule,
                         n_microbatches=n_microbatches, stages_per_rank=stages_per_rank)
-        try:
-            rows = measure_distributed(spec, TrainSetup(mb, seq, Precision(precision), None, ckpt, every), layout,
-                                       timeout)
-        except LaunchFailure as exc:
-            failures += 1
-            print(f"FAILED {run}: {exc}", flush=True)
-            continue
-        append_rows(rows, out)
-        print(run, [r["peak_allocated_bytes"] for r in rows], rows[0]["wall_s"], flush=True)
+        setup = TrainSetup(mb, seq, Precision(precision), None, ckpt, every)
+        failures += not _measured(run, spec, setup, layout, out, timeout)
     return failures
 
 
@@ -215,14 +220,7 @@ def measure(runs: list[tuple], out: Path, timeout: int) -> int:
         strategy = Strategy.FSDP if fsdp else Strategy.DDP if dp > 1 else Strategy.SINGLE
         layout = Layout(strategy, dp * pp * tp, fsdp=fsdp, tp=tp, pp=pp, schedule=Schedule(schedule),
                         n_microbatches=n_microbatches, pp_split=split)
-        try:
-            rows = measure_distributed(spec, setup, layout, timeout)
-        except LaunchFailure as exc:
-            failures += 1
-            print(f"FAILED {run}: {exc}", flush=True)
-            continue
-        append_rows(rows, out)
-        print(run, [r["peak_allocated_bytes"] for r in rows], rows[0]["wall_s"], flush=True)
+        failures += not _measured(run, spec, setup, layout, out, timeout)
     return failures
 
 

@@ -212,7 +212,8 @@ class TrainSetup:
     schedule: str = "gpipe"  # llmsim.model.pipelining.Schedule
     n_microbatches: int = 1  # micro-batches per step through the pipeline (each `micro_batch` samples)
     pp_split: tuple[int, ...] | None = None  # layers per stage; None: transformers' balanced split
-    # stages each pipeline rank holds (schedule interleaved-1f1b): rank pp_stage holds pp_stage, pp_stage + pp, ...
+    # stages each pipeline rank holds (Schedule.multi_stage): rank pp_stage holds pp_stage, pp_stage + pp, ... (in a V:
+    # pp_stage and 2 pp - 1 - pp_stage; pipelining.rank_stages)
     stages_per_rank: int = 1
     grad_accum: int = 1  # forward/backward passes per optimizer step (the loss divided by it)
     quant: str | None = None  # "nf4" | "fp4" | "int8": a bitsandbytes 4-/8-bit base under LoRA (llmsim/model/quantized.py)

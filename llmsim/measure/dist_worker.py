@@ -220,9 +220,9 @@ def run_model_parallel(job: dict, tracker: StorageTracker) -> None:
     if fsdp is not None:  # FSDP2 x PP (x TP): fully_shard per layer, then the stage, over the mesh's dp
         setup = replace(setup, fsdp=fsdp, fsdp_world=torch.distributed.get_world_size())
     spec = ModelSpec(job["model"], job["config_json"])
-    build, first_blocks = model_builder(spec, setup, None, mesh), None
-    if setup.stages_per_rank > 1:  # interleaved 1F1B: one model per stage this rank holds
-        build, first_blocks = rank_builders(spec, setup, mesh)
+    # several stages a rank: one model per stage this rank holds
+    build, first_blocks = (rank_builders(spec, setup, mesh) if setup.stages_per_rank > 1
+                           else (model_builder(spec, setup, None, mesh), None))
     wrap, settled = None, contextlib.nullcontext()
     if fsdp is not None:
         if fsdp.init == "meta":

@@ -302,7 +302,8 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
     job = {"framework": framework, "model": spec.name, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
            "replicate": layout.strategy is Strategy.DDP and layout.tp > 1,  # DDP x TP: llmsim/model/replicate.py
            "schedule": layout.schedule.value, "n_microbatches": layout.n_microbatches, "pp_split": layout.pp_split,
-           "stages_per_rank": layout.stages_per_rank, "config_json": spec.config_json, "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt,
+           "stages_per_rank": layout.stages_per_rank, "config_json": spec.config_json,
+           "attention": setup.attention.value, "grad_ckpt": setup.grad_ckpt,
            "ckpt_every": setup.ckpt_every, "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
            "steps": setup.steps, "precision": setup.precision.value, "build_bf16": setup.build_bf16,
            "lora_rank": setup.lora_rank, "lora_alpha": setup.lora_alpha,
@@ -315,7 +316,7 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
            "ds_config": layout.deepspeed.config if layout.deepspeed else None,
            "fsdp_config": fsdp_config, "gloo_settle": gloo_settle, "ds_gloo_settle": ds_gloo_settle}
     columns = {"fsdp_config": fsdp_config, "gloo_settle": gloo_settle} if layout.fsdp else {}
-    if layout.stages_per_rank > 1:  # interleaved 1F1B
+    if layout.stages_per_rank > 1:  # a schedule of several stages a rank
         columns["stages_per_rank"] = layout.stages_per_rank
     if job["replicate"]:  # replicate's collectives settle as FSDP2's (llmsim/measure/dist_worker.py)
         columns["gloo_settle"] = gloo_settle

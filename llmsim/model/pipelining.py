@@ -1,5 +1,5 @@
 """Pipeline parallelism with torch.distributed.pipelining: one stage per rank, GPipe or 1F1B; or several stages per
-rank under interleaved 1F1B.
+rank under interleaved 1F1B, looped BFS and the zero-bubble schedules.
 
 The canonical PP step (what `--pp N` predicts and what a measured PP rank runs), for stage s of N:
 
@@ -118,7 +118,7 @@ def check_pipeline(config, pp: int, n_microbatches: int, schedule: Schedule,
                          f"schedule {schedule.value} runs several stages on each rank: stages-per-rank"
                          f"({stages_per_rank}) must be >= 2 (Megatron's virtual pipeline size)")
     if stages_per_rank > 1:
-        _check_interleaved(config, pp, n_microbatches, split, stages_per_rank, schedule)
+        _check_multi_stage(config, pp, n_microbatches, split, stages_per_rank, schedule)
     if split is not None and (len(split) != pp or min(split) < 1 or sum(split) != config.num_hidden_layers):
         raise InputError(f"pp-split({','.join(map(str, split))}) must give pp({pp}) stages of >= 1 layer summing to "
                          f"the number of layers({config.num_hidden_layers})")
@@ -138,8 +138,8 @@ def check_pipeline(config, pp: int, n_microbatches: int, schedule: Schedule,
                          "(base_model_pp_plan); pp must be 1")
 
 
-def _check_interleaved(config, pp: int, n_microbatches: int, split, stages_per_rank: int,
-                       schedule: Schedule = Schedule.INTERLEAVED_1F1B) -> None:
+def _check_multi_stage(config, pp: int, n_microbatches: int, split, stages_per_rank: int,
+                       schedule: Schedule) -> None:
     """What torch's multi-stage schedules and the cut into pp x stages_per_rank stages refuse, as one line each."""
     if pp < 2:
         raise InputError(f"schedule {schedule.value} needs a pipeline: pp({pp}) must be >= 2")

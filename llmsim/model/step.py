@@ -69,8 +69,9 @@ class LayerHooks:
 
     def __init__(self, tracker: StorageTracker, model: nn.Module, expected_blocks: int | None,
                  first_block: int = 0) -> None:
-        """`first_block`: the number of the model's first layer (a rank's later pipeline stage under interleaved
-        1F1B: its layers, and every name under them, are numbered from there, as the whole model numbers them)."""
+        """`first_block`: the number of the model's first layer (a rank's pipeline stage under a schedule of several
+        stages a rank: its layers, and every name under them, are numbered from there, as the whole model numbers
+        them)."""
         self.tracker = tracker
         self.model = model
         self.prefix, blocks = find_blocks(model, expected_blocks)
@@ -557,11 +558,11 @@ def run_pipeline_step(build: Callable[[], nn.Module] | list[Callable[[], nn.Modu
                       tracker: StorageTracker, pp_group, wrap: Callable[[nn.Module], nn.Module] | None = None,
                       replay_chunks: bool = False, first_blocks: list[int] | None = None) -> StepInfo:
     """One rank of the canonical PP step (llmsim/model/pipelining.py) under `tracker`: `build` gives the stage's
-    model (under interleaved 1F1B a list, one per stage the rank holds, `pipelining.rank_stages`, whose layers are
-    numbered from `first_blocks`), `pp_group` the process group of the pipeline; `wrap` puts DistributedDataParallel
-    around each stage (torch's PipelineStage runs DDP's no_sync for every micro-batch but the last). With
-    `replay_chunks` (a fake trace), the model's forward and backward of micro-batches 2 and later, and of
-    micro-batch 1 after the first step, are micro-batch 1's events replayed (llmsim/model/chunk_replay.py)."""
+    model (under a schedule of several stages a rank a list, one per stage the rank holds, `pipelining.rank_stages`,
+    whose layers are numbered from `first_blocks`), `pp_group` the process group of the pipeline; `wrap` puts
+    DistributedDataParallel around each stage (torch's PipelineStage runs DDP's no_sync for every micro-batch but
+    the last). With `replay_chunks` (a fake trace), the model's forward and backward of micro-batches 2 and later,
+    and of micro-batch 1 after the first step, are micro-batch 1's events replayed (llmsim/model/chunk_replay.py)."""
     from torch.distributed.pipelining import PipelineStage
 
     from llmsim.model.chunk_replay import ChunkReplay
@@ -617,14 +618,14 @@ def run_pipeline_step(build: Callable[[], nn.Module] | list[Callable[[], nn.Modu
         tracker.label([batch], Category.INPUT)
         # the rank with the first stage feeds the batch, the one with the last its labels (rank 0 both in a V), and a
         # new list for each step's losses
-        inputs, targets = (batch,) if 0 in stage_indices else (), num_stages - 1 in stage_indices
+        inputs, holds_last = (batch,) if 0 in stage_indices else (), num_stages - 1 in stage_indices
         with contextlib.ExitStack() as reduced:
             if wrap is not None:  # torch's REDUCE_GRAD (FSDP2's post-backward of every group after the last
                 for hooks in all_hooks:  # micro-batch) under each group's layer
                     reduced.enter_context(_groups_reduced_in_their_layers(hooks))
             for step in range(setup.steps):
                 tracker.set_phase(step, Phase.FORWARD)
-                schedule.step(*inputs, **({"target": batch, "losses": []} if targets else {}))
+                schedule.step(*inputs, **({"target": batch, "losses": []} if holds_last else {}))
                 tracker.set_phase(step, Phase.OPTIMIZER)
                 optimizer.step()
                 tracker.frees_by_owner = True

@@ -119,8 +119,9 @@ def model_builder(spec: ModelSpec, setup: TrainSetup, num_layers: int | None, me
 
 
 def rank_builders(spec: ModelSpec, setup: TrainSetup, mesh=None, fake: bool = False) -> tuple[list, list[int]]:
-    """Under interleaved 1F1B, `model_builder` for each stage pipeline rank `pp_stage` holds (stage s of pp x
-    stages_per_rank, cut whole; `pipelining.rank_stages`), and the model's number of each one's first layer."""
+    """Under a schedule of several stages a rank, `model_builder` for each stage pipeline rank `pp_stage` holds (stage
+    s of pp x stages_per_rank, cut whole; `pipelining.rank_stages`), and the model's number of each one's first
+    layer."""
     from llmsim.model.pipelining import Schedule, layer_range, rank_stages
 
     stages = setup.pp * setup.stages_per_rank
@@ -345,10 +346,9 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
                 stack.enter_context(fsdp.meshes_made_for_real(counted=setup.device is Device.CPU))
                 if setup.fsdp is not None and setup.device is Device.CPU:
                     stack.enter_context(fsdp.gloo_reduce_scatter_copy())
-        build = model_builder(spec, setup, num_layers, mesh, fake=True)  # a checkpoint is written for real
-        first_blocks = None
-        if setup.stages_per_rank > 1:  # interleaved 1F1B: one model per stage the rank holds
-            build, first_blocks = rank_builders(spec, setup, mesh, fake=True)
+        # a checkpoint is written for real; several stages a rank: one model per stage the rank holds
+        build, first_blocks = (rank_builders(spec, setup, mesh, fake=True) if setup.stages_per_rank > 1
+                               else (model_builder(spec, setup, num_layers, mesh, fake=True), None))
         if setup.fsdp is not None and setup.fsdp.init == "meta":
             untied = setup.fsdp.wrap == "transformers"
             build = ([fsdp.meta_build(each, untied=untied) for each in build] if isinstance(build, list)
@@ -393,7 +393,7 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     if spec.factory is not None:  # an arbitrary nn.Module cannot be cut to fewer layers: trace it whole
         timeline, info = run_fake(spec, setup, None)
         return Trace(timeline, info, info.num_blocks, 1, info.num_blocks)
-    if setup.stages_per_rank > 1:  # interleaved 1F1B: the rank's stages traced whole, their layers numbered as
+    if setup.stages_per_rank > 1:  # several stages a rank: traced whole, their layers numbered as
         timeline, info = _run_replaying_chunks(spec, setup, None)  # the model numbers them (expand leaves a whole
         # trace as it is)
         return Trace(timeline, info, info.num_blocks, 1, info.num_blocks)
@@ -487,7 +487,7 @@ def _run_replaying_chunks(spec: ModelSpec, setup: TrainSetup, depth: int) -> tup
 
 @contextlib.contextmanager
 def _schedule_errors_unlogged():
-    """torch's multi-stage schedules (`_PipelineScheduleRuntime`: interleaved 1F1B) log an exception raised in an
+    """torch's multi-stage schedules (`_PipelineScheduleRuntime`: several stages a rank) log an exception raised in an
     action, with the whole schedule, before re-raising it: a replay's refusal (under FSDP2) is not an error of the
     user's job, and an error is raised all the same."""
     import logging

@@ -42,7 +42,7 @@ class Layout:
     schedule: Schedule = Schedule.GPIPE
     n_microbatches: int = 1  # micro-batches through the pipeline per step (pp > 1)
     pp_split: tuple[int, ...] | None = None  # layers per stage (pp > 1); None: transformers' balanced split
-    stages_per_rank: int = 1  # stages each pipeline rank holds (schedule interleaved-1f1b)
+    stages_per_rank: int = 1  # stages each pipeline rank holds (>1 under Schedule.multi_stage)
 
     def __post_init__(self) -> None:
         for name, flag in (("tp", "tp"), ("ep", "ep"), ("pp", "pp"), ("n_microbatches", "microbatches"),
