@@ -117,6 +117,66 @@ def test_bad_deepspeed_config_is_one_line_and_status_2(tmp_path, config, extra, 
     assert len(err.splitlines()) == 1 and needle in err
 
 
+# Settings DeepSpeed acts on that change what a rank holds and llmsim does not model (dsconfig._FEATURES): each is
+# refused, naming the key and what is modelled, rather than predicted as if it were not there
+_ZERO1_BF16 = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
+FEATURES = [
+    ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size(2) (AutoTP training"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, "expert_parallel.enabled(true) (AutoEP"),
+    ({"sequence_parallel_size": 2}, "sequence_parallel_size(2) (Ulysses"),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "zero_hpz_partition_size(8) (ZeRO++ hpZ"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights(true)"),
+    ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}, "zero_quantized_gradients(true)"),
+    ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow("),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True}},
+      "optimizer": {"type": "AdamW"}}, "super_offload(true) (SuperOffload"),
+    ({"zero_optimization": {"stage": 3, "memory_efficient_linear": False}}, "memory_efficient_linear(false)"),
+    ({"zero_optimization": {"stage": 3, "use_all_reduce_for_fetch_params": True}}, "use_all_reduce_for_fetch_params"),
+    ({"zero_optimization": {"stage": 3, "module_granularity_threshold": 1000}}, "module_granularity_threshold(1000)"),
+    ({"zero_optimization": {"stage": 1, "legacy_stage1": True}}, "legacy_stage1(true)"),
+    ({"disable_allgather": True}, "disable_allgather(true)"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "bf16_master_weights_and_grads(true)"),
+    ({"bf16": {"enabled": True, "immediate_grad_update": True}}, "immediate_grad_update(true)"),
+    ({"data_types": {"grad_accum_dtype": "fp32"}}, 'grad_accum_dtype("fp32") (gradients accumulated in a dtype'),
+    ({"communication_data_type": "fp32"}, 'communication_data_type("fp32")'),
+    ({"data_types": {"buffer_dtype": "fp32"}}, 'buffer_dtype("fp32")'),
+    ({"data_types": {"keep_in_fp32_modules": ["rotary"]}}, 'keep_in_fp32_modules(["rotary"])'),
+    ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled(true)"),
+    ({"compile": {"deepcompile": True}}, "compile.deepcompile(true) (DeepCompile)"),
+    ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled(true)"),
+    ({"hybrid_engine": {"enabled": True}}, "hybrid_engine.enabled(true)"),
+    ({"weight_quantization": {"quantized_initialization": {}}}, "weight_quantization("),
+    # what DeepSpeed's own parse refuses, in its words
+    ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16_optimizer_states requires "
+                                                                  "bf16_master_weights_and_grads"),
+    ({"amp": {"enabled": True}}, "Apex AMP integration has been removed"),
+    ({"elasticity": {"enabled": True}}, "Elastic training has been removed"),
+]
+
+
+@pytest.mark.parametrize("changes,needle", FEATURES, ids=[f[1][:40] for f in FEATURES])
+def test_a_deepspeed_feature_not_modelled_is_refused_by_name(tmp_path, changes, needle, capsys):
+    config = {**_ZERO1_BF16, **changes}
+    assert main(["predict", *TINY, "--ds-config", _write(tmp_path, config), "--world-size", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert "not modelled yet; modelled: " in err or "DeepSpeed config: " in err
+
+
+def test_a_feature_set_to_what_deepspeed_does_anyway_is_taken(tmp_path):
+    """A dtype equal to the model's, AutoTP of 1, ZeRO-3's linear setting under ZeRO-2: DeepSpeed runs as without
+    them, and so does the prediction."""
+    plain = load_ds_config(_write(tmp_path, _ZERO1_BF16), 4, 64, None, None)
+    assert plain.stage == 1
+    for changes in ({"data_types": {"grad_accum_dtype": "bf16"}}, {"communication_data_type": "bf16"},
+                    {"tensor_parallel": {"autotp_size": 1}}, {"sequence_parallel_size": 1},
+                    {"zero_optimization": {"stage": 1, "memory_efficient_linear": False}},
+                    {"data_types": {"keep_in_fp32_modules": "auto"}}):
+        assert load_ds_config(_write(tmp_path, {**_ZERO1_BF16, **changes}), 4, 64, None, None).stage == 1, changes
+    fp32 = {**_ZERO1_BF16, "bf16": {"enabled": False}, "data_types": {"grad_accum_dtype": "fp32"}}
+    assert load_ds_config(_write(tmp_path, fp32), 4, 64, None, None).precision is Precision.FP32
+
+
 def test_auto_values_resolve_like_transformers(tmp_path):
     config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
               "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"},

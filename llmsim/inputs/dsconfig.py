@@ -300,6 +300,121 @@ def _check_keys(config: dict) -> None:
                                  f"{close[0]!r}?); DeepSpeed would ignore it")
 
 
+@dataclass(frozen=True)
+class _Feature:
+    """A setting DeepSpeed acts on that changes what a rank holds, read off DeepSpeed's own parsed config
+    (`DeepSpeedConfig`), and whether `config` turns it on; llmsim models DeepSpeed with it off."""
+    key: str  # as the JSON spells it
+    what: str  # what DeepSpeed then does
+    value: Any  # (DeepSpeedConfig, the JSON) -> the value DeepSpeed acts on
+    on: Any  # (value, DeepSpeedConfig) -> whether it is turned on
+    modelled: str  # the values that are modelled
+
+
+def _model_dtype(parsed) -> "torch.dtype":
+    """The engine's model dtype (engine.py `get_data_types`): bf16 where enabled (fp16 is refused), else fp32."""
+    import torch
+
+    return torch.bfloat16 if parsed.bfloat16_config.enabled else torch.float32
+
+
+def _as_dtype(name) -> "torch.dtype | None":
+    """A dtype as DeepSpeed's DtypeEnum reads the JSON's ("fp32", "bf16", "torch.float32", ...), None for None."""
+    from deepspeed.runtime.config import DtypeEnum
+
+    return None if name is None else DtypeEnum(name).value
+
+
+_FEATURES = (
+    _Feature("tensor_parallel.autotp_size", "AutoTP training: the engine shards the model's linear layers over "
+             "tensor-parallel ranks", lambda p, c: p.tensor_parallel_config.autotp_size, lambda v, p: v > 1,
+             "0 or 1 (no AutoTP; transformers' TP plan is modelled with --tp, without --ds-config)"),
+    _Feature("expert_parallel.enabled", "AutoEP: the engine shards a mixture of experts over expert-parallel ranks",
+             lambda p, c: p.expert_parallel_config.enabled, lambda v, p: v, "disabled"),
+    _Feature("sequence_parallel_size", "Ulysses sequence parallelism", lambda p, c: c.get("sequence_parallel_size", 1),
+             lambda v, p: v != 1, "1"),
+    _Feature("zero_optimization.zero_hpz_partition_size", "ZeRO++ hpZ: a secondary partition of the parameters "
+             "within a node", lambda p, c: p.zero_config.zero_hpz_partition_size, lambda v, p: v > 1, "1"),
+    *(_Feature(f"zero_optimization.{key}", "ZeRO++ quantized communication", lambda p, c, k=key: getattr(
+        p.zero_config, k), lambda v, p: v, "false") for key in ("zero_quantized_weights",
+                                                                  "zero_quantized_nontrainable_weights",
+                                                                  "zero_quantized_gradients")),
+    _Feature("zero_optimization.zenflow", "ZenFlow: the optimizer step split between device and host",
+             lambda p, c: p.zero_config.zenflow is not None, lambda v, p: v, "no zenflow section"),
+    _Feature("zero_optimization.offload_optimizer.super_offload", "SuperOffload",
+             lambda p, c: bool(p.zero_config.offload_optimizer and p.zero_config.offload_optimizer.super_offload),
+             lambda v, p: v, "false"),
+    _Feature("zero_optimization.memory_efficient_linear", "ZeRO-3 with torch's linear in place of DeepSpeed's "
+             "LinearFunctionForZeroStage3", lambda p, c: p.zero_config.memory_efficient_linear,
+             lambda v, p: not v and p.zero_optimization_stage == 3, "true (DeepSpeed's default)"),
+    _Feature("zero_optimization.use_all_reduce_for_fetch_params", "ZeRO-3 fetching parameters by all-reduce",
+             lambda p, c: p.zero_config.use_all_reduce_for_fetch_params,
+             lambda v, p: v and p.zero_optimization_stage == 3, "false (DeepSpeed's default)"),
+    _Feature("zero_optimization.module_granularity_threshold", "ZeRO-3 fetching small modules' parameters as one "
+             "leaf", lambda p, c: p.zero_config.module_granularity_threshold,
+             lambda v, p: v > 0 and p.zero_optimization_stage == 3, "0 (DeepSpeed's default)"),
+    _Feature("zero_optimization.legacy_stage1", "the legacy ZeRO-1 optimizer", lambda p, c: p.zero_config.legacy_stage1,
+             lambda v, p: v, "false"),
+    _Feature("disable_allgather", "ZeRO-1/2 without the parameters' all-gather", lambda p, c: p.disable_allgather,
+             lambda v, p: v, "false"),
+    _Feature("bf16.bf16_master_weights_and_grads", "bf16 master weights and gradients", lambda p, c:
+             p.bfloat16_config.bf16_master_weights_and_grads, lambda v, p: v, "false"),
+    _Feature("bf16.bf16_optimizer_states", "bf16 optimizer states", lambda p, c:
+             p.bfloat16_config.bf16_optimizer_states, lambda v, p: v, "false"),
+    _Feature("bf16.immediate_grad_update", "gradients added to the fp32 ones as each is ready", lambda p, c:
+             p.bfloat16_config.immediate_grad_update, lambda v, p: v, "false"),
+    _Feature("data_types.grad_accum_dtype", "gradients accumulated in a dtype other than the model's",
+             lambda p, c: p.grad_accum_dtype, lambda v, p: v is not None and _as_dtype(v) != _model_dtype(p),
+             "the model's dtype (unset)"),
+    _Feature("communication_data_type", "gradients reduced in a dtype other than the model's",
+             lambda p, c: p.communication_data_type, lambda v, p: v is not None and v != _model_dtype(p),
+             "the model's dtype (unset)"),
+    _Feature("data_types.buffer_dtype", "the model's buffers cast to another dtype", lambda p, c: p.buffer_dtype,
+             lambda v, p: v is not None, "unset"),
+    _Feature("data_types.keep_in_fp32_modules", "buffers kept in fp32 by name", lambda p, c: p.keep_in_fp32_modules,
+             lambda v, p: v != "auto", "\"auto\" (DeepSpeed's default: the model's own lists)"),
+    _Feature("torch_autocast.enabled", "DeepSpeed's torch autocast (fp32 parameters, lower-precision compute)",
+             lambda p, c: p.torch_autocast_enabled, lambda v, p: v, "disabled"),
+    _Feature("compile.deepcompile", "DeepCompile", lambda p, c: p.compile_config.deepcompile, lambda v, p: v, "false"),
+    _Feature("data_efficiency.enabled", "data efficiency (curriculum learning, random-LTD: other sequence lengths)",
+             lambda p, c: p.data_efficiency_enabled, lambda v, p: v, "disabled"),
+    _Feature("hybrid_engine.enabled", "the hybrid engine (inference kernels and caches for RLHF)",
+             lambda p, c: p.hybrid_engine.enabled, lambda v, p: v, "disabled"),
+    _Feature("weight_quantization", "weight quantization", lambda p, c: p.weight_quantization_config is not None,
+             lambda v, p: v, "no weight_quantization section"),
+    _Feature("sparse_attention", "DeepSpeed's sparse attention", lambda p, c: "sparse_attention" in c,
+             lambda v, p: v, "no sparse_attention section"),
+)
+
+
+def _at(config: dict, key: str, default: Any) -> Any:
+    """The JSON's value at the dotted `key` (a whole section where the key names one), else `default`."""
+    for part in key.split("."):
+        if not isinstance(config, dict) or part not in config:
+            return default
+        config = config[part]
+    return config
+
+
+def _check_features(config: dict) -> None:
+    """Refuse a setting DeepSpeed acts on that llmsim does not model (`_FEATURES`), naming the key and what is
+    modelled, rather than predicting the run without it; DeepSpeed's own parse refuses what DeepSpeed would (a
+    removed key, an impossible mix), in its words."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    parsed_input = {key: value for key, value in config.items() if key != "train_batch_size"}  # no world size here
+    try:
+        parsed = DeepSpeedConfig(parsed_input)
+    except Exception as exc:  # ValueError, AssertionError, pydantic's: DeepSpeed's words
+        raise InputError(f"DeepSpeed config: {one_line(exc)}") from None
+    for feature in _FEATURES:
+        value = feature.value(parsed, config)
+        if feature.on(value, parsed):
+            shown = json.dumps(_at(config, feature.key, value))
+            raise InputError(f"DeepSpeed config {feature.key}({shown}) ({feature.what}) is not modelled yet; "
+                             f"modelled: {feature.modelled}")
+
+
 def _validate(config: dict, launcher: str = "deepspeed") -> None:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -363,3 +478,4 @@ def _validate(config: dict, launcher: str = "deepspeed") -> None:
     if param_device == "cpu" and stage != 3:
         raise InputError(f"DeepSpeed config zero_optimization.offload_param is ZeRO-3's (stage {stage} has no "
                          "parameter partitions to offload); modelled: stage 3")
+    _check_features(config)
