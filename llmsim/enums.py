@@ -120,6 +120,11 @@ class Recipe(str, Enum):
     # DeepSpeed's pipeline engine: the model's pieces as a PipelineModule of LayerSpecs, `deepspeed.initialize`, then
     # `engine.train_batch()` per step (llmsim/model/ds_pipe.py); what `--ds-config` with `--pp` describes
     DEEPSPEED_PIPE = "deepspeed-pipe"
+    # DeepSpeed's AutoTP training: the DeepSpeed script (`deepspeed.initialize(model=..., optimizer=..., config=...)`,
+    # then forward, `engine.backward`, `engine.step`) with `"tensor_parallel": {"autotp_size": N}` in its JSON, the
+    # engine sharding the linear layers and running ZeRO-0/1/2 over the data-parallel ranks (llmsim/model/ds_script.py);
+    # what `--ds-config` with an autotp_size above 1 describes. The measured script is the canonical DeepSpeed one
+    DEEPSPEED_AUTOTP = "deepspeed-autotp"
 
     @property
     def trainer(self) -> bool:

@@ -121,7 +121,7 @@ def test_bad_deepspeed_config_is_one_line_and_status_2(tmp_path, config, extra, 
 # refused, naming the key and what is modelled, rather than predicted as if it were not there
 _ZERO1_BF16 = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
 FEATURES = [
-    ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size(2) (AutoTP training"),
+    ({"tensor_parallel": {"autotp_size": 2, "keep_module_on_host": True}}, "keep_module_on_host(true)"),
     ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, "expert_parallel.enabled(true) (AutoEP"),
     ({"sequence_parallel_size": 2}, "sequence_parallel_size(2) (Ulysses"),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "zero_hpz_partition_size(8) (ZeRO++ hpZ"),

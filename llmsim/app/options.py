@@ -360,6 +360,10 @@ def inputs(args):
         loss=parse_enum(Loss, args.loss, "loss"),
         loss_chunk=args.loss_chunk, lora_modules_to_save=_names(args.lora_modules_to_save),
         trainable_tokens=_token_indices(args.trainable_tokens), routing=args.routing)
+    if deepspeed is not None and deepspeed.autotp_size > 1 and accelerate_ds is None:  # DeepSpeed's AutoTP
+        from llmsim.model.ds_script import on_autotp
+
+        return spec, on_autotp(setup, layout), layout
     if deepspeed is not None and layout.pp > 1:
         return spec, *_on_ds_pipeline(args, setup, layout)
     if getattr(args, "partition_method", None):

@@ -25,6 +25,9 @@ def human_bytes(n: int) -> str:
 def layout_text(layout) -> str:
     """"ddp x 8 (pp 2, 1f1b over 4 micro-batches)": the strategy over the world, then what splits each rank."""
     parts = [f"ZeRO-{layout.deepspeed.stage}"] if layout.deepspeed is not None else []
+    if layout.deepspeed is not None and (size := layout.deepspeed.autotp_size) > 1:  # the engine's own TP
+        parts.append(f"AutoTP {size}: the linear layers sharded by DeepSpeed, ZeRO over dp "
+                     f"{layout.world_size // size}")
     if layout.deepspeed is not None and layout.deepspeed.offloads_optimizer:  # the step then runs on the host
         steps = "DeepSpeed's CPU Adam" if layout.deepspeed.optimizer_kind == "cpu_adam" else "AdamW"
         offload = layout.deepspeed.config["zero_optimization"]["offload_optimizer"]
@@ -73,12 +76,14 @@ def layout_text(layout) -> str:
 def offloads(prediction: Prediction) -> bool:
     """Whether the job puts memory on the host (offloaded checkpoint inputs, ZeRO-Offload, FSDP2's
     CPUOffloadPolicy; the HF Trainer's FSDP on a GPU, whose ranks each load the whole model on the host and upcast
-    it there before fully_shard copies it across): the table then shows each rank's host peak and a node's.
+    it there before fully_shard copies it across; DeepSpeed's AutoTP, whose ranks each build the whole model on the
+    host before the engine shards it): the table then shows each rank's host peak and a node's.
     Otherwise the host holds only a few scalars (AdamW's `step` counters, kept on the CPU for a CUDA parameter unless
     fused or capturable: torch/optim/adam.py `_init_group`), left to `--format json`'s peak_host_bytes."""
     layout, fsdp = prediction.layout, prediction.setup.fsdp
     return (prediction.setup.ckpt_offload or (layout.deepspeed is not None and (layout.deepspeed.offloads_optimizer
-                                                                                or layout.deepspeed.offloads_params))
+                                                                                or layout.deepspeed.offloads_params
+                                                                                or layout.deepspeed.autotp_size > 1))
             or (fsdp is not None and (fsdp.offload or fsdp.init == "host")))
 
 

@@ -126,6 +126,12 @@ class DeepSpeedSetup:
         offload = self.config.get("zero_optimization", {}).get("offload_param") or {}
         return offload.get("device", "none") == "nvme"
 
+    @property
+    def autotp_size(self) -> int:
+        """DeepSpeed's AutoTP training: `tensor_parallel.autotp_size`, the ranks the engine shards the model's linear
+        layers over (0 and 1: none); the deepspeed-autotp recipe (llmsim/model/ds_script.py)."""
+        return int((self.config.get("tensor_parallel") or {}).get("autotp_size") or 0)
+
     def zero(self):
         """DeepSpeed's own parsed zero_optimization section, with DeepSpeed's defaults."""
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -326,9 +332,19 @@ def _as_dtype(name) -> "torch.dtype | None":
 
 
 _FEATURES = (
-    _Feature("tensor_parallel.autotp_size", "AutoTP training: the engine shards the model's linear layers over "
-             "tensor-parallel ranks", lambda p, c: p.tensor_parallel_config.autotp_size, lambda v, p: v > 1,
-             "0 or 1 (no AutoTP; transformers' TP plan is modelled with --tp, without --ds-config)"),
+    # AutoTP's own settings, modelled at DeepSpeed's defaults (the deepspeed-autotp recipe, llmsim/model/ds_script.py)
+    *(_Feature(f"tensor_parallel.{key}", f"AutoTP's {what}", lambda p, c, k=key: getattr(p.tensor_parallel_config, k),
+               lambda v, p, d=default: p.tensor_parallel_config.autotp_size > 1 and v != d, shown)
+      for key, what, default, shown in (
+          ("tp_overlap_comm", "all-reduce overlapped with compute", False, "false"),
+          ("vocab_parallel_lm_head", "choice of a vocabulary-parallel LM head", None, "unset (DeepSpeed's default)"),
+          ("vocab_parallel_ce_backend", "cross-entropy backend", "torch", "\"torch\""),
+          ("partition_config", "custom partition of the layers", None, "unset (the model's TP plan or AutoTP's "
+                                                                        "parser)"),
+          ("injection_policy_tuple", "injection policy", None, "unset"),
+          ("preset_model", "preset partition", None, "unset"),
+          ("keep_module_on_host", "layers kept on the host", False, "false"),
+          ("replace_with_kernel_inject", "inference kernels", False, "false"))),
     _Feature("expert_parallel.enabled", "AutoEP: the engine shards a mixture of experts over expert-parallel ranks",
              lambda p, c: p.expert_parallel_config.enabled, lambda v, p: v, "disabled"),
     _Feature("sequence_parallel_size", "Ulysses sequence parallelism", lambda p, c: c.get("sequence_parallel_size", 1),

@@ -76,6 +76,20 @@ FSDP_WRAPS = ("layers", "transformers", "accelerate")
 
 
 @dataclass(frozen=True)
+class DsAutoTpSetup:
+    """DeepSpeed's AutoTP training (recipe deepspeed-autotp, llmsim/model/ds_script.py): the resolved DeepSpeed config
+    (canonical JSON), the world size (autotp_size x the data-parallel ranks) and the traced rank."""
+
+    config_json: str
+    world_size: int
+    rank: int = 0
+
+    @property
+    def config(self) -> dict:
+        return json.loads(self.config_json)
+
+
+@dataclass(frozen=True)
 class DsPipeSetup:
     """DeepSpeed's pipeline engine (recipe deepspeed-pipe, llmsim/model/ds_pipe.py): the resolved DeepSpeed config
     (canonical JSON), the data-parallel degree, the traced rank's place among the replicas, and PipelineModule's
@@ -275,6 +289,8 @@ class TrainSetup:
     # The deepspeed-pipe recipe's DeepSpeed config and traced rank (its pp_stage above; the steps' micro-batches are
     # n_microbatches, DeepSpeed's gradient_accumulation_steps)
     ds_pipe: DsPipeSetup | None = None
+    # The deepspeed-autotp recipe's DeepSpeed config, world and traced rank (tp above is its autotp_size)
+    ds_autotp: DsAutoTpSetup | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "ckpt_every", "steps", "tp", "ep", "pp", "n_microbatches",
@@ -304,6 +320,9 @@ class TrainSetup:
                                  "loop casts nothing after from_pretrained)")
         if (self.recipe is Recipe.DEEPSPEED_PIPE) != (self.ds_pipe is not None):
             raise InputError("the deepspeed-pipe recipe needs its DeepSpeed config (DsPipeSetup), and only it takes one")
+        if (self.recipe is Recipe.DEEPSPEED_AUTOTP) != (self.ds_autotp is not None):
+            raise InputError("the deepspeed-autotp recipe needs its DeepSpeed config (DsAutoTpSetup), and only it "
+                             "takes one")
         if (self.quantization_config is not None or self.kbit_prep) and not self.recipe.trainer:
             raise InputError("a BitsAndBytesConfig file is read with --training-args (the hf-trainer recipe); for "
                              "the canonical step use --quant")

@@ -21,14 +21,12 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmsim.enums import Attention, Category, Loss, Optimizer, Phase, Precision
-from llmsim.model.host_memory import optimizer_offload
-from llmsim.model.losses import compute_loss, install_loss
-from llmsim.model.offload import host_peak_bytes, offloading, split_host
+from llmsim.enums import Attention, Loss, Optimizer, Precision
+from llmsim.model.ds_script import build_causal_lm, run_deepspeed as run_deepspeed_script
+from llmsim.model.offload import host_peak_bytes, split_host
 from llmsim.sim.peaks import replay
 from llmsim.inputs.spec import ModelSpec, TrainSetup
-from llmsim.model.step import (LayerHooks, add_peft, enable_checkpointing, import_peft, make_optimizer, optimizer_class,
-                         run_canonical_step, run_pipeline_step, uses_peft)
+from llmsim.model.step import run_canonical_step, run_pipeline_step
 from llmsim.model.tensor_parallel import parallel_mesh
 from llmsim.model.trace import model_builder, rank_builders
 from llmsim.model.tracker import StorageTracker
@@ -39,57 +37,14 @@ GLOO_SETTLE_S = 0.001
 
 
 def _build(job: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(**json.loads(job["config_json"]))
-    dtype = torch.bfloat16 if job.get("build_bf16") else torch.float32
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=job["attention"])
+    return build_causal_lm(job["config_json"], job["attention"], bool(job.get("build_bf16")))
 
 
 def run_deepspeed(job: dict, tracker: StorageTracker) -> None:
-    """The canonical step's levers as a DeepSpeed script pulls them: the loss lever patches the model's forward
-    and peft wraps it before `deepspeed.initialize`, checkpointing (with its offload) is enabled on the base
-    model, and the engine's forward takes the lever's arguments (llmsim/model/losses.py, `compute_loss`)."""
-    import deepspeed
-    from transformers.integrations import HfDeepSpeedConfig
-
-    ds_config = job["ds_config"]
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    setup = _setup(job)
-    import_peft(setup)
-    optimizer_class(setup.optimizer)  # imported before the step, as a training script does
-    with tracker, offloading(tracker, setup.ckpt_offload), optimizer_offload(tracker, ds_config), \
-            _deepspeed_settled(bool(job.get("ds_gloo_settle"))):
-        keep_alive = HfDeepSpeedConfig(ds_config) if stage == 3 else None  # zero.Init inside from_config
-        base = model = _build(job)
-        hooks = LayerHooks(tracker, model, None)
-        model.train()
-        install_loss(base, setup)
-        vocab_size = base.get_input_embeddings().num_embeddings  # before peft wraps it (trainable tokens)
-        if uses_peft(setup):  # as a Trainer script does: get_peft_model outside zero.Init, then initialize
-            model = add_peft(model, setup)
-            hooks.adopt_new_parameters()
-        if job["grad_ckpt"]:
-            enable_checkpointing(base, job["ckpt_every"], setup.ckpt_offload)
-        # the client optimizer, built as the canonical step builds it (torch.optim.AdamW unless --optimizer,
-        # with --foreach / --fused)
-        optimizer = None if "optimizer" in ds_config else make_optimizer(model.parameters(), setup)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-        hooks.label_model()
-        batch = torch.randint(0, vocab_size, (job["micro_batch"], job["seq_len"]))
-        tracker.label([batch], Category.INPUT)
-        for step in range(job["steps"]):
-            for _ in range(setup.grad_accum):  # gradient_accumulation_steps micro-steps, each ending in step()
-                tracker.set_phase(step, Phase.FORWARD)
-                loss = compute_loss(engine, batch, setup)
-                tracker.set_phase(step, Phase.BACKWARD)
-                hooks.enter_backward()
-                engine.backward(loss)  # divides the loss by gradient_accumulation_steps itself
-                if engine.is_gradient_accumulation_boundary():  # else step() only counts the micro-step
-                    tracker.set_phase(step, Phase.OPTIMIZER)
-                engine.step()
-        tracker.finish()
-    del keep_alive
+    """The DeepSpeed script with the canonical step's levers (llmsim/model/ds_script.py, `run_deepspeed`): under
+    AutoTP the same code the trace runs."""
+    run_deepspeed_script(job["config_json"], job["ds_config"], _setup(job), tracker,
+                         settled=_deepspeed_settled(bool(job.get("ds_gloo_settle"))))
 
 
 def run_deepspeed_pipe(job: dict, tracker: StorageTracker) -> None:

@@ -18,6 +18,7 @@ from llmsim.inputs.spec import LLM_INT8_THRESHOLD, FsdpSetup, ModelSpec, TrainSe
 from llmsim.inputs.dsconfig import DeepSpeedSetup
 from llmsim.inputs.hf import trainer_setup
 from llmsim.model.ds_pipe import on_engine
+from llmsim.model.ds_script import on_autotp
 from llmsim.model.pipelining import Schedule
 from llmsim.sim.strategies import Layout, Strategy, trainer_layout
 from llmsim.errors import InputError
@@ -90,6 +91,8 @@ def row_inputs(row: pd.Series) -> tuple[ModelSpec, TrainSetup, Layout]:
                     ep=_int(row, "ep", 1), pp=_int(row, "pp", 1), n_microbatches=_int(row, "n_microbatches", 1),
                     schedule=Schedule(schedule) if isinstance(schedule, str) and schedule else Schedule.GPIPE,
                     pp_split=_split(row), stages_per_rank=_int(row, "stages_per_rank", 1))
+    if row.get("recipe") == Recipe.DEEPSPEED_AUTOTP.value:  # the DeepSpeed script with AutoTP, as the CLI reads it
+        return spec, on_autotp(setup, layout), layout
     return spec, setup, layout
 
 
@@ -213,7 +216,8 @@ def _within(row: pd.Series, error: float, tolerance: float) -> bool:
 
 def _strategy_name(layout: Layout) -> str:
     if layout.deepspeed is not None:
-        return f"zero{layout.deepspeed.stage}"
+        autotp = layout.deepspeed.autotp_size
+        return f"zero{layout.deepspeed.stage}" + (f"-autotp{autotp}" if autotp > 1 else "")
     return layout.strategy.value
 
 

@@ -382,6 +382,9 @@ def checked_setup(spec, setup, layout):
     if layout.tp > 1:
         raise InputError(f"DeepSpeed's pipeline engine with tp({layout.tp}) is Megatron's model parallelism (an mpu), "
                          "not modelled; modelled: pp x dp")
+    if layout.deepspeed.autotp_size > 1:
+        raise InputError(f"DeepSpeed's pipeline engine with tensor_parallel.autotp_size({layout.deepspeed.autotp_size})"
+                         " is not modelled; modelled: AutoTP without --pp, and the pipeline engine over pp x dp")
     config = setup.ds_pipe.config
     zero = config.get("zero_optimization", {})
     stage = int(zero.get("stage", 0))

@@ -228,6 +228,24 @@ class HostMemory:
         with self._modes(patches):
             yield self
 
+    @contextlib.contextmanager
+    def active_host_build(self):
+        """The DeepSpeed script on a GPU with AutoTP: its model is built where `from_pretrained` and `from_config`
+        build without a device, the host, so every storage live when `deepspeed.initialize` makes its engine is the
+        host's. AutoTP's shards (module_inject/layers.py `move`: `tensor.to(get_accelerator().current_device_name(),
+        copy=True)`) and the engine's `module.to(self.device)` (`_configure_distributed_model`) are crossings,
+        copies on the device, and what the engine casts before that move (bf16) it casts on the host."""
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        init, memory = DeepSpeedEngine.__init__, self
+
+        def from_the_host(engine, *args, **kwargs):
+            memory.host.update(live.serial for live in memory.tracker._live.values())
+            return init(engine, *args, **kwargs)
+
+        with self._modes([mock.patch.object(DeepSpeedEngine, "__init__", from_the_host)]):
+            yield self
+
     def _loaded_shards_to_the_host(self):
         """accelerate's `fsdp2_load_full_state_dict(..., cpu_offload=True)` (cpu_ram_efficient_loading with
         CPUOffloadPolicy) moves each loaded shard, a DTensor, to the host with a literal `tensor.to("cpu")`, in the

@@ -390,6 +390,9 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     if setup.recipe is Recipe.DEEPSPEED_PIPE:  # DeepSpeed's own pipeline engine, the stage traced whole
         timeline, info = trace_ds_pipe(spec, setup)
         return Trace(timeline, info, 1, 1, 1)
+    if setup.recipe is Recipe.DEEPSPEED_AUTOTP:  # DeepSpeed's AutoTP and ZeRO, the rank traced whole
+        timeline, info = trace_ds_autotp(spec, setup)
+        return Trace(timeline, info, 1, 1, 1)
     if spec.factory is not None:  # an arbitrary nn.Module cannot be cut to fewer layers: trace it whole
         timeline, info = run_fake(spec, setup, None)
         return Trace(timeline, info, info.num_blocks, 1, info.num_blocks)
@@ -430,6 +433,37 @@ def trace_ds_pipe(spec: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, Ste
     replica `ds_pipe.dp_rank`) runs it, under fake tensors and a fake process group of pp x dp ranks, with the
     kernels of `setup`'s target: the tracker's timeline and the step's StepInfo, no memory used. Every stage is
     traced whole (no reduced depth)."""
+    from llmsim.model import ds_pipe
+
+    pipe = setup.ds_pipe
+    tracker = StorageTracker()
+    ds_pipe._parts(spec.config_json)  # the modeling module imported and read off a meta build, outside the fake mode
+    with _deepspeed_traced(setup, setup.pp * pipe.dp, setup.pp_stage * pipe.dp + pipe.dp_rank,
+                           int(ds_pipe.hf_config(spec.config_json).hidden_size)):
+        info = ds_pipe.run_step(spec.config_json, pipe.config, setup.pp, setup.micro_batch, setup.seq_len,
+                                setup.steps, ds_pipe.ckpt_interval(setup), tracker, pipe.partition_method)
+    return tracker.timeline(), info
+
+
+def trace_ds_autotp(spec: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, StepInfo]:
+    """The deepspeed-autotp recipe (llmsim/model/ds_script.py, `run_deepspeed`: the DeepSpeed script the measured
+    runs execute, its JSON's tensor_parallel.autotp_size sharding the model inside `deepspeed.initialize`) as rank
+    `ds_autotp.rank` of `ds_autotp.world_size` runs it, under fake tensors and a fake process group, with the kernels
+    of `setup`'s target. Traced whole: DeepSpeed's engine, AutoTP's layers and ZeRO's partitions run as they are."""
+    from llmsim.model import ds_script
+
+    autotp = setup.ds_autotp
+    tracker = StorageTracker()
+    with _deepspeed_traced(setup, autotp.world_size, autotp.rank, int(spec.hf_config().hidden_size)), \
+            ds_script.autotp_patches(), decide_like_a_real_run():  # the whole model: transformers' mask decisions
+        info = ds_script.run_deepspeed(spec.config_json, autotp.config, replace(setup, tp=1), tracker)
+    return tracker.timeline(), info
+
+
+@contextlib.contextmanager
+def _deepspeed_traced(setup: TrainSetup, world: int, rank: int, hidden: int):
+    """DeepSpeed's own code as rank `rank` of `world` runs it, under a fake process group and fake tensors, with the
+    kernels of `setup`'s target (ds_pipe.traced_patches answers what DeepSpeed reads off values)."""
     import io
     import os
 
@@ -437,15 +471,10 @@ def trace_ds_pipe(spec: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, Ste
 
     from llmsim.model import ds_pipe
 
-    pipe = setup.ds_pipe
-    tracker = StorageTracker()
-    hidden = int(ds_pipe.hf_config(spec.config_json).hidden_size)
-    ds_pipe._parts(spec.config_json)  # the modeling module imported and read off a meta build, outside the fake mode
-    rank, world = setup.pp_stage * pipe.dp + pipe.dp_rank, setup.pp * pipe.dp
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake_process_group(world, rank=rank))
         stack.enter_context(ds_pipe.deepspeed_groups_kept_apart())
-        # PipelineModule reads its local rank (the device index it builds on) from the launcher's environment
+        # DeepSpeed reads its local rank (the device index it builds on) from the launcher's environment
         stack.enter_context(mock.patch.dict(os.environ, {"LOCAL_RANK": "0", "RANK": str(rank),
                                                          "WORLD_SIZE": str(world)}))
         # DeepSpeed's comm over the fake group made above, without its CPU shared-memory kernel: a JIT-built op (20 s
@@ -460,9 +489,7 @@ def trace_ds_pipe(spec: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, Ste
         stack.enter_context(mock.patch.object(FakeTensor, "__deepcopy__", _deepcopy_as_on_cpu, create=True))
         stack.enter_context(cuda_kernels(setup))
         stack.enter_context(ds_pipe.traced_patches(setup.micro_batch, setup.seq_len, hidden))
-        info = ds_pipe.run_step(spec.config_json, pipe.config, setup.pp, setup.micro_batch, setup.seq_len,
-                                setup.steps, ds_pipe.ckpt_interval(setup), tracker, pipe.partition_method)
-    return tracker.timeline(), info
+        yield
 
 
 def _run_replaying_chunks(spec: ModelSpec, setup: TrainSetup, depth: int) -> tuple[pd.DataFrame, StepInfo]:

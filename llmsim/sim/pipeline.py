@@ -36,8 +36,8 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
     nvme = None
     with collector_paused():
         setup = checked(model, setup, layout, gpu)  # what is refused, one line each; the setup the trace runs
-        if setup.recipe is Recipe.DEEPSPEED_PIPE:  # DeepSpeed's pipeline engine: each rank traced as it runs
-            rank_timelines, graph = _ds_pipe_ranks(model, setup, layout, jobs)
+        if setup.recipe in (Recipe.DEEPSPEED_PIPE, Recipe.DEEPSPEED_AUTOTP):  # DeepSpeed's pipeline engine, its
+            rank_timelines, graph = _ds_engine_ranks(model, setup, layout, jobs)  # AutoTP: each rank traced as it runs
         elif layout.pp > 1:  # one trace per stage, shared by the stage's TP ranks in every replica
             stages = stage_timelines(model, setup, layout, progress, jobs,
                                      planned=functools.partial(replay_ahead, gpu=gpu, alloc_conf=alloc_conf))
@@ -70,22 +70,27 @@ def predict(model: ModelSpec, setup: TrainSetup, layout: Layout = Layout(),
         return Prediction(model, setup, layout, ranks, graph, gpu, alloc_conf, routing_bound=bound, nvme_bytes=nvme)
 
 
-def _ds_pipe_ranks(model: ModelSpec, setup: TrainSetup, layout: Layout, jobs: int = 1):
+def _ds_engine_ranks(model: ModelSpec, setup: TrainSetup, layout: Layout, jobs: int = 1):
     """Every rank of DeepSpeed's pipeline engine, numbered as DeepSpeed's topology numbers them (stage x dp +
-    data-parallel rank), each its own trace (in `jobs` local processes): the engine, ZeRO's partitions and the
-    stage's buffers are DeepSpeed's code run under fake tensors (llmsim/model/ds_pipe.py), no strategy plans them.
-    A stage's replicas differ where ZeRO-1 (and bf16's optimizer under ZeRO-0) partition the flat parameters over
-    them, so each is traced: at most ds_pipe.MAX_TRACED_RANKS ranks."""
+    data-parallel rank), or of DeepSpeed's AutoTP (by global rank), each its own trace (in `jobs` local processes):
+    the engine, ZeRO's partitions, the stage's buffers and AutoTP's shards are DeepSpeed's code run under fake
+    tensors (llmsim/model/ds_pipe.py, llmsim/model/ds_script.py), no strategy plans them. A stage's replicas differ
+    where ZeRO-1 (and bf16's optimizer under ZeRO-0) partition the flat parameters over them, and AutoTP's ranks by
+    their shards and partitions too, so each is traced: at most MAX_TRACED_RANKS ranks."""
     from llmsim.model.ds_pipe import MAX_TRACED_RANKS
     from llmsim.sim.processes import as_done_in_processes
     from llmsim.sim.traced import _EXPANDED, _expand_key, _remember
 
-    if layout.world_size > MAX_TRACED_RANKS:
-        raise InputError(f"DeepSpeed's pipeline engine is traced rank by rank (each replica's ZeRO partition is its "
-                         f"own): pp({layout.pp}) x dp({layout.dp}) = {layout.world_size} ranks is more than the "
-                         f"{MAX_TRACED_RANKS} llmsim traces")
-    keys = [(model, replace(setup, pp_stage=stage, ds_pipe=replace(setup.ds_pipe, dp_rank=dp_rank)))
-            for stage in range(layout.pp) for dp_rank in range(layout.dp)]
+    if setup.recipe is Recipe.DEEPSPEED_AUTOTP:  # its own limit, checked with the rest (ds_script.checked_setup)
+        keys = [(model, replace(setup, ds_autotp=replace(setup.ds_autotp, rank=rank)))
+                for rank in range(layout.world_size)]
+    else:
+        if layout.world_size > MAX_TRACED_RANKS:
+            raise InputError(f"DeepSpeed's pipeline engine is traced rank by rank (each replica's ZeRO partition is "
+                             f"its own): pp({layout.pp}) x dp({layout.dp}) = {layout.world_size} ranks is more than "
+                             f"the {MAX_TRACED_RANKS} llmsim traces")
+        keys = [(model, replace(setup, pp_stage=stage, ds_pipe=replace(setup.ds_pipe, dp_rank=dp_rank)))
+                for stage in range(layout.pp) for dp_rank in range(layout.dp)]
     found = {index: _EXPANDED[key] for index, key in enumerate(keys) if key in _EXPANDED}
     missing = [index for index in range(len(keys)) if index not in found]
     work = as_done_in_processes(_expand_key, [keys[index] for index in missing], min(jobs, len(missing))) \
@@ -113,6 +118,11 @@ def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile
         from llmsim.model.ds_pipe import checked_setup
 
         setup = checked_setup(model, setup, layout)
+        return setup if gpu is None else on_gpu(setup, gpu)
+    if setup.recipe is Recipe.DEEPSPEED_AUTOTP:  # DeepSpeed's AutoTP: the same, the script's own checks
+        from llmsim.model import ds_script
+
+        setup = ds_script.checked_setup(model, setup, layout)
         return setup if gpu is None else on_gpu(setup, gpu)
     if gpu is not None:
         setup = on_gpu(setup, gpu)

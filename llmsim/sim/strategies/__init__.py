@@ -309,6 +309,10 @@ def check_supported(setup, layout: Layout) -> None:
     if layout.deepspeed is not None and layout.pp > 1:
         raise InputError(f"DeepSpeed with pp({layout.pp}) runs DeepSpeed's pipeline engine: the deepspeed-pipe "
                          f"recipe (llmsim/model/ds_pipe.py), not recipe {setup.recipe.value}")
+    if layout.deepspeed is not None and layout.deepspeed.autotp_size > 1:
+        raise InputError(f"DeepSpeed's AutoTP (tensor_parallel.autotp_size {layout.deepspeed.autotp_size}) is "
+                         "modelled as the DeepSpeed script runs it (the deepspeed-autotp recipe, --ds-config), not "
+                         f"as recipe {setup.recipe.value}")
     if layout.deepspeed is not None:
         check_deepspeed_optimizer(setup, layout.deepspeed)
         if layout.deepspeed.offloads_optimizer:
