@@ -139,3 +139,17 @@ def test_the_trainer_under_autotp_is_refused(tmp_path, capsys):
                  "--dtype", "float32"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "AutoTP" in err, err
+
+
+def test_compare_takes_checkpointing_as_the_lever(tmp_path):
+    """Under AutoTP the JSON sets precision and optimizer, as under the pipeline engine: compare tries
+    checkpointing (off, every 2 layers, every layer) on the JSON as given."""
+    from llmsim.app.compare import compare_levers
+    from llmsim.app.options import build_parser, inputs
+
+    spec, setup, layout = inputs(build_parser().parse_args(
+        ["predict", *TINY[:-2], "--set", "num_hidden_layers=4", "--seq-len", "128", "--ds-config",
+         _write(tmp_path, BASE), "--world-size", "2"]))
+    frame = compare_levers(spec, setup, layout)
+    assert list(frame["lever"]) == ["baseline: the DeepSpeed JSON", "checkpointing every 2 layers", "checkpointing"]
+    assert frame["device_total_bytes"].iloc[2] < frame["device_total_bytes"].iloc[0]

@@ -51,12 +51,20 @@ LEVERS: list[tuple[str, dict]] = [
 ]
 
 
-# DeepSpeed's pipeline engine (recipe deepspeed-pipe): its JSON decides the precision and the optimizer, and the
-# canonical step's other levers are not modelled with it; PipelineModule's activation_checkpoint_interval is the lever
+# DeepSpeed's pipeline engine (recipe deepspeed-pipe) and its AutoTP (deepspeed-autotp): the JSON decides the precision
+# and the optimizer, and the canonical step's other levers are not modelled with them; checkpointing is the lever
+# (PipelineModule's activation_checkpoint_interval; under AutoTP transformers' gradient checkpointing, the same labels)
 PIPE_LEVERS: list[tuple[str, dict]] = [
     ("baseline: the DeepSpeed JSON", {}),
     ("checkpointing every 2 layers (activation_checkpoint_interval=2)", {"grad_ckpt": True, "ckpt_every": 2}),
     ("checkpointing (activation_checkpoint_interval=1)", {"grad_ckpt": True}),
+]
+
+
+AUTOTP_LEVERS: list[tuple[str, dict]] = [
+    ("baseline: the DeepSpeed JSON", {}),
+    ("checkpointing every 2 layers", {"grad_ckpt": True, "ckpt_every": 2}),
+    ("checkpointing", {"grad_ckpt": True}),
 ]
 
 
@@ -68,9 +76,10 @@ def compare_levers(model: ModelSpec, base: TrainSetup, layout: Layout = Layout()
     lever set is its own trace: `jobs` local processes share them."""
     from llmsim.sim.processes import in_processes
 
-    if base.recipe is Recipe.DEEPSPEED_PIPE:  # the JSON sets the precision and the optimizer: checkpointing is the lever
-        base = replace(base, grad_ckpt=False, ckpt_every=1)
-        chosen = [(label, replace(base, **overrides)) for label, overrides in PIPE_LEVERS]
+    if base.recipe in (Recipe.DEEPSPEED_PIPE, Recipe.DEEPSPEED_AUTOTP):  # the JSON sets the precision and the
+        base = replace(base, grad_ckpt=False, ckpt_every=1)  # optimizer: checkpointing is the lever
+        levers = PIPE_LEVERS if base.recipe is Recipe.DEEPSPEED_PIPE else AUTOTP_LEVERS
+        chosen = [(label, replace(base, **overrides)) for label, overrides in levers]
         rows = in_processes(functools.partial(_lever_row, model, layout, gpu, alloc_conf), chosen, jobs, progress,
                             "lever")
         frame = pd.DataFrame(rows)
