@@ -25,8 +25,11 @@ SHAPES = {  # zoo model -> (hidden, layers, vocab, heads): every size divides by
     "llama-2-7b": (128, 3, 2000, 4), "mistral-7b": (128, 3, 1500, 16), "qwen2.5-7b": (112, 3, 3000, 28),
     "pythia-160m": (128, 3, 2048, 4), "llama-3.1-8b": (128, 3, 2500, 16), "qwen2.5-0.5b": (112, 3, 3000, 28),
 }
+ZERO2_EXAMPLE = {"overlap_comm": True, "contiguous_gradients": True, "allgather_partitions": True,
+                 "allgather_bucket_size": 2e8, "reduce_scatter": True}
 # (model, world, autotp_size, ZeRO stage, precision, checkpointing, micro_batch, seq_len, gradient_accumulation_steps,
-#  the JSON's "optimizer" section (DeepSpeed's FusedAdam) rather than the client torch.optim.AdamW)
+#  the JSON's "optimizer" section (DeepSpeed's FusedAdam) rather than the client torch.optim.AdamW[, more
+#  zero_optimization keys])
 RUNS = [
     ("llama-2-7b", 2, 2, 1, "bf16", False, 2, 64, 1, False),
     ("llama-2-7b", 2, 2, 0, "fp32", False, 2, 64, 1, False),
@@ -40,15 +43,19 @@ RUNS = [
     ("pythia-160m", 2, 2, 1, "fp32", False, 2, 64, 1, False),
     ("llama-3.1-8b", 4, 4, 1, "bf16", False, 1, 64, 1, True),
     ("llama-2-7b", 4, 2, 0, "bf16", False, 2, 64, 1, False),
+    # transformers' example ZeRO-2 JSON (examples/ds_zero2.json: overlap_comm, contiguous gradients, a 2e8 all-gather
+    # bucket) with AutoTP added
+    ("llama-2-7b", 4, 2, 2, "bf16", True, 2, 64, 1, False, ZERO2_EXAMPLE),
+    ("mistral-7b", 4, 2, 2, "bf16", False, 1, 64, 2, False, ZERO2_EXAMPLE),
 ]
 
 
 def config(run: tuple) -> dict:
     """The run's DeepSpeed JSON, as a user writes one for AutoTP (the HF integration's "auto" bucket size)."""
-    _, _, autotp, stage, precision, _, mb, _, accumulation, ds_optimizer = run
+    _, _, autotp, stage, precision, _, mb, _, accumulation, ds_optimizer = run[:10]
     json = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": accumulation,
             "gradient_clipping": 1.0, "bf16": {"enabled": precision == "bf16"},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto", **(run[10] if len(run) > 10 else {})},
             "tensor_parallel": {"autotp_size": autotp}}
     if ds_optimizer:
         json["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-5}}
@@ -64,7 +71,7 @@ def main() -> int:
     for index, run in enumerate(RUNS):
         if args.only is not None and index not in args.only:
             continue
-        model, world, _, _, precision, ckpt, mb, seq, accumulation, _ = run
+        model, world, _, _, precision, ckpt, mb, seq, accumulation = run[:9]
         spec = load_model_spec(model, shrink(model, *SHAPES[model]))
         deepspeed = ds_setup(config(run), world, int(spec.hf_config().hidden_size), None, None)
         layout = Layout(Strategy.DEEPSPEED, world, deepspeed)
