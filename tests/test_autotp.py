@@ -117,6 +117,8 @@ REFUSED = [
     ({}, ["--pp", "2"], "--tp/--pp with DeepSpeed's AutoTP (tensor_parallel.autotp_size 2)"),
     ({}, ["--tp", "2"], "with strategy deepspeed is not modelled"),
     ({"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True}}, [], "tensor_parallel.tp_overlap_comm(true)"),
+    ({}, ["--set", "tie_word_embeddings=true", "--set", "vocab_size=255"],
+     "a head tied to the embedding with vocab_size(255) that tensor_parallel.autotp_size(2) does not divide"),
 ]
 
 
