@@ -157,3 +157,20 @@ def test_compare_takes_checkpointing_as_the_lever(tmp_path):
     frame = compare_levers(spec, setup, layout)
     assert list(frame["lever"]) == ["baseline: the DeepSpeed JSON", "checkpointing every 2 layers", "checkpointing"]
     assert frame["device_total_bytes"].iloc[2] < frame["device_total_bytes"].iloc[0]
+
+
+def test_what_would_make_it_fit_is_the_scripts_lever(tmp_path):
+    """`--suggest` (on by default where a job does not fit) under AutoTP: the JSON sets the precision, optimizer and
+    layout, so checkpointing is what is tried; the canonical step's levers are not (building one, a fused optimizer,
+    stopped a 70B prediction with a refusal naming tp(8))."""
+    from llmsim.app.advice import candidates
+    from llmsim.app.options import build_parser, inputs
+
+    spec, setup, layout = inputs(build_parser().parse_args(
+        ["predict", *TINY, "--ds-config", _write(tmp_path, BASE), "--world-size", "2"]))
+    assert [change.change for change in candidates(spec, setup, layout)] == ["--grad-ckpt"]
+    changed = candidates(spec, setup, layout)[0]
+    assert changed.setup.grad_ckpt and changed.setup.recipe is Recipe.DEEPSPEED_AUTOTP and changed.layout == layout
+    spec, setup, layout = inputs(build_parser().parse_args(
+        ["predict", *TINY, "--ds-config", _write(tmp_path, BASE), "--world-size", "2", "--grad-ckpt"]))
+    assert candidates(spec, setup, layout) == []

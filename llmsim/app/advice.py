@@ -83,6 +83,10 @@ def suggestions(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuPro
 def candidates(model: ModelSpec, setup: TrainSetup, layout: Layout) -> list[Change]:
     if setup.recipe.trainer:
         return _trainer_changes(model, setup, layout)
+    if setup.recipe is Recipe.DEEPSPEED_AUTOTP:  # the JSON sets the precision, the optimizer and the layout:
+        return [] if setup.grad_ckpt else [Change(  # checkpointing is the script's own lever (as `compare` tries)
+            "--grad-ckpt", "more compute: each layer's forward runs again in the backward",
+            as_loaded(setup, grad_ckpt=True), layout)]
     return _canonical_levers(model, setup, layout) + _canonical_layouts(model, setup, layout)
 
 
