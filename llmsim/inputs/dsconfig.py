@@ -128,15 +128,19 @@ class DeepSpeedSetup:
 
     @property
     def autotp_size(self) -> int:
-        """DeepSpeed's AutoTP training: `tensor_parallel.autotp_size`, the ranks the engine shards the model's linear
-        layers over (0 and 1: none); the deepspeed-autotp recipe (llmsim/model/ds_script.py)."""
-        return int((self.config.get("tensor_parallel") or {}).get("autotp_size") or 0)
+        return autotp_size(self.config)
 
     def zero(self):
         """DeepSpeed's own parsed zero_optimization section, with DeepSpeed's defaults."""
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
         return DeepSpeedZeroConfig(**self.config.get("zero_optimization", {}))
+
+
+def autotp_size(config: dict) -> int:
+    """DeepSpeed's AutoTP training: the JSON's `tensor_parallel.autotp_size`, the ranks the engine shards the model's
+    linear layers over (0 and 1: none); the deepspeed-autotp recipe (llmsim/model/ds_script.py)."""
+    return int((config.get("tensor_parallel") or {}).get("autotp_size") or 0)
 
 
 def load_ds_config(path: str | Path, world_size: int, hidden_size: int, micro_batch: int | None,

@@ -285,20 +285,14 @@ def measure_distributed(spec: ModelSpec, setup: TrainSetup, layout: Layout,
             "partition_method": setup.ds_pipe.partition_method, "ds_gloo_settle": ds_gloo_settle},
             timeout_s, {"partition_method": setup.ds_pipe.partition_method,
                         **({"gloo_settle": True} if ds_gloo_settle else {})})
-    if setup.recipe is Recipe.DEEPSPEED_AUTOTP:  # the DeepSpeed script, its JSON's AutoTP sharding the model
-        from llmsim.model.ds_script import checked_setup
+    if setup.recipe is Recipe.DEEPSPEED_AUTOTP:  # the DeepSpeed script, its JSON's AutoTP sharding the model: its
+        from llmsim.model.ds_script import checked_setup  # own checks, then the DeepSpeed job below
 
         setup = checked_setup(spec, setup, layout)
-        return _rows(spec, setup, layout, {
-            "framework": "deepspeed", "config_json": spec.config_json, "ds_config": layout.deepspeed.config,
-            "attention": setup.attention.value, "micro_batch": setup.micro_batch, "seq_len": setup.seq_len,
-            "steps": setup.steps, "precision": setup.precision.value, "grad_ckpt": setup.grad_ckpt,
-            "ckpt_every": setup.ckpt_every, "grad_accum": setup.grad_accum, "build_bf16": setup.build_bf16,
-            "optimizer": setup.optimizer.value, "foreach": setup.foreach, "fused": setup.fused,
-            "ds_gloo_settle": ds_gloo_settle}, timeout_s, {"gloo_settle": True} if ds_gloo_settle else {})
-    setup = resolve_attention(spec, setup)
-    check_fits_positions(spec, setup)
-    check_supported(setup, layout)  # what is not modelled (e.g. ckpt-offload with ZeRO) is not measured either
+    else:
+        setup = resolve_attention(spec, setup)
+        check_fits_positions(spec, setup)
+        check_supported(setup, layout)  # what is not modelled (e.g. ckpt-offload with ZeRO) is not measured either
     check_swapper_measurable(layout.deepspeed)
     if layout.fsdp is not None and layout.fsdp.wrap != "layers":  # llmsim/measure/dist_worker.py wraps per layer
         raise InputError("FSDP2 as transformers applies it is measured through transformers' own entry point: "

@@ -43,7 +43,7 @@ from llmsim.model.tracker import StorageTracker
 PARTITION_METHOD = "parameters"  # PipelineModule's default: the layers split so each stage holds as many parameters
 # Each rank is traced whole, its own trace (a replica's ZeRO partition is its own): 7-9 s a rank for a stage of five
 # Llama-2-70B layers over 16 micro-batches, so a layout of more ranks is refused rather than left running for an hour
-MAX_TRACED_RANKS = 64
+MAX_TRACED_RANKS = 64  # DeepSpeed's AutoTP, each rank traced whole too, takes the same limit (ds_script.py)
 # PipelineModule's checkpointable_layers: only the decoder layers, as the DeepSpeed pipeline models of Megatron and
 # GPT-NeoX restrict it (GPTModelPipe: ParallelTransformerLayerPipe). DeepSpeed's default checkpoints every chunk with
 # parameters, the input embedding too, whose reentrant checkpoint of integer ids gives an output without a gradient
@@ -199,7 +199,7 @@ def run_step(config_json: str, ds_config: dict, num_stages: int, micro_batch: in
 def _phases_followed(engine, tracker: StorageTracker) -> None:
     """The tracker's phase follows the engine's instructions: forward, backward, then the reduction and the
     optimizer step (the schedule interleaves micro-batches' forwards and backwards); after each instruction what
-    DeepSpeed holds is named (`_label_engine`)."""
+    DeepSpeed holds is named (`label_engine`)."""
     from deepspeed.runtime.pipe import schedule
 
     phases = {schedule.ForwardPass: Phase.FORWARD, schedule.BackwardPass: Phase.BACKWARD,
@@ -211,7 +211,7 @@ def _phases_followed(engine, tracker: StorageTracker) -> None:
             if kind in phases:
                 tracker.set_phase(tracker.step, phases[kind])
             result = run(self, *args, **kwargs)
-            _label_engine(self, tracker)
+            label_engine(self, tracker)
             return result
         return instruction
     for kind in instructions:
@@ -251,7 +251,7 @@ def _buckets(optimizer) -> list[torch.Tensor]:
             for tensor in _tensors(getattr(bucket, "buffer", None))]
 
 
-def _label_engine(engine, tracker: StorageTracker) -> None:
+def label_engine(engine, tracker: StorageTracker) -> None:
     """Name what the engine holds now: the optimizer's flat parameters, fp32 masters, gradient buffers, reduce
     buckets and states, the parameters' gradients, the pipe buffers and receive buffers (activations at the stage's
     boundary; the labels an input)."""

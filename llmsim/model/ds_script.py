@@ -18,7 +18,8 @@ import json
 import torch
 
 from llmsim.enums import Category, Phase
-from llmsim.model.ds_pipe import _label_engine  # the names of what DeepSpeed's optimizers hold (names only)
+from llmsim.inputs.dsconfig import autotp_size
+from llmsim.model.ds_pipe import MAX_TRACED_RANKS, label_engine
 from llmsim.model.host_memory import HostMemory, optimizer_offload
 from llmsim.model.losses import compute_loss, install_loss
 from llmsim.model.offload import offloading
@@ -34,11 +35,6 @@ def build_causal_lm(config_json: str, attention: str, build_bf16: bool = False):
     config = AutoConfig.for_model(**json.loads(config_json))
     dtype = torch.bfloat16 if build_bf16 else torch.float32
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
-
-
-def autotp_size(ds_config: dict) -> int:
-    """The JSON's `tensor_parallel.autotp_size` (0 and 1: no AutoTP)."""
-    return int((ds_config.get("tensor_parallel") or {}).get("autotp_size") or 0)
 
 
 def run_deepspeed(config_json: str, ds_config: dict, setup, tracker: StorageTracker, settled=None):
@@ -72,7 +68,7 @@ def run_deepspeed(config_json: str, ds_config: dict, setup, tracker: StorageTrac
         optimizer = None if "optimizer" in ds_config else make_optimizer(model.parameters(), setup)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         hooks.label_model()  # AutoTP's shards replace the parameters it split: named as their modules
-        _label_engine(engine, tracker)
+        label_engine(engine, tracker)
         batch = torch.randint(0, vocab_size, (setup.micro_batch, setup.seq_len))
         tracker.label([batch], Category.INPUT)
         for step in range(setup.steps):
@@ -85,7 +81,7 @@ def run_deepspeed(config_json: str, ds_config: dict, setup, tracker: StorageTrac
                 if engine.is_gradient_accumulation_boundary():  # else step() only counts the micro-step
                     tracker.set_phase(step, Phase.OPTIMIZER)
                 engine.step()
-                _label_engine(engine, tracker)
+                label_engine(engine, tracker)
         tracker.finish()
     del keep_alive
     return hooks.info(vocab_size)
@@ -148,9 +144,6 @@ def autotp_patches():
             mock.patch.object(cross_entropy, "_validate_vocab_shard_bounds", vocab_shard_bounds):
         yield
 
-
-# Each rank is traced whole (its ZeRO partition and its TP shards are its own), so a layout of more ranks is refused
-MAX_TRACED_RANKS = 64
 # What the deepspeed-autotp recipe was measured without: each is refused with it (setup field, its default, the flag)
 _NOT_TAKEN = (("lora_rank", 0, "--lora-rank"), ("quant", None, "--quant"), ("ckpt_offload", False, "--ckpt-offload"),
               ("load_dtype", None, "--dtype"), ("lora_targets", None, "--lora-targets"))

@@ -206,12 +206,8 @@ class HostMemory:
 
             from torch.distributed.fsdp._fully_shard import _fsdp_init
 
-            prepare, move = fsdp_utils.fsdp2_prepare_model, _fsdp_init._move_states_to_device
-            memory = self
-
-            def from_the_host(*args, **kwargs):
-                memory.host.update(live.serial for live in memory.tracker._live.values())
-                return prepare(*args, **kwargs)
+            move, memory = _fsdp_init._move_states_to_device, self
+            from_the_host = self._live_on_the_host(fsdp_utils.fsdp2_prepare_model)
 
             def to_the_device(params, buffers, device):
                 # what `_move_states_to_device` does for a tensor not on the mesh's device, decided here by where
@@ -237,14 +233,19 @@ class HostMemory:
         copies on the device, and what the engine casts before that move (bf16) it casts on the host."""
         from deepspeed.runtime.engine import DeepSpeedEngine
 
-        init, memory = DeepSpeedEngine.__init__, self
-
-        def from_the_host(engine, *args, **kwargs):
-            memory.host.update(live.serial for live in memory.tracker._live.values())
-            return init(engine, *args, **kwargs)
-
-        with self._modes([mock.patch.object(DeepSpeedEngine, "__init__", from_the_host)]):
+        initialized = self._live_on_the_host(DeepSpeedEngine.__init__)
+        with self._modes([mock.patch.object(DeepSpeedEngine, "__init__", initialized)]):
             yield self
+
+    def _live_on_the_host(self, fn):
+        """`fn`, where every storage live as it is called is the host's: a model built or loaded on the host before
+        the library call that moves it (accelerate's FSDP2 preparation, DeepSpeed's engine)."""
+        memory = self
+
+        def from_the_host(*args, **kwargs):
+            memory.host.update(live.serial for live in memory.tracker._live.values())
+            return fn(*args, **kwargs)
+        return from_the_host
 
     def _loaded_shards_to_the_host(self):
         """accelerate's `fsdp2_load_full_state_dict(..., cpu_offload=True)` (cpu_ram_efficient_loading with
