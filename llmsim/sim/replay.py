@@ -16,7 +16,7 @@ import pandas as pd
 from llmsim.enums import Category
 from llmsim.inputs.gpus import GpuProfile
 from llmsim.model.tracker import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE
-from llmsim.model.offload import host_peak_bytes, split_host
+from llmsim.model.offload import host_peak_bytes, host_rows, split_host
 from llmsim.sim.allocator import (MIN_BLOCK_BYTES, NO_LIMIT, AllocatorConfig, OutOfMemory, PausedReplay, compiled,
                                   replay_reserved)
 from llmsim.sim.peaks import Peak, replay
@@ -56,24 +56,36 @@ def as_rank(prediction: RankPrediction, rank: int) -> RankPrediction:
 
 def _predict_rank(rank: int, timeline: pd.DataFrame, gpu: GpuProfile | None,
                   alloc_conf: AllocatorConfig) -> RankPrediction:
-    device, host = split_host(timeline)  # offloaded activations are host memory, not the GPU's
     if gpu is None:
+        device, host = split_host(timeline)  # offloaded activations are host memory, not the GPU's
         prediction = on_device(rank, replay(device), device, gpu, alloc_conf)
-    else:
-        serials, deltas, peak = on_gpu(device, gpu)
-        prediction = on_device(rank, peak, device, gpu, alloc_conf, events=(serials, deltas))
-    return replace(prediction, peak_host_bytes=host_peak_bytes(host))
+        return replace(prediction, peak_host_bytes=host_peak_bytes(host))
+    on_host = host_rows(timeline)  # the device's events read in place; its frame made when it is asked for
+    serials, deltas, peak = on_gpu(timeline, gpu, ~on_host)
+    prediction = on_device(rank, peak, None, gpu, alloc_conf, events=(serials, deltas))
+    return replace(prediction, frame=functools.partial(_device_frame, timeline),
+                   peak_host_bytes=host_peak_bytes(timeline["delta_bytes"].to_numpy()[on_host]))
 
 
-def on_gpu(device: pd.DataFrame, gpu: GpuProfile) -> tuple[np.ndarray, np.ndarray, Peak]:
+def _device_frame(timeline: pd.DataFrame) -> pd.DataFrame:
+    return split_host(timeline)[0]
+
+
+def on_gpu(timeline: pd.DataFrame, gpu: GpuProfile,
+           on_device: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Peak]:
     """A device timeline's events as they run on `gpu`, and their peak as `torch.cuda.max_memory_allocated()`
-    counts it. Each thread's first cuBLAS and cuBLASLt call (the tracker's WORKSPACE_MARKERS rows) allocates that
-    workspace there, kept to the end of the process, each under a serial of its own past the timeline's; and the
-    caching allocator counts every block at its rounded size (`round_size`: 512-byte multiples, 512 B at least;
-    measured on an H200: Llama-2-7B's 291 four-byte Adam `step` counters were 149 KB of allocated bytes). The events
-    go to the allocator model as they are (it rounds them itself)."""
-    serials = device["serial"].to_numpy()
-    deltas = device["delta_bytes"].to_numpy(dtype=np.int64)
+    counts it (`on_device`: which of `timeline`'s rows are the device's, the others left out; the peak's index is
+    then among those rows, as in split_host's device frame). Each thread's first cuBLAS and cuBLASLt call (the
+    tracker's WORKSPACE_MARKERS rows) allocates that workspace there, kept to the end of the process, each under a
+    serial of its own past the timeline's; and the caching allocator counts every block at its rounded size
+    (`round_size`: 512-byte multiples, 512 B at least; measured on an H200: Llama-2-7B's 291 four-byte Adam `step`
+    counters were 149 KB of allocated bytes). The events go to the allocator model as they are (it rounds them
+    itself)."""
+    rows_of = np.arange(len(timeline)) if on_device is None else np.flatnonzero(on_device)
+    serials = timeline["serial"].to_numpy()
+    deltas = timeline["delta_bytes"].to_numpy(dtype=np.int64)
+    if on_device is not None:
+        serials, deltas = serials[rows_of], deltas[rows_of]
     cublas, cublaslt = serials == CUBLAS_WORKSPACE, serials == CUBLASLT_WORKSPACE
     rows = np.flatnonzero(cublas | cublaslt)
     if len(rows):
@@ -82,13 +94,14 @@ def on_gpu(device: pd.DataFrame, gpu: GpuProfile) -> tuple[np.ndarray, np.ndarra
         deltas[cublaslt] = gpu.cublaslt_workspace_bytes
         serials[rows] = np.arange(len(rows)) + max(int(serials.max()), -1) + 1
     if not len(deltas):
-        return serials, deltas, replay(device)
+        return serials, deltas, replay(timeline.iloc[rows_of])
     blocks = _rounded(serials, deltas)
     live = np.cumsum(blocks)
     index = int(np.argmax(live))
-    upto = pd.Series(blocks[: index + 1]).groupby(device["category"].to_numpy()[: index + 1], sort=False).sum()
+    categories = timeline["category"].take(rows_of[: index + 1]).to_numpy()
+    upto = pd.Series(blocks[: index + 1]).groupby(categories, sort=False).sum()
     breakdown = {c.value: int(upto.get(c.value, 0)) for c in Category if upto.get(c.value, 0)}
-    row = device.iloc[index]
+    row = timeline.iloc[rows_of[index]]
     return serials, deltas, Peak(int(live[index]), index, int(row["step"]), str(row["phase"]), str(row["module"]),
                                  breakdown)
 
