@@ -135,6 +135,17 @@ FEATURES = [
     ({"zero_optimization": {"stage": 3, "module_granularity_threshold": 1000}}, "module_granularity_threshold(1000)"),
     ({"zero_optimization": {"stage": 1, "legacy_stage1": True}}, "legacy_stage1(true)"),
     ({"disable_allgather": True}, "disable_allgather(true)"),
+    # ZeRO's tuning keys that take another code path than the plans walk
+    ({"zero_optimization": {"stage": 2, "reduce_scatter": False}}, "reduce_scatter(false) (gradients all-reduced"),
+    ({"zero_optimization": {"stage": 3, "reduce_scatter": False}}, "reduce_scatter(false)"),
+    ({"zero_optimization": {"stage": 1, "use_multi_rank_bucket_allreduce": False}},
+     "use_multi_rank_bucket_allreduce(false)"),
+    ({"zero_optimization": {"stage": 2, "parameter_alignment": True}}, "parameter_alignment (ZeRO-1/2 padding"),
+    ({"gradient_clipping": 0.0, "zero_optimization": {"stage": 2, "compute_grad_norm": False}},
+     "compute_grad_norm(false)"),
+    ({"zero_optimization": {"stage": 3, "stage3_allgather_sequential": True}}, "stage3_allgather_sequential(true)"),
+    ({"zero_optimization": {"stage": 3, "enable_sanity_checks": True}}, "enable_sanity_checks(true)"),
+    ({"zero_optimization": {"stage": 3, "override_module_apply": False}}, "override_module_apply(false)"),
     ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "bf16_master_weights_and_grads(true)"),
     ({"bf16": {"enabled": True, "immediate_grad_update": True}}, "immediate_grad_update(true)"),
     ({"data_types": {"grad_accum_dtype": "fp32"}}, 'grad_accum_dtype("fp32") (gradients accumulated in a dtype'),
@@ -171,8 +182,18 @@ def test_a_feature_set_to_what_deepspeed_does_anyway_is_taken(tmp_path):
     for changes in ({"data_types": {"grad_accum_dtype": "bf16"}}, {"communication_data_type": "bf16"},
                     {"tensor_parallel": {"autotp_size": 1}}, {"sequence_parallel_size": 1},
                     {"zero_optimization": {"stage": 1, "memory_efficient_linear": False}},
-                    {"data_types": {"keep_in_fp32_modules": "auto"}}):
-        assert load_ds_config(_write(tmp_path, {**_ZERO1_BF16, **changes}), 4, 64, None, None).stage == 1, changes
+                    {"data_types": {"keep_in_fp32_modules": "auto"}},
+                    # DeepSpeed 0.19.8 reads allgather_partitions nowhere (engine.zero_allgather_partitions has no
+                    # caller), and ZeRO-1/2 gather each partition in one all_gather_into_tensor whatever the bucket
+                    {"zero_optimization": {"stage": 1, "allgather_partitions": False, "allgather_bucket_size": 1e6}},
+                    # keys of other stages: ZeRO-3's under ZeRO-1, ZeRO-1/2's under ZeRO-0
+                    {"zero_optimization": {"stage": 1, "stage3_allgather_sequential": True,
+                                           "override_module_apply": False}},
+                    {"zero_optimization": {"stage": 0, "reduce_scatter": False, "parameter_alignment": True}},
+                    # checkpoint loading and logging only
+                    {"zero_optimization": {"stage": 1, "elastic_checkpoint": True, "load_from_fp32_weights": False,
+                                           "log_trace_cache_warnings": True}}):
+        assert load_ds_config(_write(tmp_path, {**_ZERO1_BF16, **changes}), 4, 64, None, None).stage in (0, 1), changes
     fp32 = {**_ZERO1_BF16, "bf16": {"enabled": False}, "data_types": {"grad_accum_dtype": "fp32"}}
     assert load_ds_config(_write(tmp_path, fp32), 4, 64, None, None).precision is Precision.FP32
 

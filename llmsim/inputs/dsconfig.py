@@ -377,6 +377,27 @@ _FEATURES = (
              lambda v, p: v, "false"),
     _Feature("disable_allgather", "ZeRO-1/2 without the parameters' all-gather", lambda p, c: p.disable_allgather,
              lambda v, p: v, "false"),
+    # ZeRO's tuning keys that take another code path in DeepSpeed 0.19.8 (other buffers and temporaries than the
+    # plans walk): the plans model the defaults
+    _Feature("zero_optimization.reduce_scatter", "gradients all-reduced whole instead of reduce-scattered "
+             "(stage_1_and_2.py average_tensor; stage3.py's contiguous path)",
+             lambda p, c: p.zero_config.reduce_scatter, lambda v, p: not v and p.zero_optimization_stage > 0,
+             "true (DeepSpeed's default)"),
+    _Feature("zero_optimization.use_multi_rank_bucket_allreduce", "a reduce per destination rank instead of the "
+             "bucket's all-reduce (allreduce_no_retain)", lambda p, c: p.zero_config.use_multi_rank_bucket_allreduce,
+             lambda v, p: not v and p.zero_optimization_stage in (1, 2), "true (DeepSpeed's default)"),
+    _Feature("zero_optimization.compute_grad_norm", "the step without the gradients' norm",
+             lambda p, c: p.zero_config.compute_grad_norm, lambda v, p: not v and p.zero_optimization_stage in (1, 2),
+             "true (DeepSpeed's default)"),
+    _Feature("zero_optimization.stage3_allgather_sequential", "ZeRO-3 gathering parameters one by one (and a "
+             "prefetch bucket of 1)", lambda p, c: p.zero_config.allgather_sequential,
+             lambda v, p: v and p.zero_optimization_stage == 3, "false (DeepSpeed's default)"),
+    _Feature("zero_optimization.enable_sanity_checks", "ZeRO-3's cross-rank checks of each gradient bucket",
+             lambda p, c: p.zero_config.enable_sanity_checks, lambda v, p: v and p.zero_optimization_stage == 3,
+             "false (DeepSpeed's default)"),
+    _Feature("zero_optimization.override_module_apply", "zero.Init's Module.apply without gathering the "
+             "parameters", lambda p, c: p.zero_config.override_module_apply,
+             lambda v, p: not v and p.zero_optimization_stage == 3, "true (DeepSpeed's default)"),
     _Feature("bf16.bf16_master_weights_and_grads", "bf16 master weights and gradients", lambda p, c:
              p.bfloat16_config.bf16_master_weights_and_grads, lambda v, p: v, "false"),
     _Feature("bf16.bf16_optimizer_states", "bf16 optimizer states", lambda p, c:
