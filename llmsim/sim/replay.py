@@ -98,7 +98,7 @@ def on_gpu(timeline: pd.DataFrame, gpu: GpuProfile,
     blocks = _rounded(serials, deltas)
     live = np.cumsum(blocks)
     index = int(np.argmax(live))
-    categories = timeline["category"].take(rows_of[: index + 1]).to_numpy()
+    categories = timeline["category"].array[rows_of[: index + 1]]  # grouped as they are stored (not as objects)
     upto = pd.Series(blocks[: index + 1]).groupby(categories, sort=False).sum()
     breakdown = {c.value: int(upto.get(c.value, 0)) for c in Category if upto.get(c.value, 0)}
     row = timeline.iloc[rows_of[index]]
