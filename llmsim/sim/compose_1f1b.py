@@ -74,6 +74,9 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int,
     m = n_microbatches
     serial, delta = template["serial"].to_numpy(), template["delta_bytes"].to_numpy()
     first_row, last_row = _first_and_last_rows(serial)
+    by_first = np.flatnonzero(first_row >= 0)  # every storage, in order of its first row (its allocation)
+    by_first = by_first[np.argsort(first_row[by_first])]
+    first_of = first_row[by_first]
 
     def sizes(storages: list[int]) -> list[int]:
         return delta[first_row[storages]].tolist() if storages else []
@@ -99,15 +102,14 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int,
         if cut is None:
             return None
         body, after, output_free = cut
-        crossing = {call: _crossing(serial, first_row, last_row, *span) for call, span in spans.items()}
+        crossing = {call: _crossing(by_first, first_of, last_row, *span) for call, span in spans.items()}
         emit(np.arange(done, min(begin for begin, _ in spans.values())), carried)  # the optimizer, the step's start
         made: dict[Chunk, list[int]] = {}  # each call's storages that outlive it, as this stage numbers them
         held = held_output(m, warmup_chunks)
         for kind, mb in call_order(m, warmup_chunks):
             source = sources[(kind, mb)]
             begin, end = spans[source]
-            own = serial[begin:end]
-            allocated = np.unique(own[(own >= 0) & (first_row[np.maximum(own, 0)] >= begin)])
+            allocated = np.sort(_allocated_between(by_first, first_of, begin, end))
             mapping = {} if source == (kind, mb) else {int(s): next(fresh) for s in allocated}
             if kind == "B":  # the forward's storages this backward frees are its own micro-batch's
                 if sizes(crossing[("F", source[1])]) != sizes(crossing[sources[("F", mb)]]):
@@ -254,12 +256,16 @@ def _first_and_last_rows(serial: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return first, last
 
 
-def _crossing(serial: np.ndarray, first_row: np.ndarray, last_row: np.ndarray, begin: int, end: int) -> list[int]:
+def _allocated_between(by_first: np.ndarray, first_of: np.ndarray, begin: int, end: int) -> np.ndarray:
+    """The storages whose first row is in rows begin..end-1 (`by_first`: every storage in order of its first row,
+    `first_of` those rows), in that order."""
+    return by_first[np.searchsorted(first_of, begin):np.searchsorted(first_of, end)]
+
+
+def _crossing(by_first: np.ndarray, first_of: np.ndarray, last_row: np.ndarray, begin: int, end: int) -> list[int]:
     """The storages a chunk call (rows begin..end-1) allocates that a later row names, in order of allocation."""
-    own = serial[begin:end]
-    storages = np.unique(own[own >= 0])
-    storages = storages[(first_row[storages] >= begin) & (last_row[storages] >= end)]
-    return storages[np.argsort(first_row[storages])].tolist()
+    storages = _allocated_between(by_first, first_of, begin, end)
+    return storages[last_row[storages] >= end].tolist()
 
 
 def _as_made(template_storages: list[int], made: list[int]) -> dict[int, int]:
