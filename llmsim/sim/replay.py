@@ -72,19 +72,19 @@ def _device_frame(timeline: pd.DataFrame) -> pd.DataFrame:
 
 
 def on_gpu(timeline: pd.DataFrame, gpu: GpuProfile,
-           on_device: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Peak]:
+           device_rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Peak]:
     """A device timeline's events as they run on `gpu`, and their peak as `torch.cuda.max_memory_allocated()`
-    counts it (`on_device`: which of `timeline`'s rows are the device's, the others left out; the peak's index is
+    counts it (`device_rows`: which of `timeline`'s rows are the device's, the others left out; the peak's index is
     then among those rows, as in split_host's device frame). Each thread's first cuBLAS and cuBLASLt call (the
     tracker's WORKSPACE_MARKERS rows) allocates that workspace there, kept to the end of the process, each under a
     serial of its own past the timeline's; and the caching allocator counts every block at its rounded size
     (`round_size`: 512-byte multiples, 512 B at least; measured on an H200: Llama-2-7B's 291 four-byte Adam `step`
     counters were 149 KB of allocated bytes). The events go to the allocator model as they are (it rounds them
     itself)."""
-    rows_of = np.arange(len(timeline)) if on_device is None else np.flatnonzero(on_device)
+    rows_of = np.arange(len(timeline)) if device_rows is None else np.flatnonzero(device_rows)
     serials = timeline["serial"].to_numpy()
     deltas = timeline["delta_bytes"].to_numpy(dtype=np.int64)
-    if on_device is not None:
+    if device_rows is not None:
         serials, deltas = serials[rows_of], deltas[rows_of]
     cublas, cublaslt = serials == CUBLAS_WORKSPACE, serials == CUBLASLT_WORKSPACE
     rows = np.flatnonzero(cublas | cublaslt)
