@@ -60,3 +60,28 @@ def test_transformers_offload_cannot_pin_without_an_accelerator():
     batch = torch.randint(0, 128, (1, 8))
     with pytest.raises(RuntimeError, match="pin_memory"):
         model(input_ids=batch, labels=batch)
+
+
+def test_a_gpu_prediction_reads_the_device_events_in_place():
+    """On a GPU the replay reads a timeline's device events through the host mask (replay.on_gpu's `device_rows`)
+    rather than a copy without the host rows: the same events, peak and breakdown as from split_host's device frame,
+    the same host peak, and the rank's timeline, made when asked for, is that frame."""
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.model.offload import host_peak_bytes, host_rows, split_host
+    from llmsim.sim.replay import on_gpu
+    from llmsim.sim.traced import expanded
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", HIDDEN, LAYERS, 256, 4))
+    gpu = load_gpu("h100-80gb")
+    setup = TrainSetup(MICRO_BATCH, SEQ, Precision.BF16, Attention.SDPA, True, 2, ckpt_offload=True)
+    prediction = predict(spec, setup, gpu=gpu)
+    traced = expanded(spec, prediction.setup)[0]  # the traced timeline the prediction replayed
+    device, host = split_host(traced)
+    mask = host_rows(traced)
+    assert 0 < mask.sum() < len(traced)  # offloaded inputs and AdamW's host step counters beside the device's
+    (serials, deltas, peak), (serials_in_place, deltas_in_place, peak_in_place) = on_gpu(device, gpu), on_gpu(
+        traced, gpu, ~mask)
+    assert (serials == serials_in_place).all() and (deltas == deltas_in_place).all() and peak == peak_in_place
+    rank = prediction.ranks[0]
+    assert rank.peak == peak and rank.peak_host_bytes == host_peak_bytes(host) == prediction.peak_host_bytes > 0
+    assert rank.timeline.equals(device) and rank.timeline.dtypes.equals(device.dtypes)
