@@ -53,7 +53,8 @@ LEVERS: list[tuple[str, dict]] = [
 
 # DeepSpeed's pipeline engine (recipe deepspeed-pipe) and its AutoTP (deepspeed-autotp): the JSON decides the precision
 # and the optimizer, and the canonical step's other levers are not modelled with them; checkpointing is the lever
-# (PipelineModule's activation_checkpoint_interval; under AutoTP transformers' gradient checkpointing, the same labels)
+# (PipelineModule's activation_checkpoint_interval; under AutoTP transformers' gradient checkpointing: the same
+# settings, labelled without PipelineModule's argument)
 PIPE_LEVERS: list[tuple[str, dict]] = [
     ("baseline: the DeepSpeed JSON", {}),
     ("checkpointing every 2 layers (activation_checkpoint_interval=2)", {"grad_ckpt": True, "ckpt_every": 2}),

@@ -103,8 +103,7 @@ def host_rows(timeline: pd.DataFrame) -> np.ndarray:
     return timeline["category"].isin(HOST_CATEGORIES).to_numpy()
 
 
-def host_peak_bytes(host: pd.DataFrame | np.ndarray) -> int:
+def host_peak_bytes(host: pd.DataFrame) -> int:
     """The most host bytes the step holds at once: offloaded checkpoint inputs and, on a GPU, AdamW's host `step`
-    counters (0 without either); from the host's events, or their delta bytes."""
-    deltas = host["delta_bytes"].to_numpy() if isinstance(host, pd.DataFrame) else host
-    return int(np.cumsum(deltas).max()) if len(deltas) else 0
+    counters (0 without either)."""
+    return int(host["delta_bytes"].cumsum().max()) if len(host) else 0

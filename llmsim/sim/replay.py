@@ -64,7 +64,7 @@ def _predict_rank(rank: int, timeline: pd.DataFrame, gpu: GpuProfile | None,
     serials, deltas, peak = on_gpu(timeline, gpu, ~on_host)
     prediction = on_device(rank, peak, None, gpu, alloc_conf, events=(serials, deltas))
     return replace(prediction, frame=functools.partial(_device_frame, timeline),
-                   peak_host_bytes=host_peak_bytes(timeline["delta_bytes"].to_numpy()[on_host]))
+                   peak_host_bytes=host_peak_bytes(timeline[on_host]))  # a few rows taken
 
 
 def _device_frame(timeline: pd.DataFrame) -> pd.DataFrame:
@@ -195,7 +195,7 @@ _FORKED: list = []  # what `_lazy_block` reads in a forked process: the plan, th
 
 
 def _device_timeline(rank_timelines: LazyRanks, rank: int) -> pd.DataFrame:
-    return split_host(rank_timelines[rank])[0]
+    return _device_frame(rank_timelines[rank])
 
 
 def on_device(rank: int, peak: Peak, timeline: pd.DataFrame | None, gpu: GpuProfile | None,
