@@ -288,7 +288,8 @@ def test_pipeline_search_screens_then_predicts_the_answer_whole(monkeypatch):
     assert (found, total) == (6, 180)
     assert predicted == [(1, 0), (2, 0), (15, 0), (16, 0),  # screened by stage 0, from its line through 1 and 2
                          (15, 0), (15, 2),  # its answer predicted whole: stage 2 cannot fit it
-                         (7, 0), (7, 2), (3, 0), (3, 2), (5, 0), (5, 2), (6, 0), (6, 2),  # screened by 0 and 2
+                         (7, 0), (7, 2), (3, 0), (3, 2),  # screened by 0 and 2: bisecting from no fit
+                         (6, 0), (6, 2),  # the line through 3's total (90) and 7's (210) meets 200 at 6
                          (6, 0), (6, 2), (6, 1)]  # the answer, whole
     predicted.clear()
     capacity = 55
@@ -357,6 +358,41 @@ def test_search_gallops_from_the_line_through_micro_batches_1_and_2(monkeypatch)
                  lambda mb: 100 * MiB + (mb > 2) * 10 * MiB, lambda mb: 100 * MiB + mb]:
         brute = max([mb for mb in range(1, 129) if need(mb) <= limit], default=0)
         assert largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 128)[0] == brute
+
+
+def test_search_takes_the_line_through_a_fit_and_a_miss(monkeypatch):
+    """Where micro-batches 1 and 2 lie on a flatter line than the larger ones (their peak is the optimizer step's, the
+    larger ones' the activations'), the guess from 1 and 2 overshoots; the line through the last fit and the miss
+    lands near the answer (the totals of a DDP x TP 8 x PP 2 layout of Llama-2-70B on 32 H100s: 49.81 and 50.33 GiB
+    at 1 and 2, about 6.4 GiB a micro-batch above; its search galloped down from 49 in 13 trials). A total that is
+    flat and then jumps moves each line's guess by little: after two such steps the search bisects, so doubling to
+    128 (8 trials) and at most three trials a halving of the gap (6) bound it; every answer is brute force's."""
+    from types import SimpleNamespace
+
+    import llmsim.app.size as sizing
+    from llmsim.app.size import Candidate
+
+    limit = TINY_GPU.capacity_bytes - TINY_GPU.margin_bytes
+    trials = []
+
+    def worst(spec, setup, layout, gpu, alloc_conf, only=None):
+        trials.append(setup.micro_batch)
+        total = need(setup.micro_batch)
+        return total <= limit, SimpleNamespace(rank=0, needed_bytes=total), 0
+
+    monkeypatch.setattr(sizing, "_worst", worst)
+    candidate = Candidate("ddp", 2, lambda mb: SimpleNamespace(pp=1, tp=1))
+    gib = limit / 75.15  # the measured layout's card, scaled to the tiny one
+    measured = {1: 49.81, 2: 50.33}
+    need = lambda mb: int(gib * measured.get(mb, 50.33 + 6.4 * (mb - 2)))  # noqa: E731
+    assert largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 128)[0] == 5
+    assert trials == [1, 2, 49, 5, 6]  # the line through 2 and 49 lands on 5
+    for jump in range(1, 128):  # flat, then beyond the card: from the middle of the gap to its fitting end
+        for base in (limit // 2, limit // 4, limit - 5):
+            need = lambda mb, j=jump, b=base: b + (mb > j) * limit  # noqa: E731
+            trials.clear()
+            assert largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 128)[0] == jump
+            assert len(trials) <= 8 + 3 * 6, (jump, base, trials)
 
 
 def test_size_with_no_applicable_layout_says_why(capsys):

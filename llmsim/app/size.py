@@ -260,7 +260,9 @@ def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: Alloc
     bisecting; with a `hint` (the answer of the same layout on fewer GPUs), galloping from it instead: up by 1, 2,
     4, ... while they fit, down by 1, 2, 4, ... while they do not, then bisecting (`_next_trial`). Without one,
     once micro-batches 1 and 2 fit, the hint is where the line through their device totals meets the card less
-    its margin (`_extrapolated`: activations grow with the micro-batch, the model states do not). A pipeline's
+    its margin (`_extrapolated`: activations grow with the micro-batch, the model states do not). Between a fit
+    and a miss whose totals are known, the next trial is where the line through those two totals meets the card
+    less its margin (`_secant`) rather than the midpoint or the gallop down. A pipeline's
     trials predict only the stages that have bound it so far (the first stage, the fullest under 1F1B, to begin
     with): a trial they cannot fit does not fit (exact); the answer they find is then predicted whole, and where
     another stage cannot fit it, that stage joins them and the search goes on below. The answer is always
@@ -275,22 +277,29 @@ def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: Alloc
     verified, verified_total = 0, None  # the largest micro-batch predicted whole that fits
     good, bad, failure = 0, None, None
     floor, needs = 0, {}  # floor: what fitted before the hint was tried; needs: the trials' worst device totals
+    limit = gpu.capacity_bytes - gpu.margin_bytes
+    slow = 0  # line steps in a row that did not halve the gap between a fit and a miss (two: bisect next)
     while True:
         # double until it stops fitting, then bisect between the last fit and the first miss
         while (good < max_micro_batch) if bad is None else (bad - good > 1):
-            micro_batch = _next_trial(good, bad, hint, max_micro_batch, floor)
+            guess = _secant(good, bad, needs, limit) if slow < 2 else None
+            micro_batch = guess if guess is not None else _next_trial(good, bad, hint, max_micro_batch, floor)
+            gap = None if bad is None else bad - good
             ok, worst, unpredicted = trial(micro_batch, screen)
             needs[micro_batch] = worst.needed_bytes
             if not ok:
                 bad, failure = micro_batch, (worst, unpredicted) if micro_batch == 1 else failure
+            else:
+                good = micro_batch
+            slow = 0 if gap is None or guess is None or 2 * (bad - good) <= gap else slow + 1
+            if not ok:
                 continue
-            good = micro_batch
             if not unpredicted:
                 verified, verified_total = micro_batch, worst.needed_bytes
             if hint is None and good == 2 and bad is None and 1 in needs:
-                guess = _extrapolated(needs[1], needs[2], gpu, max_micro_batch)
-                if guess is not None and guess > 2:  # gallop from there rather than doubling on
-                    hint, floor = guess, 2
+                line = _extrapolated(needs[1], needs[2], gpu, max_micro_batch)
+                if line is not None and line > 2:  # gallop from there rather than doubling on
+                    hint, floor = line, 2
         if good == verified:
             return verified, verified_total, failure
         ok, worst, unpredicted = trial(good, None)  # the screen's answer, predicted whole
@@ -298,7 +307,8 @@ def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: Alloc
             return good, worst.needed_bytes, None
         screen.append(worst.rank % (first.pp * first.tp) // first.tp)  # the stage that did not fit it
         failure = (worst, unpredicted) if good == 1 else failure
-        good, bad, hint = verified, good, None
+        needs[good] = worst.needed_bytes  # the stage that joins the screen: a miss there
+        good, bad, hint, slow = verified, good, None, 0
 
 
 def _next_trial(good: int, bad: int | None, hint: int | None, max_micro_batch: int, floor: int = 0) -> int:
@@ -318,6 +328,20 @@ def _next_trial(good: int, bad: int | None, hint: int | None, max_micro_batch: i
     if bad is None:
         return min(max(2 * good, 1), max_micro_batch)
     return (good + bad) // 2
+
+
+def _secant(good: int, bad: int | None, needs: dict[int, int], limit: int) -> int | None:
+    """Between the largest micro-batch that fits so far (`good`) and the smallest that does not (`bad`), where the
+    line through their device totals meets `limit` (the card less its margin), kept strictly between them; None
+    where one of them has no total (no fit yet, or no miss) or the line does not rise. `_search` tries it in place
+    of the midpoint, and bisects after two such steps in a row that did not halve the gap (a total that is flat and
+    then jumps moves each line's guess by little): where the totals of micro-batches
+    1 and 2 lie on another line than the larger ones' (the optimizer step's peak, not the activations'), the guess
+    from them overshoots, and the line through the miss lands near the answer instead of galloping down to it."""
+    if bad is None or good < 1 or good not in needs or bad not in needs or needs[bad] <= needs[good]:
+        return None
+    step = (limit - needs[good]) * (bad - good) // (needs[bad] - needs[good])
+    return min(max(good + step, good + 1), bad - 1)
 
 
 def _extrapolated(need_1: int, need_2: int, gpu: GpuProfile, max_micro_batch: int) -> int | None:
