@@ -155,3 +155,72 @@ def test_the_call_order_is_schedule_1f1b_s():
                                              ("B", 2), ("F", 5), ("B", 3), ("B", 4), ("B", 5)]
     assert compose_1f1b.held_output(6, 3) == 1
     assert compose_1f1b.held_output(6, 5) is None
+
+
+WIDEN_CASES = [  # (zoo model, shrink(hidden, layers, vocab, heads), setup, strategy, pp = micro-batches, GPU, tp)
+    ("llama-2-7b", (64, 24, 512, 4), TrainSetup(2, 32, Precision.BF16, grad_ckpt=True), Strategy.SINGLE, 8, None, 1),
+    ("llama-2-7b", (64, 48, 512, 4), TrainSetup(1, 32, Precision.BF16, grad_ckpt=True), Strategy.DDP, 8,
+     "h100-80gb", 1),  # six layers a stage, traced at three: composed, then expanded
+    ("llama-2-7b", (64, 24, 512, 4), TrainSetup(2, 32, Precision.BF16, grad_ckpt=True), Strategy.FSDP, 8,
+     "h100-80gb", 1),  # every micro-batch computed in the trace: what the composition spares most
+    ("qwen2.5-0.5b", (64, 20, 512, 4), TrainSetup(1, 16, Precision.BF16_AUTOCAST), Strategy.SINGLE, 8, None, 1),
+    ("llama-2-7b", (64, 24, 512, 4), TrainSetup(1, 32, Precision.BF16, grad_ckpt=True), Strategy.DDP, 8,
+     "h100-80gb", 2),  # torch's replicate x TP x PP (the 3-D layout)
+    pytest.param("gpt-oss-20b", (64, 24, 512, 4), TrainSetup(1, 16, Precision.BF16), Strategy.SINGLE, 8, None, 1,
+                 marks=pytest.mark.slow),  # sliding and full attention alternate: the layers kept where they are
+]
+
+
+@pytest.mark.parametrize("name,shape,setup,strategy,pp,gpu,tp", WIDEN_CASES)
+def test_a_stage_over_many_micro_batches_runs_the_events_of_its_own_trace(name, shape, setup, strategy, pp, gpu, tp):
+    """Under 1F1B with M = pp micro-batches, the first stage (W = M) and the first middle stage (W = M - 1) are
+    composed from the same stage of a 5-stage pipeline over 5 micro-batches that holds its layers (traced.widened):
+    each call from the template's call of its role, the receive buffers and the batch made for M. Each is traced
+    here over its own M and compared, event for event, at reduced depth and at full depth; and a middle stage
+    composed from the widened template at full depth (what a prediction does) runs its own trace's events."""
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.inputs.spec import FsdpSetup
+
+    spec = load_model_spec(name, shrink(name, *shape))
+    layout = Layout(strategy, 2 * pp * tp if strategy is not Strategy.SINGLE else pp * tp, tp=tp, pp=pp,
+                    schedule=F1B, n_microbatches=pp, fsdp=FsdpSetup() if strategy is Strategy.FSDP else None)
+    setup = checked(spec, setup, layout, None if gpu is None else load_gpu(gpu))
+
+    def stage_setup(stage: int) -> TrainSetup:
+        return replace(traced._stage_setup(setup, layout, stage), steps=min(setup.steps, TRACED_STEPS))
+
+    for stage in (0, 1):
+        widened = traced.widened(spec, stage_setup(stage))
+        assert widened is not None
+        assert traced._traced(spec, stage_setup(stage)) is widened
+        own = trace(spec, stage_setup(stage))
+        assert widened.timeline.attrs[CHUNKS] == own.timeline.attrs[CHUNKS]
+        pd.testing.assert_frame_equal(in_allocation_order(widened.timeline), in_allocation_order(own.timeline))
+        pd.testing.assert_frame_equal(in_allocation_order(repeat_last_step(expand(widened), setup.steps)),
+                                      in_allocation_order(repeat_last_step(expand(own), setup.steps)))
+    at_depth = traced._composed_at_depth(spec, stage_setup(3))  # from stage 1's widened trace
+    assert at_depth is not None
+    pd.testing.assert_frame_equal(in_allocation_order(repeat_last_step(at_depth[0], setup.steps)),
+                                  in_allocation_order(repeat_last_step(expand(trace(spec, stage_setup(3))),
+                                                                       setup.steps)))
+
+
+def test_a_stage_is_widened_only_where_its_trace_is_the_shallower_pipelines():
+    """Traced as before: FSDP2 on the CPU (its device mesh, made for real and counted there, has 4 bytes a rank),
+    GPipe, fewer micro-batches than WIDEN_FROM, more micro-batches than stages (another warm-up shape), the last
+    stage (its outputs are kept to the step's end) and the other middle stages (composed from stage 1)."""
+    from llmsim.inputs.spec import FsdpSetup
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 24, 512, 4))
+    setup = TrainSetup(1, 32, Precision.BF16)
+
+    def widened(layout: Layout, stage: int):
+        checked_setup = checked(spec, setup, layout)
+        return traced.widened(spec, replace(traced._stage_setup(checked_setup, layout, stage), steps=TRACED_STEPS))
+
+    assert widened(Layout(Strategy.FSDP, 16, pp=8, schedule=F1B, n_microbatches=8, fsdp=FsdpSetup()), 0) is None
+    assert widened(Layout(world_size=8, pp=8, schedule=Schedule.GPIPE, n_microbatches=8), 0) is None
+    assert widened(Layout(world_size=6, pp=6, schedule=F1B, n_microbatches=6), 0) is None
+    assert widened(Layout(world_size=8, pp=8, schedule=F1B, n_microbatches=12), 0) is None
+    for stage in (2, 7):
+        assert widened(Layout(world_size=8, pp=8, schedule=F1B, n_microbatches=8), stage) is None

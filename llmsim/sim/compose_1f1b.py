@@ -62,16 +62,18 @@ def held_output(n_microbatches: int, warmup_chunks: int) -> int | None:
     return held if held <= n_microbatches - warmup_chunks else None
 
 
-def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int,
-             n_microbatches: int) -> pd.DataFrame | None:
-    """The timeline of the middle stage with warm-up `warmup_chunks`, from `template`, a traced middle stage's
-    (tracker.CHUNKS in its attrs) of equal layers whose warm-up is `template_warmup` (module docstring); None where
-    the template's rows between chunk calls are not the frees the module docstring names, it has no call of the
-    kind a call needs, or two calls' storages do not correspond (then trace the stage)."""
+def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int, n_microbatches: int,
+             template_microbatches: int | None = None, buffer_runs: int = 0) -> pd.DataFrame | None:
+    """The timeline of the stage with warm-up `warmup_chunks` over `n_microbatches`, from `template`, a traced
+    stage's (tracker.CHUNKS in its attrs) of equal layers whose warm-up is `template_warmup`, over
+    `template_microbatches` (the same by default: a middle stage from another; fewer: its receive buffers,
+    `buffer_runs` runs of one a micro-batch, widened too) (module docstring); None where the template's rows between chunk calls are not the frees the module docstring names,
+    it has no call of the kind a call needs, or two calls' storages do not correspond (then trace the stage)."""
     chunks = template.attrs.get(CHUNKS)
-    if not chunks or min(template_warmup, warmup_chunks) < 2:
-        return None
     m = n_microbatches
+    m_t = m if template_microbatches is None else template_microbatches
+    if not chunks or (m_t == m and min(template_warmup, warmup_chunks) < 2):
+        return None
     serial, delta = template["serial"].to_numpy(), template["delta_bytes"].to_numpy()
     first_row, last_row = _first_and_last_rows(serial)
     by_first = np.flatnonzero(first_row >= 0)  # every storage, in order of its first row (its allocation)
@@ -93,17 +95,33 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int,
         pieces.append((rows, mapping))
         count += len(rows)
 
-    sources = _sources(m, template_warmup, warmup_chunks)
+    sources = (_sources(m, template_warmup, warmup_chunks) if m_t == m else
+               _sources_by_role(m, m_t, template_warmup, warmup_chunks))
     if sources is None:
         return None
+    # the template micro-batch whose rows stand for each of this stage's: its own where M is the template's (the
+    # calls of one micro-batch correspond, whichever template call runs their rows), else the forward's source
+    as_template = {mb: mb if m_t == m else sources[("F", mb)][1] for mb in range(m)}
     for step in sorted({chunk[2] for chunk in chunks}):
         spans = {(kind, mb): (begin, end) for kind, mb, s, begin, end in chunks if s == step}
-        cut = _cut(template, spans, template_warmup, m)
+        cut = _cut(template, spans, template_warmup, m_t)
         if cut is None:
             return None
         body, after, output_free = cut
         crossing = {call: _crossing(by_first, first_of, last_row, *span) for call, span in spans.items()}
-        emit(np.arange(done, min(begin for begin, _ in spans.values())), carried)  # the optimizer, the step's start
+        start = np.arange(done, min(begin for begin, _ in spans.values()))  # the optimizer, the step's start
+        if step == min(chunk[2] for chunk in chunks) and m != m_t:  # the receive buffers, one a micro-batch
+            start = _buffers_widened(template, start, first_row, last_row, m_t, m, buffer_runs)
+            if start is None:
+                return None
+            cuts = np.flatnonzero(start < 0)
+            for piece in np.split(start, np.sort(np.concatenate([cuts, cuts + 1]))):
+                if len(piece) == 1 and piece[0] < 0:  # a buffer of its own: the template's row, a storage of its own
+                    emit(np.array([-piece[0] - 1]), {int(serial[-piece[0] - 1]): next(fresh)})
+                elif len(piece):
+                    emit(piece, carried)
+        else:
+            emit(start, carried)
         made: dict[Chunk, list[int]] = {}  # each call's storages that outlive it, as this stage numbers them
         held = held_output(m, warmup_chunks)
         for kind, mb in call_order(m, warmup_chunks):
@@ -111,32 +129,65 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int,
             begin, end = spans[source]
             allocated = np.sort(_allocated_between(by_first, first_of, begin, end))
             mapping = {} if source == (kind, mb) else {int(s): next(fresh) for s in allocated}
+            own = as_template[mb]
             if kind == "B":  # the forward's storages this backward frees are its own micro-batch's
                 if sizes(crossing[("F", source[1])]) != sizes(crossing[sources[("F", mb)]]):
                     return None
                 mapping.update(_as_made(crossing[("F", source[1])], made[("F", mb)]))
-            if sizes(crossing[source]) != sizes(crossing[(kind, mb)]):
+            if sizes(crossing[source]) != sizes(crossing[(kind, own)]):
                 return None
             made[(kind, mb)] = [mapping.get(s, s) for s in crossing[source]]
             rows = body[source]
+            if m_t != m and kind == "B" and (mb in (held, m - 1)) != \
+                    (source[1] in (held_output(m_t, template_warmup), m_t - 1)):
+                return None  # the template's call keeps its output where this one frees it, or the reverse
             if kind == "B" and mb not in (held, m - 1):  # the output freed as the backward returns, its last row
-                mapping = {**mapping, **_as_made(crossing[("F", mb)], made[("F", mb)])}
-                rows = np.append(rows, output_free[mb])
+                if own not in output_free:
+                    return None
+                mapping = {**mapping, **_as_made(crossing[("F", own)], made[("F", mb)])}
+                rows = np.append(rows, output_free[own])
             emit(rows, mapping, kind, mb, step)
-            if kind == "B" and mb > 0:  # the previous backward's input gradient, freed after this one
+            if m_t == m and kind == "B" and mb > 0:  # the previous backward's input gradient, freed after this one
                 emit(after[(kind, mb)], _as_made(crossing[("B", mb - 1)], made[("B", mb - 1)]))
-            else:
+            elif m_t == m:
                 emit(after[(kind, mb)], {})
+            elif kind == "B" and mb > 0:  # the same from the template call of its role, on this stage's storages
+                previous = sources[("B", mb - 1)]
+                if len(after[source]) != (len(after[source]) and mb < m - 1) or \
+                        sizes(crossing[("B", source[1] - 1)]) != sizes(crossing[previous]):
+                    return None
+                emit(after[source], _as_made(crossing[("B", source[1] - 1)], made[("B", mb - 1)]))
+            else:
+                emit(after[source], {})
             if kind == "B" and mb == m - warmup_chunks and held is not None:
-                emit(np.array([output_free[held]]), _as_made(crossing[("F", held)], made[("F", held)]))
+                if as_template[held] not in output_free:
+                    return None
+                emit(np.array([output_free[as_template[held]]]),
+                     _as_made(crossing[("F", as_template[held])], made[("F", held)]))
         carried = {}
-        for call, storages in made.items():
-            carried.update(_as_made(crossing[call], storages))
-        done = max(end for _, end in spans.values())
+        end_of_step = max(end for _, end in spans.values())
+        for call, storages in made.items():  # the template's storages the rows after the step name, as made here
+            if m_t == m:
+                carried.update(_as_made(crossing[call], storages))
+                continue
+            # over fewer micro-batches: the call of its role; a call repeated here stands for the template's as
+            # far from the step's last micro-batch (the input gradient of the one before the last, freed after
+            # the step)
+            source = sources[call]
+            repeated = sum(other == source for other in sources.values()) > 1
+            if not repeated or m - 1 - call[1] == m_t - 1 - source[1]:
+                carried.update(_as_made(crossing[source], storages))
+            elif np.any(last_row[crossing[source]] >= end_of_step):
+                if not any(m - 1 - other[1] == m_t - 1 - source[1] for other, same in sources.items()
+                           if same == source and other[0] == call[0]):
+                    return None  # named after the step, and no call here stands where it stands
+        done = end_of_step
     emit(np.arange(done, len(template)), carried)
     rows = np.concatenate([piece for piece, _ in pieces])
     serials = np.concatenate([_mapped(serial[piece], mapping) for piece, mapping in pieces])
     frame = template.iloc[rows].reset_index(drop=True)
+    if m != m_t and not _inputs_widened(frame, m_t, m):
+        return None
     if not _numbered_in_allocation_order(frame, serials, int(serial[serial >= 0].min())):
         return None
     _recategorized(frame, marks)
@@ -170,7 +221,9 @@ def _cut(template: pd.DataFrame, spans: dict[Chunk, tuple[int, int]], template_w
         if row < 0 or delta[row] >= 0 or not _allocated_in(serial, serial[row], forward):
             return None
         output_free[f] = row
-    expected = {("B", b): 1 for b in range(1, m)} | {("B", 0): 0, ("B", m - 1): 0}
+    # G_{b-1} freed after B_b; none where the stage's input takes no gradient (the first stage's token ids)
+    gradient = 1 if any(len(after[("B", b)]) for b in range(1, m - 1)) else 0
+    expected = {("B", b): gradient for b in range(1, m)} | {("B", 0): 0, ("B", m - 1): 0}
     if any(len(after[call]) != expected.get(call, 0) or np.any(delta[after[call]] >= 0) for call in calls):
         return None
     return body, after, output_free
@@ -244,6 +297,69 @@ def _sources(m: int, template_warmup: int, warmup_chunks: int) -> dict[Chunk, Ch
             return None
         sources[call] = min(alike, key=lambda other: (abs(other[1] - mb), other[1]))
     return sources
+
+
+def _roles(order: list[Chunk], m: int) -> dict[Chunk, tuple]:
+    """Each call's role in a step's `order`: its kind, the kinds of the calls before and after it, and its
+    micro-batch as the schedule and the chunk replay tell them apart (0, 1, the last, or another)."""
+    kinds = [kind for kind, _ in order]
+    return {call: (call[0], kinds[i - 1] if i else None, kinds[i + 1] if i + 1 < len(kinds) else None,
+                   call[1] if call[1] < 2 else "last" if call[1] == m - 1 else "other")
+            for i, call in enumerate(order)}
+
+
+def _sources_by_role(m: int, m_t: int, template_warmup: int, warmup_chunks: int) -> dict[Chunk, Chunk] | None:
+    """For each call of the stage over `m` micro-batches, the call of a template over fewer (`m_t`) of the same
+    role (`_roles`): its own micro-batch where the template has it in that role, else the nearest; None where a
+    role is missing from the template (then trace the stage)."""
+    template_roles = _roles(call_order(m_t, template_warmup), m_t)
+    sources = {}
+    for call, role in _roles(call_order(m, warmup_chunks), m).items():
+        alike = [other for other, other_role in template_roles.items() if other_role == role]
+        if not alike:
+            return None
+        sources[call] = min(alike, key=lambda other: (abs(other[1] - call[1]), other[1]))
+    return sources
+
+
+def _inputs_widened(frame: pd.DataFrame, m_t: int, m: int) -> bool:
+    """The step's inputs (the batch every stage is given, split into its micro-batches by the schedule) made for
+    `m` micro-batches where the template's were for `m_t`: their bytes scaled (False where they do not divide)."""
+    inputs = (frame["category"] == Category.INPUT.value).to_numpy(bool)
+    if not inputs.any():
+        return True
+    delta = frame["delta_bytes"].to_numpy().copy()
+    if np.any(delta[inputs] % m_t):
+        return False
+    delta[inputs] = delta[inputs] // m_t * m
+    frame["delta_bytes"] = delta
+    return True
+
+
+def _buffers_widened(template: pd.DataFrame, rows: np.ndarray, first_row: np.ndarray, last_row: np.ndarray,
+                     m_t: int, m: int, runs_expected: int) -> np.ndarray | None:
+    """The rows that begin the first step (`rows`, template rows) with the receive buffers PipelineStage makes per
+    micro-batch (`_prepare_forward_infra` / `_prepare_backward_infra`: the last rows before the first chunk call,
+    `runs_expected` runs of `m_t` like allocations, one a micro-batch, that no later row names) made `m` each: a
+    row to repeat as a storage of its own comes back as -(row + 1). None where the rows before the first call are
+    not such runs."""
+    serial = template["serial"].to_numpy()
+    alike = template[["delta_bytes", "phase", "block", "module", "category"]]
+    runs, end = [], len(rows)
+    while len(runs) < runs_expected and end >= m_t:
+        run = rows[end - m_t:end]
+        storages = serial[run]
+        if np.any(storages < 0) or np.any(first_row[storages] != run) or np.any(last_row[storages] != run) or \
+                len(alike.iloc[run].drop_duplicates()) != 1:
+            return None
+        runs.insert(0, run)
+        end -= m_t
+    if len(runs) != runs_expected:
+        return None
+    widened = [rows[:end]]
+    for run in runs:
+        widened += [run, np.full(m - m_t, -run[-1] - 1)]
+    return np.concatenate(widened)
 
 
 def _first_and_last_rows(serial: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -74,19 +74,59 @@ def _composed_at_depth(model: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFram
 
 def _traced(model: ModelSpec, setup: TrainSetup) -> Trace:
     """`trace`, or for a 1F1B middle stage other than the first of its kind, the first one's trace composed into
-    this stage's schedule (llmsim/sim/compose_1f1b.py; traced where the composition declines)."""
+    this stage's schedule (llmsim/sim/compose_1f1b.py; traced where the composition declines); a stage traced
+    over many micro-batches is composed from a shallower pipeline's over fewer where it can be (`widened`)."""
     template = _template_stage(model, setup)
     if template is not None:
         source = _template_trace((model, replace(setup, pp_stage=template)))
         timeline = _composed(source.timeline, template, setup)
         if timeline is not None:
             return replace(source, timeline=timeline)
-    return trace(model, setup)
+    return widened(model, setup) or trace(model, setup)
 
 
 def _template_trace(key: tuple[ModelSpec, TrainSetup]) -> Trace:
-    """The trace of a stage others are composed from: a worker's (`_keep_template`), or traced here."""
-    return _TEMPLATES.get(key) or trace(*key)
+    """The trace of a stage others are composed from: a worker's (`_keep_template`), or made here."""
+    return _TEMPLATES.get(key) or widened(*key) or trace(*key)
+
+
+NARROW = 5  # the depth and micro-batches of the shallower pipeline a stage is composed from (`widened`)
+WIDEN_FROM = 8  # the fewest micro-batches that are worth it: a stage over fewer is traced
+
+
+@functools.lru_cache(maxsize=32)
+def widened(model: ModelSpec, setup: TrainSetup) -> Trace | None:
+    """Under 1F1B with as many micro-batches as stages (M = pp >= WIDEN_FROM), the first stage (warm-up W = M)
+    or the first middle stage (W = M - 1), composed from the same stage of a pipeline of NARROW stages over NARROW
+    micro-batches whose `pp_split` gives it the same layers (`compose_1f1b.composed` over fewer micro-batches: each
+    call from the template's call of its role, the receive buffers and the batch made for M); None where it is
+    not such a stage or the composition declines (then trace it). A stage's trace depends on its layers, W and M,
+    not on the pipeline's depth (experiments/explore_stage_traces.py), except FSDP2's device mesh made on the CPU
+    (4 bytes a rank): FSDP2 on the CPU is traced. Chunk replay spares a stage's later micro-batches their
+    computation, but not under FSDP2 (70B: 348 ms a micro-batch traced, 6 ms replayed);
+    `tests/test_compose_1f1b.py` compares with the stage's own trace."""
+    from llmsim.enums import Device, Recipe
+    from llmsim.model.pipelining import Schedule, layer_range
+    from llmsim.sim import compose_1f1b
+
+    stage, m = setup.pp_stage, setup.n_microbatches
+    if (setup.recipe is not Recipe.CANONICAL or setup.schedule != Schedule.ONE_F_ONE_B.value
+            or setup.stages_per_rank != 1 or m != setup.pp or m < WIDEN_FROM or stage not in (0, 1)
+            or (setup.fsdp is not None and setup.device is Device.CPU)):
+        return None
+    ends = [layer_range(s, setup.pp, model.num_layers, setup.pp_split)[1] for s in range(stage + 1)]
+    rest, others = model.num_layers - ends[-1], NARROW - stage - 1  # the stages after it hold the other layers
+    if rest < others:
+        return None
+    split = tuple(b - a for a, b in zip([0] + ends[:-1], ends)) + \
+        tuple(rest // others + (i < rest % others) for i in range(others))
+    narrow = replace(setup, pp=NARROW, n_microbatches=NARROW, pp_split=split,
+                     fsdp_world=setup.fsdp_world // setup.pp * NARROW if setup.fsdp is not None else
+                     setup.fsdp_world)
+    source = trace(model, narrow)
+    timeline = compose_1f1b.composed(source.timeline, compose_1f1b.warmup(NARROW, NARROW, stage),
+                                     compose_1f1b.warmup(m, m, stage), m, NARROW, 1 + (stage > 0))
+    return None if timeline is None else replace(source, timeline=timeline)
 
 
 def _composed(source: pd.DataFrame, template: int, setup: TrainSetup) -> pd.DataFrame | None:
@@ -121,7 +161,7 @@ def _expand_keeping_template(key: tuple[ModelSpec, TrainSetup]):
     timeline, info = _expand_key(key)
     model, setup = key
     steps = replace(setup, steps=min(setup.steps, TRACED_STEPS))
-    return timeline, info, trace(model, steps) if _is_template(model, setup) else None
+    return timeline, info, _template_trace((model, steps)) if _is_template(model, setup) else None
 
 
 def _is_template(model: ModelSpec, setup: TrainSetup) -> bool:
