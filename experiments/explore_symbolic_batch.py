@@ -3,7 +3,8 @@ FakeTensorMode with a ShapeEnv, the input ids' batch dimension dynamic (a SymInt
 each output's storage bytes (as llmsim's tracker does): which bytes stay formulas of the batch, and where the
 batch is specialized (the ShapeEnv's guards, with the Python frame that asked for a concrete size).
 
-Run: python experiments/explore_symbolic_batch.py [--no-mode]  (--no-mode: without the dispatch mode; a few seconds; output in experiments/explore_symbolic_batch.out)"""
+Run: python experiments/explore_symbolic_batch.py [--no-mode]  (--no-mode: without the dispatch mode; a few
+seconds; output in experiments/explore_symbolic_batch.out)"""
 import contextlib
 import sys
 import traceback

@@ -329,35 +329,43 @@ def test_search_from_a_hint_finds_what_brute_force_finds(monkeypatch):
         assert need(found) <= 100 and need(found + 1) > 100, hint
 
 
-def test_search_gallops_from_the_line_through_micro_batches_1_and_2(monkeypatch):
-    """Without a hint, once micro-batches 1 and 2 fit, `_search` tries where the line through their device totals
-    meets the card less its margin, then gallops: the brute-force answer for every monotonic need, and for needs
-    that grow linearly four trials (1, 2, the answer, the one above), where doubling and bisecting took up to 10."""
+LIMIT = TINY_GPU.capacity_bytes - TINY_GPU.margin_bytes  # what a device total may reach on the tiny card
+
+
+def searched(monkeypatch, need, max_micro_batch: int = 128) -> tuple[int, list[int]]:
+    """`largest_micro_batch` of a one-process layout whose device total at each micro-batch is `need`'s (synthetic,
+    no trace), and the micro-batches it tried, in order."""
     from types import SimpleNamespace
 
     import llmsim.app.size as sizing
     from llmsim.app.size import Candidate
 
-    limit = TINY_GPU.capacity_bytes - TINY_GPU.margin_bytes
     trials = []
 
     def worst(spec, setup, layout, gpu, alloc_conf, only=None):
         trials.append(setup.micro_batch)
         total = need(setup.micro_batch)
-        return total <= limit, SimpleNamespace(rank=0, needed_bytes=total), 0
+        return total <= LIMIT, SimpleNamespace(rank=0, needed_bytes=total), 0
 
     monkeypatch.setattr(sizing, "_worst", worst)
     candidate = Candidate("ddp", 2, lambda mb: SimpleNamespace(pp=1, tp=1))
+    return largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, max_micro_batch)[0], trials
+
+
+def test_search_gallops_from_the_line_through_micro_batches_1_and_2(monkeypatch):
+    """Without a hint, once micro-batches 1 and 2 fit, `_search` tries where the line through their device totals
+    meets the card less its margin, then gallops: the brute-force answer for every monotonic need, and for needs
+    that grow linearly four trials (1, 2, the answer, the one above), where doubling and bisecting took up to 10."""
     for base, slope in [(10 * MiB, 1 * MiB), (60 * MiB, 3 * MiB), (100 * MiB, 5 * MiB), (5 * MiB, 27 * MiB)]:
         need = lambda mb, b=base, k=slope: b + k * mb  # noqa: E731
-        brute = max([mb for mb in range(1, 129) if need(mb) <= limit], default=0)
-        trials.clear()
-        assert largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 128)[0] == brute
+        brute = max([mb for mb in range(1, 129) if need(mb) <= LIMIT], default=0)
+        found, trials = searched(monkeypatch, need)
+        assert found == brute
         assert trials == [1, 2, brute, brute + 1] if 2 < brute < 128 else len(trials) <= 10
     for need in [lambda mb: 10 * MiB + MiB * mb * mb, lambda mb: 50 * MiB + MiB * (mb > 9) * 60,  # not lines
                  lambda mb: 100 * MiB + (mb > 2) * 10 * MiB, lambda mb: 100 * MiB + mb]:
-        brute = max([mb for mb in range(1, 129) if need(mb) <= limit], default=0)
-        assert largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 128)[0] == brute
+        brute = max([mb for mb in range(1, 129) if need(mb) <= LIMIT], default=0)
+        assert searched(monkeypatch, need)[0] == brute
 
 
 def test_search_takes_the_line_through_a_fit_and_a_miss(monkeypatch):
@@ -367,32 +375,14 @@ def test_search_takes_the_line_through_a_fit_and_a_miss(monkeypatch):
     at 1 and 2, about 6.4 GiB a micro-batch above; its search galloped down from 49 in 13 trials). A total that is
     flat and then jumps moves each line's guess by little: after two such steps the search bisects, so doubling to
     128 (8 trials) and at most three trials a halving of the gap (6) bound it; every answer is brute force's."""
-    from types import SimpleNamespace
-
-    import llmsim.app.size as sizing
-    from llmsim.app.size import Candidate
-
-    limit = TINY_GPU.capacity_bytes - TINY_GPU.margin_bytes
-    trials = []
-
-    def worst(spec, setup, layout, gpu, alloc_conf, only=None):
-        trials.append(setup.micro_batch)
-        total = need(setup.micro_batch)
-        return total <= limit, SimpleNamespace(rank=0, needed_bytes=total), 0
-
-    monkeypatch.setattr(sizing, "_worst", worst)
-    candidate = Candidate("ddp", 2, lambda mb: SimpleNamespace(pp=1, tp=1))
-    gib = limit / 75.15  # the measured layout's card, scaled to the tiny one
+    gib = LIMIT / 75.15  # the measured layout's card, scaled to the tiny one
     measured = {1: 49.81, 2: 50.33}
-    need = lambda mb: int(gib * measured.get(mb, 50.33 + 6.4 * (mb - 2)))  # noqa: E731
-    assert largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 128)[0] == 5
-    assert trials == [1, 2, 49, 5, 6]  # the line through 2 and 49 lands on 5
+    assert searched(monkeypatch, lambda mb: int(gib * measured.get(mb, 50.33 + 6.4 * (mb - 2)))) == \
+        (5, [1, 2, 49, 5, 6])  # the line through 2 and 49 lands on 5
     for jump in range(1, 128):  # flat, then beyond the card: from the middle of the gap to its fitting end
-        for base in (limit // 2, limit // 4, limit - 5):
-            need = lambda mb, j=jump, b=base: b + (mb > j) * limit  # noqa: E731
-            trials.clear()
-            assert largest_micro_batch(None, TrainSetup(1, 64), candidate, TINY_GPU, 128)[0] == jump
-            assert len(trials) <= 8 + 3 * 6, (jump, base, trials)
+        for base in (LIMIT // 2, LIMIT // 4, LIMIT - 5):
+            found, trials = searched(monkeypatch, lambda mb, j=jump, b=base: b + (mb > j) * LIMIT)
+            assert found == jump and len(trials) <= 8 + 3 * 6, (jump, base, trials)
 
 
 def test_size_with_no_applicable_layout_says_why(capsys):

@@ -27,7 +27,17 @@ module). The storages a call allocates are its own, and those of a micro-batch t
 forward leaves for its backward, its output, the input's gradient its backward leaves) are those its own calls
 allocated (`_crossing`). Serials are then numbered in allocation order, as the tracker numbers them, and a forward
 storage's activation/temporary category taken again from whether it outlives the step's last forward
-(tracker.StorageTracker._category). `tests/test_compose_1f1b.py` traces each stage and compares."""
+(tracker.StorageTracker._category). `tests/test_compose_1f1b.py` traces each stage and compares.
+
+Over more micro-batches than the template's (`composed` with `template_microbatches`; traced.widened: a stage of a
+shallower pipeline with the same layers and the same shape of schedule), each call runs the rows of the template's
+call of the same role (`_roles`: its kind, the kinds of the calls around it, and its micro-batch: the first, the
+second, the last or another), the calls that repeat a template call each on storages of their own. What the
+pipeline makes one a micro-batch outside the calls is made for all of them: the receive buffers before the first
+call (`_buffers_widened`), the step's batch, and on the last stage (which computes each micro-batch's loss after
+its forward call and keeps every output and loss to the step's end) the frees of what it kept, in runs after the
+step (`_kept_runs`), and the merge of its outputs (`_inputs_widened`). A storage a repeated call leaves past the
+step is the one of the call as far from the step's last micro-batch."""
 from __future__ import annotations
 
 import numpy as np
@@ -63,12 +73,16 @@ def held_output(n_microbatches: int, warmup_chunks: int) -> int | None:
 
 
 def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int, n_microbatches: int,
-             template_microbatches: int | None = None, buffer_runs: int = 0) -> pd.DataFrame | None:
+             template_microbatches: int | None = None, buffer_runs: int = 0,
+             outputs_kept: bool = False) -> pd.DataFrame | None:
     """The timeline of the stage with warm-up `warmup_chunks` over `n_microbatches`, from `template`, a traced
     stage's (tracker.CHUNKS in its attrs) of equal layers whose warm-up is `template_warmup`, over
     `template_microbatches` (the same by default: a middle stage from another; fewer: its receive buffers,
-    `buffer_runs` runs of one a micro-batch, widened too) (module docstring); None where the template's rows between chunk calls are not the frees the module docstring names,
-    it has no call of the kind a call needs, or two calls' storages do not correspond (then trace the stage)."""
+    `buffer_runs` runs of one a micro-batch, widened too). `outputs_kept`: the last stage, whose schedule computes
+    each micro-batch's loss after its forward call and keeps its output and loss to the step's end (frees of one
+    a micro-batch after the step, widened too). (Module docstring.) None where the template's rows between chunk
+    calls are not the frees the module docstring names, it has no call of the kind a call needs, or two calls'
+    storages do not correspond (then trace the stage)."""
     chunks = template.attrs.get(CHUNKS)
     m = n_microbatches
     m_t = m if template_microbatches is None else template_microbatches
@@ -102,13 +116,54 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int, n
     # the template micro-batch whose rows stand for each of this stage's: its own where M is the template's (the
     # calls of one micro-batch correspond, whichever template call runs their rows), else the forward's source
     as_template = {mb: mb if m_t == m else sources[("F", mb)][1] for mb in range(m)}
+    if outputs_kept and (m_t == m or min(template_warmup, warmup_chunks) != 1):
+        return None
+    previous_step: tuple | None = None  # (crossing, made) of the step before: its outputs are freed after it
+    merged: set[int] = set()  # storages that hold every micro-batch's output at once (`after_step`)
+    kept_sizes: set[int] = set()  # the sizes of what a forward call leaves past its step
+
+    def after_step(rows: np.ndarray) -> bool:
+        """Emit rows after a step, each free of a micro-batch's kept output or loss (a run of one a micro-batch,
+        `_kept_runs`) made one a micro-batch here; False where a row names a repeated call's storage otherwise."""
+        if previous_step is None or not outputs_kept:
+            emit(rows, carried)
+            return True
+        crossing_before, made_before = previous_step
+        owner = {storage: (mb, i) for (kind, mb), storages in crossing_before.items() if kind == "F"
+                 for i, storage in enumerate(storages)}
+        # the schedule's outputs merged (one storage the size of m_t kept outputs, the last step's never freed):
+        # made for m
+        runs = _kept_runs(rows, serial, delta, owner, m_t)
+        kept_sizes.update(int(delta[first_row[serial[piece[0]]]]) for piece, run in runs if run is not None)
+        merged.update(int(storage) for storage in serial[rows] if storage >= 0 and first_row[storage] in rows
+                      and last_row[storage] in rows and delta[first_row[storage]] % m_t == 0
+                      and delta[first_row[storage]] // m_t in kept_sizes)
+        repeated = {source[1] for call, source in sources.items()
+                    if call[0] == "F" and sum(other == source for other in sources.values()) > 1}
+        for piece, run in runs:
+            if run is None:
+                if any(owner.get(int(storage), (None,))[0] in repeated for storage in serial[piece]):
+                    return False
+                emit(piece, carried)
+                continue
+            order = range(m - 1, -1, -1) if run[0] > run[-1] else range(m)
+            by_mb = dict(zip(run, piece))
+            for mb in order:
+                row = by_mb[sources[("F", mb)][1]]
+                emit(np.array([row]), {int(serial[row]): made_before[("F", mb)][owner[int(serial[row])][1]]})
+        return True
+
     for step in sorted({chunk[2] for chunk in chunks}):
         spans = {(kind, mb): (begin, end) for kind, mb, s, begin, end in chunks if s == step}
-        cut = _cut(template, spans, template_warmup, m_t)
+        cut = _cut(template, spans, template_warmup, m_t, outputs_kept)
         if cut is None:
             return None
         body, after, output_free = cut
-        crossing = {call: _crossing(by_first, first_of, last_row, *span) for call, span in spans.items()}
+        reach = dict(spans)  # what a call allocates: a kept-output stage's forward with its loss after it
+        if outputs_kept:
+            reach.update({call: (spans[call][0], spans[call][1] + len(after[call])) for call in spans
+                          if call[0] == "F"})
+        crossing = {call: _crossing(by_first, first_of, last_row, *span) for call, span in reach.items()}
         start = np.arange(done, min(begin for begin, _ in spans.values()))  # the optimizer, the step's start
         if step == min(chunk[2] for chunk in chunks) and m != m_t:  # the receive buffers, one a micro-batch
             start = _buffers_widened(template, start, first_row, last_row, m_t, m, buffer_runs)
@@ -120,13 +175,14 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int, n
                     emit(np.array([-piece[0] - 1]), {int(serial[-piece[0] - 1]): next(fresh)})
                 elif len(piece):
                     emit(piece, carried)
-        else:
-            emit(start, carried)
+        elif not after_step(start):
+            return None
         made: dict[Chunk, list[int]] = {}  # each call's storages that outlive it, as this stage numbers them
         held = held_output(m, warmup_chunks)
+        held = None if held is not None and held < 0 else held
         for kind, mb in call_order(m, warmup_chunks):
             source = sources[(kind, mb)]
-            begin, end = spans[source]
+            begin, end = reach[source]
             allocated = np.sort(_allocated_between(by_first, first_of, begin, end))
             mapping = {} if source == (kind, mb) else {int(s): next(fresh) for s in allocated}
             own = as_template[mb]
@@ -138,10 +194,10 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int, n
                 return None
             made[(kind, mb)] = [mapping.get(s, s) for s in crossing[source]]
             rows = body[source]
-            if m_t != m and kind == "B" and (mb in (held, m - 1)) != \
+            if m_t != m and kind == "B" and not outputs_kept and (mb in (held, m - 1)) != \
                     (source[1] in (held_output(m_t, template_warmup), m_t - 1)):
                 return None  # the template's call keeps its output where this one frees it, or the reverse
-            if kind == "B" and mb not in (held, m - 1):  # the output freed as the backward returns, its last row
+            if kind == "B" and mb not in (held, m - 1) and not outputs_kept:  # its output freed as it returns
                 if own not in output_free:
                     return None
                 mapping = {**mapping, **_as_made(crossing[("F", own)], made[("F", mb)])}
@@ -157,6 +213,8 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int, n
                         sizes(crossing[("B", source[1] - 1)]) != sizes(crossing[previous]):
                     return None
                 emit(after[source], _as_made(crossing[("B", source[1] - 1)], made[("B", mb - 1)]))
+            elif kind == "F" and outputs_kept:  # the loss, computed after the forward call: the call's storages
+                emit(after[source], mapping)
             else:
                 emit(after[source], {})
             if kind == "B" and mb == m - warmup_chunks and held is not None:
@@ -177,16 +235,20 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int, n
             repeated = sum(other == source for other in sources.values()) > 1
             if not repeated or m - 1 - call[1] == m_t - 1 - source[1]:
                 carried.update(_as_made(crossing[source], storages))
+            elif outputs_kept and call[0] == "F":  # its kept output and loss: freed in runs (after_step)
+                continue
             elif np.any(last_row[crossing[source]] >= end_of_step):
                 if not any(m - 1 - other[1] == m_t - 1 - source[1] for other, same in sources.items()
                            if same == source and other[0] == call[0]):
                     return None  # named after the step, and no call here stands where it stands
         done = end_of_step
-    emit(np.arange(done, len(template)), carried)
+        previous_step = (crossing, made)
+    if not after_step(np.arange(done, len(template))):
+        return None
     rows = np.concatenate([piece for piece, _ in pieces])
     serials = np.concatenate([_mapped(serial[piece], mapping) for piece, mapping in pieces])
     frame = template.iloc[rows].reset_index(drop=True)
-    if m != m_t and not _inputs_widened(frame, m_t, m):
+    if m != m_t and not _inputs_widened(frame, m_t, m, np.isin(serials, list(merged))):
         return None
     if not _numbered_in_allocation_order(frame, serials, int(serial[serial >= 0].min())):
         return None
@@ -198,7 +260,8 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int, n
 Cut = tuple[dict[Chunk, np.ndarray], dict[Chunk, np.ndarray], dict[int, int]]
 
 
-def _cut(template: pd.DataFrame, spans: dict[Chunk, tuple[int, int]], template_warmup: int, m: int) -> Cut | None:
+def _cut(template: pd.DataFrame, spans: dict[Chunk, tuple[int, int]], template_warmup: int, m: int,
+         outputs_kept: bool = False) -> Cut | None:
     """One step of the template cut up: each chunk call's rows without its output's free, the rows after it up to
     the next call without O_{W-2}'s free (G_{b-1}'s free after B_b), and the row of each O_f's free (f < M - 1);
     None where the rows between calls are not those frees."""
@@ -210,7 +273,7 @@ def _cut(template: pd.DataFrame, spans: dict[Chunk, tuple[int, int]], template_w
         body[call] = np.arange(begin, end)
         after[call] = np.arange(end, spans[following][0] if following else end)
     w = template_warmup
-    for f in range(m - 1):
+    for f in range(m - 1 if not outputs_kept else 0):  # the last stage keeps its outputs to the step's end
         if f == held_output(m, w):  # held by the warm-up's send_work: the last row after B_{M-W}
             row = after[("B", m - w)][-1] if len(after[("B", m - w)]) == 2 else -1
             after[("B", m - w)] = after[("B", m - w)][:-1]
@@ -224,7 +287,8 @@ def _cut(template: pd.DataFrame, spans: dict[Chunk, tuple[int, int]], template_w
     # G_{b-1} freed after B_b; none where the stage's input takes no gradient (the first stage's token ids)
     gradient = 1 if any(len(after[("B", b)]) for b in range(1, m - 1)) else 0
     expected = {("B", b): gradient for b in range(1, m)} | {("B", 0): 0, ("B", m - 1): 0}
-    if any(len(after[call]) != expected.get(call, 0) or np.any(delta[after[call]] >= 0) for call in calls):
+    if any(len(after[call]) != expected.get(call, 0) or np.any(delta[after[call]] >= 0) for call in calls
+           if not (outputs_kept and call[0] == "F")):  # the last stage's loss follows its forward call
         return None
     return body, after, output_free
 
@@ -322,10 +386,36 @@ def _sources_by_role(m: int, m_t: int, template_warmup: int, warmup_chunks: int)
     return sources
 
 
-def _inputs_widened(frame: pd.DataFrame, m_t: int, m: int) -> bool:
-    """The step's inputs (the batch every stage is given, split into its micro-batches by the schedule) made for
-    `m` micro-batches where the template's were for `m_t`: their bytes scaled (False where they do not divide)."""
-    inputs = (frame["category"] == Category.INPUT.value).to_numpy(bool)
+def _kept_runs(rows: np.ndarray, serial: np.ndarray, sizes: np.ndarray, owner: dict[int, tuple[int, int]],
+               m_t: int):
+    """`rows` cut into pieces: (rows, None), or (rows, micro-batches) for a run of `m_t` frees of one size
+    (`sizes`: each row's bytes), one of each micro-batch's kept storage (`owner`: a storage -> (its micro-batch,
+    its place among what the forward left)), in order of micro-batch up or down (the schedule letting go of its
+    lists)."""
+    out, i, plain = [], 0, []
+    while i < len(rows):
+        window = [owner.get(int(storage)) for storage in serial[rows[i:i + m_t]]]
+        mbs = [entry[0] for entry in window if entry is not None]
+        if len(mbs) == m_t and len(set(sizes[rows[i:i + m_t]].tolist())) == 1 and \
+                mbs in (list(range(m_t)), list(range(m_t - 1, -1, -1))):
+            if plain:
+                out.append((np.array(plain, dtype=rows.dtype), None))
+                plain = []
+            out.append((rows[i:i + m_t], mbs))
+            i += m_t
+        else:
+            plain.append(rows[i])
+            i += 1
+    if plain:
+        out.append((np.array(plain, dtype=rows.dtype), None))
+    return out
+
+
+def _inputs_widened(frame: pd.DataFrame, m_t: int, m: int, merged: np.ndarray) -> bool:
+    """The step's inputs (the batch every stage is given, split into its micro-batches by the schedule) and the
+    rows of `merged` (the last stage's outputs merged) made for `m` micro-batches where the template's were for
+    `m_t`: their bytes scaled (False where they do not divide)."""
+    inputs = (frame["category"] == Category.INPUT.value).to_numpy(bool) | merged
     if not inputs.any():
         return True
     delta = frame["delta_bytes"].to_numpy().copy()

@@ -110,22 +110,33 @@ def widened(model: ModelSpec, setup: TrainSetup) -> Trace | None:
     from llmsim.sim import compose_1f1b
 
     stage, m = setup.pp_stage, setup.n_microbatches
+    last = stage == setup.pp - 1
     if (setup.recipe is not Recipe.CANONICAL or setup.schedule != Schedule.ONE_F_ONE_B.value
-            or setup.stages_per_rank != 1 or m != setup.pp or m < WIDEN_FROM or stage not in (0, 1)
+            or setup.stages_per_rank != 1 or m != setup.pp or m < WIDEN_FROM or (stage not in (0, 1) and not last)
             or (setup.fsdp is not None and setup.device is Device.CPU)):
         return None
-    ends = [layer_range(s, setup.pp, model.num_layers, setup.pp_split)[1] for s in range(stage + 1)]
-    rest, others = model.num_layers - ends[-1], NARROW - stage - 1  # the stages after it hold the other layers
-    if rest < others:
-        return None
-    split = tuple(b - a for a, b in zip([0] + ends[:-1], ends)) + \
-        tuple(rest // others + (i < rest % others) for i in range(others))
-    narrow = replace(setup, pp=NARROW, n_microbatches=NARROW, pp_split=split,
+
+    def spread(layers: int, stages: int) -> tuple[int, ...]:  # the other stages' layers, as even as they go
+        return tuple(layers // stages + (i < layers % stages) for i in range(stages))
+
+    bounds = [layer_range(s, setup.pp, model.num_layers, setup.pp_split) for s in range(setup.pp)]
+    if last:  # the narrow pipeline's last stage holds its layers, the others those before them
+        start = bounds[stage][0]
+        if start < NARROW - 1:
+            return None
+        split, narrow_stage = spread(start, NARROW - 1) + (model.num_layers - start,), NARROW - 1
+    else:  # the narrow pipeline's first stages hold the layers of this one and those before, the others the rest
+        rest, others = model.num_layers - bounds[stage][1], NARROW - stage - 1
+        if rest < others:
+            return None
+        split, narrow_stage = tuple(b - a for a, b in bounds[:stage + 1]) + spread(rest, others), stage
+    narrow = replace(setup, pp=NARROW, pp_stage=narrow_stage, n_microbatches=NARROW, pp_split=split,
                      fsdp_world=setup.fsdp_world // setup.pp * NARROW if setup.fsdp is not None else
                      setup.fsdp_world)
     source = trace(model, narrow)
-    timeline = compose_1f1b.composed(source.timeline, compose_1f1b.warmup(NARROW, NARROW, stage),
-                                     compose_1f1b.warmup(m, m, stage), m, NARROW, 1 + (stage > 0))
+    warmup = compose_1f1b.warmup
+    timeline = compose_1f1b.composed(source.timeline, warmup(NARROW, NARROW, narrow_stage), warmup(m, m, stage), m,
+                                     NARROW, 1 + (0 < stage < setup.pp - 1), outputs_kept=last)
     return None if timeline is None else replace(source, timeline=timeline)
 
 
