@@ -96,11 +96,12 @@ WIDEN_FROM = 8  # the fewest micro-batches that are worth it: a stage over fewer
 
 @functools.lru_cache(maxsize=32)
 def widened(model: ModelSpec, setup: TrainSetup) -> Trace | None:
-    """Under 1F1B with as many micro-batches as stages (M = pp >= WIDEN_FROM), the first stage (warm-up W = M)
-    or the first middle stage (W = M - 1), composed from the same stage of a pipeline of NARROW stages over NARROW
-    micro-batches whose `pp_split` gives it the same layers (`compose_1f1b.composed` over fewer micro-batches: each
-    call from the template's call of its role, the receive buffers and the batch made for M); None where it is
-    not such a stage or the composition declines (then trace it). A stage's trace depends on its layers, W and M,
+    """Under 1F1B with as many micro-batches as stages (M = pp >= WIDEN_FROM), the first stage (warm-up W = M),
+    the first middle stage (W = M - 1) or the last (W = 1), composed from the same stage of a pipeline of NARROW
+    stages over NARROW micro-batches whose `pp_split` gives it the same layers (`compose_1f1b.composed` over fewer
+    micro-batches: each call from the template's call of its role; the receive buffers, the batch and the last
+    stage's kept outputs made for M); None where it is not such a stage or the composition declines (then trace
+    it). A stage's trace depends on its layers, W and M,
     not on the pipeline's depth (experiments/explore_stage_traces.py), except FSDP2's device mesh made on the CPU
     (4 bytes a rank): FSDP2 on the CPU is traced. Chunk replay spares a stage's later micro-batches their
     computation, but not under FSDP2 (70B: 348 ms a micro-batch traced, 6 ms replayed);
