@@ -163,9 +163,10 @@ WIDEN_CASES = [  # (zoo model, shrink(hidden, layers, vocab, heads), setup, stra
      "h100-80gb", 1),  # six layers a stage, traced at three: composed, then expanded
     ("llama-2-7b", (64, 24, 512, 4), TrainSetup(2, 32, Precision.BF16, grad_ckpt=True), Strategy.FSDP, 8,
      "h100-80gb", 1),  # every micro-batch computed in the trace: what the composition spares most
-    ("qwen2.5-0.5b", (64, 20, 512, 4), TrainSetup(1, 16, Precision.BF16_AUTOCAST), Strategy.SINGLE, 8, None, 1),
-    ("llama-2-7b", (64, 24, 512, 4), TrainSetup(1, 32, Precision.BF16, grad_ckpt=True), Strategy.DDP, 8,
-     "h100-80gb", 2),  # torch's replicate x TP x PP (the 3-D layout)
+    pytest.param("qwen2.5-0.5b", (64, 20, 512, 4), TrainSetup(1, 16, Precision.BF16_AUTOCAST), Strategy.SINGLE, 8,
+                 None, 1, marks=pytest.mark.slow),  # autocast's cast cache
+    pytest.param("llama-2-7b", (64, 24, 512, 4), TrainSetup(1, 32, Precision.BF16, grad_ckpt=True), Strategy.DDP, 8,
+                 "h100-80gb", 2, marks=pytest.mark.slow),  # torch's replicate x TP x PP (the 3-D layout)
     pytest.param("gpt-oss-20b", (64, 24, 512, 4), TrainSetup(1, 16, Precision.BF16), Strategy.SINGLE, 8, None, 1,
                  marks=pytest.mark.slow),  # sliding and full attention alternate: the layers kept where they are
 ]
