@@ -335,9 +335,9 @@ def _secant(good: int, bad: int | None, needs: dict[int, int], limit: int) -> in
     line through their device totals meets `limit` (the card less its margin), kept strictly between them; None
     where one of them has no total (no fit yet, or no miss) or the line does not rise. `_search` tries it in place
     of the midpoint, and bisects after two such steps in a row that did not halve the gap (a total that is flat and
-    then jumps moves each line's guess by little): where the totals of micro-batches
-    1 and 2 lie on another line than the larger ones' (the optimizer step's peak, not the activations'), the guess
-    from them overshoots, and the line through the miss lands near the answer instead of galloping down to it."""
+    then jumps moves each line's guess by little): where the totals of micro-batches 1 and 2 lie on another line
+    than the larger ones' (the optimizer step's peak, not the activations'), the guess from them overshoots, and
+    the line through the miss lands near the answer instead of galloping down to it."""
     if bad is None or good < 1 or good not in needs or bad not in needs or needs[bad] <= needs[good]:
         return None
     step = (limit - needs[good]) * (bad - good) // (needs[bad] - needs[good])

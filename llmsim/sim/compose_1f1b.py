@@ -40,6 +40,8 @@ step (`_kept_runs`), and the merge of its outputs (`_inputs_widened`). A storage
 step is the one of the call as far from the step's last micro-batch."""
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pandas as pd
 
@@ -67,9 +69,10 @@ def call_order(n_microbatches: int, warmup_chunks: int) -> list[Chunk]:
 
 def held_output(n_microbatches: int, warmup_chunks: int) -> int | None:
     """The micro-batch whose output outlives its backward until the last steady backward returns: the warm-up's
-    last fired send (W - 2), where its backward comes by then."""
+    last fired send (W - 2), where its backward comes by then; None where there is none (a warm-up of one: the last
+    stage)."""
     held = warmup_chunks - 2
-    return held if held <= n_microbatches - warmup_chunks else None
+    return held if 0 <= held <= n_microbatches - warmup_chunks else None
 
 
 def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int, n_microbatches: int,
@@ -116,6 +119,7 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int, n
     # the template micro-batch whose rows stand for each of this stage's: its own where M is the template's (the
     # calls of one micro-batch correspond, whichever template call runs their rows), else the forward's source
     as_template = {mb: mb if m_t == m else sources[("F", mb)][1] for mb in range(m)}
+    shared = Counter(sources.values())  # how many of this stage's calls run each template call's rows
     if outputs_kept and (m_t == m or min(template_warmup, warmup_chunks) != 1):
         return None
     previous_step: tuple | None = None  # (crossing, made) of the step before: its outputs are freed after it
@@ -138,8 +142,7 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int, n
         merged.update(int(storage) for storage in serial[rows] if storage >= 0 and first_row[storage] in rows
                       and last_row[storage] in rows and delta[first_row[storage]] % m_t == 0
                       and delta[first_row[storage]] // m_t in kept_sizes)
-        repeated = {source[1] for call, source in sources.items()
-                    if call[0] == "F" and sum(other == source for other in sources.values()) > 1}
+        repeated = {source[1] for source, calls in shared.items() if source[0] == "F" and calls > 1}
         for piece, run in runs:
             if run is None:
                 if any(owner.get(int(storage), (None,))[0] in repeated for storage in serial[piece]):
@@ -179,7 +182,6 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int, n
             return None
         made: dict[Chunk, list[int]] = {}  # each call's storages that outlive it, as this stage numbers them
         held = held_output(m, warmup_chunks)
-        held = None if held is not None and held < 0 else held
         for kind, mb in call_order(m, warmup_chunks):
             source = sources[(kind, mb)]
             begin, end = reach[source]
@@ -232,14 +234,13 @@ def composed(template: pd.DataFrame, template_warmup: int, warmup_chunks: int, n
             # far from the step's last micro-batch (the input gradient of the one before the last, freed after
             # the step)
             source = sources[call]
-            repeated = sum(other == source for other in sources.values()) > 1
-            if not repeated or m - 1 - call[1] == m_t - 1 - source[1]:
+            if shared[source] == 1 or m - 1 - call[1] == m_t - 1 - source[1]:
                 carried.update(_as_made(crossing[source], storages))
             elif outputs_kept and call[0] == "F":  # its kept output and loss: freed in runs (after_step)
                 continue
             elif np.any(last_row[crossing[source]] >= end_of_step):
                 if not any(m - 1 - other[1] == m_t - 1 - source[1] for other, same in sources.items()
-                           if same == source and other[0] == call[0]):
+                           if same == source):
                     return None  # named after the step, and no call here stands where it stands
         done = end_of_step
         previous_step = (crossing, made)
