@@ -161,8 +161,8 @@ WIDEN_CASES = [  # (zoo model, shrink(hidden, layers, vocab, heads), setup, stra
     ("llama-2-7b", (64, 24, 512, 4), TrainSetup(2, 32, Precision.BF16, grad_ckpt=True), Strategy.SINGLE, 8, None, 1),
     ("llama-2-7b", (64, 48, 512, 4), TrainSetup(1, 32, Precision.BF16, grad_ckpt=True), Strategy.DDP, 8,
      "h100-80gb", 1),  # six layers a stage, traced at three: composed, then expanded
-    ("llama-2-7b", (64, 24, 512, 4), TrainSetup(2, 32, Precision.BF16, grad_ckpt=True), Strategy.FSDP, 8,
-     "h100-80gb", 1),  # every micro-batch computed in the trace: what the composition spares most
+    pytest.param("llama-2-7b", (64, 24, 512, 4), TrainSetup(2, 32, Precision.BF16, grad_ckpt=True), Strategy.FSDP,
+                 8, "h100-80gb", 1, marks=pytest.mark.slow),  # every micro-batch computed: what it spares most
     pytest.param("qwen2.5-0.5b", (64, 20, 512, 4), TrainSetup(1, 16, Precision.BF16_AUTOCAST), Strategy.SINGLE, 8,
                  None, 1, marks=pytest.mark.slow),  # autocast's cast cache
     pytest.param("llama-2-7b", (64, 24, 512, 4), TrainSetup(1, 32, Precision.BF16, grad_ckpt=True), Strategy.DDP, 8,

@@ -330,8 +330,10 @@ def test_a_fake_quantized_load_leaves_bitsandbytes_code_books_as_it_found_them()
     assert bnb_functional.name2qmap.keys() == before.keys()
 
 
-# full fine-tuning under -m slow (2 minutes on 2 cores); LoRA in the default run
-@pytest.mark.parametrize("lora", [pytest.param(False, marks=pytest.mark.slow), True], ids=["full", "lora"])
+# under -m slow (LoRA 1.5 minutes on 2 cores, full fine-tuning 2): the default run re-predicts committed rows of
+# trainer_zero3_cpu.csv (test_validate) and makes a fresh run of the Trainer under ZeRO-2
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_fresh_trainer_zero3_run_matches_its_prediction(tmp_path, lora):
     """The Trainer under ZeRO-3 (examples/ds_zero3.json's settings) on a model no row has, 2 ranks: from_pretrained
     under zero.Init (TrainingArguments first), the weights partitioned in the config's bf16; with LoRA, peft's
