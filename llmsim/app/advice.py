@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from llmsim.enums import Loss, Optimizer, Precision, Recipe
 from llmsim.errors import InputError
@@ -25,6 +26,9 @@ from llmsim.inputs.spec import ModelSpec, TrainSetup, as_loaded
 from llmsim.model.step import peft_default_targets
 from llmsim.sim.allocator import AllocatorConfig
 from llmsim.sim.strategies import Layout, Strategy
+
+if TYPE_CHECKING:
+    from llmsim.sim.prediction import Prediction, RankPrediction
 
 LORA_RANK = 16  # the adapters a suggestion adds: LoRA r=16 on peft's default targets (all-linear for the Trainer)
 TRAINER_LORA = {"r": LORA_RANK, "lora_alpha": 2 * LORA_RANK, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}
@@ -58,13 +62,19 @@ class Suggestion:
 
 def suggestions(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile,
                 alloc_conf: AllocatorConfig = AllocatorConfig(), jobs: int = 1,
-                progress: bool = False) -> list[Suggestion]:
-    """The changes that make the job fit on `gpu`, cheapest first (module docstring); [] when none does."""
+                progress: bool = False, given: Prediction | None = None) -> list[Suggestion]:
+    """The changes that make the job fit on `gpu`, cheapest first (module docstring); [] when none does. With
+    `given`, the job's own prediction, a pipeline is also offered the `--pp-split` that lowers its most loaded
+    stage (`_split_suggestion`), after the changes that cost nothing."""
     from llmsim.sim.processes import in_processes
 
     changes = [c for c in candidates(model, setup, layout) if _modelled(model, c, gpu)]
+    split = _split_suggestion(model, setup, layout, gpu, alloc_conf, given, jobs) if given is not None else None
+    at = next((i for i, c in enumerate(changes) if not c.cost.startswith("none")), len(changes))
     predict = functools.partial(_suggestion, model, gpu, alloc_conf)
     results = in_processes(predict, changes, jobs, progress, "change")
+    if split is not None:
+        results.insert(at, split)
     fitting = [s for s in results if s is not None and s.verdict == "fits"]
     more_gpus = [s for s in fitting if s.gpus > layout.world_size]
     fitting = [s for s in fitting if s.gpus <= layout.world_size] + more_gpus[:1]  # the fewest GPUs that fit
@@ -271,6 +281,53 @@ def _modelled(model: ModelSpec, change: Change, gpu: GpuProfile) -> bool:
     except InputError:
         return False
     return True
+
+
+SPLIT_COST = "the same maths; the stages' compute uneven (the slowest stage sets the pipeline's pace)"
+
+
+def _split_suggestion(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile,
+                      alloc_conf: AllocatorConfig, given: Prediction, jobs: int) -> Suggestion | None:
+    """The `--pp-split` whose most needing stage needs least, of those `partition.rebalanced` tries from `given`
+    (each predicted in full); None where the layout has no split to change (one stage, several stages a rank,
+    DeepSpeed's engines) or none tried needs less than the job's own."""
+    from llmsim.model.pipelining import layer_range, layers_prefix
+    from llmsim.sim import partition
+    from llmsim.sim.pipeline import predict
+
+    if layout.pp == 1 or layout.stages_per_rank > 1 or setup.recipe in (Recipe.DEEPSPEED_PIPE,
+                                                                       Recipe.DEEPSPEED_AUTOTP):
+        return None
+    split = tuple(end - start for start, end in (layer_range(stage, layout.pp, model.num_layers, layout.pp_split)
+                                                 for stage in range(layout.pp)))
+    deciding, prefix = _stage_deciders(given, layout), layers_prefix(model.hf_config())
+    lines = [partition.StageLine(layers, rank.needed_bytes,
+                                 partition.layer_bytes(rank.timeline, rank.peak.event, prefix) / layers)
+             for layers, rank in zip(split, deciding)]
+    predictions: dict[tuple[int, ...], Prediction] = {}
+
+    def predicted(trial: tuple[int, ...]) -> list[int]:
+        predictions[trial] = predict(model, setup, replace(layout, pp_split=trial), gpu, alloc_conf, jobs=jobs)
+        return [rank.needed_bytes for rank in _stage_deciders(predictions[trial], layout)]
+    try:
+        found = partition.rebalanced(split, [line.needed_bytes for line in lines], lines, predicted)
+    except InputError:  # a split the checks refuse for this job: no suggestion
+        return None
+    if found is None:
+        return None
+    rank = predictions[found[0]].deciding_rank
+    return Suggestion(f"--pp-split {','.join(map(str, found[0]))}", SPLIT_COST, rank.verdict, rank.needed_bytes,
+                      rank.peak_allocated_bytes, layout.world_size)
+
+
+def _stage_deciders(prediction: Prediction, layout: Layout) -> list[RankPrediction]:
+    """Each pipeline stage's most needing rank (a stage's ranks: `rank // tp % pp`, traced.stage_ranks)."""
+    deciders: dict[int, RankPrediction] = {}
+    for rank in prediction.ranks:
+        stage = rank.rank // layout.tp % layout.pp
+        if stage not in deciders or rank.needed_bytes > deciders[stage].needed_bytes:
+            deciders[stage] = rank
+    return [deciders[stage] for stage in range(layout.pp)]
 
 
 def _suggestion(model: ModelSpec, gpu: GpuProfile, alloc_conf: AllocatorConfig, change: Change) -> Suggestion | None:

@@ -31,7 +31,7 @@ def cmd_predict(args) -> int:
         from llmsim.app.advice import suggestions
 
         spec, setup, layout = inputs(args)
-        advice = suggestions(spec, setup, layout, predicted.gpu, predicted.alloc_conf, args.jobs, progress)
+        advice = suggestions(spec, setup, layout, predicted.gpu, predicted.alloc_conf, args.jobs, progress, predicted)
     if args.format == "json":
         print(json.dumps({**predicted.to_dict(args.gpus_per_node),
                           **({"suggestions": [s.to_dict() for s in advice]} if advice is not None else {})},
