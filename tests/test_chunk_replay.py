@@ -41,6 +41,12 @@ CASES = [  # (zoo model, shrink(hidden, layers, vocab, heads), setup, layout, gp
 ]
 
 
+def fresh(spec, setup):
+    """`trace` run again, not taken from its cache (which also keeps the stage `trace.stage_split` traces it as)."""
+    trace.cache_clear()
+    return trace(spec, setup)
+
+
 def replayed_cases():
     rows = pd.read_csv(ROWS)
     runs = rows[(rows["pp"] > 1) & (rows["n_microbatches"] > chunk_replay.FIRST_REPLAYED)].drop_duplicates(
@@ -58,10 +64,10 @@ def test_a_stage_replaying_later_micro_batches_makes_the_events_of_computing_the
     for stage in range(layout.pp):
         stage_setup = replace(traced._stage_setup(setup, layout, stage), steps=min(setup.steps, TRACED_STEPS))
         monkeypatch.setattr(chunk_replay, "ENABLED", False)
-        computed = trace.__wrapped__(spec, stage_setup)
+        computed = fresh(spec, stage_setup)
         monkeypatch.setattr(chunk_replay, "ENABLED", True)
         before = chunk_replay.ChunkReplay.calls
-        replayed = trace.__wrapped__(spec, stage_setup)
+        replayed = fresh(spec, stage_setup)
         # every micro-batch from the third on, in each traced step, and the second after the first step
         assert chunk_replay.ChunkReplay.calls - before == stage_setup.steps * (
             layout.n_microbatches - chunk_replay.FIRST_REPLAYED) + stage_setup.steps - 1
@@ -85,10 +91,10 @@ def test_a_model_whose_later_micro_batches_touch_micro_batch_1s_storages_is_comp
         check(self)
     monkeypatch.setattr(chunk_replay._Forward, "check", foreign)
     before = chunk_replay.ChunkReplay.calls
-    traced_anyway = trace.__wrapped__(spec, setup)
+    traced_anyway = fresh(spec, setup)
     assert chunk_replay.ChunkReplay.calls == before
     monkeypatch.setattr(chunk_replay, "ENABLED", False)
-    pd.testing.assert_frame_equal(traced_anyway.timeline, trace.__wrapped__(spec, setup).timeline)
+    pd.testing.assert_frame_equal(traced_anyway.timeline, fresh(spec, setup).timeline)
 
 
 def test_the_replay_stays_within_the_two_traced_steps():

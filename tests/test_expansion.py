@@ -155,6 +155,41 @@ def test_pipeline_stage_expansion_matches_full_stage_trace(model, heads, setup):
     assert_same_events(predicted, full)
 
 
+SPLITS = [  # (zoo model, setup, layout, GPU): 12 layers over 3 stages, split two ways
+    ("llama-2-7b", TrainSetup(1, 32, Precision.BF16, grad_ckpt=True),
+     Layout(world_size=3, pp=3, schedule=Schedule.ONE_F_ONE_B, n_microbatches=4), None),
+    ("qwen2.5-0.5b", TrainSetup(2, 16), Layout(world_size=3, pp=3, schedule=Schedule.GPIPE, n_microbatches=3),
+     None),  # the tied embedding, kept on the last stage
+    ("llama-2-7b", TrainSetup(1, 32, Precision.BF16),  # torch's replicate x TP x PP on a GPU
+     Layout(Strategy.DDP, 12, tp=2, pp=3, schedule=Schedule.ONE_F_ONE_B, n_microbatches=3), "h100-80gb"),
+]
+
+
+@pytest.mark.parametrize("model,setup,layout,gpu", SPLITS, ids=["1f1b", "tied-gpipe", "replicate-tp2-h100"])
+def test_a_stage_of_alike_layers_is_one_trace_under_every_split(model, setup, layout, gpu):
+    """Each stage, under 3,4,5 and under 5,3,4 layers (other layers, other counts, other first layers), traced at
+    its first 3 layers: the same events both ways, so `trace` runs it once (trace.stage_split) and each keeps its
+    own number of layers for the expansion."""
+    from dataclasses import replace
+
+    from llmsim.inputs.gpus import load_gpu
+    from llmsim.model import trace as trace_module
+    from llmsim.sim.pipeline import checked
+    from llmsim.sim.traced import _stage_setup
+
+    spec = load_model_spec(model, shrink(model, 64, 12, 512, 4))
+    splits = (3, 4, 5), (5, 3, 4)
+    for stage in range(layout.pp):
+        stages = [replace(_stage_setup(checked(spec, setup, replace(layout, pp_split=split), gpu and load_gpu(gpu)),
+                                       replace(layout, pp_split=split), stage), steps=2) for split in splits]
+        own = [trace_module._run_replaying_chunks(spec, each, 3) for each in stages]
+        pd.testing.assert_frame_equal(own[0][0], own[1][0])
+        assert own[0][1] == own[1][1] and own[0][0].attrs == own[1][0].attrs
+        shared = [trace(spec, each) for each in stages]
+        assert shared[0].timeline is shared[1].timeline
+        assert [each.num_layers for each in shared] == [split[stage] for split in splits]
+
+
 def _cross_micro_batch_storages(timeline) -> int:
     """Storages allocated inside one micro-batch's chunk call and freed inside another's (tracker.CHUNKS)."""
     import numpy as np

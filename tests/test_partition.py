@@ -46,8 +46,8 @@ def test_a_stages_layers_hold_the_storages_they_allocated_and_still_live():
     layer's block as the tracker tags it) is freed in a layer's rows, which does not count against the layer; 6 is
     allocated by the final norm; 4 after the peak."""
     rows = [(1, 0, "model.layers.0.mlp", 100), (2, 1, "model.layers.1.self_attn", 30), (3, 1, "lm_head", 50),
-            (2, 1, "model.layers.1", -30), (3, 1, "model.layers.1", -50), (5, 1, "model.layers.1.mlp.up_proj.weight", 7),
-            (6, 1, "model.norm", 11), (4, 0, "model.layers.0", 1000)]
+            (2, 1, "model.layers.1", -30), (3, 1, "model.layers.1", -50),
+            (5, 1, "model.layers.1.mlp.up_proj.weight", 7), (6, 1, "model.norm", 11), (4, 0, "model.layers.0", 1000)]
     timeline = pd.DataFrame(rows, columns=["serial", "block", "module", "delta_bytes"])
     assert partition.layer_bytes(timeline, 6, "model.layers") == 107
     assert partition.layer_bytes(timeline, 2, "model.layers") == 130
@@ -93,7 +93,7 @@ def test_the_split_offered_is_its_own_prediction_and_needs_less(vocab, setup, la
     spec = load_model_spec(SHRUNK[0], shrink(SHRUNK[0], hidden, layers, vocab, heads))
     gpu = load_gpu("h100-80gb")
     given = predict(spec, setup, layout, gpu)
-    offered = advice._split_suggestion(spec, setup, layout, gpu, AllocatorConfig(), given, 1)
+    offered = advice._split_suggestion(spec, setup, layout, gpu, AllocatorConfig(), given)
     assert offered is not None and offered.change.startswith("--pp-split ")
     split = tuple(int(n) for n in offered.change.split()[1].split(","))
     own = predict(spec, setup, replace(layout, pp_split=split), gpu)
@@ -106,7 +106,7 @@ def test_a_pipeline_that_does_not_fit_is_offered_the_split_before_what_costs_com
     spec = load_model_spec(SHRUNK[0], shrink(SHRUNK[0], *SHRUNK[1]))
     roomy = load_gpu("h100-80gb")
     offered = advice._split_suggestion(spec, setup, layout, roomy, AllocatorConfig(),
-                                       predict(spec, setup, layout, roomy), 1)
+                                       predict(spec, setup, layout, roomy))
     given_need = predict(spec, setup, layout, roomy).deciding_rank.needed_bytes
     # a card on which the job needs more than its room and the offered split less
     card = GpuProfile("card", "test card", "9.0", (given_need + offered.needed_bytes) // 2, roomy.cuda_context_bytes,
@@ -125,5 +125,5 @@ def test_no_split_is_offered_where_the_layout_has_none_to_change():
     setup = TrainSetup(2, 128, Precision.BF16)
     gpu = load_gpu("h100-80gb")
     single = Layout()
-    assert advice._split_suggestion(spec, setup, single, gpu, AllocatorConfig(), predict(spec, setup, single, gpu),
-                                    1) is None
+    given = predict(spec, setup, single, gpu)
+    assert advice._split_suggestion(spec, setup, single, gpu, AllocatorConfig(), given) is None

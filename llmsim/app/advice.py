@@ -69,7 +69,7 @@ def suggestions(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuPro
     from llmsim.sim.processes import in_processes
 
     changes = [c for c in candidates(model, setup, layout) if _modelled(model, c, gpu)]
-    split = _split_suggestion(model, setup, layout, gpu, alloc_conf, given, jobs) if given is not None else None
+    split = _split_suggestion(model, setup, layout, gpu, alloc_conf, given) if given is not None else None
     at = next((i for i, c in enumerate(changes) if not c.cost.startswith("none")), len(changes))
     predict = functools.partial(_suggestion, model, gpu, alloc_conf)
     results = in_processes(predict, changes, jobs, progress, "change")
@@ -287,7 +287,7 @@ SPLIT_COST = "the same maths; the stages' compute uneven (the slowest stage sets
 
 
 def _split_suggestion(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile,
-                      alloc_conf: AllocatorConfig, given: Prediction, jobs: int) -> Suggestion | None:
+                      alloc_conf: AllocatorConfig, given: Prediction) -> Suggestion | None:
     """The `--pp-split` whose most needing stage needs least, of those `partition.rebalanced` tries from `given`
     (each predicted in full); None where the layout has no split to change (one stage, several stages a rank,
     DeepSpeed's engines) or none tried needs less than the job's own."""
@@ -306,8 +306,9 @@ def _split_suggestion(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: 
              for layers, rank in zip(split, deciding)]
     predictions: dict[tuple[int, ...], Prediction] = {}
 
-    def predicted(trial: tuple[int, ...]) -> list[int]:
-        predictions[trial] = predict(model, setup, replace(layout, pp_split=trial), gpu, alloc_conf, jobs=jobs)
+    def predicted(trial: tuple[int, ...]) -> list[int]:  # here, not in `jobs` processes: the stages' traces stay
+        # for the next split (a stage is traced as its first layers whatever the split: trace.stage_split)
+        predictions[trial] = predict(model, setup, replace(layout, pp_split=trial), gpu, alloc_conf)
         return [rank.needed_bytes for rank in _stage_deciders(predictions[trial], layout)]
     try:
         found = partition.rebalanced(split, [line.needed_bytes for line in lines], lines, predicted)

@@ -404,8 +404,9 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     num_layers = end - start
     lead, period = layer_structure(spec, setup, start, end)
     depth = trace_depth(num_layers, period, lead)
-    if setup.fsdp is not None and (setup.fsdp_rank != 0 or setup.fsdp.init == "host" or
-                                   setup.fsdp.cpu_ram_efficient_loading or setup.fsdp.activation_checkpointing):
+    whole = setup.fsdp is not None and (setup.fsdp_rank != 0 or setup.fsdp.init == "host" or
+                                        setup.fsdp.cpu_ram_efficient_loading or setup.fsdp.activation_checkpointing)
+    if whole:
         # A rank with shorter FSDP2 shards than rank 0 (llmsim.sim.strategies.fsdp.rank_classes): traced whole. It
         # was for the trace's re-padding of every shard at the root's lazy init (an artefact since mended:
         # fsdp.storages_told_apart); its reduced-depth trace still expands short of the full one by build events
@@ -424,8 +425,23 @@ def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
         # level (load_balancing_loss_func): per-layer events outside any layer, which replicating the template
         # layer would not make. Traced whole (Mixtral's 32 layers: seconds).
         depth = num_layers
+    elif setup.pp > 1 and not whole and (lead, period) == (0, 1) and not num_experts(spec.hf_config()):
+        split = stage_split(spec, setup, depth)
+        if setup.pp_split != split:  # the trace of the stage of `depth` layers under `split`, kept once for both
+            return replace(trace(spec, replace(setup, pp_split=split)), num_layers=num_layers)
     timeline, info = _run_replaying_chunks(spec, setup, depth)
     return Trace(timeline, info, depth, period, num_layers, lead)
+
+
+def stage_split(spec: ModelSpec, setup: TrainSetup, depth: int) -> tuple[int, ...]:
+    """The split a stage of layers that all behave alike is traced under: `depth` layers on the stage (those it
+    traces), the others' spread as evenly as they go. A stage's trace runs the layers it keeps, numbered from 0, its
+    warm-up and micro-batches (experiments/explore_stage_traces.py: equal event for event across pipelines of other
+    depths), so stages of 5 and of 10 layers (Llama-2-70B over 16 and 8 stages), or of the splits `--suggest` tries,
+    share one trace; `tests/test_expansion.py` traces both ways and compares."""
+    others, rest = setup.pp - 1, spec.num_layers - depth
+    spread = [rest // others + (i < rest % others) for i in range(others)]
+    return (*spread[:setup.pp_stage], depth, *spread[setup.pp_stage:])
 
 
 def trace_ds_pipe(spec: ModelSpec, setup: TrainSetup) -> tuple[pd.DataFrame, StepInfo]:
