@@ -44,14 +44,15 @@ def test_balanced_is_the_least_maximum_of_every_split():
 def test_a_stages_layers_hold_the_storages_they_allocated_and_still_live():
     """Storage 1 (a layer's) lives at the peak; 2 (a layer's) is freed before it; 3 (the LM head's, in the last
     layer's block as the tracker tags it) is freed in a layer's rows, which does not count against the layer; 6 is
-    allocated by the final norm; 4 after the peak."""
+    allocated by the final norm; 7 by no module; 4 after the peak."""
     rows = [(1, 0, "model.layers.0.mlp", 100), (2, 1, "model.layers.1.self_attn", 30), (3, 1, "lm_head", 50),
             (2, 1, "model.layers.1", -30), (3, 1, "model.layers.1", -50),
-            (5, 1, "model.layers.1.mlp.up_proj.weight", 7), (6, 1, "model.norm", 11), (4, 0, "model.layers.0", 1000)]
+            (5, 1, "model.layers.1.mlp.up_proj.weight", 7), (6, 1, "model.norm", 11), (7, -1, None, 13),
+            (4, 0, "model.layers.0", 1000)]
     timeline = pd.DataFrame(rows, columns=["serial", "block", "module", "delta_bytes"])
-    assert partition.layer_bytes(timeline, 6, "model.layers") == 107
+    assert partition.layer_bytes(timeline, 7, "model.layers") == 107
     assert partition.layer_bytes(timeline, 2, "model.layers") == 130
-    assert partition.layer_bytes(timeline, 6, "gpt_neox.layers") == 0
+    assert partition.layer_bytes(timeline, 7, "gpt_neox.layers") == 0
 
 
 def test_the_search_takes_the_best_split_it_predicts_and_corrects_each_stages_line():

@@ -55,7 +55,7 @@ def layer_bytes(timeline: pd.DataFrame, peak_event: int, layers_prefix: str) -> 
     first = ~pd.Series(serial).duplicated().to_numpy()  # each storage's allocating row
     live = pd.Series(upto["delta_bytes"].to_numpy(dtype=np.int64)).groupby(serial).sum()
     modules = pd.Series(upto["module"].to_numpy()[first], index=serial[first])
-    return int(live[modules[modules.str.startswith(f"{layers_prefix}.")].index].sum())
+    return int(live[modules[modules.str.startswith(f"{layers_prefix}.", na=False)].index].sum())
 
 
 def balanced(lines: Sequence[StageLine], num_layers: int) -> tuple[int, ...]:
