@@ -291,15 +291,14 @@ def _split_suggestion(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: 
     """The `--pp-split` whose most needing stage needs least, of those `partition.rebalanced` tries from `given`
     (each predicted in full); None where the layout has no split to change (one stage, several stages a rank,
     DeepSpeed's engines) or none tried needs less than the job's own."""
-    from llmsim.model.pipelining import layer_range, layers_prefix
+    from llmsim.model.pipelining import layers_per_stage, layers_prefix
     from llmsim.sim import partition
     from llmsim.sim.pipeline import predict
 
     if layout.pp == 1 or layout.stages_per_rank > 1 or setup.recipe in (Recipe.DEEPSPEED_PIPE,
                                                                        Recipe.DEEPSPEED_AUTOTP):
         return None
-    split = tuple(end - start for start, end in (layer_range(stage, layout.pp, model.num_layers, layout.pp_split)
-                                                 for stage in range(layout.pp)))
+    split = layers_per_stage(layout.pp, model.num_layers, layout.pp_split)
     deciding, prefix = _stage_deciders(given, layout), layers_prefix(model.hf_config())
     lines = [partition.StageLine(layers, rank.needed_bytes,
                                  partition.layer_bytes(rank.timeline, rank.peak.event, prefix) / layers)

@@ -96,16 +96,21 @@ def rank_stages(rank: int, pp: int, stages_per_rank: int, schedule: Schedule = S
     return [rank + k * pp for k in range(stages_per_rank)]
 
 
+def layers_per_stage(num_stages: int, num_layers: int, split: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Each stage's number of layers: `split` when the user gives it, else transformers'
+    `PipelineStage.layer_range_for_rank` (the remainder one each to the first stages)."""
+    if split is not None:
+        return split
+    per_stage, remainder = divmod(num_layers, num_stages)
+    return tuple(per_stage + (stage < remainder) for stage in range(num_stages))
+
+
 def layer_range(stage: int, num_stages: int, num_layers: int,
                 split: tuple[int, ...] | None = None) -> tuple[int, int]:
-    """Stage `stage`'s layers [start, end): `split` layers per stage when the user gives them, else
-    transformers' `PipelineStage.layer_range_for_rank` (the remainder goes to the first stages)."""
-    if split is not None:
-        start = sum(split[:stage])
-        return start, start + split[stage]
-    per_stage, remainder = divmod(num_layers, num_stages)
-    start = stage * per_stage + min(stage, remainder)
-    return start, start + per_stage + (stage < remainder)
+    """Stage `stage`'s layers [start, end) (`layers_per_stage`)."""
+    counts = layers_per_stage(num_stages, num_layers, split)
+    start = sum(counts[:stage])
+    return start, start + counts[stage]
 
 
 def check_pipeline(config, pp: int, n_microbatches: int, schedule: Schedule,

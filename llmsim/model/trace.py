@@ -28,7 +28,7 @@ from llmsim.model.optimizer_values import answered_optimizer_values
 from llmsim.enums import Device, Recipe
 from llmsim.inputs.spec import ModelSpec, TrainSetup, num_experts
 from llmsim.model.step import StepInfo, optimizer_class, run_canonical_step, run_pipeline_step
-from llmsim.model.pipelining import cut, layer_range
+from llmsim.model.pipelining import cut, layer_range, layers_per_stage
 from llmsim.model.replicate import replicate_model
 from llmsim.model.quantized import (fake_loading, header_checkpoint, load_checkpoint_quantized, load_quantized,
                                     real_checkpoint)
@@ -439,8 +439,7 @@ def stage_split(spec: ModelSpec, setup: TrainSetup, depth: int) -> tuple[int, ..
     warm-up and micro-batches (experiments/explore_stage_traces.py: equal event for event across pipelines of other
     depths), so stages of 5 and of 10 layers (Llama-2-70B over 16 and 8 stages), or of the splits `--suggest` tries,
     share one trace; `tests/test_expansion.py` traces both ways and compares."""
-    others, rest = setup.pp - 1, spec.num_layers - depth
-    spread = [rest // others + (i < rest % others) for i in range(others)]
+    spread = layers_per_stage(setup.pp - 1, spec.num_layers - depth)
     return (*spread[:setup.pp_stage], depth, *spread[setup.pp_stage:])
 
 

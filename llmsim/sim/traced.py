@@ -107,7 +107,7 @@ def widened(model: ModelSpec, setup: TrainSetup) -> Trace | None:
     computation, but not under FSDP2 (70B: 348 ms a micro-batch traced, 6 ms replayed);
     `tests/test_compose_1f1b.py` compares with the stage's own trace."""
     from llmsim.enums import Device, Recipe
-    from llmsim.model.pipelining import Schedule, layer_range
+    from llmsim.model.pipelining import Schedule, layers_per_stage
     from llmsim.sim import compose_1f1b
 
     stage, m = setup.pp_stage, setup.n_microbatches
@@ -117,20 +117,17 @@ def widened(model: ModelSpec, setup: TrainSetup) -> Trace | None:
             or (setup.fsdp is not None and setup.device is Device.CPU)):
         return None
 
-    def spread(layers: int, stages: int) -> tuple[int, ...]:  # the other stages' layers, as even as they go
-        return tuple(layers // stages + (i < layers % stages) for i in range(stages))
-
-    bounds = [layer_range(s, setup.pp, model.num_layers, setup.pp_split) for s in range(setup.pp)]
+    counts = layers_per_stage(setup.pp, model.num_layers, setup.pp_split)
     if last:  # the narrow pipeline's last stage holds its layers, the others those before them
-        start = bounds[stage][0]
-        if start < NARROW - 1:
+        before = model.num_layers - counts[-1]
+        if before < NARROW - 1:
             return None
-        split, narrow_stage = spread(start, NARROW - 1) + (model.num_layers - start,), NARROW - 1
+        split, narrow_stage = layers_per_stage(NARROW - 1, before) + (counts[-1],), NARROW - 1
     else:  # the narrow pipeline's first stages hold the layers of this one and those before, the others the rest
-        rest, others = model.num_layers - bounds[stage][1], NARROW - stage - 1
+        rest, others = sum(counts[stage + 1:]), NARROW - stage - 1
         if rest < others:
             return None
-        split, narrow_stage = tuple(b - a for a, b in bounds[:stage + 1]) + spread(rest, others), stage
+        split, narrow_stage = counts[:stage + 1] + layers_per_stage(others, rest), stage
     narrow = replace(setup, pp=NARROW, pp_stage=narrow_stage, n_microbatches=NARROW, pp_split=split,
                      fsdp_world=setup.fsdp_world // setup.pp * NARROW if setup.fsdp is not None else
                      setup.fsdp_world)
