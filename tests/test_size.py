@@ -280,6 +280,7 @@ def test_pipeline_search_screens_then_predicts_the_answer_whole(monkeypatch):
         return [SimpleNamespace(rank=stage, needed_bytes=total, fits=total <= capacity)]
 
     monkeypatch.setattr(sizing, "predict_stage", stage_ranks)
+    monkeypatch.setattr(sizing, "_lined", lambda *args: None)  # synthetic stages have no timelines to guess from
     candidate = Candidate("pp", 3, lambda mb, m=None: _model_parallel(1, 3))
     brute = max(mb for mb in range(1, 65) if all(need[s](mb) <= capacity for s in need))
     assert brute == 6
@@ -291,10 +292,77 @@ def test_pipeline_search_screens_then_predicts_the_answer_whole(monkeypatch):
                          (7, 0), (7, 2), (3, 0), (3, 2),  # screened by 0 and 2: bisecting from no fit
                          (6, 0), (6, 2),  # the line through 3's total (90) and 7's (210) meets 200 at 6
                          (6, 0), (6, 2), (6, 1)]  # the answer, whole
+
+    def lined(spec, setup, candidate, stages, gpu, alloc_conf, points, low, top):  # the stages' own lines
+        on_line = [mb for mb in range(low, top + 1) if all(need[s](mb) <= capacity for s in stages)]
+        return max(on_line) if low in on_line else None
+
+    monkeypatch.setattr(sizing, "_lined", lined)  # where the stages' timelines on their lines say the answer is
+    predicted.clear()
+    assert largest_micro_batch(None, TrainSetup(1, 64), candidate, gpu, 64) == (6, 180)
+    assert predicted == [(1, 0), (2, 0), (15, 0), (16, 0),  # stage 0's lines: 15 fits it, 16 does not
+                         (15, 0), (15, 2),  # predicted whole: stage 2 cannot fit it
+                         (6, 0), (6, 2),  # the lines of stages 0 and 2 (through 2 and 15): 6
+                         (7, 0), (7, 2),  # the line through 6's total and 15's: 7, a miss
+                         (6, 0), (6, 2), (6, 1)]  # the answer, whole
     predicted.clear()
     capacity = 55
     assert largest_micro_batch(None, TrainSetup(1, 64), candidate, gpu, 64) == (0, None)
     assert predicted == [(1, 0)]
+
+
+def test_a_pipeline_stage_grows_on_a_line_with_the_micro_batch():
+    """`timeline.on_the_line`: a stage's timeline at micro-batches 3 and 5 is, event for event, the one on the line
+    through its timelines at two other micro-batches (1 and 2 for the first stage; 2 and 3 for the last, whose loss
+    copies the shifted labels only from micro-batch 2 on: 1 and 2 have not the same events there). On a GPU
+    (CUDA's kernels and workspaces), 1F1B over 2 stages and DDP x TP 2 x PP 2."""
+    from llmsim.enums import Precision
+    from llmsim.model.pipelining import Schedule
+    from llmsim.sim.pipeline import checked
+    from llmsim.sim.strategies import Layout, Strategy
+    from llmsim.sim.timeline import on_the_line
+    from llmsim.sim.traced import stage_timeline
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 512, 4))
+    for layout in (Layout(world_size=2, pp=2, schedule=Schedule.ONE_F_ONE_B, n_microbatches=2),
+                   Layout(Strategy.DDP, 8, tp=2, pp=2, schedule=Schedule.ONE_F_ONE_B, n_microbatches=2)):
+        def at(micro_batch: int, stage: int) -> pd.DataFrame:
+            setup = checked(spec, TrainSetup(micro_batch, 64, Precision.BF16, grad_ckpt=True), layout, TINY_GPU)
+            return stage_timeline(spec, setup, layout, stage)[0]
+
+        first = on_the_line(at(1, 0), at(2, 0))
+        assert on_the_line(at(1, 1), at(2, 1)) is None
+        last = on_the_line(at(2, 1), at(3, 1), (2, 3))
+        for micro_batch in (3, 5):
+            pd.testing.assert_frame_equal(first(micro_batch), at(micro_batch, 0))
+            pd.testing.assert_frame_equal(last(micro_batch), at(micro_batch, 1))
+
+
+def test_a_pipeline_search_tries_where_its_stages_lines_say(monkeypatch):
+    """With the line through the device totals of micro-batches 1 and 2 taken away (`_extrapolated`: no guess),
+    a pipeline's search still goes where the screen stages' timelines on their lines (`_lined`) stop fitting: stage
+    0's through 1 and 2 fit up to the maximum (12), which the last stage cannot fit (its logits); then the lines
+    of both through 2 and 12 say brute force's answer, which fits, and the one above does not. Doubling and
+    bisecting, the old way without a guess, would try 4 and 8 on the way."""
+    import llmsim.app.size as sizing
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 2048, 4))
+    setup = TrainSetup(1, 512)
+    candidate = next(c for c in candidates(spec, setup, max_gpus=2, families=("pp",)))
+    gpu = replace(TINY_GPU, capacity_bytes=300 * MiB)  # micro-batch 1 needs 74 MiB, 2 120 MiB, 8 338 MiB
+    brute = sum(fits(spec, setup, candidate, mb, gpu)[0] for mb in range(1, 13))
+    assert 2 < brute < 12  # the case bites
+    trials = []
+    worst = sizing._worst
+
+    def recorded(spec, setup, layout, gpu, alloc_conf, only=None):
+        trials.append((setup.micro_batch, None if only is None else list(only)))
+        return worst(spec, setup, layout, gpu, alloc_conf, only)
+
+    monkeypatch.setattr(sizing, "_worst", recorded)
+    monkeypatch.setattr(sizing, "_extrapolated", lambda *args: None)
+    assert largest_micro_batch(spec, setup, candidate, gpu, max_micro_batch=12)[0] == brute
+    assert trials == [(1, [0]), (2, [0]), (12, [0]), (12, None), (brute, [0, 1]), (brute + 1, [0, 1])], trials
 
 
 def test_search_from_a_hint_finds_what_brute_force_finds(monkeypatch):

@@ -49,6 +49,9 @@ from llmsim.inputs.gpus import GpuProfile
 from llmsim.errors import InputError
 from llmsim.sim.bound import rank_lower_bounds
 from llmsim.sim.pipeline import checked, predict, predict_stage
+from llmsim.sim.replay import predict_timeline
+from llmsim.sim.timeline import on_the_line
+from llmsim.sim.traced import stage_timeline
 from llmsim.sim.processes import in_processes
 from llmsim.app.report import human_bytes
 from llmsim.model.pipelining import Schedule, check_pipeline
@@ -259,14 +262,18 @@ def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: Alloc
     how many pipeline stages it left unpredicted). Doubling from 1 until a micro-batch does not fit, then
     bisecting; with a `hint` (the answer of the same layout on fewer GPUs), galloping from it instead: up by 1, 2,
     4, ... while they fit, down by 1, 2, 4, ... while they do not, then bisecting (`_next_trial`). Without one,
-    once micro-batches 1 and 2 fit, the hint is where the line through their device totals meets the card less
-    its margin (`_extrapolated`: activations grow with the micro-batch, the model states do not). Between a fit
-    and a miss whose totals are known, the next trial is where the line through those two totals meets the card
-    less its margin (`_secant`) rather than the midpoint or the gallop down. A pipeline's
+    once micro-batches 1 and 2 fit, the hint is, for a pipeline, the largest micro-batch its screened stages fit
+    with each event's bytes on the line through its bytes at 1 and 2 (`_lined`); otherwise, or where the
+    timelines at 1 and 2 have not the same events, where the line through their device totals meets the card
+    less its margin (`_extrapolated`: activations grow with the micro-batch, the model states do not). Between a
+    fit and a miss whose totals are known, the next trial is where the line through those two totals meets the
+    card less its margin (`_secant`) rather than the midpoint or the gallop down. A pipeline's
     trials predict only the stages that have bound it so far (the first stage, the fullest under 1F1B, to begin
     with): a trial they cannot fit does not fit (exact); the answer they find is then predicted whole, and where
-    another stage cannot fit it, that stage joins them and the search goes on below. The answer is always
-    predicted whole, next to a micro-batch that does not fit (or the maximum)."""
+    another stage cannot fit it, that stage joins them and the search goes on below, first where their events'
+    lines through micro-batch 2 and that miss say. Those lines are guesses of where to try (the trials are
+    predicted); the answer is always predicted whole, next to a micro-batch that does not fit (or the
+    maximum)."""
     first = candidate.layout_for(1)
     screen = [0] if first.pp > 1 else None
 
@@ -279,11 +286,14 @@ def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: Alloc
     floor, needs = 0, {}  # floor: what fitted before the hint was tried; needs: the trials' worst device totals
     limit = gpu.capacity_bytes - gpu.margin_bytes
     slow = 0  # line steps in a row that did not halve the gap between a fit and a miss (two: bisect next)
+    lined = None  # the next trial, where the stages' timelines on a line say the answer is (`_lined`)
     while True:
         # double until it stops fitting, then bisect between the last fit and the first miss
         while (good < max_micro_batch) if bad is None else (bad - good > 1):
-            guess = _secant(good, bad, needs, limit) if slow < 2 else None
-            micro_batch = guess if guess is not None else _next_trial(good, bad, hint, max_micro_batch, floor)
+            guess = _secant(good, bad, needs, limit) if slow < 2 and lined is None else None
+            micro_batch = (lined if lined is not None else guess if guess is not None
+                           else _next_trial(good, bad, hint, max_micro_batch, floor))
+            lined = None
             gap = None if bad is None else bad - good
             ok, worst, unpredicted = trial(micro_batch, screen)
             needs[micro_batch] = worst.needed_bytes
@@ -297,7 +307,9 @@ def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: Alloc
             if not unpredicted:
                 verified, verified_total = micro_batch, worst.needed_bytes
             if hint is None and good == 2 and bad is None and 1 in needs:
-                line = _extrapolated(needs[1], needs[2], gpu, max_micro_batch)
+                line = _lined(spec, setup, candidate, screen, gpu, alloc_conf, (1, 2), 2, max_micro_batch)
+                line = (min(max(line, 3), max_micro_batch) if line is not None  # 2: the trial expected to miss
+                        else _extrapolated(needs[1], needs[2], gpu, max_micro_batch))
                 if line is not None and line > 2:  # gallop from there rather than doubling on
                     hint, floor = line, 2
         if good == verified:
@@ -309,6 +321,9 @@ def _search(spec, setup, candidate, gpu, max_micro_batch: int, alloc_conf: Alloc
         failure = (worst, unpredicted) if good == 1 else failure
         needs[good] = worst.needed_bytes  # the stage that joins the screen: a miss there
         good, bad, hint, slow = verified, good, None, 0
+        if bad > 2:  # the screen's lines through micro-batch 2 and this miss (the new stage traced at 2)
+            line = _lined(spec, setup, candidate, screen, gpu, alloc_conf, (2, bad), max(good, 2), bad - 1)
+            lined = line if line is not None and good < line < bad else None
 
 
 def _next_trial(good: int, bad: int | None, hint: int | None, max_micro_batch: int, floor: int = 0) -> int:
@@ -342,6 +357,41 @@ def _secant(good: int, bad: int | None, needs: dict[int, int], limit: int) -> in
         return None
     step = (limit - needs[good]) * (bad - good) // (needs[bad] - needs[good])
     return min(max(good + step, good + 1), bad - 1)
+
+
+def _lined(spec, setup, candidate, stages: list[int] | None, gpu, alloc_conf: AllocatorConfig,
+           points: tuple[int, int], low: int, top: int) -> int | None:
+    """The largest micro-batch from `low` to `top` that fits a pipeline's `stages` (the search's screen) on the
+    guess of `timeline.on_the_line`: each event's bytes on the line through its bytes at the two micro-batches
+    `points` (the stages' timelines there: the trials', or traced for a stage new to the screen); None where
+    `low` does not fit on it either. `_search` tries it next: with
+    the guess right, the search ends in two trials, that one and the next (what fits is only what is
+    predicted). None where a stage's timelines at `points` have not the same events or not on a line, or the
+    layout is not a pipeline or changes with the micro-batch."""
+    layout = candidate.layout_for(points[0])
+    if not stages or layout.pp == 1 or any(candidate.layout_for(b) != layout for b in (*points, low, top)):
+        return None
+    lines = []
+    for stage in stages:
+        line = on_the_line(*(stage_timeline(spec, checked(spec, replace(setup, micro_batch=b), layout, gpu), layout,
+                                            stage)[0] for b in points), points)
+        if line is None:
+            return None
+        lines.append(line)
+
+    def fits(micro_batch: int) -> bool:  # a replay each: milliseconds
+        return all(predict_timeline(line(micro_batch), gpu, alloc_conf).fits for line in lines)
+
+    if not fits(low):
+        return None
+    good, bad = low, None  # doubling, then bisecting, on the guess
+    while bad is None and good < top:
+        trial = min(2 * good, top)
+        good, bad = (trial, None) if fits(trial) else (good, trial)
+    while bad is not None and bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good
 
 
 def _extrapolated(need_1: int, need_2: int, gpu: GpuProfile, max_micro_batch: int) -> int | None:

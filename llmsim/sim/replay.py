@@ -46,6 +46,11 @@ def replay_ahead(timeline: pd.DataFrame, gpu: GpuProfile | None, alloc_conf: All
     _shared_prediction(timeline, gpu, alloc_conf)
 
 
+def predict_timeline(timeline: pd.DataFrame, gpu: GpuProfile | None, alloc_conf: AllocatorConfig) -> RankPrediction:
+    """One timeline's prediction as rank 0, not kept (`size`'s guesses: `timeline.on_the_line`)."""
+    return _predict_rank(0, timeline, gpu, alloc_conf)
+
+
 def as_rank(prediction: RankPrediction, rank: int) -> RankPrediction:
     """`replace(prediction, rank=rank)` at a fraction of its cost: 1,024 ranks share one DDP prediction."""
     clone = object.__new__(RankPrediction)

@@ -382,6 +382,30 @@ def _renumber(modules: np.ndarray, blocks: np.ndarray, shift: np.ndarray, prefix
 TRACED_STEPS = 2  # the first step (lazy optimizer state, the first gradients) and one steady step
 
 
+def on_the_line(first: pd.DataFrame, second: pd.DataFrame, micro_batches: tuple[int, int] = (1, 2)):
+    """From the timelines of two micro-batches (`first` at `micro_batches[0]`, `second` at the larger
+    `micro_batches[1]`), micro-batch b's with each event's bytes on the line through that event's bytes at the two,
+    as a function of b; None where the two have not the same events (the same rows but for their bytes: a
+    micro-batch of one skips copies that larger ones make, such as the loss's shifted labels) or an event's bytes
+    are not on a line of whole bytes per sample. A guess, not a prediction: whether every event grows on a line
+    is not known without tracing b (it does for every stage checked, where two micro-batches have the same
+    events). `size` tries next where this guess says its answer is, and predicts what it answers."""
+    if len(first) != len(second) or list(first.columns) != list(second.columns):
+        return None
+    for column in first.columns:
+        if column != "delta_bytes" and not np.array_equal(first[column].to_numpy(), second[column].to_numpy()):
+            return None
+    low, high = micro_batches
+    at_low = first["delta_bytes"].to_numpy(np.int64)
+    slope, uneven = np.divmod(second["delta_bytes"].to_numpy(np.int64) - at_low, high - low)
+    if np.any(uneven):
+        return None
+
+    def at(micro_batch: int) -> pd.DataFrame:
+        return first.assign(delta_bytes=at_low + (micro_batch - low) * slope)
+    return at
+
+
 def repeat_last_step(frame: pd.DataFrame, steps: int) -> pd.DataFrame | None:
     """The timeline of `steps` steps from one whose last step is steady: each further step repeats the last
     traced one event for event, on storages of its own; None when the last step is not seen to be steady.
