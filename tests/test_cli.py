@@ -203,6 +203,18 @@ LOSS_BAD = [
 ]
 
 
+def test_fused_optimizer_under_a_pipeline_is_refused_before_any_trace(monkeypatch, capsys):
+    """`--fused` with PP is refused where TP is (`checked`), in one line, before a stage is traced: the stage's own
+    setup refused it only inside the trace, so `--suggest` offered it, traced, and dropped it."""
+    import llmsim.model.trace as tracing
+
+    monkeypatch.setattr(tracing, "run_fake", lambda *args, **kwargs: pytest.fail("a stage was traced"))
+    assert main(["predict", *TINY, "--seq-len", "16", "--micro-batch", "1", "--fused", "--strategy", "ddp",
+                 "--pp", "2", "--world-size", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "fused optimizer with tp(1) / pp(2) is not modelled yet" in err, err
+
+
 @pytest.mark.parametrize("extra,needle", LOSS_BAD, ids=[b[1] for b in LOSS_BAD])
 def test_bad_loss_is_one_line_and_status_2(extra, needle, capsys):
     assert main(["predict", *TINY, "--seq-len", "16", "--micro-batch", "1", *extra]) == 2

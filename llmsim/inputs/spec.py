@@ -196,6 +196,13 @@ def zoo_names() -> list[str]:
     return sorted(p.stem for p in ZOO_DIR.glob("*.json"))
 
 
+def check_fused_layout(tp: int, pp: int) -> None:
+    """A fused optimizer is modelled in one process and under DDP: TP and PP refuse it (one line)."""
+    if tp > 1 or pp > 1:
+        raise InputError(f"fused optimizer with tp({tp}) / pp({pp}) is not modelled yet; modelled: one process and "
+                         "ddp (tp = pp = 1)")
+
+
 @dataclass(frozen=True)
 class TrainSetup:
     """One process's canonical training loop (DESIGN.md, "The canonical training step")."""
@@ -365,9 +372,7 @@ class TrainSetup:
         if self.optimizer not in FUSED_OPTIMIZERS:
             raise InputError(f"optimizer {self.optimizer.value} has no fused path; fused: "
                              f"{', '.join(o.value for o in FUSED_OPTIMIZERS)}")
-        if self.tp > 1 or self.pp > 1:
-            raise InputError(f"fused optimizer with tp({self.tp}) / pp({self.pp}) is not modelled yet; modelled: "
-                             "one process and ddp (tp = pp = 1)")
+        check_fused_layout(self.tp, self.pp)
 
     def _check_peft_extras(self) -> None:
         if self.lora_modules_to_save is not None:

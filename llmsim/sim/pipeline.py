@@ -10,7 +10,7 @@ from dataclasses import replace
 from llmsim.enums import Recipe
 from llmsim.errors import InputError
 from llmsim.inputs.gpus import GpuProfile, on_gpu
-from llmsim.inputs.spec import ModelSpec, TrainSetup, check_fits_positions, resolve_attention
+from llmsim.inputs.spec import ModelSpec, TrainSetup, check_fits_positions, check_fused_layout, resolve_attention
 from llmsim.model.losses import check_loss
 from llmsim.model.pipelining import check_pipeline, layer_range, layers_prefix
 from llmsim.model.quantized import check_quantized
@@ -156,6 +156,8 @@ def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile
                              f"{split}")
     check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
                    setup.precision, layout.stages_per_rank)
+    if setup.fused:  # the stage's setup (traced._stage_setup) would refuse it in the trace
+        check_fused_layout(layout.tp, layout.pp)
     check_fits_positions(model, setup)
     return setup
 
