@@ -23,6 +23,7 @@ from llmsim.enums import Precision  # noqa: E402
 from llmsim.inputs.gpus import load_gpu  # noqa: E402
 from llmsim.measure.runs import measure_single  # noqa: E402
 from llmsim.sim import replay, traced  # noqa: E402
+from llmsim.model.trace import forget_traces  # noqa: E402
 from llmsim.sim.pipeline import predict  # noqa: E402
 from llmsim.model.pipelining import Schedule  # noqa: E402
 from llmsim.inputs.spec import TrainSetup, load_model_spec  # noqa: E402
@@ -85,7 +86,7 @@ for name, layout_of in (("DDP", lambda w: Layout(Strategy.DDP, w)), ("ZeRO-3", l
     repeat = f", warm repeat {ms(again[1])} ms (median of 3)"
     if name in ("ZeRO-1", "ZeRO-2"):  # every rank differs (its partition): its events from one template walk
         traced._EXPANDED.clear()  # cold as the others: the first prediction of its trace, here at 1,024
-        traced.trace.cache_clear()
+        forget_traces()
         replay._REPLAYED_PLAN[0] = lambda: None
         cold_s, _ = timed("llama-2-70b", seventy, layout_of(1024), h100, jobs=2)
         cold = f"cold (1,024 GPUs, 2 processes) {cold_s:.2f} s, "

@@ -30,7 +30,7 @@ from llmsim.enums import Precision  # noqa: E402
 from llmsim.inputs.gpus import load_gpu  # noqa: E402
 from llmsim.inputs.spec import FsdpSetup, TrainSetup, load_model_spec  # noqa: E402
 from llmsim.inputs.zoo import shrink  # noqa: E402
-from llmsim.model.trace import trace  # noqa: E402
+from llmsim.model.trace import forget_traces, trace  # noqa: E402
 from llmsim.sim import traced  # noqa: E402
 from llmsim.sim.pipeline import checked  # noqa: E402
 from test_compose_1f1b import in_allocation_order  # noqa: E402
@@ -84,7 +84,7 @@ def cost() -> None:
         for m in (8, 16, 32):
             runs = []
             for _ in range(2):
-                trace.cache_clear()  # trace keeps the latest traces: each run here is a new one
+                forget_traces()  # trace keeps the latest traces: each run here is a new one
                 start = time.perf_counter()
                 stage_trace(spec, setup, family, m, m, 0, gpu=gpu)
                 runs.append(time.perf_counter() - start)
@@ -102,7 +102,7 @@ def dispatch() -> None:
     print("3. FakeTensorMode's dispatch cache over one stage trace, Llama-2-70B TP 4 x PP 16, micro-batch 4")
     layout = _model_parallel(4, 16, None)
     for stage in (0, 1):
-        trace.cache_clear()
+        forget_traces()
         FakeTensorMode.cache_clear()
         start = time.perf_counter()
         trace(spec, replace(traced._stage_setup(checked(spec, setup, layout, gpu), layout, stage), steps=2))

@@ -15,7 +15,7 @@ from llmsim.inputs.zoo import shrink
 from llmsim.measure.validate import row_inputs
 from llmsim.model import chunk_replay
 from llmsim.model.pipelining import Schedule
-from llmsim.model.trace import trace
+from llmsim.model.trace import forget_traces, trace
 from llmsim.model.tracker import CHUNKS
 from llmsim.sim import traced
 from llmsim.sim.pipeline import checked
@@ -43,7 +43,7 @@ CASES = [  # (zoo model, shrink(hidden, layers, vocab, heads), setup, layout, gp
 
 def fresh(spec, setup):
     """`trace` run again, not taken from its cache (which also keeps the stage `trace.stage_split` traces it as)."""
-    trace.cache_clear()
+    forget_traces()
     return trace(spec, setup)
 
 

@@ -13,7 +13,7 @@ from llmsim.measure.runs import MEASUREMENTS_DIR
 from llmsim.measure.validate import load_measurements, validate
 from llmsim.model import chunk_replay
 from llmsim.model.pipelining import Schedule, rank_stages
-from llmsim.model.trace import trace
+from llmsim.model.trace import forget_traces, trace
 
 CSV = MEASUREMENTS_DIR / "tier2_interleaved_cpu.csv"
 TINY = ["--model", "llama-2-7b", "--set", "num_hidden_layers=8", "--set", "hidden_size=64",
@@ -105,7 +105,7 @@ def test_replayed_micro_batches_make_the_computed_events(pp, stages_per_rank, mi
         for replayed in (True, False):
             chunk_replay.ENABLED = replayed
             try:
-                trace.cache_clear()
+                forget_traces()
                 calls = chunk_replay.ChunkReplay.calls
                 timelines.append(trace(spec, setup).timeline.reset_index(drop=True))
                 # each stage: every micro-batch from the third on in both steps, and the second in the second step
@@ -116,7 +116,7 @@ def test_replayed_micro_batches_make_the_computed_events(pp, stages_per_rank, mi
         replayed, computed = timelines
         columns = ["step", "phase", "block", "module", "serial", "delta_bytes"]
         assert replayed[columns].equals(computed[columns])
-    trace.cache_clear()
+    forget_traces()
 
 
 def test_predict_names_each_ranks_layers_as_the_model_does(capsys):
@@ -184,7 +184,7 @@ def test_a_refused_replay_logs_nothing(caplog):
     raised in an action, with the whole schedule, before re-raising it: not for the refusal."""
     argv = ["predict", *TINY, "--precision", "bf16", "--pp", "2", "--world-size", "4", "--strategy", "fsdp",
             "--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--microbatches", "4", "--jobs", "1"]
-    trace.cache_clear()
+    forget_traces()
     with caplog.at_level("ERROR"):
         assert main(argv) == 0
     assert not [record for record in caplog.records if record.name.startswith("torch.distributed.pipelining")]

@@ -96,17 +96,17 @@ def test_stages_traced_in_processes_give_the_same_prediction(schedule, pp):
 
     import llmsim.sim.traced as traced
     from llmsim.inputs.gpus import load_gpu
-    from llmsim.model.trace import trace
+    from llmsim.model.trace import forget_traces, trace
 
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 4, 2048, 4))
     layout = Layout(Strategy.DDP, 2 * pp, pp=pp, n_microbatches=pp, schedule=schedule)
     setup, gpu = TrainSetup(2, 64), load_gpu("h100-80gb")
     traced._EXPANDED.clear()
-    trace.cache_clear()
+    forget_traces()
     here = predict(spec, setup, layout, gpu)
     for cache in (traced._EXPANDED, traced._TEMPLATES, traced._EXPANDED_TEMPLATES):
         cache.clear()
-    trace.cache_clear()
+    forget_traces()
     there = predict(spec, setup, layout, gpu, jobs=2)
     assert trace.cache_info().currsize == 0  # every stage was traced in the other processes
     assert [r.device_total_bytes for r in there.ranks] == [r.device_total_bytes for r in here.ranks]
@@ -230,3 +230,37 @@ def test_a_stage_built_on_meta_in_a_trace_keeps_its_tied_embedding_one_parameter
     assert isinstance(head, FakeTensor) and head.device.type == "meta"
     assert head is embedding
     assert len(list(stage.parameters())) == len({id(p) for _, p in stage.named_parameters(remove_duplicate=False)})
+
+
+@pytest.mark.slow  # local processes
+def test_a_split_tried_after_stages_traced_in_processes_traces_nothing_again(monkeypatch):
+    """`predict(jobs=2)` hands back, with each stage's timeline, the traces its processes made (`trace.hand`). A stage
+    of alike layers is traced under one canonical split (`trace.stage_split`), so another split of the same pipeline
+    predicted here afterwards, as `--suggest` tries them, traces no stage again, and predicts what tracing here does."""
+    from dataclasses import replace
+
+    import llmsim.model.trace as trace_module
+    import llmsim.sim.traced as traced
+    from llmsim.inputs.gpus import load_gpu
+
+    def forget():
+        for cache in (traced._EXPANDED, traced._TEMPLATES, traced._EXPANDED_TEMPLATES):
+            cache.clear()
+        trace_module.forget_traces()
+
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 14, 2048, 4))
+    layout = Layout(Strategy.DDP, 8, pp=4, n_microbatches=4, schedule=Schedule.ONE_F_ONE_B)
+    setup, gpu = TrainSetup(1, 64), load_gpu("h100-80gb")
+    forget()
+    predict(spec, setup, layout, gpu, jobs=2)
+    runs = []
+    run = trace_module._run_replaying_chunks
+    monkeypatch.setattr(trace_module, "_run_replaying_chunks",
+                        lambda spec, setup, depth: runs.append(setup.pp_stage) or run(spec, setup, depth))
+    split = replace(layout, pp_split=(3, 4, 4, 3))  # the job's is 4, 4, 3, 3; every stage of 3 layers or more
+    there = predict(spec, setup, split, gpu)
+    assert runs == []
+    forget()
+    here = predict(spec, setup, split, gpu)
+    assert runs  # traced here this time
+    assert [r.peak for r in there.ranks] == [r.peak for r in here.ranks]

@@ -69,7 +69,7 @@ def test_predict_traces_a_gpipe_kind_once(monkeypatch):
     spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 12, 512, 4))
     layout = Layout(Strategy.DDP, 12, pp=6, n_microbatches=2)
     traced._EXPANDED.clear()
-    trace_module.trace.cache_clear()
+    trace_module.forget_traces()
     runs = []
     run = trace_module._run_replaying_chunks
     monkeypatch.setattr(trace_module, "_run_replaying_chunks",

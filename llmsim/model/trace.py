@@ -385,8 +385,53 @@ def run_fake(spec: ModelSpec, setup: TrainSetup, num_layers: int | None,
     return tracker.timeline(), info
 
 
+_HANDED: dict[tuple[ModelSpec, TrainSetup], Trace] = {}  # traces another process made and handed back (`hand`)
+_MAX_HANDED = 64
+_MADE: list[list] = []  # while `recording_traces`: the traces made meanwhile, (key, trace), innermost list last
+
+
 @functools.lru_cache(maxsize=128)  # a sizing sweep reuses a model's traces across GPUs of one architecture
 def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
+    """The trace of `setup`'s step (a pipeline stage's: its stage), at reduced depth where layers repeat; kept
+    here, or taken from those a worker process handed back (`hand`)."""
+    handed = _HANDED.pop((spec, setup), None)
+    if handed is None:
+        handed = _trace(spec, setup)
+        for made in _MADE:
+            made.append(((spec, setup), handed))
+    return handed
+
+
+@contextlib.contextmanager
+def recording_traces():
+    """The traces `trace` makes meanwhile, as (key, trace) pairs, for a worker process to hand back with its
+    result: the process that handed the work out keeps them as if it had traced them (`hand`)."""
+    made: list = []
+    _MADE.append(made)
+    try:
+        yield made
+    finally:
+        _MADE.remove(made)
+
+
+def hand(made: list) -> None:
+    """Keep traces another process made (`recording_traces`) for `trace` to return when asked for them: a stage
+    traced once under its canonical split serves every split tried later in this process (`stage_split`). The
+    latest `_MAX_HANDED` are kept until asked for."""
+    for key, traced in made:
+        if len(_HANDED) >= _MAX_HANDED:
+            _HANDED.pop(next(iter(_HANDED)))
+        _HANDED[key] = traced
+
+
+def forget_traces() -> None:
+    """Drop every trace kept in this process, made here (`trace`'s cache) or handed back (`hand`): the next
+    `trace` of any setup traces."""
+    trace.cache_clear()
+    _HANDED.clear()
+
+
+def _trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     if setup.recipe is Recipe.DEEPSPEED_PIPE:  # DeepSpeed's own pipeline engine, the stage traced whole
         timeline, info = trace_ds_pipe(spec, setup)
         return Trace(timeline, info, 1, 1, 1)

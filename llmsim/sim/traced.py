@@ -12,7 +12,7 @@ import pandas as pd
 
 from llmsim.inputs.spec import ModelSpec, TrainSetup
 from llmsim.model.step import StepInfo
-from llmsim.model.trace import Trace, no_decay_names, trace
+from llmsim.model.trace import Trace, hand, no_decay_names, recording_traces, trace
 from llmsim.model.tracker import CHUNKS
 from llmsim.sim.processes import as_done_in_processes
 from llmsim.sim.strategies import STRATEGIES, Layout, Strategy
@@ -166,11 +166,14 @@ def _template_stage(model: ModelSpec, setup: TrainSetup) -> int | None:
 
 
 def _expand_keeping_template(key: tuple[ModelSpec, TrainSetup]):
-    """`_expand_key` in a worker process, with the trace itself where another stage is composed from it."""
-    timeline, info = _expand_key(key)
-    model, setup = key
-    steps = replace(setup, steps=min(setup.steps, TRACED_STEPS))
-    return timeline, info, _template_trace((model, steps)) if _is_template(model, setup) else None
+    """`_expand_key` in a worker process, with the trace itself where another stage is composed from it, and the
+    traces it made (for `trace.hand`: a split tried later traces none of them again)."""
+    with recording_traces() as made:
+        timeline, info = _expand_key(key)
+        model, setup = key
+        steps = replace(setup, steps=min(setup.steps, TRACED_STEPS))
+        template = _template_trace((model, steps)) if _is_template(model, setup) else None
+    return timeline, info, template, made
 
 
 def _is_template(model: ModelSpec, setup: TrainSetup) -> bool:
@@ -276,9 +279,10 @@ def stage_timelines(model: ModelSpec, setup: TrainSetup, layout: Layout, progres
 
         if jobs > 1 and len(traced_apart) > 1:
             traced_apart.sort(key=lambda key: not _is_template(*key))  # templates first: the most work waits on them
-            for index, (timeline, info, template) in as_done_in_processes(
+            for index, (timeline, info, template, made) in as_done_in_processes(
                     _expand_keeping_template, traced_apart, min(jobs, len(traced_apart))):
                 key = traced_apart[index]
+                hand(made)
                 found[key] = _remember(key, timeline, info)
                 if template is not None:
                     _keep_template(key, template)
