@@ -363,11 +363,10 @@ def _lined(spec, setup, candidate, stages: list[int] | None, gpu, alloc_conf: Al
            points: tuple[int, int], low: int, top: int) -> int | None:
     """The largest micro-batch from `low` to `top` that fits a pipeline's `stages` (the search's screen) on the
     guess of `timeline.on_the_line`: each event's bytes on the line through its bytes at the two micro-batches
-    `points` (the stages' timelines there: the trials', or traced for a stage new to the screen); None where
-    `low` does not fit on it either. `_search` tries it next: with
-    the guess right, the search ends in two trials, that one and the next (what fits is only what is
-    predicted). None where a stage's timelines at `points` have not the same events or not on a line, or the
-    layout is not a pipeline or changes with the micro-batch."""
+    `points` (the stages' timelines there: the trials', or traced for a stage new to the screen). `_search` tries
+    it next: with the guess right, the search ends in two trials, that one and the next (what fits is only what
+    is predicted). None where `low` does not fit on the guess, a stage's timelines at `points` have not the same
+    events or not on a line, or the layout is not a pipeline or changes with the micro-batch."""
     layout = candidate.layout_for(points[0])
     if not stages or layout.pp == 1 or any(candidate.layout_for(b) != layout for b in (*points, low, top)):
         return None

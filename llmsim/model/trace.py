@@ -394,12 +394,13 @@ _MADE: list[list] = []  # while `recording_traces`: the traces made meanwhile, (
 def trace(spec: ModelSpec, setup: TrainSetup) -> Trace:
     """The trace of `setup`'s step (a pipeline stage's: its stage), at reduced depth where layers repeat; kept
     here, or taken from those a worker process handed back (`hand`)."""
-    handed = _HANDED.pop((spec, setup), None)
-    if handed is None:
-        handed = _trace(spec, setup)
-        for made in _MADE:
-            made.append(((spec, setup), handed))
-    return handed
+    key = (spec, setup)
+    if key in _HANDED:
+        return _HANDED.pop(key)
+    traced = _trace(spec, setup)
+    for made in _MADE:
+        made.append((key, traced))
+    return traced
 
 
 @contextlib.contextmanager
