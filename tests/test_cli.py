@@ -203,12 +203,19 @@ LOSS_BAD = [
 ]
 
 
-def test_fused_optimizer_under_a_pipeline_is_refused_before_any_trace(monkeypatch, capsys):
-    """`--fused` with PP is refused where TP is (`checked`), in one line, before a stage is traced: the stage's own
-    setup refused it only inside the trace, so `--suggest` offered it, traced, and dropped it."""
-    import llmsim.model.trace as tracing
+def test_fused_optimizer_under_a_pipeline_is_refused_by_checked(capsys):
+    """`checked` (what `predict` checks before any trace, and what `--suggest` asks of each change it lists) refuses
+    `--fused` with PP as it does with TP; before 55565ff only each stage's own setup refused it, after `checked` had
+    let it through. The command says so in one line, exit status 2."""
+    from llmsim.errors import InputError
+    from llmsim.inputs.spec import TrainSetup, load_model_spec
+    from llmsim.inputs.zoo import shrink
+    from llmsim.sim.pipeline import checked
+    from llmsim.sim.strategies import Layout, Strategy
 
-    monkeypatch.setattr(tracing, "run_fake", lambda *args, **kwargs: pytest.fail("a stage was traced"))
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 2, 256, 4))
+    with pytest.raises(InputError, match=r"fused optimizer with tp\(1\) / pp\(2\) is not modelled yet"):
+        checked(spec, TrainSetup(1, 16, fused=True), Layout(Strategy.DDP, 4, pp=2))
     assert main(["predict", *TINY, "--seq-len", "16", "--micro-batch", "1", "--fused", "--strategy", "ddp",
                  "--pp", "2", "--world-size", "4"]) == 2
     err = capsys.readouterr().err.strip()
