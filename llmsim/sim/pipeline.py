@@ -156,7 +156,8 @@ def checked(model: ModelSpec, setup: TrainSetup, layout: Layout, gpu: GpuProfile
                              f"{split}")
     check_pipeline(model.hf_config(), layout.pp, layout.n_microbatches, layout.schedule, layout.pp_split,
                    setup.precision, layout.stages_per_rank)
-    if setup.fused:  # the stage's setup (traced._stage_setup) would refuse it in the trace
+    if setup.fused:  # each stage's own setup refuses it too (traced._stage_setup), but after `checked`, which
+        # `--suggest` asks of each change it lists
         check_fused_layout(layout.tp, layout.pp)
     check_fits_positions(model, setup)
     return setup
