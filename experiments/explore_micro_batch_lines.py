@@ -16,19 +16,18 @@ from llmsim.inputs.gpus import load_gpu
 from llmsim.inputs.spec import TrainSetup, load_model_spec
 from llmsim.model.pipelining import Schedule
 from llmsim.sim.allocator import AllocatorConfig
-from llmsim.sim.pipeline import checked
+from llmsim.sim.pipeline import checked_stage_timeline
 from llmsim.sim.replay import predict_timeline
 from llmsim.sim.strategies import Layout, Strategy
 from llmsim.sim.timeline import on_the_line
-from llmsim.sim.traced import stage_timeline
 
 GIB = 1 << 30
 spec, gpu = load_model_spec("llama-2-70b"), load_gpu("h100-80gb")
 
 
 def at(layout: Layout, stage: int, micro_batch: int):
-    setup = checked(spec, TrainSetup(micro_batch, 4096, Precision.BF16, grad_ckpt=True), layout, gpu)
-    return stage_timeline(spec, setup, layout, stage)[0]
+    return checked_stage_timeline(spec, TrainSetup(micro_batch, 4096, Precision.BF16, grad_ckpt=True), layout, stage,
+                                  gpu)
 
 
 def check(layout: Layout, name: str, stage: int, points: tuple[int, int], others: tuple[int, ...]) -> None:

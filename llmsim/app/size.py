@@ -48,10 +48,9 @@ from llmsim.sim.allocator import AllocatorConfig
 from llmsim.inputs.gpus import GpuProfile
 from llmsim.errors import InputError
 from llmsim.sim.bound import rank_lower_bounds
-from llmsim.sim.pipeline import checked, predict, predict_stage
+from llmsim.sim.pipeline import checked, checked_stage_timeline, predict, predict_stage
 from llmsim.sim.replay import predict_timeline
 from llmsim.sim.timeline import on_the_line
-from llmsim.sim.traced import stage_timeline
 from llmsim.sim.processes import in_processes
 from llmsim.app.report import human_bytes
 from llmsim.model.pipelining import Schedule, check_pipeline
@@ -372,8 +371,8 @@ def _lined(spec, setup, candidate, stages: list[int] | None, gpu, alloc_conf: Al
         return None
     lines = []
     for stage in stages:
-        line = on_the_line(*(stage_timeline(spec, checked(spec, replace(setup, micro_batch=b), layout, gpu), layout,
-                                            stage)[0] for b in points), points)
+        line = on_the_line(*(checked_stage_timeline(spec, replace(setup, micro_batch=b), layout, stage, gpu)
+                             for b in points), points)
         if line is None:
             return None
         lines.append(line)

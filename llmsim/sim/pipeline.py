@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
+import pandas as pd
+
 from llmsim.enums import Recipe
 from llmsim.errors import InputError
 from llmsim.inputs.gpus import GpuProfile, on_gpu
@@ -169,10 +171,16 @@ def predict_stage(model: ModelSpec, setup: TrainSetup, layout: Layout, stage: in
     TP ranks in every replica. `size` asks stage by stage, so that a micro-batch one stage cannot fit costs no
     other stage's trace."""
     with collector_paused():
-        setup = checked(model, setup, layout, gpu)
-        timeline = stage_timeline(model, setup, layout, stage)[0]
+        timeline = checked_stage_timeline(model, setup, layout, stage, gpu)
         return _in_model_names(replay_ranks(dict.fromkeys(stage_ranks(layout, stage), timeline), gpu, alloc_conf),
                                model, layout)
+
+
+def checked_stage_timeline(model: ModelSpec, setup: TrainSetup, layout: Layout, stage: int,
+                           gpu: GpuProfile | None = None) -> pd.DataFrame:
+    """The timeline `predict_stage` replays for `stage`: the setup `checked` for this GPU, the stage traced (or
+    composed) and planned (`traced.stage_timeline`)."""
+    return stage_timeline(model, checked(model, setup, layout, gpu), layout, stage)[0]
 
 
 def _in_model_names(ranks: list[RankPrediction], model: ModelSpec, layout: Layout) -> list[RankPrediction]:
