@@ -1,6 +1,7 @@
 """A pipeline stage's trace replays micro-batch 1's model events (of its first step) for micro-batches 2 and later,
-and for micro-batch 1 of the later steps (llmsim/model/chunk_replay.py), while torch's schedule runs for real: each
-stage of the committed pipeline rows with more than two micro-batches, and of shapes that tie the embedding,
+and for micro-batch 1 of the later steps, and micro-batch 0's for micro-batch 0 of the later steps, the gradients it
+leaves set for real (llmsim/model/chunk_replay.py), while torch's schedule runs for real: each
+stage of the committed pipeline rows, and of shapes that tie the embedding,
 checkpoint, autocast, train in fp16, shard over TP, split unevenly and stand for a GPU, is traced both ways here and
 compared event for event."""
 from dataclasses import replace
@@ -49,7 +50,7 @@ def fresh(spec, setup):
 
 def replayed_cases():
     rows = pd.read_csv(ROWS)
-    runs = rows[(rows["pp"] > 1) & (rows["n_microbatches"] > chunk_replay.FIRST_REPLAYED)].drop_duplicates(
+    runs = rows[rows["pp"] > 1].drop_duplicates(
         [c for c in rows.columns if c not in ("rank", "peak_allocated_bytes", "measured_at", "wall_s")])
     for index, row in runs.iterrows():
         yield pytest.param(*row_inputs(row), None, id=f"row{index}")
@@ -66,11 +67,14 @@ def test_a_stage_replaying_later_micro_batches_makes_the_events_of_computing_the
         monkeypatch.setattr(chunk_replay, "ENABLED", False)
         computed = fresh(spec, stage_setup)
         monkeypatch.setattr(chunk_replay, "ENABLED", True)
-        before = chunk_replay.ChunkReplay.calls
+        before, before_first = chunk_replay.ChunkReplay.calls, chunk_replay.ChunkReplay.first_calls
         replayed = fresh(spec, stage_setup)
         # every micro-batch from the third on, in each traced step, and the second after the first step
-        assert chunk_replay.ChunkReplay.calls - before == stage_setup.steps * (
-            layout.n_microbatches - chunk_replay.FIRST_REPLAYED) + stage_setup.steps - 1
+        assert chunk_replay.ChunkReplay.calls - before == stage_setup.steps * max(
+            0, layout.n_microbatches - chunk_replay.FIRST_REPLAYED) + (stage_setup.steps - 1) * (
+            layout.n_microbatches > 1)
+        # and the first after the first step (under replicate, DDP x TP, with its per-layer groups' unshards)
+        assert chunk_replay.ChunkReplay.first_calls - before_first == stage_setup.steps - 1
         assert replayed.timeline.attrs[CHUNKS] == computed.timeline.attrs[CHUNKS]
         pd.testing.assert_frame_equal(frees_in_serial_order(replayed.timeline),
                                       frees_in_serial_order(computed.timeline))

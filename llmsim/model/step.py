@@ -562,10 +562,11 @@ def run_pipeline_step(build: Callable[[], nn.Module] | list[Callable[[], nn.Modu
     whose layers are numbered from `first_blocks`), `pp_group` the process group of the pipeline; `wrap` puts
     DistributedDataParallel around each stage (torch's PipelineStage runs DDP's no_sync for every micro-batch but
     the last). With `replay_chunks` (a fake trace), the model's forward and backward of micro-batches 2 and later,
-    and of micro-batch 1 after the first step, are micro-batch 1's events replayed (llmsim/model/chunk_replay.py)."""
+    and of micro-batch 1 after the first step, are micro-batch 1's events replayed, and those of micro-batch 0 after
+    the first step micro-batch 0's (llmsim/model/chunk_replay.py)."""
     from torch.distributed.pipelining import PipelineStage
 
-    from llmsim.model.chunk_replay import ChunkReplay
+    from llmsim.model.chunk_replay import ChunkReplay, unshards_seen
     from llmsim.model.pipelining import Schedule, rank_stages, stage_forward, stage_io
 
     torch.manual_seed(0)
@@ -577,7 +578,7 @@ def run_pipeline_step(build: Callable[[], nn.Module] | list[Callable[[], nn.Modu
     if len(builds) != len(stage_indices):
         raise ValueError(f"{len(builds)} builds for stages {stage_indices}")
     with tracker:
-        stages, modules, all_hooks = [], [], []
+        stages, modules, all_hooks, replays = [], [], [], []
         for stage_index, stage_build, first in zip(stage_indices, builds, first_blocks or [0] * len(builds)):
             model, hooks = _build_for_training(stage_build, setup, tracker, None, first)
             if setup.grad_ckpt:
@@ -586,12 +587,15 @@ def run_pipeline_step(build: Callable[[], nn.Module] | list[Callable[[], nn.Modu
             replay = None
             if replay_chunks:
                 replay = ChunkReplay(tracker)
+                replays.append(replay)
                 model.forward = replay.wrap(model.forward)
             vocab_size = int(model.config.vocab_size)
             dtype = setup.precision.cast_dtype or torch.float32
             example = stage_io(stage_index, num_stages, setup.micro_batch, setup.seq_len,
                                int(model.config.hidden_size), vocab_size, dtype, setup.precision.autocast_dtype or dtype)
             stage_module = wrap(model) if wrap is not None else model
+            if replay is not None:  # whose parameters' gradients a replayed micro-batch 0 sets
+                replay.module = stage_module
             if wrap is not None:  # as run_canonical_step: FSDP2's (replicate's) in-place wrap, its parameters named
                 if stage_module is model:  # and placed, and each layer entered before FSDP2's pre-forward runs
                     hooks.label_model()
@@ -623,6 +627,8 @@ def run_pipeline_step(build: Callable[[], nn.Module] | list[Callable[[], nn.Modu
             if wrap is not None:  # torch's REDUCE_GRAD (FSDP2's post-backward of every group after the last
                 for hooks in all_hooks:  # micro-batch) under each group's layer
                     reduced.enter_context(_groups_reduced_in_their_layers(hooks))
+                if replays:  # the unshards in micro-batch 0's forward, made again where it is replayed
+                    reduced.enter_context(unshards_seen(replays))
             for step in range(setup.steps):
                 tracker.set_phase(step, Phase.FORWARD)
                 schedule.step(*inputs, **({"target": batch, "losses": []} if holds_last else {}))

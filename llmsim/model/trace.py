@@ -554,13 +554,14 @@ def _deepspeed_traced(setup: TrainSetup, world: int, rank: int, hidden: int):
 
 
 def _run_replaying_chunks(spec: ModelSpec, setup: TrainSetup, depth: int) -> tuple[pd.DataFrame, StepInfo]:
-    """`run_fake`, a pipeline stage's later micro-batches replayed where chunk_replay allows it (a dense model:
+    """`run_fake`, a pipeline stage's later micro-batches (and those of the second step) replayed where chunk_replay
+    allows it (a dense model:
     a mixture of experts routes each micro-batch on its own), every micro-batch computed where it refuses."""
     from llmsim.model import chunk_replay
 
     from llmsim.model.pipelining import Schedule
 
-    if not (chunk_replay.ENABLED and setup.pp > 1 and setup.n_microbatches > chunk_replay.FIRST_REPLAYED
+    if not (chunk_replay.ENABLED and setup.pp > 1
             and not num_experts(spec.hf_config()) and not Schedule(setup.schedule).splits_backward):
         # (a zero-bubble schedule's weight backward runs on the graph of the micro-batch's own forward)
         return run_fake(spec, setup, depth)
