@@ -101,6 +101,25 @@ def test_a_model_whose_later_micro_batches_touch_micro_batch_1s_storages_is_comp
     pd.testing.assert_frame_equal(traced_anyway.timeline, fresh(spec, setup).timeline)
 
 
+def test_a_micro_batch_0_whose_backward_leaves_more_alive_is_computed_in_both_steps(monkeypatch):
+    """Where micro-batch 0's backward leaves a storage alive that is not a gradient found in `.grad` (here, as if one
+    parameter's gradient were not found), micro-batch 0 is computed in the second step too, the later micro-batches
+    still replayed, and the stage's events are those of computing every micro-batch."""
+    spec = load_model_spec("llama-2-7b", shrink("llama-2-7b", 64, 6, 512, 4))
+    layout = Layout(world_size=3, pp=3, schedule=F1B, n_microbatches=4)
+    setup = replace(traced._stage_setup(checked(spec, TrainSetup(1, 16, Precision.BF16), layout), layout, 1),
+                    steps=2)
+    found = chunk_replay.ChunkReplay._gradients_made
+    monkeypatch.setattr(chunk_replay.ChunkReplay, "_gradients_made", lambda self, template: found(self, template)[1:])
+    before, before_first = chunk_replay.ChunkReplay.calls, chunk_replay.ChunkReplay.first_calls
+    replayed = fresh(spec, setup)
+    assert chunk_replay.ChunkReplay.first_calls == before_first
+    assert chunk_replay.ChunkReplay.calls - before == 2 * (4 - chunk_replay.FIRST_REPLAYED) + 1
+    monkeypatch.setattr(chunk_replay, "ENABLED", False)
+    pd.testing.assert_frame_equal(frees_in_serial_order(replayed.timeline),
+                                  frees_in_serial_order(fresh(spec, setup).timeline))
+
+
 def test_the_replay_stays_within_the_two_traced_steps():
     """`chunk_replay.REPLAYED_STEPS` is the expansion's TRACED_STEPS: a setup traced over more steps (its second is
     not steady) computes every micro-batch from the third step on."""

@@ -176,9 +176,9 @@ def unshards_seen(replays: list[ChunkReplay]):
 
 @dataclass
 class _Backward:
-    """Micro-batch 1's model backward in one step: from the gradient of the model's output to the engine's return;
-    `before`: the storages the chunk call allocated before it (the last stage's loss backward: the gradient of the
-    loss, that of the logits), in order, which the model's backward may free."""
+    """A recorded micro-batch's model backward in one step: from the gradient of the model's output to the engine's
+    return; `before`: the storages the chunk call allocated before it (the last stage's loss backward: the gradient
+    of the loss, that of the logits), in order, which the model's backward may free."""
     rows: list[Row]
     first_serial: int  # the tracker's next serial where `rows` begin
     before: list[tuple[int, int]]  # (serial, bytes) allocated by the chunk call before the model's backward
@@ -233,7 +233,7 @@ def _only_own(rows: list[Row], allowed: set[int], where: str, watched: set[int] 
         if serial < 0:
             continue
         if (watched is None and serial not in allowed) or (watched is not None and serial in watched):
-            raise NotReplayable(f"the {where} acts on storage {serial} of micro-batch 1's model or another's")
+            raise NotReplayable(f"the {where} acts on storage {serial} of another micro-batch's model or another's")
 
 
 def _allocations(rows: list[Row], first_serial: int) -> list[tuple[int, int]]:
