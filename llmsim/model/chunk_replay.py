@@ -287,7 +287,6 @@ class ChunkReplay:
         self.forwards: list[_Forward | None] = [None, None]  # by template: FIRST, LATER
         self.backwards: list[_Backward | None] = [None, None]
         self.gradients: list[_Gradient] = []  # what FIRST's backward leaves in `.grad`
-        self.first_usable = False  # FIRST's backward recorded, checked and its gradients found
         self._recorded_step: list[int | None] = [None, None]  # the step whose micro-batches made the templates
         self._mode: str | None = None  # "record" or "replay": what the current forward chunk call does
         self._template: int | None = None  # which template the current forward chunk call records or replays
@@ -304,6 +303,11 @@ class ChunkReplay:
         self._recording_first_forward = False
         self._unshards: list[_Unshard] = []  # FSDP2's, in micro-batch 0's forward as it is recorded
         self._unshard_in_backward = False  # an FSDP2 unshard made rows in micro-batch 0's backward
+
+    @property
+    def first_usable(self) -> bool:
+        """FIRST's backward recorded, its gradients found and checked: micro-batch 0 is replayed in later steps."""
+        return self.backwards[FIRST] is not None
 
     def unsharded(self, unshard: _Unshard) -> None:
         """FSDP2 made an unshard call (`unshards_seen`)."""
@@ -428,19 +432,19 @@ class ChunkReplay:
         try:  # micro-batch 0: replayed in the later steps only where all of this holds
             if self._unshard_in_backward:
                 raise NotReplayable("FSDP2 unsharded parameters in micro-batch 0's backward")
-            self.gradients = self._gradients_made(template)
+            self.gradients = self._gradients_made()
             template.check(self.forwards[FIRST], between, {gradient.local.serial for gradient in self.gradients})
         except NotReplayable:
             return
-        self.backwards[FIRST], self.first_usable = template, True
+        self.backwards[FIRST] = template
 
-    def _gradients_made(self, template: _Backward) -> list[_Gradient]:
-        """The gradients in the stage module's parameters' `.grad`, each a storage `template` allocated."""
+    def _gradients_made(self) -> list[_Gradient]:
+        """The gradients in the stage module's parameters' `.grad` (`_Backward.check` refuses them unless micro-batch
+        0's backward allocated each)."""
         from torch.distributed.tensor import DTensor
 
         if self.module is None:
             raise NotReplayable("no stage module to find the gradients in")
-        own = _allocated(template.rows, template.first_serial)
         found = []
         for name, param in self.module.named_parameters():
             grad = param.grad
@@ -448,20 +452,19 @@ class ChunkReplay:
                 continue
             local = grad._local_tensor if isinstance(grad, DTensor) else grad
             real = _Real.of(local, self.tracker, f"gradient of {name}")
-            if real.serial not in own:
-                raise NotReplayable(f"the gradient of {name} is not one micro-batch 0's backward made")
             spec = (grad.device_mesh, grad.placements, tuple(grad.shape), tuple(grad.stride())) \
                 if isinstance(grad, DTensor) else None
             found.append(_Gradient(name, real, spec))
         return found
 
     def _free_early(self, serial: int) -> None:
-        """Free real storage `serial` here, as micro-batch 1's model freed its counterpart; its own free, when the
-        engine lets it go, is then not counted again."""
+        """Free real storage `serial` here, as the recorded micro-batch's model freed its counterpart; its own free,
+        when the engine lets it go, is then not counted again."""
         tracker = self.tracker
         key = next((key for key, live in tracker._live.items() if live.serial == serial), None)
         if key is None:
-            raise NotReplayable(f"storage {serial} is no longer live where micro-batch 1's model freed its own")
+            raise NotReplayable(f"storage {serial} is no longer live where the recorded micro-batch's model freed "
+                                "its own")
         live = tracker._live.pop(key)
         tracker._rows.append((tracker.step, tracker.phase, tracker.block, tracker.module, serial, -live.nbytes))
 
@@ -541,7 +544,7 @@ class _Replayed(torch.autograd.Function):
         replay, tracker = ctx.replay, ctx.replay.tracker
         template = replay.backwards[ctx.which]
         if template is None:
-            raise NotReplayable("no recorded backward of micro-batch 1 before this one")
+            raise NotReplayable("no recorded backward of this template before this one")
         made: list[torch.Tensor] = []
         real = {}
         if template.input_grad is not None:

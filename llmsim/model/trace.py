@@ -555,8 +555,8 @@ def _deepspeed_traced(setup: TrainSetup, world: int, rank: int, hidden: int):
 
 def _run_replaying_chunks(spec: ModelSpec, setup: TrainSetup, depth: int) -> tuple[pd.DataFrame, StepInfo]:
     """`run_fake`, a pipeline stage's later micro-batches (and those of the second step) replayed where chunk_replay
-    allows it (a dense model:
-    a mixture of experts routes each micro-batch on its own), every micro-batch computed where it refuses."""
+    allows it (a dense model: a mixture of experts routes each micro-batch on its own), every micro-batch computed
+    where it refuses."""
     from llmsim.model import chunk_replay
 
     from llmsim.model.pipelining import Schedule
